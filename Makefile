@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
+# Each creates or refreshes the virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-slow bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(VENV)/bin/offload-adamw demo
+
+test: venv
+	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider
+
+test-slow: venv
+	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
+
+bench: venv
+	$(VENV)/bin/offload-adamw bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

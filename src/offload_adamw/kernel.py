@@ -1,0 +1,175 @@
+"""The AdamW update over host tensors: the one place where the update math lives.
+
+Contract (../shared/CONTRACT.md sections 2, 3 and 5):
+
+* ``adamw_update_`` updates, in place, for each tensor i: the step count
+  ``steps[i]`` (a float32 0-dim tensor, +1), the master ``masters[i]`` (float32
+  or float64), ``exp_avgs[i]``, ``exp_avg_sqs[i]`` (and ``max_exp_avg_sqs[i]``
+  with amsgrad), from ``grads[i]`` of any floating dtype (upcast to the master's
+  dtype with exact widening). Where ``model_params[i]`` is not None it receives
+  the round-to-nearest copy of the updated master in its own dtype.
+* The functions are pure in the optimizer sense: they own no state, know
+  nothing of parameter groups, devices or transfers. The optimizer class calls
+  them; a faster body can replace ``_fused_impl`` without touching it.
+
+Two implementations, picked by :func:`adamw_update_`'s ``impl`` flag (the way
+torch/optim/adam.py dispatches):
+
+* ``"fused"`` (default): torch's fused CPU AdamW arithmetic. Bitwise equal to
+  ``torch.optim.AdamW(fused=True)`` on float32 masters (the parity definition of
+  the project), and for low-precision models bitwise equal to that optimizer run
+  on float32 copies fed the upcast gradients, followed by a round-to-nearest cast.
+* ``"for_loop"``: a readable per-tensor loop that spells out the contract, with
+  the operation order of torch's single-tensor AdamW (``fused=False,
+  foreach=False``), bitwise equal to it. It is the ground truth the fast path is
+  tested against within torch's float32 tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepHyper", "adamw_update_", "IMPLEMENTATIONS"]
+
+
+@dataclass(frozen=True)
+class StepHyper:
+    """The hyperparameters of one parameter group at one step."""
+
+    lr: Union[float, Tensor]
+    """Learning rate; a 1-element CPU tensor is passed through as torch does."""
+    beta1: float
+    """Decay rate of the first moment."""
+    beta2: float
+    """Decay rate of the second moment."""
+    eps: float
+    """Added to sqrt(v_hat), outside the square root."""
+    weight_decay: float
+    """Decoupled decay: theta <- theta * (1 - lr * weight_decay) before the update."""
+    amsgrad: bool = False
+    """Use max(v) over time in the denominator."""
+    maximize: bool = False
+    """Ascend instead of descend (negates the gradient)."""
+
+
+def _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, amsgrad) -> None:
+    n = len(masters)
+    lengths = {
+        "grads": len(grads),
+        "exp_avgs": len(exp_avgs),
+        "exp_avg_sqs": len(exp_avg_sqs),
+        "steps": len(steps),
+    }
+    if amsgrad:
+        lengths["max_exp_avg_sqs"] = len(max_exp_avg_sqs)
+    if model_params is not None:
+        lengths["model_params"] = len(model_params)
+    for name, length in lengths.items():
+        if length != n:
+            raise ValueError(f"adamw_update_: {name} has {length} tensors, masters has {n}")
+
+
+def _widen(grad: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gradient in the master's dtype (exact: every bf16/fp16/fp32 value is representable)."""
+    return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
+    lr = hp.lr.item() if isinstance(hp.lr, Tensor) else hp.lr
+    for i, theta in enumerate(masters):
+        grad = _widen(grads[i], theta.dtype)
+        if hp.maximize:
+            grad = -grad
+        exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
+
+        steps[i] += 1
+        t = steps[i].item()
+
+        # Decoupled decay, applied to the pre-update value (CONTRACT.md section 2).
+        if hp.weight_decay != 0:
+            theta.mul_(1 - lr * hp.weight_decay)
+        # m <- b1*m + (1-b1)*g, written as a lerp as torch does.
+        exp_avg.lerp_(grad, 1 - hp.beta1)
+        # v <- b2*v + (1-b2)*g*g
+        exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+
+        # Bias corrections in double precision; eps stays outside the square root.
+        bias_correction1 = 1 - hp.beta1**t
+        bias_correction2 = 1 - hp.beta2**t
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = math.sqrt(bias_correction2)
+        if hp.amsgrad:
+            torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
+            denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(hp.eps)
+        else:
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hp.eps)
+        theta.addcdiv_(exp_avg, denom, value=-step_size)
+
+        if model_params is not None and model_params[i] is not None:
+            model_params[i].copy_(theta)
+
+
+def _fused_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
+    # torch's fused op takes one dtype per call: float32 and float64 masters go separately.
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, theta in enumerate(masters):
+        by_dtype.setdefault(theta.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        part_steps = [steps[i] for i in idx]
+        torch._foreach_add_(part_steps, 1)
+        torch._fused_adamw_(
+            [masters[i] for i in idx],
+            [_widen(grads[i], dtype) for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            [max_exp_avg_sqs[i] for i in idx] if hp.amsgrad else [],
+            part_steps,
+            lr=hp.lr,
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            weight_decay=hp.weight_decay,
+            eps=hp.eps,
+            amsgrad=hp.amsgrad,
+            maximize=hp.maximize,
+        )
+    if model_params is not None:
+        for out, theta in zip(model_params, masters):
+            if out is not None:
+                out.copy_(theta)  # round to nearest even, in the model's dtype
+
+
+IMPLEMENTATIONS = {"fused": _fused_impl, "for_loop": _for_loop_impl}
+
+
+def adamw_update_(
+    masters: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    hp: StepHyper,
+    *,
+    model_params: Optional[Sequence[Optional[Tensor]]] = None,
+    impl: str = "fused",
+) -> None:
+    """One AdamW update of every tensor in the lists (all of them have a gradient).
+
+    All tensors live on one device (the host, for this project). ``masters``,
+    the moments and ``steps`` are modified in place; ``grads`` are read (a
+    float32 gradient may be negated in place by the fused op with ``maximize``,
+    exactly as torch's fused AdamW does).
+    """
+    _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp.amsgrad)
+    if not masters:
+        return
+    try:
+        body = IMPLEMENTATIONS[impl]
+    except KeyError:
+        raise ValueError(f"unknown kernel implementation {impl!r}; choose one of {sorted(IMPLEMENTATIONS)}") from None
+    body(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp)
