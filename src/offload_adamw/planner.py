@@ -1,0 +1,769 @@
+"""What fits where, and how fast an optimizer step can be: the planner behind ``offload-adamw plan``.
+
+Contract:
+
+* Pure computation on plain numbers: no torch import, no I/O except
+  :func:`model_from_hf_config`, which reads one ``config.json``.
+* Per-element memory bills are those of CONTRACT.md section 7 (bf16 parameter
+  2, gradient 2, float32 master 4, m 4, v 4; AMSGrad's max_v 4 more; an fp32
+  parameter on the device is its own master). Where a strategy is PyTorch's
+  own arrangement (FSDP2 CPU offload), the bill is what PyTorch allocates, and
+  the strategy's notes say so.
+* :func:`predict_host_optimizer_bytes` is exactly what
+  :meth:`offload_adamw.OffloadAdamW.host_state_bytes` reports once every
+  tensor has state (the validation tests hold the two equal byte for byte).
+* The ideal host-step memory traffic is CONTRACT.md section 7's 28 bytes per
+  element (36 with AMSGrad); transfers add what they move. Step-time bounds are
+  bytes / bandwidth per link, the slowest link wins (perfect overlap), so they
+  are lower bounds: compute, kernel launch and collectives are not included.
+* Activations follow Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models" (arXiv:2205.05198), with no tensor
+  or sequence parallelism: per layer ``s*b*h*(34 + 5*a*s/h)`` bytes without
+  recomputation, ``34*s*b*h`` when the attention core is not stored (their
+  selective recomputation; FlashAttention has the same effect), and ``2*s*b*h``
+  per layer (the layer input) with full activation checkpointing, plus the
+  working set of the one layer being recomputed. Outside the layers we add the
+  inputs of the final norm and output projection (4sbh) and the float32 logits
+  of the loss (4sbv), as the paper's section 4.1 does. The paper models a GPT
+  layer (4h MLP, dropout); for Llama-style layers (SwiGLU, no dropout, GQA) it
+  is an estimate, not a count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Iterable, Optional, Sequence
+
+__all__ = [
+    "ParamSpec",
+    "ModelConfig",
+    "ParamCountModel",
+    "HardwareConfig",
+    "TrainingConfig",
+    "MemoryBill",
+    "StrategyPlan",
+    "Plan",
+    "PRESETS",
+    "STRATEGIES",
+    "dtype_name",
+    "dtype_bytes",
+    "predict_host_optimizer_bytes",
+    "param_specs_from_tensors",
+    "model_from_hf_config",
+    "activation_bytes",
+    "plan",
+]
+
+GB = 1e9
+GIB = 2**30
+
+_DTYPE_ALIASES = {
+    "float64": "float64", "fp64": "float64", "double": "float64",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+STEP_COUNT_BYTES = 4  # OffloadAdamW's `step`: one float32 0-dim tensor per parameter tensor
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name of a floating dtype given as a string ("bf16", "torch.bfloat16") or a torch.dtype."""
+    text = str(dtype).removeprefix("torch.").lower()
+    if text not in _DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(set(_DTYPE_ALIASES.values()))}")
+    return _DTYPE_ALIASES[text]
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a floating dtype."""
+    return _DTYPE_BYTES[dtype_name(dtype)]
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamSpec:
+    """One parameter tensor as the optimizer sees it."""
+
+    name: str
+    """Fully qualified name (for messages)."""
+    shape: tuple[int, ...]
+    """Shape of the tensor the optimizer updates (the local shard under FSDP)."""
+    dtype: str = "bfloat16"
+    """The parameter's dtype (any spelling :func:`dtype_name` accepts)."""
+    on_host: bool = False
+    """Whether the parameter itself lives in host memory (CPU tensor)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_specs_from_tensors(named_tensors: Iterable[Any]) -> list[ParamSpec]:
+    """ParamSpecs of tensors or (name, tensor) pairs, by duck typing (no torch import)."""
+    specs = []
+    for index, item in enumerate(named_tensors):
+        name, tensor = item if isinstance(item, tuple) else (str(index), item)
+        specs.append(
+            ParamSpec(
+                name=name,
+                shape=tuple(int(d) for d in tensor.shape),
+                dtype=dtype_name(tensor.dtype),
+                on_host=tensor.device.type == "cpu",
+            )
+        )
+    return specs
+
+
+def predict_host_optimizer_bytes(params: Iterable[ParamSpec], *, amsgrad: bool = False) -> int:
+    """Host bytes of OffloadAdamW's state once every tensor in ``params`` has stepped.
+
+    Per tensor: the float32 step count (4 bytes), exp_avg and exp_avg_sq (and
+    max_exp_avg_sq with AMSGrad) in float32 (float64 for float64 parameters),
+    and a master copy of the same dtype unless the parameter is a float32 or
+    float64 tensor in host memory (then it is its own master).
+    """
+    total = 0
+    for spec in params:
+        name = dtype_name(spec.dtype)
+        state_bytes = 8 if name == "float64" else 4
+        copies = 3 if amsgrad else 2
+        own_master = spec.on_host and name in ("float32", "float64")
+        if not own_master:
+            copies += 1
+        total += STEP_COUNT_BYTES + copies * state_bytes * spec.numel
+    return total
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama/Mistral/Qwen2-style decoder, described by Hugging Face config fields."""
+
+    name: str
+    """Label shown in the plan."""
+    hidden_size: int
+    """Width h of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP (gate, up and down projections)."""
+    num_hidden_layers: int
+    """Number of decoder layers L."""
+    num_attention_heads: int
+    """Query heads a."""
+    num_key_value_heads: int
+    """Key/value heads (grouped-query attention when fewer than the query heads)."""
+    vocab_size: int
+    """Vocabulary size v (rows of the embedding and of the output projection)."""
+    tie_word_embeddings: bool = False
+    """Whether the output projection shares the embedding's weight (one tensor, counted once)."""
+    head_dim: Optional[int] = None
+    """Width of one head; None means hidden_size // num_attention_heads."""
+    qkv_bias: bool = False
+    """Biases on the q, k, v projections (Llama's attention_bias; always on in Qwen2)."""
+    o_bias: bool = False
+    """Bias on the attention output projection (Llama's attention_bias)."""
+    mlp_bias: bool = False
+    """Biases on the MLP projections (Llama's mlp_bias)."""
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model {self.name!r}: {f} must be a positive integer, got {value!r}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}; give head_dim"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model {self.name!r}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    def layer_parameter_shapes(self, index: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Named shapes of decoder layer ``index``, in the order transformers registers them."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.resolved_head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        p = f"model.layers.{index}."
+        shapes: list[tuple[str, tuple[int, ...]]] = []
+
+        def linear(name: str, out_features: int, in_features: int, bias: bool) -> None:
+            shapes.append((f"{p}{name}.weight", (out_features, in_features)))
+            if bias:
+                shapes.append((f"{p}{name}.bias", (out_features,)))
+
+        linear("self_attn.q_proj", q, h, self.qkv_bias)
+        linear("self_attn.k_proj", kv, h, self.qkv_bias)
+        linear("self_attn.v_proj", kv, h, self.qkv_bias)
+        linear("self_attn.o_proj", h, q, self.o_bias)
+        linear("mlp.gate_proj", i, h, self.mlp_bias)
+        linear("mlp.up_proj", i, h, self.mlp_bias)
+        linear("mlp.down_proj", h, i, self.mlp_bias)
+        shapes.append((f"{p}input_layernorm.weight", (h,)))
+        shapes.append((f"{p}post_attention_layernorm.weight", (h,)))
+        return shapes
+
+    def parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Named shapes of every trainable tensor, as ``named_parameters()`` of the transformers model lists them."""
+        shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab_size, self.hidden_size))]
+        for index in range(self.num_hidden_layers):
+            shapes.extend(self.layer_parameter_shapes(index))
+        shapes.append(("model.norm.weight", (self.hidden_size,)))
+        if not self.tie_word_embeddings:
+            shapes.append(("lm_head.weight", (self.vocab_size, self.hidden_size)))
+        return shapes
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.parameter_shapes())
+
+    def largest_unit_parameters(self) -> int:
+        """Elements of the largest FSDP unit (one decoder layer, the embedding or the output projection)."""
+        layer = sum(math.prod(s) for _, s in self.layer_parameter_shapes(0))
+        return max(layer, self.vocab_size * self.hidden_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCountModel:
+    """A model known only by its parameter count (``--params N``): one flat tensor, no architecture."""
+
+    name: str
+    """Label shown in the plan."""
+    params: int
+    """Number of trainable elements."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, int) or self.params <= 0:
+            raise ValueError(f"model {self.name!r}: params must be a positive integer, got {self.params!r}")
+
+    def parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [("params", (self.params,))]
+
+    def num_parameters(self) -> int:
+        return self.params
+
+    def largest_unit_parameters(self) -> int:
+        return 0  # unknown without an architecture: FSDP gather buffers are not estimated
+
+
+Model = ModelConfig | ParamCountModel
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama-2-7b": ModelConfig(
+        name="llama-2-7b", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+    ),
+    "llama-2-13b": ModelConfig(
+        name="llama-2-13b", hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+        num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+    ),
+    "llama-2-70b": ModelConfig(
+        name="llama-2-70b", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+    ),
+    "llama-3-8b": ModelConfig(
+        name="llama-3-8b", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    ),
+    "llama-3-70b": ModelConfig(
+        name="llama-3-70b", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+    ),
+    "llama-3.1-405b": ModelConfig(
+        name="llama-3.1-405b", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+        num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
+    ),
+}
+
+_HF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def model_from_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """A ModelConfig from a Hugging Face ``config.json`` of a Llama, Mistral or Qwen2-style decoder."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    missing = [key for key in _HF_REQUIRED if key not in raw]
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(repr(k) for k in missing)} (needs a Llama/Mistral/Qwen2-style decoder config)")
+    model_type = str(raw.get("model_type", ""))
+    attention_bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        name=os.path.basename(os.path.dirname(os.path.abspath(path))) or str(path),
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        # transformers' default when the field is absent: multi-head attention
+        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        vocab_size=raw["vocab_size"],
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        head_dim=raw.get("head_dim"),
+        # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias covers all four.
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias and model_type != "qwen2",
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+    )
+
+
+# --------------------------------------------------------------------------- hardware, training
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareConfig:
+    """The cluster. Defaults: a DGX H100-class node (8 x H100 SXM 80 GB, 2 TB host memory, PCIe Gen5)."""
+
+    gpus_per_node: int = 8
+    """GPUs (ranks) per node; they share the node's host memory and its bandwidth."""
+    nodes: int = 1
+    """Number of nodes."""
+    gpu_memory_bytes: float = 80 * GB
+    """Memory of one GPU. 80e9 for an "80 GB" H100 is conservative: an H100 80GB has 80 GiB (85.9e9 bytes), of which the driver keeps some."""
+    gpu_reserved_bytes: float = 4 * GB
+    """Per GPU, not available to tensors: CUDA context, NCCL buffers, allocator fragmentation (an estimate)."""
+    host_memory_bytes: float = 2000 * GB
+    """Host memory per node (DGX H100: 2 TB)."""
+    host_reserved_bytes: float = 64 * GB
+    """Per node, kept for the OS, the training processes (8 GB each for 8 ranks) and data loading (an estimate)."""
+    pcie_bytes_per_s: float = 50 * GB
+    """Host<->GPU bandwidth per GPU and per direction (PCIe Gen5 x16: 64 GB/s raw, about 50 GB/s with pinned memory).
+    Each GPU is assumed to have its own link; links are full duplex."""
+    host_memory_bytes_per_s: float = 400 * GB
+    """Sustained host memory bandwidth per node, shared by its GPUs' host work (two sockets of 8-channel DDR5-4800
+    peak at 614 GB/s; about two thirds of peak is sustained). ``--measure`` replaces it by a measurement."""
+    gpu_memory_bytes_per_s: float = 3350 * GB
+    """Device memory bandwidth of one GPU (H100 SXM HBM3: 3.35 TB/s)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("gpus_per_node", "nodes"):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"hardware: {f.name} must be a positive integer, got {value!r}")
+            elif f.name.endswith("_per_s") or f.name in ("gpu_memory_bytes", "host_memory_bytes"):
+                if not value > 0:
+                    raise ValueError(f"hardware: {f.name} must be positive, got {value!r}")
+            elif not value >= 0:
+                raise ValueError(f"hardware: {f.name} must be non-negative, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """How the model is trained."""
+
+    param_dtype: str = "bfloat16"
+    """dtype of the model's parameters and gradients on the GPU (bfloat16, float16 or float32)."""
+    seq_len: int = 4096
+    """Tokens per sequence s."""
+    micro_batch: int = 1
+    """Sequences per GPU per forward/backward b."""
+    activation_checkpointing: bool = True
+    """Full activation checkpointing: each layer keeps only its input (2sbh) and is recomputed in backward."""
+    flash_attention: bool = True
+    """Attention that does not store the s x s scores (FlashAttention/SDPA): drops the 5as/h term."""
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step."""
+    amsgrad: bool = False
+    """AMSGrad keeps max_v (4 more bytes per element, read and written by every step)."""
+
+    def __post_init__(self) -> None:
+        name = dtype_name(self.param_dtype)
+        if name == "float64":
+            raise ValueError("training: param_dtype float64 is not a GPU training dtype this planner models")
+        object.__setattr__(self, "param_dtype", name)
+        for f in ("seq_len", "micro_batch", "grad_accumulation"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"training: {f} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBill:
+    """Bytes held in one place (one GPU, or one node's host memory), by item."""
+
+    parameters: int = 0
+    """Model parameters in their training dtype (the local shard under FSDP)."""
+    gradients: int = 0
+    """Gradients (device tensors, or host buffers the gradients land in)."""
+    master: int = 0
+    """float32 master copies (none when the parameter is float32 and its own master)."""
+    exp_avg: int = 0
+    """First moment m, float32."""
+    exp_avg_sq: int = 0
+    """Second moment v, float32."""
+    max_exp_avg_sq: int = 0
+    """AMSGrad's max_v, float32."""
+    step_counts: int = 0
+    """OffloadAdamW's float32 step tensor per parameter tensor."""
+    activations: int = 0
+    """Activations kept for backward (see the module docstring)."""
+    buffers: int = 0
+    """Communication and staging buffers (FSDP all-gather/reduce-scatter, DDP buckets, streaming chunks)."""
+    reserved: int = 0
+    """Fixed reserve (CUDA context, allocator slack; OS and processes on the host)."""
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyPlan:
+    """One strategy's memory per GPU and per node, traffic per step, and step-time bound."""
+
+    name: str
+    """Short identifier (used by --json and --plot)."""
+    description: str
+    """What the strategy is, in words."""
+    gpu: MemoryBill
+    """Bytes on each GPU."""
+    host: MemoryBill
+    """Bytes in each node's host memory."""
+    gpu_capacity: float
+    """Memory of one GPU."""
+    host_capacity: float
+    """Host memory of one node."""
+    pcie_h2d_bytes: int
+    """Host-to-device bytes per training step, per GPU."""
+    pcie_d2h_bytes: int
+    """Device-to-host bytes per training step, per GPU."""
+    host_memory_traffic_bytes: int
+    """Bytes read plus written in a node's host memory per training step (updates and DMA)."""
+    gpu_memory_traffic_bytes: int
+    """Bytes read plus written in one GPU's memory by the optimizer step (and state streaming)."""
+    step_time_lower_bound_s: float
+    """max over links (PCIe, host memory, GPU memory) of bytes / bandwidth: no compute, perfect overlap."""
+    bottleneck: str
+    """The link that sets the bound ("pcie", "host memory", "gpu memory")."""
+    gpus_used: int
+    """GPUs the strategy trains on."""
+    notes: tuple[str, ...] = ()
+    """Assumptions specific to this strategy."""
+
+    @property
+    def gpu_margin(self) -> float:
+        return self.gpu_capacity - self.gpu.total
+
+    @property
+    def host_margin(self) -> float:
+        return self.host_capacity - self.host.total
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_margin >= 0 and self.host_margin >= 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "gpu_bytes": self.gpu.as_dict(),
+            "host_bytes_per_node": self.host.as_dict(),
+            "gpu_capacity": self.gpu_capacity,
+            "host_capacity": self.host_capacity,
+            "gpu_margin": self.gpu_margin,
+            "host_margin": self.host_margin,
+            "fits": self.fits,
+            "pcie_h2d_bytes_per_gpu": self.pcie_h2d_bytes,
+            "pcie_d2h_bytes_per_gpu": self.pcie_d2h_bytes,
+            "host_memory_traffic_bytes_per_node": self.host_memory_traffic_bytes,
+            "gpu_memory_traffic_bytes_per_gpu": self.gpu_memory_traffic_bytes,
+            "step_time_lower_bound_s": self.step_time_lower_bound_s,
+            "bottleneck": self.bottleneck,
+            "gpus_used": self.gpus_used,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Every strategy side by side, and the recommendation."""
+
+    model_name: str
+    """The model's label."""
+    num_parameters: int
+    """Trainable elements of the model."""
+    hardware: HardwareConfig
+    """The cluster planned for."""
+    training: TrainingConfig
+    """The training set-up planned for."""
+    strategies: tuple[StrategyPlan, ...]
+    """One entry per strategy, in STRATEGIES order."""
+    recommendation: Optional[str]
+    """Name of the recommended strategy, None when nothing fits."""
+    reason: str
+    """Why that one (or why none)."""
+    assumptions: tuple[str, ...]
+    """Model-wide assumptions (activation formula, bandwidth sources)."""
+
+    def strategy(self, name: str) -> StrategyPlan:
+        for s in self.strategies:
+            if s.name == name:
+                return s
+        raise KeyError(f"no strategy {name!r}; known: {[s.name for s in self.strategies]}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "num_parameters": self.num_parameters,
+            "hardware": asdict(self.hardware),
+            "training": asdict(self.training),
+            "strategies": [s.as_dict() for s in self.strategies],
+            "recommendation": self.recommendation,
+            "reason": self.reason,
+            "assumptions": list(self.assumptions),
+        }
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def activation_bytes(model: Model, training: TrainingConfig) -> int:
+    """Activation bytes one GPU keeps for backward (Korthikanti et al. 2022; see the module docstring).
+
+    0 for a model known only by its parameter count.
+    """
+    if not isinstance(model, ModelConfig):
+        return 0
+    s, b, h = training.seq_len, training.micro_batch, model.hidden_size
+    a, layers, v = model.num_attention_heads, model.num_hidden_layers, model.vocab_size
+    # per layer, 16-bit activations: 34sbh, plus 5as^2b for the stored attention scores, softmax and its mask
+    full_layer = 34 * s * b * h + (0 if training.flash_attention else 5 * a * s * s * b)
+    if training.activation_checkpointing:
+        layers_bytes = layers * 2 * s * b * h + full_layer  # inputs kept, one layer recomputed at a time
+    else:
+        layers_bytes = layers * full_layer
+    outside = 4 * s * b * h + 4 * s * b * v  # final norm + output projection inputs, float32 logits
+    return layers_bytes + outside
+
+
+def _shard_numel(shape: tuple[int, ...], world: int) -> int:
+    """Elements one rank holds of a tensor that FSDP2 shards on dim 0 (padded to a multiple of world)."""
+    rows = shape[0]
+    rest = math.prod(shape[1:])
+    return math.ceil(rows / world) * rest
+
+
+STRATEGIES: dict[str, str] = {
+    "single-gpu": "no sharding: one GPU holds parameters, gradients, master, m and v",
+    "ddp": "DDP: every GPU holds a full replica and the step runs on the GPU",
+    "fsdp": "FSDP full shard: everything sharded over all GPUs, step on the GPU",
+    "fsdp+offload-adamw": "FSDP full shard, OffloadAdamW: master, m, v in host memory, step on the host",
+    "fsdp+offload-adamw+offload-grads": "the same with offload_gradients=True: gradients freed on the GPU after their copy",
+    "fsdp+streamed-state": "FSDP, state in host memory streamed to the GPU for a step on the GPU",
+    "fsdp+cpu-offload": "FSDP2 CPUOffloadPolicy: parameters, gradients and state in host memory, torch AdamW on the host",
+}
+
+
+def _bound(hardware: HardwareConfig, *, h2d: int, d2h: int, host: int, gpu: int) -> tuple[float, str]:
+    times = {
+        "pcie": max(h2d, d2h) / hardware.pcie_bytes_per_s,
+        "host memory": host / hardware.host_memory_bytes_per_s,
+        "gpu memory": gpu / hardware.gpu_memory_bytes_per_s,
+    }
+    bottleneck = max(times, key=lambda k: times[k])
+    return times[bottleneck], bottleneck
+
+
+def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: TrainingConfig = TrainingConfig()) -> Plan:
+    """Plan every strategy in STRATEGIES for ``model`` on ``hardware`` trained as ``training``."""
+    shapes = model.parameter_shapes()
+    n = sum(math.prod(s) for _, s in shapes)
+    world, per_node = hardware.world_size, hardware.gpus_per_node
+    p = dtype_bytes(training.param_dtype)  # parameter and gradient bytes on the GPU
+    g = p
+    fp32_params = p == 4
+    amsgrad = training.amsgrad
+    accum = training.grad_accumulation
+    state_copies = 3 if amsgrad else 2  # m, v (, max_v): float32 each
+    update_bytes = 28 + (8 if amsgrad else 0)  # CONTRACT.md section 7: the ideal single pass per element
+    acts = activation_bytes(model, training)
+    unit = model.largest_unit_parameters()
+    gpu_reserved = int(hardware.gpu_reserved_bytes)
+    host_reserved = int(hardware.host_reserved_bytes)
+
+    shard = sum(_shard_numel(s, world) for _, s in shapes)  # elements per rank under FSDP (padded)
+    n_tensors = len(shapes)
+    largest_shard = max(_shard_numel(s, world) for _, s in shapes)
+    # all-gather of the unsharded unit, prefetched one ahead, and the unit's unsharded gradients for reduce-scatter
+    fsdp_buffers = 2 * unit * p + unit * g
+
+    def device_state(elements: int) -> dict[str, int]:
+        return {
+            "master": 0 if fp32_params else 4 * elements,
+            "exp_avg": 4 * elements,
+            "exp_avg_sq": 4 * elements,
+            "max_exp_avg_sq": 4 * elements if amsgrad else 0,
+        }
+
+    def host_offload_state(elements_per_rank: int) -> dict[str, int]:
+        # OffloadAdamW over GPU parameters: a host master even for float32 parameters (they are not on the host).
+        node = per_node * elements_per_rank
+        return {
+            "master": 4 * node,
+            "exp_avg": 4 * node,
+            "exp_avg_sq": 4 * node,
+            "max_exp_avg_sq": 4 * node if amsgrad else 0,
+            "step_counts": per_node * n_tensors * STEP_COUNT_BYTES,
+        }
+
+    results: list[StrategyPlan] = []
+
+    def add(name: str, *, gpu: MemoryBill, host: MemoryBill, h2d: int, d2h: int, host_traffic: int,
+            gpu_traffic: int, gpus_used: int, notes: Sequence[str] = ()) -> None:
+        bound, bottleneck = _bound(hardware, h2d=h2d, d2h=d2h, host=host_traffic, gpu=gpu_traffic)
+        results.append(
+            StrategyPlan(
+                name=name, description=STRATEGIES[name], gpu=gpu, host=host,
+                gpu_capacity=hardware.gpu_memory_bytes, host_capacity=hardware.host_memory_bytes,
+                pcie_h2d_bytes=h2d, pcie_d2h_bytes=d2h, host_memory_traffic_bytes=host_traffic,
+                gpu_memory_traffic_bytes=gpu_traffic, step_time_lower_bound_s=bound, bottleneck=bottleneck,
+                gpus_used=gpus_used, notes=tuple(notes),
+            )
+        )
+
+    host_idle = MemoryBill(reserved=host_reserved)
+
+    # Unsharded: the whole bill on one GPU; DDP adds its gradient buckets (gradient_as_bucket_view=False).
+    add("single-gpu",
+        gpu=MemoryBill(parameters=p * n, gradients=g * n, **device_state(n), activations=acts, reserved=gpu_reserved),
+        host=host_idle, h2d=0, d2h=0, host_traffic=0, gpu_traffic=update_bytes * n, gpus_used=1,
+        notes=("trains on one GPU; the others idle",) if world > 1 else ())
+    add("ddp",
+        gpu=MemoryBill(parameters=p * n, gradients=g * n, **device_state(n), activations=acts,
+                       buffers=g * n, reserved=gpu_reserved),
+        host=host_idle, h2d=0, d2h=0, host_traffic=0, gpu_traffic=update_bytes * n, gpus_used=world,
+        notes=("buffers: DDP's gradient buckets, a second copy of the gradients (gradient_as_bucket_view=False)",))
+    add("fsdp",
+        gpu=MemoryBill(parameters=p * shard, gradients=g * shard, **device_state(shard), activations=acts,
+                       buffers=fsdp_buffers, reserved=gpu_reserved),
+        host=host_idle, h2d=0, d2h=0, host_traffic=0, gpu_traffic=update_bytes * shard, gpus_used=world,
+        notes=("FSDP2 with MixedPrecisionPolicy arranges the same 16 bytes/element as fp32 shard + fp32 grad + m + v",))
+
+    # OffloadAdamW: gradients go down once per step (accumulated on the GPU), the updated parameters come back.
+    node_shard = per_node * shard
+    offload_grad_landing = g * node_shard  # pinned host buffers the gradients land in
+    add("fsdp+offload-adamw",
+        gpu=MemoryBill(parameters=p * shard, gradients=g * shard, activations=acts, buffers=fsdp_buffers,
+                       reserved=gpu_reserved),
+        host=MemoryBill(gradients=offload_grad_landing, **host_offload_state(shard), reserved=host_reserved),
+        h2d=p * shard, d2h=g * shard,
+        host_traffic=node_shard * (g + update_bytes + p), gpu_traffic=0, gpus_used=world,
+        notes=("host traffic: gradient DMA in, the 28-byte single-pass update (CONTRACT.md 7), parameter DMA out",))
+    # offload_gradients: every micro-batch's gradient goes down and is accumulated in host memory.
+    accumulate = (accum - 1) * 4 * g  # per extra micro-batch: DMA in, read staging, read + write accumulator
+    add("fsdp+offload-adamw+offload-grads",
+        gpu=MemoryBill(parameters=p * shard, activations=acts, buffers=fsdp_buffers, reserved=gpu_reserved),
+        host=MemoryBill(gradients=offload_grad_landing * (2 if accum > 1 else 1), **host_offload_state(shard),
+                        reserved=host_reserved),
+        h2d=p * shard, d2h=accum * g * shard,
+        host_traffic=node_shard * (g + accumulate + update_bytes + p), gpu_traffic=0, gpus_used=world,
+        notes=("GPU gradients are transient (one FSDP unit, inside buffers)",
+               "accumulation > 1: a staging buffer next to the host accumulator; 4 bytes of traffic per byte of "
+               "gradient per extra micro-batch")
+        )
+    # Streaming: the state comes up in chunks, the GPU updates it, it goes back down.
+    streamed = (0 if fp32_params else 4) + 4 * state_copies  # bytes per element that travel each way
+    add("fsdp+streamed-state",
+        gpu=MemoryBill(parameters=p * shard, gradients=g * shard, activations=acts,
+                       buffers=fsdp_buffers + 2 * largest_shard * streamed, reserved=gpu_reserved),
+        host=MemoryBill(master=0 if fp32_params else 4 * node_shard, exp_avg=4 * node_shard,
+                        exp_avg_sq=4 * node_shard, max_exp_avg_sq=4 * node_shard if amsgrad else 0,
+                        reserved=host_reserved),
+        h2d=streamed * shard, d2h=streamed * shard,
+        host_traffic=node_shard * 2 * streamed, gpu_traffic=shard * (update_bytes + 2 * streamed), gpus_used=world,
+        notes=("buffers include two chunks of the largest tensor's state (double buffering)",
+               "not provided by this project: shown for comparison"))
+    # FSDP2 CPU offload: fp32 shards on the host are copied up for every all-gather (forward and backward),
+    # the reduced gradient is cast to fp32 on the GPU and copied down (torch's foreach_reduce), torch AdamW runs on the host.
+    add("fsdp+cpu-offload",
+        gpu=MemoryBill(activations=acts, buffers=fsdp_buffers, reserved=gpu_reserved),
+        host=MemoryBill(parameters=4 * node_shard, gradients=4 * node_shard, exp_avg=4 * node_shard,
+                        exp_avg_sq=4 * node_shard, max_exp_avg_sq=4 * node_shard if amsgrad else 0,
+                        reserved=host_reserved),
+        h2d=accum * 2 * 4 * shard, d2h=accum * 4 * shard,
+        host_traffic=node_shard * (accum * 2 * 4 + 4 + (accum - 1) * 4 * 4 + update_bytes), gpu_traffic=0,
+        gpus_used=world,
+        notes=("as PyTorch arranges it: the fp32 shard is the master, gradients come down in fp32",))
+
+    strategies = tuple(results)
+    recommendation, reason = _recommend(strategies, world)
+    assumptions = [
+        "activations: Korthikanti et al. 2022 (arXiv:2205.05198), "
+        + ("full checkpointing: 2sbh per layer + one layer recomputed" if training.activation_checkpointing
+           else "no recomputation: sbh(34 + 5as/h) per layer")
+        + ("; attention scores not stored (flash attention)" if training.flash_attention else "")
+        + "; + 4sbh + 4sbv outside the layers; 16-bit activations, no tensor/sequence parallelism",
+        "step-time bound: max over links of bytes/bandwidth (perfect overlap, no compute); "
+        "collectives over NVLink/network are not counted",
+        "FSDP units: one per decoder layer, the embedding and the output projection; shards padded on dim 0",
+    ]
+    if isinstance(model, ParamCountModel):
+        assumptions.append("--params gives no architecture: activations and FSDP gather buffers are not estimated (0)")
+    return Plan(
+        model_name=model.name, num_parameters=n, hardware=hardware, training=training, strategies=strategies,
+        recommendation=recommendation, reason=reason, assumptions=tuple(assumptions),
+    )
+
+
+def _fmt_gb(x: float) -> str:
+    return f"{x / GB:,.1f} GB"
+
+
+def _recommend(strategies: Sequence[StrategyPlan], world: int) -> tuple[Optional[str], str]:
+    """The fitting strategy with the smallest step-time bound; ties go to the larger GPU margin."""
+    candidates = [s for s in strategies if s.fits and not (s.name == "single-gpu" and world > 1)]
+    if not candidates:
+        closest = min(strategies, key=lambda s: max(-s.gpu_margin / s.gpu_capacity, -s.host_margin / s.host_capacity))
+        short = []
+        if closest.gpu_margin < 0:
+            short.append(f"{_fmt_gb(-closest.gpu_margin)} per GPU")
+        if closest.host_margin < 0:
+            short.append(f"{_fmt_gb(-closest.host_margin)} of host memory per node")
+        return None, (
+            f"nothing fits; the closest is {closest.name}, short by {' and '.join(short)}: add GPUs or nodes, "
+            "shorten sequences or micro-batches, or turn on activation checkpointing"
+        )
+    best_time = min(s.step_time_lower_bound_s for s in candidates)
+    # within 5% of the best bound the difference is below what the bound can tell apart
+    close = [s for s in candidates if s.step_time_lower_bound_s <= best_time * 1.05 + 1e-12]
+    best = max(close, key=lambda s: s.gpu_margin)
+    others = [s for s in candidates if s is not best]
+    misfits = [s for s in strategies if not s.fits]
+    parts = [
+        f"{best.name} fits ({_fmt_gb(best.gpu.total)} of {_fmt_gb(best.gpu_capacity)} per GPU, "
+        f"{_fmt_gb(best.host.total)} of {_fmt_gb(best.host_capacity)} host memory per node) and has the smallest "
+        f"step-time bound of the strategies that fit, {best.step_time_lower_bound_s:.3g} s, set by {best.bottleneck}"
+    ]
+    if others:
+        runner = min(others, key=lambda s: s.step_time_lower_bound_s)
+        parts.append(f"next: {runner.name} at {runner.step_time_lower_bound_s:.3g} s ({runner.bottleneck})")
+    if misfits:
+        parts.append("does not fit: " + ", ".join(
+            f"{s.name} ({_fmt_gb(s.gpu.total)}/GPU)" if s.gpu_margin < 0 else f"{s.name} ({_fmt_gb(s.host.total)} host)"
+            for s in misfits))
+    return best.name, "; ".join(parts)
