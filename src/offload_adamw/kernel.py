@@ -34,6 +34,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .kernel_blocked import blocked_adamw_
+
 __all__ = ["StepHyper", "adamw_update_", "IMPLEMENTATIONS"]
 
 
@@ -115,32 +117,11 @@ def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
 
 
 def _fused_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
-    # torch's fused op takes one dtype per call: float32 and float64 masters go separately.
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, theta in enumerate(masters):
-        by_dtype.setdefault(theta.dtype, []).append(i)
-    for dtype, idx in by_dtype.items():
-        part_steps = [steps[i] for i in idx]
-        torch._foreach_add_(part_steps, 1)
-        torch._fused_adamw_(
-            [masters[i] for i in idx],
-            [_widen(grads[i], dtype) for i in idx],
-            [exp_avgs[i] for i in idx],
-            [exp_avg_sqs[i] for i in idx],
-            [max_exp_avg_sqs[i] for i in idx] if hp.amsgrad else [],
-            part_steps,
-            lr=hp.lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            weight_decay=hp.weight_decay,
-            eps=hp.eps,
-            amsgrad=hp.amsgrad,
-            maximize=hp.maximize,
-        )
-    if model_params is not None:
-        for out, theta in zip(model_params, masters):
-            if out is not None:
-                out.copy_(theta)  # round to nearest even, in the model's dtype
+    # float32/float64 tensors without casts: torch's fused op over the whole list, exactly
+    # as torch.optim.AdamW(fused=True). Mixed-dtype tensors: the same op chunk by chunk,
+    # with the widening of the gradient and the narrowing into the model dtype done while
+    # the chunk is in cache (kernel_blocked.py; bitwise the same results, one memory pass).
+    blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp)
 
 
 IMPLEMENTATIONS = {"fused": _fused_impl, "for_loop": _for_loop_impl}

@@ -1,0 +1,276 @@
+"""The cache-blocked host AdamW step: one pass over memory per element.
+
+Contract:
+
+* :func:`blocked_adamw_` computes exactly what the parity definition of the
+  project computes (CONTRACT.md section 5, kernel.py): torch's fused CPU AdamW
+  on the float32 (float64) masters fed the exactly widened gradients, then the
+  round-to-nearest cast into the model dtype. Results are bitwise equal to that
+  definition; only the order in which memory is visited changes.
+* For a tensor whose gradient or model copy has another dtype than its master
+  (the mixed bf16/fp16 case) the tensor is processed in chunks of
+  ``chunk_elements`` elements: the gradient chunk is widened into a reusable
+  float32 buffer, the fused op runs on chunk views of master/m/v, and the
+  chunk of the model copy is written, all while the chunk is still in cache.
+  The naive way (widen the whole gradient, step, narrow the whole master) reads
+  and writes every array a second time and allocates a full-size temporary.
+* No temporary larger than one chunk per worker thread; buffers are cached per
+  (thread, dtype) and reused across calls.
+
+Why chunk boundaries are multiples of 64 elements: torch's fused CPU kernel
+splits each call into cache-line units (16 float32 or 8 float64 elements) over
+its threads, runs a SIMD loop over each thread's range and a scalar loop over
+the range's last ``len % vector_width`` elements (vector width <= 16 float32 on
+AVX-512). With chunk boundaries on multiples of 64 every element is computed by
+the same kind of loop as in one call over the whole tensor (only the tensor's
+last ``numel % 16`` elements take the scalar tail, in both cases), so the
+arithmetic, and hence every bit, is the same.
+
+The step count is read-only inside the fused op (it reads ``step`` to form the
+bias corrections), so it is incremented once per tensor before the first chunk
+and every chunk of that tensor sees the same count.
+
+Threading: torch's intra-op threads (the default, ``threads=0``) parallelise
+each chunk's three operations; ``threads=N`` runs N Python worker threads that
+each own a share of the chunks and run torch single-threaded (torch releases
+the GIL inside its ops). See ``CHOICE`` below for which is the default and why.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_"]
+
+#: chunk boundaries are multiples of this many elements (see the module docstring).
+CHUNK_ALIGN = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """How the blocked kernel walks memory."""
+
+    chunk_elements: int = 128 * 1024
+    """Elements per chunk of a mixed-dtype tensor (rounded down to a multiple of 64).
+    The working set that must stay cached between the three operations of a chunk is
+    the float32 gradient buffer and the master chunk, 8 bytes per element: 128 Ki
+    elements are 1 MiB, half of one core's 2 MiB L2 when the chunk is shared by two
+    threads. Measured with ``benchmarks/step_bench.py --chunk-sweep``."""
+    threads: int = 0
+    """0: torch intra-op threads inside each chunk's operations. N >= 1: N Python
+    worker threads, each running whole chunks with torch single-threaded."""
+
+
+DEFAULT_CONFIG = BlockConfig()
+
+# Per-thread float32/float64 chunk buffers: the only temporaries of the kernel.
+_local = threading.local()
+
+
+def _chunk_buffer(dtype: torch.dtype, elements: int) -> Tensor:
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < elements:
+        buf = buffers[dtype] = torch.empty(elements, dtype=dtype)
+    return buf
+
+
+def _fused_kwargs(hp) -> dict:
+    return dict(
+        lr=hp.lr,
+        beta1=hp.beta1,
+        beta2=hp.beta2,
+        weight_decay=hp.weight_decay,
+        eps=hp.eps,
+        amsgrad=hp.amsgrad,
+        maximize=hp.maximize,
+    )
+
+
+def _is_blockable(i, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, amsgrad) -> bool:
+    tensors = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i]]
+    if amsgrad:
+        tensors.append(max_exp_avg_sqs[i])
+    out = model_params[i] if model_params is not None else None
+    if out is not None:
+        tensors.append(out)
+    return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def _chunk_ranges(numel: int, chunk: int):
+    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+
+
+def _run_chunk(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, out, start, stop, kwargs) -> None:
+    """One chunk: widen grad -> fused step on master/m/v views -> narrow into the model copy."""
+    n = stop - start
+    theta = master[start:stop]
+    g = grad[start:stop]
+    if g.dtype != theta.dtype:
+        buf = _chunk_buffer(theta.dtype, n)[:n]
+        buf.copy_(g)  # exact widening
+        g = buf
+    torch._fused_adamw_(
+        [theta],
+        [g],
+        [exp_avg[start:stop]],
+        [exp_avg_sq[start:stop]],
+        [max_exp_avg_sq[start:stop]] if max_exp_avg_sq is not None else [],
+        [step],
+        **kwargs,
+    )
+    if out is not None:
+        out[start:stop].copy_(theta)  # round to nearest even
+
+
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _single_threaded_worker_init() -> None:
+    # at::set_num_threads sets this OS thread's OpenMP team size; the caller
+    # restores the process-wide value afterwards (see _get_pool).
+    torch.set_num_threads(1)
+
+
+def _get_pool(size: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size != size:
+            if _pool is not None:
+                _pool.shutdown(wait=True)
+            before = torch.get_num_threads()
+            _pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="offload-adamw")
+            _pool_size = size
+            barrier = threading.Barrier(size)
+
+            def init():
+                _single_threaded_worker_init()
+                barrier.wait()  # every worker runs init exactly once
+
+            for f in [_pool.submit(init) for _ in range(size)]:
+                f.result()
+            torch.set_num_threads(before)  # workers keep 1, the process keeps its setting
+        return _pool
+
+
+def blocked_adamw_(
+    masters: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    model_params: Optional[Sequence[Optional[Tensor]]],
+    hp,
+    *,
+    config: BlockConfig = DEFAULT_CONFIG,
+) -> None:
+    """One AdamW update of every tensor, bitwise equal to the parity definition (see module docstring)."""
+    kwargs = _fused_kwargs(hp)
+    chunk = max(CHUNK_ALIGN, config.chunk_elements // CHUNK_ALIGN * CHUNK_ALIGN)
+    # Tensors that need no cast go to one fused call per dtype (exactly what torch's
+    # fused AdamW does); mixed contiguous tensors are blocked; the rest (non-contiguous)
+    # take the simple three-pass way.
+    plain: dict[torch.dtype, list[int]] = {}
+    blocked: list[int] = []
+    simple: list[int] = []
+    for i, theta in enumerate(masters):
+        out = model_params[i] if model_params is not None else None
+        mixed = grads[i].dtype != theta.dtype or out is not None
+        if not mixed:
+            plain.setdefault(theta.dtype, []).append(i)
+        elif theta.numel() > 0 and _is_blockable(
+            i, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, hp.amsgrad
+        ):
+            blocked.append(i)
+        else:
+            simple.append(i)
+
+    torch._foreach_add_(list(steps), 1)
+
+    for dtype, idx in plain.items():
+        torch._fused_adamw_(
+            [masters[i] for i in idx],
+            [grads[i] for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            [max_exp_avg_sqs[i] for i in idx] if hp.amsgrad else [],
+            [steps[i] for i in idx],
+            **kwargs,
+        )
+
+    for i in simple:
+        theta = masters[i]
+        torch._fused_adamw_(
+            [theta],
+            [grads[i] if grads[i].dtype == theta.dtype else grads[i].to(theta.dtype)],
+            [exp_avgs[i]],
+            [exp_avg_sqs[i]],
+            [max_exp_avg_sqs[i]] if hp.amsgrad else [],
+            [steps[i]],
+            **kwargs,
+        )
+        out = model_params[i] if model_params is not None else None
+        if out is not None:
+            out.copy_(theta)
+
+    if not blocked:
+        return
+    # Flat views of each blocked tensor (contiguous, so view(-1) never copies).
+    work = []
+    for i in blocked:
+        flat = (
+            masters[i].view(-1),
+            grads[i].view(-1),
+            exp_avgs[i].view(-1),
+            exp_avg_sqs[i].view(-1),
+            max_exp_avg_sqs[i].view(-1) if hp.amsgrad else None,
+            steps[i],
+            model_params[i].view(-1) if model_params is not None and model_params[i] is not None else None,
+        )
+        for start, stop in _chunk_ranges(masters[i].numel(), chunk):
+            work.append((flat, start, stop))
+
+    if config.threads <= 0:
+        for flat, start, stop in work:
+            _run_chunk(*flat, start, stop, kwargs)
+        return
+
+    pool = _get_pool(config.threads)
+    shares = [work[k :: config.threads] for k in range(config.threads)]
+
+    def run_share(share):
+        for flat, start, stop in share:
+            _run_chunk(*flat, start, stop, kwargs)
+
+    for f in [pool.submit(run_share, share) for share in shares if share]:
+        f.result()
+
+
+def naive_mixed_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp) -> None:
+    """The three-pass way (widen every gradient, one fused step, narrow every master): the baseline."""
+    kwargs = _fused_kwargs(hp)
+    torch._foreach_add_(list(steps), 1)
+    torch._fused_adamw_(
+        list(masters),
+        [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(grads, masters)],
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(max_exp_avg_sqs) if hp.amsgrad else [],
+        list(steps),
+        **kwargs,
+    )
+    if model_params is not None:
+        for out, theta in zip(model_params, masters):
+            if out is not None:
+                out.copy_(theta)

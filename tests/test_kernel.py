@@ -1,0 +1,246 @@
+"""Exactness of the host kernel against torch.optim.AdamW, bit for bit.
+
+Table: tensor layouts (0-dim, 0-element, odd sizes, sizes around the 64-element
+alignment and around the chunk size, non-contiguous) x dtypes (float32, float64,
+bf16/fp16 mixed) x options (amsgrad, maximize, tensor lr, no weight decay) x
+kernel variants (the default fast path, small chunks, Python worker threads,
+the readable loop). Property: the result equals the parity definition exactly.
+
+Parity definitions (kernel.py):
+* fast path, float32/float64: ``torch.optim.AdamW(fused=True)`` on the same tensors;
+* fast path, bf16/fp16 model: that optimizer on float32 copies fed the widened
+  gradients, then the round-to-nearest cast;
+* ``for_loop``: ``torch.optim.AdamW(foreach=False, fused=False)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from offload_adamw.kernel import StepHyper, adamw_update_
+from offload_adamw.kernel_blocked import CHUNK_ALIGN, BlockConfig, blocked_adamw_, naive_mixed_adamw_
+
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    shapes: tuple
+    transpose: bool = False  # give every 2-d tensor a transposed (non-contiguous) layout
+
+
+LAYOUTS = [
+    Layout("0-dim", ((),)),
+    Layout("0-element", ((0,), (3, 0), (5,))),
+    Layout("odd", ((1,), (3,), (17,), (63,), (65,), (7, 13))),
+    Layout("align", ((64,), (128,), (191,), (193,), (4096 + 15,))),
+    Layout("non-contiguous", ((9, 11), (64, 3), (5,)), transpose=True),
+    Layout("mixed-list", ((), (0,), (130,), (33, 7), (1000,))),
+]
+
+# Variants of the fast path; the small chunks make every layout above cross chunk
+# boundaries (including chunks that are not a power of two and a ragged last chunk).
+VARIANTS = {
+    "default": None,
+    "chunk64": BlockConfig(chunk_elements=64),
+    "chunk192": BlockConfig(chunk_elements=192),
+    "chunk100->64": BlockConfig(chunk_elements=100),
+    "threads2-chunk128": BlockConfig(chunk_elements=128, threads=2),
+}
+
+OPTIONS = {
+    "plain": dict(),
+    "amsgrad": dict(amsgrad=True),
+    "maximize": dict(maximize=True),
+    "tensor-lr": dict(lr_tensor=True),
+    "no-decay": dict(weight_decay=0.0),
+}
+
+
+def _make(layout: Layout, model_dtype: torch.dtype, seed: int):
+    """Initial masters and per-step gradients (in the model dtype, as a training loop hands them over)."""
+    gen = torch.Generator().manual_seed(seed)
+    master_dtype = torch.float64 if model_dtype == torch.float64 else torch.float32
+
+    def tensor(shape, dtype):
+        t = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        if layout.transpose and t.dim() == 2:
+            t = t.t().contiguous().t()  # same shape, transposed strides
+        return t
+
+    masters = [tensor(s, master_dtype) for s in layout.shapes]
+    if model_dtype != master_dtype:
+        # a low-precision model's master starts as the widened model value
+        masters = [m.to(model_dtype).to(master_dtype) for m in masters]
+    grads = [[tensor(s, model_dtype) for s in layout.shapes] for _ in range(STEPS)]
+    return masters, grads
+
+
+def _hyper(opts, amsgrad_lr=1e-2):
+    lr = opts.get("lr", 1e-2)
+    return dict(
+        lr=torch.tensor(lr) if opts.get("lr_tensor") else lr,
+        betas=(0.9, 0.99),
+        eps=1e-8,
+        weight_decay=opts.get("weight_decay", 0.1),
+        amsgrad=opts.get("amsgrad", False),
+        maximize=opts.get("maximize", False),
+    )
+
+
+def _run_ours(layout, model_dtype, opts, impl, config, seed=0):
+    masters, grads = _make(layout, model_dtype, seed)
+    h = _hyper(opts)
+    hp = StepHyper(
+        lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+        weight_decay=h["weight_decay"], amsgrad=h["amsgrad"], maximize=h["maximize"],
+    )
+    like = lambda t: torch.zeros_like(t)  # noqa: E731  (keeps the master's strides)
+    m = [like(t) for t in masters]
+    v = [like(t) for t in masters]
+    mv = [like(t) for t in masters] if hp.amsgrad else []
+    steps = [torch.zeros((), dtype=torch.float32) for _ in masters]
+    mixed = masters[0].dtype != model_dtype
+    outs = [torch.empty_like(t, dtype=model_dtype) for t in masters] if mixed else None
+    for g in grads:
+        g = [x.clone() for x in g]
+        if config is None:
+            adamw_update_(masters, g, m, v, mv, steps, hp, model_params=outs, impl=impl)
+        else:
+            blocked_adamw_(masters, g, m, v, mv, steps, outs, hp, config=config)
+    return dict(master=masters, exp_avg=m, exp_avg_sq=v, max_exp_avg_sq=mv, step=steps, model=outs)
+
+
+def _run_torch(layout, model_dtype, opts, torch_kwargs, seed=0):
+    masters, grads = _make(layout, model_dtype, seed)
+    params = [torch.nn.Parameter(t.clone()) for t in masters]
+    opt = torch.optim.AdamW(params, **_hyper(opts), **torch_kwargs)
+    outs = None
+    for g in grads:
+        for p, x in zip(params, g):
+            p.grad = x.to(p.dtype)  # exact widening of the low-precision gradient
+        opt.step()
+        if masters[0].dtype != model_dtype:
+            outs = [p.detach().to(model_dtype) for p in params]  # round to nearest even
+    state = [opt.state[p] for p in params]
+    return dict(
+        master=[p.detach() for p in params],
+        exp_avg=[s["exp_avg"] for s in state],
+        exp_avg_sq=[s["exp_avg_sq"] for s in state],
+        max_exp_avg_sq=[s["max_exp_avg_sq"] for s in state] if opts.get("amsgrad") else [],
+        step=[s["step"] for s in state],
+        model=outs,
+    )
+
+
+def _assert_bitwise(ours, ref):
+    for key in ref:
+        a, b = ours[key], ref[key]
+        if b is None:
+            assert a is None, key
+            continue
+        assert len(a) == len(b), key
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert x.dtype == y.dtype and x.shape == y.shape, (key, i)
+            # compare bit patterns, so that -0.0 vs 0.0 and NaN payloads count too
+            xb = x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32 if x.element_size() == 4 else torch.int64)
+            yb = y.contiguous().view(xb.dtype)
+            diff = (xb != yb).sum().item()
+            assert diff == 0, f"{key}[{i}] shape {tuple(x.shape)}: {diff} element(s) differ"
+
+
+MODEL_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+@pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_fast_path_bitwise_equals_torch_fused(layout, dtype, variant):
+    """Every layout x dtype x kernel variant, default options, three steps."""
+    model_dtype = MODEL_DTYPES[dtype]
+    ours = _run_ours(layout, model_dtype, {}, "fused", VARIANTS[variant])
+    ref = _run_torch(layout, model_dtype, {}, dict(fused=True))
+    _assert_bitwise(ours, ref)
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("variant", ["default", "chunk64", "threads2-chunk128"])
+def test_fast_path_options_bitwise(option, dtype, variant):
+    """Every option x dtype on layouts that cross chunk boundaries and include a non-contiguous tensor."""
+    layout = Layout("mixed-list", ((), (0,), (130,), (33, 7), (1000,), (9, 11)), transpose=True)
+    model_dtype = MODEL_DTYPES[dtype]
+    ours = _run_ours(layout, model_dtype, OPTIONS[option], "fused", VARIANTS[variant])
+    ref = _run_torch(layout, model_dtype, OPTIONS[option], dict(fused=True))
+    _assert_bitwise(ours, ref)
+
+
+def test_default_chunking_on_tensors_larger_than_a_chunk():
+    """The default chunk size, on sizes that are not multiples of it (nor of 64)."""
+    from offload_adamw.kernel_blocked import DEFAULT_CONFIG
+
+    c = DEFAULT_CONFIG.chunk_elements
+    layout = Layout("big", ((c + 1,), (2 * c + 77,), (3, c // 3 + 5)))
+    for dtype in (torch.bfloat16, torch.float16):
+        _assert_bitwise(_run_ours(layout, dtype, {}, "fused", None), _run_torch(layout, dtype, {}, dict(fused=True)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+@pytest.mark.parametrize("option", OPTIONS, ids=str)
+def test_for_loop_bitwise_equals_torch_single_tensor(layout, option, request):
+    if option == "tensor-lr" and layout.name not in ("0-dim", "0-element"):  # too few elements to show it
+        # Known gap of _for_loop_impl (kernel.py, not owned by this file's author): torch keeps a
+        # tensor lr a float32 tensor, so lr / bias_correction1 is rounded to float32 there, while
+        # _for_loop_impl uses lr.item() in double. Strict: fixing it turns these into failures.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="for_loop: step_size in double for a tensor lr"))
+    ours = _run_ours(layout, torch.float32, OPTIONS[option], "for_loop", None)
+    ref = _run_torch(layout, torch.float32, OPTIONS[option], dict(foreach=False, fused=False))
+    _assert_bitwise(ours, ref)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 700), min_size=1, max_size=4),
+    chunk_units=st.integers(1, 6),
+    threads=st.sampled_from([0, 2]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    amsgrad=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_blocked_equals_unblocked_for_any_aligned_chunk(sizes, chunk_units, threads, dtype, amsgrad, seed):
+    """Law: for every chunk size that is a multiple of 64, blocking changes no bit."""
+    layout = Layout("prop", tuple((n,) for n in sizes))
+    opts = dict(amsgrad=amsgrad)
+    config = BlockConfig(chunk_elements=chunk_units * CHUNK_ALIGN, threads=threads)
+    ours = _run_ours(layout, dtype, opts, "fused", config, seed=seed)
+    ref = _run_torch(layout, dtype, opts, dict(fused=True), seed=seed)
+    _assert_bitwise(ours, ref)
+
+
+def test_naive_baseline_is_the_same_arithmetic():
+    """The benchmark's naive three-pass baseline computes the same bits (so the comparison is fair)."""
+    layout = Layout("n", ((300,), (17, 5)))
+    for dtype in (torch.bfloat16, torch.float16):
+        masters, grads = _make(layout, dtype, 3)
+        hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+        m = [torch.zeros_like(t) for t in masters]
+        v = [torch.zeros_like(t) for t in masters]
+        steps = [torch.zeros(()) for _ in masters]
+        outs = [torch.empty_like(t, dtype=dtype) for t in masters]
+        for g in grads:
+            naive_mixed_adamw_(masters, g, m, v, [], steps, outs, hp)
+        ref = _run_torch(layout, dtype, {}, dict(fused=True), seed=3)
+        _assert_bitwise(dict(master=masters, exp_avg=m, exp_avg_sq=v, step=steps, model=outs),
+                        {k: ref[k] for k in ("master", "exp_avg", "exp_avg_sq", "step", "model")})
+
+
+def test_worker_threads_leave_the_process_thread_count_alone():
+    before = torch.get_num_threads()
+    _run_ours(Layout("t", ((1000,),)), torch.bfloat16, {}, "fused", BlockConfig(chunk_elements=128, threads=3))
+    assert torch.get_num_threads() == before
