@@ -2,5 +2,7 @@
 
 from ._version import __version__
 from .optimizer import OffloadAdamW, StateDictMismatch
+from .param_groups import ParamGroupError, Rule, param_groups
+from .audit import AuditReport, Finding, audit, audit_state_dict
 
-__all__ = ["__version__", "OffloadAdamW", "StateDictMismatch"]
+__all__ = ["__version__", "OffloadAdamW", "StateDictMismatch", "param_groups", "Rule", "ParamGroupError", "audit", "audit_state_dict", "AuditReport", "Finding"]
