@@ -1,0 +1,282 @@
+"""``offload-adamw plan``: what each GPU and each node holds, per strategy, and which one to use.
+
+Contract: reads a model (``--preset``, ``--config config.json`` or ``--params N``),
+the cluster and the training set-up from the command line, prints tables (or
+JSON with ``--json``), optionally writes a PNG of stacked bars per strategy
+against the GPU and host capacities (``--plot FILE.png``). Exit status 0 when a
+strategy fits, 1 when none does, 2 on bad input. ``--measure`` takes the host
+memory bandwidth from ``offload_adamw.bandwidth.measure_host_bandwidth()``
+(imported only then); when that module is not installed it says so and keeps
+the documented default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from dataclasses import fields
+from typing import Any, Optional
+
+from . import planner
+from .planner import GB, HardwareConfig, Plan, TrainingConfig
+
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: 70000000000, 70e9, 70B, 6.7b, 125M."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (examples: 7e9, 70B, 125M)")
+    value = float(match.group(1)) * _SUFFIXES[match.group(2)]
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole positive parameter count: {text!r}")
+    return int(value)
+
+
+def _defaults() -> tuple[HardwareConfig, TrainingConfig]:
+    return HardwareConfig(), TrainingConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    hw, tr = _defaults()
+    model = parser.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
+    model.add_argument("--preset", choices=sorted(planner.PRESETS), help="a built-in model configuration")
+    model.add_argument("--config", metavar="CONFIG_JSON", help="a Hugging Face config.json (Llama, Mistral, Qwen2-style)")
+    model.add_argument("--params", type=parse_count, metavar="N", help="only a parameter count (7e9, 70B): no activations")
+
+    h = parser.add_argument_group("hardware (defaults: one DGX H100-class node)")
+    h.add_argument("--gpus-per-node", type=int, default=hw.gpus_per_node)
+    h.add_argument("--nodes", type=int, default=hw.nodes)
+    h.add_argument("--gpu-memory-gb", type=float, default=hw.gpu_memory_bytes / GB, help="memory of one GPU, GB (1e9)")
+    h.add_argument("--gpu-reserved-gb", type=float, default=hw.gpu_reserved_bytes / GB,
+                   help="per GPU: CUDA context, NCCL, allocator slack")
+    h.add_argument("--host-memory-gb", type=float, default=hw.host_memory_bytes / GB, help="host memory per node")
+    h.add_argument("--host-reserved-gb", type=float, default=hw.host_reserved_bytes / GB,
+                   help="per node: OS, training processes, data loading")
+    h.add_argument("--pcie-gbps", type=float, default=hw.pcie_bytes_per_s / GB,
+                   help="host<->GPU GB/s per GPU and direction (PCIe Gen5 x16 with pinned memory)")
+    h.add_argument("--host-bandwidth-gbps", type=float, default=hw.host_memory_bytes_per_s / GB,
+                   help="sustained host memory GB/s per node")
+    h.add_argument("--gpu-bandwidth-gbps", type=float, default=hw.gpu_memory_bytes_per_s / GB,
+                   help="GPU memory GB/s (H100 SXM)")
+    h.add_argument("--measure", action="store_true",
+                   help="measure this machine's host memory bandwidth (offload_adamw.bandwidth) instead")
+
+    t = parser.add_argument_group("training")
+    t.add_argument("--dtype", default=tr.param_dtype, help="parameter/gradient dtype on the GPU: bf16, fp16, fp32")
+    t.add_argument("--seq-len", type=int, default=tr.seq_len)
+    t.add_argument("--micro-batch", type=int, default=tr.micro_batch, help="sequences per GPU per forward")
+    t.add_argument("--grad-accum", type=int, default=tr.grad_accumulation, help="micro-batches per optimizer step")
+    t.add_argument("--checkpointing", choices=("on", "off"), default="on" if tr.activation_checkpointing else "off",
+                   help="full activation checkpointing")
+    t.add_argument("--eager-attention", action="store_true", help="attention stores the s x s scores (no flash)")
+    t.add_argument("--amsgrad", action="store_true")
+
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    o.add_argument("--plot", metavar="FILE.png", help="write stacked bars per strategy against the capacities")
+
+
+def measured_host_bandwidth(**probe_options: Any) -> tuple[Optional[float], str]:
+    """(bytes/s, where it came from) by offload_adamw.bandwidth, or (None, why not).
+
+    The in-place triad (``a += s*b``) is the figure used: it has the optimizer
+    step's access pattern (read-modify-write, no write-allocate); its median
+    over the probe's passes where the probe reports one.
+    """
+    try:
+        module = importlib.import_module("offload_adamw.bandwidth")
+    except ModuleNotFoundError as exc:
+        if exc.name != "offload_adamw.bandwidth":
+            raise  # the module is there but one of its own imports is broken: show that
+        return None, "--measure: offload_adamw.bandwidth is not available in this installation; keeping the default"
+    result = module.measure_host_bandwidth(**probe_options)
+    for key, scale in _BANDWIDTH_KEYS:
+        value = result.get(key) if isinstance(result, dict) else getattr(result, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value) * scale, f"host memory bandwidth: {key} measured by offload_adamw.bandwidth"
+    return None, f"--measure: no bandwidth in the probe's result {result!r}; keeping the default"
+
+
+# (key, factor to bytes/s), in order of preference
+_BANDWIDTH_KEYS = (
+    ("inplace_triad_gbps_median", 1e9),
+    ("inplace_triad_gbps", 1e9),
+    ("inplace_triad_bytes_per_s", 1.0),
+)
+
+
+def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
+    """The plan for parsed arguments, and messages for the user. Raises ValueError/OSError on bad input."""
+    messages: list[str] = []
+    if args.preset:
+        model: planner.Model = planner.PRESETS[args.preset]
+    elif args.config:
+        model = planner.model_from_hf_config(args.config)
+    else:
+        model = planner.ParamCountModel(name=f"--params {args.params:,}", params=args.params)
+    host_bw = args.host_bandwidth_gbps * GB
+    if args.measure:
+        value, source = measured_host_bandwidth()
+        messages.append(source)
+        if value is not None:
+            host_bw = value
+    hardware = HardwareConfig(
+        gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_memory_bytes=args.gpu_memory_gb * GB,
+        gpu_reserved_bytes=args.gpu_reserved_gb * GB, host_memory_bytes=args.host_memory_gb * GB,
+        host_reserved_bytes=args.host_reserved_gb * GB, pcie_bytes_per_s=args.pcie_gbps * GB,
+        host_memory_bytes_per_s=host_bw, gpu_memory_bytes_per_s=args.gpu_bandwidth_gbps * GB,
+    )
+    training = TrainingConfig(
+        param_dtype=args.dtype, seq_len=args.seq_len, micro_batch=args.micro_batch,
+        activation_checkpointing=args.checkpointing == "on", flash_attention=not args.eager_attention,
+        grad_accumulation=args.grad_accum, amsgrad=args.amsgrad,
+    )
+    return planner.plan(model, hardware, training), messages
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:,.1f}"
+
+
+def _margin(margin: float) -> str:
+    return ("+" if margin >= 0 else "-") + f"{abs(margin) / GB:,.1f}"
+
+
+def render(result: Plan) -> str:
+    hw, tr = result.hardware, result.training
+    amsgrad = tr.amsgrad
+    out = [
+        f"{result.model_name}: {result.num_parameters:,} parameters; {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of "
+        f"{_gb(hw.gpu_memory_bytes)} GB, {_gb(hw.host_memory_bytes)} GB host memory per node",
+        f"training: {tr.param_dtype} parameters, seq {tr.seq_len}, micro-batch {tr.micro_batch}, "
+        f"accumulation {tr.grad_accumulation}, checkpointing {'on' if tr.activation_checkpointing else 'off'}, "
+        f"{'flash' if tr.flash_attention else 'eager'} attention{', amsgrad' if amsgrad else ''}",
+        f"bandwidths: PCIe {_gb(hw.pcie_bytes_per_s)} GB/s per GPU and direction, host memory "
+        f"{_gb(hw.host_memory_bytes_per_s)} GB/s per node, GPU memory {_gb(hw.gpu_memory_bytes_per_s)} GB/s",
+        "",
+    ]
+    state_cols = ["master", "m", "v"] + (["max_v"] if amsgrad else [])
+
+    def bill_cells(bill: planner.MemoryBill) -> list[str]:
+        cells = [_gb(bill.parameters), _gb(bill.gradients), _gb(bill.master), _gb(bill.exp_avg), _gb(bill.exp_avg_sq)]
+        if amsgrad:
+            cells.append(_gb(bill.max_exp_avg_sq))
+        return cells
+
+    rows = []
+    for s in result.strategies:
+        rows.append([s.name, *bill_cells(s.gpu), _gb(s.gpu.activations), _gb(s.gpu.buffers), _gb(s.gpu.reserved),
+                     _gb(s.gpu.total), _margin(s.gpu_margin)])
+    out.append("Memory per GPU (GB)")
+    out.append(_table(["strategy", "params", "grads", *state_cols, "activ.", "buffers", "reserved", "total", "margin"], rows))
+    out.append("")
+    rows = []
+    for s in result.strategies:
+        rows.append([s.name, *bill_cells(s.host), _gb(s.host.step_counts), _gb(s.host.reserved), _gb(s.host.total),
+                     _margin(s.host_margin), "yes" if s.fits else "no"])
+    out.append("Host memory per node (GB)")
+    out.append(_table(["strategy", "params", "grads", *state_cols, "steps", "reserved", "total", "margin", "fits both"], rows))
+    out.append("")
+    rows = []
+    for s in result.strategies:
+        rows.append([s.name, _gb(s.pcie_h2d_bytes), _gb(s.pcie_d2h_bytes), _gb(s.host_memory_traffic_bytes),
+                     _gb(s.gpu_memory_traffic_bytes), f"{s.step_time_lower_bound_s:.3f}", s.bottleneck])
+    out.append("Traffic per training step (GB) and the optimizer step-time lower bound")
+    out.append(_table(["strategy", "PCIe h2d/GPU", "PCIe d2h/GPU", "host mem/node", "GPU mem/GPU", "bound s", "set by"], rows))
+    out.append("")
+    if result.recommendation:
+        out.append(f"Recommendation: {result.recommendation}")
+    else:
+        out.append("Recommendation: none fits")
+    out.append(f"  because {result.reason}")
+    out.append("")
+    out.append("Notes:")
+    for s in result.strategies:
+        for note in s.notes:
+            out.append(f"  {s.name}: {note}")
+    for assumption in result.assumptions:
+        out.append(f"  {assumption}")
+    return "\n".join(out)
+
+
+_PLOT_ITEMS = (
+    ("parameters", "parameters"), ("gradients", "gradients"), ("master", "master (fp32)"), ("exp_avg", "m"),
+    ("exp_avg_sq", "v"), ("max_exp_avg_sq", "max_v"), ("step_counts", "step counts"), ("activations", "activations"),
+    ("buffers", "buffers"), ("reserved", "reserved"),
+)
+
+
+def write_plot(result: Plan, path: str) -> None:
+    """Stacked bars per strategy (per GPU and per node) with the capacity as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s.name for s in result.strategies]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
+    colors = plt.get_cmap("tab10").colors
+    for ax, where, capacity, title in (
+        (axes[0], "gpu", result.hardware.gpu_memory_bytes, "per GPU"),
+        (axes[1], "host", result.hardware.host_memory_bytes, "host memory per node"),
+    ):
+        bottoms = [0.0] * len(names)
+        for index, (attr, label) in enumerate(_PLOT_ITEMS):
+            values = [getattr(getattr(s, where), attr) / GB for s in result.strategies]
+            if not any(values):
+                continue
+            ax.bar(names, values, bottom=bottoms, label=label, color=colors[index % len(colors)])
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+        ax.axhline(capacity / GB, color="black", linestyle="--", linewidth=1.5, label=f"capacity {capacity / GB:,.0f} GB")
+        top = max(max(bottoms), capacity / GB)
+        ax.set_ylim(0, min(top, 4 * capacity / GB) * 1.08)  # a huge misfit would squash the others
+        for x, total in enumerate(bottoms):
+            ax.text(x, min(total, ax.get_ylim()[1] / 1.08), f"{total:,.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{result.model_name}: {title}")
+        ax.set_ylabel("GB")
+        ax.tick_params(axis="x", labelrotation=30)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+        ax.legend(fontsize=8, loc="upper right")
+    hw = result.hardware
+    fig.suptitle(
+        f"{result.num_parameters / 1e9:,.1f}B parameters on {hw.nodes} x {hw.gpus_per_node} GPUs; "
+        f"recommended: {result.recommendation or 'none fits'}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result, messages = build(args)
+    except (ValueError, OSError) as exc:
+        print(f"offload-adamw plan: {exc}", file=sys.stderr)
+        return 2
+    for message in messages:
+        print(message, file=sys.stderr)
+    if args.json:
+        payload = result.as_dict()
+        payload["messages"] = messages
+        print(json.dumps(payload, indent=2))
+    else:
+        print(render(result))
+    if args.plot:
+        write_plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0 if result.recommendation else 1
