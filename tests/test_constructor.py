@@ -1,0 +1,109 @@
+"""OffloadAdamW's constructor accepts and refuses what torch.optim.AdamW does, with the same messages."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from offload_adamw import OffloadAdamW
+
+
+def _p(*shape):
+    return torch.nn.Parameter(torch.zeros(shape or (2,)))
+
+
+P, Q = _p(3), _p(2)
+NAN = float("nan")
+
+BAD = {
+    "negative lr": lambda cls: cls([P], lr=-1e-3),
+    "NaN lr": lambda cls: cls([P], lr=NAN),
+    "2-element tensor lr": lambda cls: cls([P], lr=torch.tensor([1e-3, 1e-3])),
+    "tensor lr with foreach": lambda cls: cls([P], lr=torch.tensor(1e-3), foreach=True),
+    "negative eps": lambda cls: cls([P], eps=-1e-8),
+    "NaN eps": lambda cls: cls([P], eps=NAN),
+    "beta1 = 1": lambda cls: cls([P], betas=(1.0, 0.999)),
+    "negative beta1": lambda cls: cls([P], betas=(-0.1, 0.999)),
+    "NaN beta2": lambda cls: cls([P], betas=(0.9, NAN)),
+    "beta2 > 1": lambda cls: cls([P], betas=(0.9, 1.5)),
+    "mixed float/tensor betas": lambda cls: cls([P], betas=(0.9, torch.tensor(0.999))),
+    "2-element tensor beta": lambda cls: cls([P], betas=(torch.tensor([0.9, 0.9]), torch.tensor(0.999))),
+    "negative weight decay": lambda cls: cls([P], weight_decay=-0.1),
+    "NaN weight decay": lambda cls: cls([P], weight_decay=NAN),
+    "a single tensor as params": lambda cls: cls(P),
+    "empty params": lambda cls: cls([]),
+    "a parameter in two groups": lambda cls: cls([{"params": [P]}, {"params": [P]}]),
+    "named mixed with unnamed": lambda cls: cls([{"params": [("a", P)]}, {"params": [Q]}]),
+    "fused and foreach": lambda cls: cls([P], fused=True, foreach=True),
+    "non-leaf tensor": lambda cls: cls([P * 2]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_refuses_what_torch_refuses_with_the_same_message(case):
+    make = BAD[case]
+    with pytest.raises(Exception) as theirs:
+        make(torch.optim.AdamW)
+    with pytest.raises(Exception) as ours:
+        make(OffloadAdamW)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_duplicate_parameters_warn_as_torch_does():
+    with warnings.catch_warnings(record=True) as theirs:
+        warnings.simplefilter("always")
+        torch.optim.AdamW([P, P])
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        OffloadAdamW([P, P])
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs] and ours
+
+
+def test_defaults_and_group_keys_match_torch():
+    ours = OffloadAdamW([P])
+    theirs = torch.optim.AdamW([P])
+    assert ours.defaults == theirs.defaults
+    assert ours.state_dict()["param_groups"] == theirs.state_dict()["param_groups"]
+
+
+def test_named_parameters_are_recorded():
+    model = torch.nn.Linear(3, 2)
+    sd = OffloadAdamW(model.named_parameters()).state_dict()
+    assert sd["param_groups"][0]["param_names"] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"capturable": True}, "does not support capturable=True"),
+        ({"differentiable": True}, "does not support differentiable=True"),
+        ({"nonfinite": "ignore"}, "nonfinite must be one of"),
+    ],
+)
+def test_options_that_cannot_apply_are_refused_clearly(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadAdamW([P], **kwargs)
+
+
+def test_complex_parameters_refused_by_name():
+    z = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="complex parameters: parameter 'phase'"):
+        OffloadAdamW([("phase", z)])
+
+
+def test_sparse_gradient_refused_at_step_by_name():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = OffloadAdamW(emb.named_parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients \\(parameter 'weight'\\)"):
+        opt.step()
+
+
+def test_accepted_values_torch_accepts():
+    for kwargs in ({"eps": 0.0}, {"lr": 0.0}, {"betas": (0.0, 0.0)}, {"lr": torch.tensor(1e-3)},
+                   {"betas": (torch.tensor(0.9), torch.tensor(0.99))}, {"foreach": False}, {"fused": False}):
+        torch.optim.AdamW([P], **kwargs)
+        OffloadAdamW([P], **kwargs)
