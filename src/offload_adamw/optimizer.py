@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from . import kernel
+from . import preflight as _preflight
 
 __all__ = ["OffloadAdamW", "StateDictMismatch"]
 
@@ -255,6 +256,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
+        # Fail early, with the figures, if the state about to be allocated cannot fit in host memory (preflight.py).
+        fresh = [(g, i) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None and not self.state.get(p)]
+        if fresh:
+            _preflight.check_host_memory(fresh, pin_memory=self._pin_memory)
         if self.nonfinite != "propagate":
             culprits = self._nonfinite_gradients()
             if culprits and self.nonfinite == "raise":

@@ -1,0 +1,242 @@
+"""Host-memory pre-flight: refuse, with the figures, optimizer state that cannot fit.
+
+Contract:
+
+* :func:`state_bill` counts the bytes OffloadAdamW will allocate for
+  parameters that have no state yet (CONTRACT.md section 7): the moments
+  (``exp_avg``, ``exp_avg_sq``, and ``max_exp_avg_sq`` with amsgrad; float32,
+  float64 for float64 parameters), the masters (for every parameter that is not
+  a float32/float64 tensor in host memory) and the step counters. When the
+  state is pinned, torch's caching host allocator hands out power-of-two
+  blocks, so the pinned figure is rounded up per tensor.
+* :func:`host_memory` reads what the host can give: ``MemAvailable`` from
+  /proc/meminfo, the cgroup's memory limit minus its usage where one is set,
+  and ``RLIMIT_MEMLOCK``.
+* :func:`check_host_memory` raises :class:`HostMemoryError` (a MemoryError)
+  before anything is allocated when the bill exceeds the available bytes,
+  with the bytes per kind in the message and on the exception. Pinned state
+  above ``RLIMIT_MEMLOCK`` warns by default, because the CUDA driver pins
+  cudaHostAlloc memory without charging that limit; ``memlock="raise"`` makes
+  it an error for setups where it applies.
+* A parameter on the meta device (no data) is refused by name: no master can
+  be copied from it.
+* Environment: ``OFFLOAD_ADAMW_HOST_AVAILABLE_BYTES`` replaces the measured
+  available figure (for tests and for reserving room for other work);
+  ``OFFLOAD_ADAMW_PREFLIGHT=0`` turns the check off.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+__all__ = ["HostMemory", "HostMemoryError", "StateBill", "check_host_memory", "host_memory", "state_bill"]
+
+ENV_AVAILABLE = "OFFLOAD_ADAMW_HOST_AVAILABLE_BYTES"
+ENV_SWITCH = "OFFLOAD_ADAMW_PREFLIGHT"
+MEMLOCK_POLICIES = ("warn", "raise", "ignore")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateBill:
+    """Bytes of host state that will be allocated, by kind."""
+
+    tensors: int
+    """Parameters that get state."""
+    moments: int
+    """exp_avg + exp_avg_sq (+ max_exp_avg_sq)."""
+    masters: int
+    """float32 host copies of low-precision or accelerator parameters."""
+    steps: int
+    """The per-parameter step counters (float32 scalars)."""
+    pinned: bool
+    """Whether moments and masters go to page-locked memory."""
+    pinned_blocks: int
+    """moments + masters rounded up to the power-of-two blocks of the pinned allocator (0 when not pinned)."""
+
+    @property
+    def total(self) -> int:
+        """What the host must provide: pinned blocks where pinned, plus the step counters."""
+        return (self.pinned_blocks if self.pinned else self.moments + self.masters) + self.steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostMemory:
+    """What the host can give, and where each figure came from."""
+
+    available: int
+    """The smallest of the figures below (or the override)."""
+    sources: dict[str, int]
+    """figure name -> bytes (MemAvailable, cgroup free, override)."""
+    memlock_limit: Optional[int]
+    """RLIMIT_MEMLOCK soft limit in bytes; None when unlimited or unknown."""
+
+
+class HostMemoryError(MemoryError):
+    """The optimizer state would not fit in host memory; nothing was allocated."""
+
+    def __init__(self, message: str, bill: StateBill, memory: HostMemory):
+        super().__init__(message)
+        self.bill = bill
+        self.memory = memory
+
+
+def _fmt(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
+        value /= 1024
+    return f"{n} B"
+
+
+def _figure(n: int) -> str:
+    return f"{_fmt(n)} ({n:,} bytes)" if n >= 1024 else f"{n} bytes"
+
+
+def _power_of_two_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def _param_name(group: dict[str, Any], index: int, group_index: int) -> str:
+    names = group.get("param_names")
+    if names is not None and index < len(names):
+        return repr(names[index])
+    return f"{index} of param_groups[{group_index}] (shape {tuple(group['params'][index].shape)})"
+
+
+def state_bill(fresh: Sequence[tuple[dict[str, Any], int]], *, pin_memory: bool) -> StateBill:
+    """Bytes of state for the parameters ``group["params"][index]`` of each (group, index)."""
+    moments = masters = steps = blocks = 0
+    for group, index in fresh:
+        p = group["params"][index]
+        width = 8 if p.dtype == torch.float64 else 4
+        one = p.numel() * width
+        kinds = [one] * (3 if group.get("amsgrad") else 2)
+        moments += sum(kinds)
+        if not (p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64)):
+            masters += one
+            kinds.append(one)
+        steps += 4
+        if pin_memory:
+            blocks += sum(_power_of_two_ceil(k) for k in kinds)
+    return StateBill(tensors=len(fresh), moments=moments, masters=masters, steps=steps, pinned=pin_memory, pinned_blocks=blocks)
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> Optional[int]:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" means no limit
+
+
+def _cgroup_free() -> Optional[int]:
+    """The cgroup memory limit minus current usage, where a limit is set (v2, else v1)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+            limit, usage = _read_int(base / "memory.max"), _read_int(base / "memory.current")
+            if limit is not None and usage is not None:
+                return max(limit - usage, 0)
+        elif "memory" in controllers.split(","):
+            base = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+            limit, usage = _read_int(base / "memory.limit_in_bytes"), _read_int(base / "memory.usage_in_bytes")
+            if limit is not None and usage is not None and limit < (1 << 60):
+                return max(limit - usage, 0)
+    return None
+
+
+def host_memory(*, available_bytes: Optional[int] = None) -> HostMemory:
+    """Measure the host (or take ``available_bytes`` / the environment override)."""
+    sources: dict[str, int] = {}
+    if available_bytes is None and os.environ.get(ENV_AVAILABLE):
+        available_bytes = int(os.environ[ENV_AVAILABLE])
+        sources[ENV_AVAILABLE] = available_bytes
+    elif available_bytes is not None:
+        sources["available_bytes argument"] = int(available_bytes)
+    else:
+        meminfo = _meminfo_available()
+        if meminfo is not None:
+            sources["MemAvailable (/proc/meminfo)"] = meminfo
+        cgroup = _cgroup_free()
+        if cgroup is not None:
+            sources["cgroup limit - usage"] = cgroup
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    available = min(sources.values()) if sources else -1
+    return HostMemory(available=available, sources=sources, memlock_limit=memlock)
+
+
+def check_host_memory(
+    fresh: Sequence[tuple[dict[str, Any], int]],
+    *,
+    pin_memory: bool,
+    available_bytes: Optional[int] = None,
+    memlock: str = "warn",
+) -> Optional[StateBill]:
+    """Fail early, before allocating, if the state of ``fresh`` parameters cannot fit in host memory.
+
+    ``fresh`` lists (group, index in group) of the parameters about to get
+    state. Returns the bill (None when switched off by the environment).
+    """
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    if memlock not in MEMLOCK_POLICIES:
+        raise ValueError(f"memlock must be one of {MEMLOCK_POLICIES}, got {memlock!r}")
+    groups: dict[int, int] = {}
+    for group, index in fresh:
+        if group["params"][index].device.type == "meta":
+            gi = groups.setdefault(id(group), len(groups))
+            raise ValueError(
+                f"parameter {_param_name(group, index, gi)} is on the meta device (it holds no data): "
+                "materialize the model (e.g. module.to_empty(device=...) and initialize it) before the first step"
+            )
+    bill = state_bill(fresh, pin_memory=pin_memory)
+    memory = host_memory(available_bytes=available_bytes)
+    kinds = f"moments {_figure(bill.moments)}, masters {_figure(bill.masters)}, step counters {_figure(bill.steps)}"
+    if bill.pinned:
+        kinds += f"; pinned, in power-of-two blocks: {_figure(bill.pinned_blocks)}"
+    if memory.sources and bill.total > memory.available:
+        where = ", ".join(f"{name}: {_figure(value)}" for name, value in memory.sources.items())
+        raise HostMemoryError(
+            f"OffloadAdamW would allocate {_figure(bill.total)} of host state for {bill.tensors} parameter(s) "
+            f"({kinds}) but only {_figure(memory.available)} of host memory is available ({where}). "
+            "Nothing was allocated. Free host memory or shard the optimizer over more processes"
+            + (" or use pin_memory=False" if bill.pinned else "")
+            + f"; {ENV_SWITCH}=0 skips this check.",
+            bill,
+            memory,
+        )
+    if bill.pinned and memlock != "ignore" and memory.memlock_limit is not None and bill.pinned_blocks > memory.memlock_limit:
+        message = (
+            f"OffloadAdamW will pin {_figure(bill.pinned_blocks)} of host state ({kinds}), above RLIMIT_MEMLOCK "
+            f"{_figure(memory.memlock_limit)}. The CUDA driver pins without charging that limit, but other "
+            "page-locking (mlock, RDMA registration) is refused beyond it; raise it with `ulimit -l` if that applies."
+        )
+        if memlock == "raise":
+            raise HostMemoryError(message, bill, memory)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return bill
