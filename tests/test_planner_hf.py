@@ -1,0 +1,124 @@
+"""The planner against the real things: transformers models built from the same configs, and the
+bytes OffloadAdamW actually allocates in host memory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from offload_adamw import OffloadAdamW
+from offload_adamw.planner import (
+    PRESETS,
+    HardwareConfig,
+    ModelConfig,
+    ParamSpec,
+    TrainingConfig,
+    model_from_hf_config,
+    param_specs_from_tensors,
+    plan,
+    predict_host_optimizer_bytes,
+)
+
+
+def llama_config(model: ModelConfig, **extra) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
+        num_hidden_layers=model.num_hidden_layers, num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_key_value_heads, vocab_size=model.vocab_size,
+        tie_word_embeddings=model.tie_word_embeddings, **extra,
+    )
+
+
+def named_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(p.shape)) for name, p in module.named_parameters()]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_matches_the_transformers_model(preset):
+    model = PRESETS[preset]
+    with torch.device("meta"):
+        reference = LlamaForCausalLM(llama_config(model))
+    assert model.num_parameters() == sum(p.numel() for p in reference.parameters())
+    assert model.parameter_shapes() == named_shapes(reference)  # names, shapes and order
+
+
+SMALL_FIELDS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(model_type="llama", **SMALL_FIELDS, tie_word_embeddings=True),
+        dict(model_type="llama", **SMALL_FIELDS, attention_bias=True, mlp_bias=True),
+        dict(model_type="mistral", **SMALL_FIELDS, head_dim=32),  # head_dim != hidden_size / heads
+        dict(model_type="qwen2", **SMALL_FIELDS, tie_word_embeddings=False),  # q, k, v biases
+        dict(model_type="qwen2", **{**SMALL_FIELDS, "num_key_value_heads": 4}, tie_word_embeddings=True),
+    ],
+    ids=["llama-tied", "llama-biases", "mistral-head-dim", "qwen2", "qwen2-tied-mha"],
+)
+def test_config_json_matches_the_transformers_model(tmp_path, fields):
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    model = model_from_hf_config(tmp_path / "config.json")
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert model.num_parameters() == sum(p.numel() for p in reference.parameters())
+    assert dict(model.parameter_shapes()) == dict(named_shapes(reference))
+
+
+TINY = {
+    "untied": ModelConfig(name="tiny", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97),
+    "tied": ModelConfig(name="tiny-tied", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, vocab_size=97, tie_word_embeddings=True),
+}
+
+
+def first_step(model: torch.nn.Module, amsgrad: bool) -> OffloadAdamW:
+    torch.manual_seed(0)
+    optimizer = OffloadAdamW(model.parameters(), lr=1e-3, amsgrad=amsgrad, pin_memory=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("which", sorted(TINY))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_host_bytes_after_the_first_step_equal_the_prediction(which, dtype, amsgrad):
+    config = TINY[which]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(config)).to(dtype)
+    optimizer = first_step(model, amsgrad)
+    assert all(len(optimizer.state[p]) > 0 for p in model.parameters())  # every tensor has state
+    # the prediction comes from the planner's own shapes, not from the model
+    specs = [ParamSpec(name=n, shape=s, dtype=str(dtype), on_host=True) for n, s in config.parameter_shapes()]
+    predicted = predict_host_optimizer_bytes(specs, amsgrad=amsgrad)
+    assert optimizer.host_state_bytes() == predicted
+    assert predict_host_optimizer_bytes(param_specs_from_tensors(model.named_parameters()), amsgrad=amsgrad) == predicted
+    if dtype == torch.bfloat16:
+        # a bf16 parameter has its master in host memory wherever it lives: the plan's one-GPU host bill is this
+        host = plan(config, HardwareConfig(gpus_per_node=1), TrainingConfig(param_dtype="bf16", amsgrad=amsgrad)).strategy(
+            "fsdp+offload-adamw").host
+        assert host.master + host.exp_avg + host.exp_avg_sq + host.max_exp_avg_sq + host.step_counts == predicted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_host_bytes_for_a_gpu_model_equal_the_plan(dtype, amsgrad):
+    config = TINY["untied"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(config)).to(device="cuda", dtype=dtype)
+    optimizer = OffloadAdamW(model.parameters(), lr=1e-3, amsgrad=amsgrad)
+    ids = torch.randint(0, config.vocab_size, (2, 8), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    host = plan(config, HardwareConfig(gpus_per_node=1), TrainingConfig(param_dtype=str(dtype), amsgrad=amsgrad)).strategy(
+        "fsdp+offload-adamw").host
+    assert optimizer.host_state_bytes() == host.master + host.exp_avg + host.exp_avg_sq + host.max_exp_avg_sq + host.step_counts
