@@ -1,0 +1,840 @@
+"""The fifteen clauses of the conformance checker, one function each.
+
+Contract: every clause function takes a :class:`Context` and returns a
+:class:`Finding` (verdict, deviation, detail); it raises
+:class:`~offload_adamw.conformance_harness.NotApplicable` when the question cannot be
+asked of the candidate, and lets any other exception of the candidate escape (the
+caller turns it into a failed clause that shows the error).
+
+How the clauses isolate one property each. Clause 1 compares the candidate with
+:mod:`offload_adamw.reference` step by step (float64 reference; the candidate in
+float64 where it accepts float64 parameters, and in the checked dtype). Every other
+property is checked *metamorphically*: the candidate is run twice under a change whose
+effect the contract fixes exactly, and the two runs are compared with each other. A
+wrong update formula then fails clause 1 only, instead of failing every clause that
+happens to take a step. The pairs:
+
+2. weight_decay 0 vs. weight_decay > 0 on the same gradients: with decoupled decay the
+   update direction is the same, so theta_B(k) = s*theta_B(k-1) - (theta_A(k-1) - theta_A(k))
+   with s = 1 - lr*wd (or s*(theta_B(k-1) - ...) when the decay comes after the update;
+   that ordering is clause 3's business).
+3. The same pair for one step, with gradients of the sign of theta and a tiny eps: then
+   L2 coupling cannot change the first update (it is sign(g) either way), and only the
+   place of the decay decides between s*theta0 - u and s*(theta0 - u).
+4. Tensors with grad None at some step calls vs. the same tensors stepped alone with only
+   their real gradients.
+5. Explicit zero gradients vs. gradients of 1e-30 (the contract is continuous there).
+6. lr = 0 vs. lr = 1e-20 for one step, then the same lr for both.
+7. Two parameter groups vs. two optimizers with one group each; and an LR schedule vs.
+   a constant lr (with weight_decay 0 the displacement is proportional to lr).
+8. bfloat16 and float16 parameters vs. the same candidate on float32 parameters over
+   1051 steps (a bf16 parameter must be the rounded copy of a float32 computation); the
+   distance of each run to the reference is reported as well.
+10. Save at step 3 (through torch.save/torch.load), load into a fresh instance over
+    fresh parameters, continue: bitwise equal to the uninterrupted run, state dtypes kept.
+11. Load the same checkpoint into an optimizer built over the parameters in another
+    order, and into one built in the saved order: same continuation per name, or an error.
+13. A step with an inf/NaN gradient vs. a run that never saw it (skip), whether it
+    raises, whether theta turns non-finite (propagate).
+14. torch.amp.GradScaler with an overflow at step 2 vs. a run without step 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .conformance_harness import (
+    Harness,
+    NotApplicable,
+    Tolerance,
+    as_reference,
+    compare,
+    hyper,
+    random_values,
+    save_and_load,
+    snap,
+    state_dtypes,
+    tolerance_for,
+)
+
+__all__ = ["Context", "Finding", "Clause", "CLAUSES", "NONFINITE_POLICIES"]
+
+NONFINITE_POLICIES = ("propagate", "skip", "raise")
+EXACT = Tolerance(0.0, 0.0)
+
+
+@dataclass(kw_only=True)
+class Context:
+    """What every clause needs: the harness over the candidate and the run's settings."""
+
+    harness: Harness
+    """Builds, steps and observes the candidate's optimizers."""
+    dtype: torch.dtype
+    """Parameter dtype of the checked run."""
+    nonfinite_policy: Optional[str] = None
+    """Declared non-finite policy (overrides what the candidate advertises)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    verdict: str
+    deviation: Optional[float]
+    detail: str
+
+
+@dataclass(frozen=True)
+class Clause:
+    number: int
+    name: str
+    consequence: str
+    run: Callable[[Context], Finding]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _wd(ctx: Context, value: float) -> float:
+    """``value`` when the candidate takes a weight decay, else 0."""
+    return value if ctx.harness.mapping.accepts("weight_decay") else 0.0
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def _tol(ctx: Context, opt: Any, params: Mapping[str, Tensor], steps: int = 1) -> Tolerance:
+    return tolerance_for(ctx.harness.observed_dtype(opt, params), steps=steps)
+
+
+def _series_compare(actual: list[dict[str, Tensor]], expected: list[dict[str, Tensor]], tol: Tolerance) -> tuple[bool, float, str]:
+    """Compare two observation series; (ok, worst deviation, where the first mismatch is)."""
+    ok_all, worst, where = True, 0.0, ""
+    for k, (a, e) in enumerate(zip(actual, expected)):
+        for name in e:
+            ok, dev = compare(a[name], e[name], tol)
+            worst = max(worst, dev)
+            if not ok and ok_all:
+                ok_all, where = False, f"{name!r} after step {k + 1}"
+    return ok_all, worst, where
+
+
+# ----------------------------------------------------------------------------- 1
+
+def _reference_series(theta0: Mapping[str, Tensor], grads: list[dict[str, Tensor]], values: Mapping[str, Any]) -> list[dict[str, Tensor]]:
+    hp = as_reference(values)
+    states = {n: reference.init_state(tuple(t.flatten().tolist()), amsgrad=hp.amsgrad) for n, t in theta0.items()}
+    out = []
+    for g in grads:
+        states = {n: reference.adamw_step(s, tuple(g[n].flatten().tolist()), hp) for n, s in states.items()}
+        out.append({n: torch.tensor(s.theta, dtype=torch.float64).reshape(theta0[n].shape) for n, s in states.items()})
+    return out
+
+
+def clause_update(ctx: Context) -> Finding:
+    h = ctx.harness
+    shapes = {"layer.weight": (4, 3), "layer.bias": (5,)}
+    theta0 = {n: random_values(10 + i, s, 0.5, 2.0) for i, (n, s) in enumerate(shapes.items())}
+    # Gradient scales alternate so that v also shrinks (amsgrad differs from plain Adam),
+    # and eps is comparable with sqrt(v_hat) so that where eps sits changes the update.
+    scales = [1.0, 0.1, 1.0, 0.05, 0.5, 0.1]
+    grads = [{n: snap(random_values(100 + 10 * k + i, s, 0.05, 1.0) * c) for i, (n, s) in enumerate(shapes.items())}
+             for k, c in enumerate(scales)]
+    base = hyper(lr=0.05, betas=(0.9, 0.999), eps=1e-2, weight_decay=0.0)
+    variants = [("plain", base), ("amsgrad", {**base, "amsgrad": True}), ("maximize", {**base, "maximize": True})]
+    dtypes = [torch.float64] + ([ctx.dtype] if ctx.dtype != torch.float64 else [])
+
+    lines, failed, worst = [], [], 0.0
+    for dtype in dtypes:
+        for label, values in variants:
+            what = f"{_dtype_name(dtype)} {label}"
+            try:
+                params = h.params(theta0, dtype)
+                opt = h.build(params, values)
+            except NotApplicable as exc:
+                lines.append(f"{what}: not asked ({exc})")
+                continue
+            except Exception as exc:  # the candidate does not take this dtype or flag
+                if dtype == ctx.dtype and label == "plain":
+                    raise
+                lines.append(f"{what}: not run, the candidate refused it ({type(exc).__name__}: {exc})")
+                continue
+            expected = _reference_series(theta0, grads, values)
+            seen = h.run(opt, params, grads)
+            tol = _tol(ctx, opt, params, steps=len(grads))
+            first_ok, first_dev, _ = _series_compare(seen[:1], expected[:1], tol)
+            later_ok, later_dev, where = _series_compare(seen[1:], expected[1:], tol)
+            worst = max(worst, first_dev, later_dev)
+            status = "ok" if first_ok and later_ok else "WRONG"
+            lines.append(f"{what}: step 1 deviation {_fmt(first_dev)}, steps 2-{len(grads)} {_fmt(later_dev)} "
+                         f"(tolerance rtol {tol.rtol:.1e}, atol {tol.atol:.1e}): {status}")
+            if not first_ok:
+                failed.append(f"{what} step 1")
+            elif not later_ok:
+                failed.append(f"{what} at {where}")
+    head = ("theta differs from the float64 reference: " + "; ".join(failed)) if failed else "theta follows the reference on step 1 and later steps"
+    return Finding("fail" if failed else "pass", worst, head + "\n" + "\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- 2 and 3
+
+def _decay_pair(ctx: Context, *, lr: float, wd: float, steps: int, same_sign: bool, eps: float) -> tuple[list, list, dict]:
+    h = ctx.harness
+    shapes = {"w": (6,), "v": (4,)}
+    theta0 = {n: random_values(20 + i, s, 1.0, 3.0) for i, (n, s) in enumerate(shapes.items())}
+    grads = []
+    for k in range(steps):
+        g = {n: random_values(200 + 10 * k + i, s, 0.1, 1.0) for i, (n, s) in enumerate(shapes.items())}
+        if same_sign:
+            g = {n: t.abs() * torch.sign(theta0[n]) for n, t in g.items()}
+        grads.append(g)
+    pa = h.params(theta0, ctx.dtype)
+    pb = h.params(theta0, ctx.dtype)
+    opt_a = h.build(pa, hyper(lr=lr, eps=eps, weight_decay=0.0))
+    opt_b = h.build(pb, hyper(lr=lr, eps=eps, weight_decay=wd))
+    start = h.observe_all(opt_b, pb)
+    seen_a = [h.observe_all(opt_a, pa)] + h.run(opt_a, pa, grads)
+    seen_b = [start] + h.run(opt_b, pb, grads)
+    tol = _tol(ctx, opt_b, pb, steps=steps)
+    return seen_a, seen_b, {"tol": tol}
+
+
+def _decay_forms(seen_a: list, seen_b: list, shrink: float, tol: Tolerance) -> dict[str, tuple[bool, float]]:
+    """How well theta_B fits 'decay before the update' and 'decay after the update', step by step."""
+    out = {}
+    for form in ("before", "after"):
+        ok_all, worst = True, 0.0
+        for k in range(1, len(seen_b)):
+            for name in seen_b[k]:
+                step_a = seen_a[k - 1][name] - seen_a[k][name]
+                prev_b = seen_b[k - 1][name]
+                predicted = shrink * prev_b - step_a if form == "before" else shrink * (prev_b - step_a)
+                ok, dev = compare(seen_b[k][name], predicted, tol)
+                ok_all &= ok
+                worst = max(worst, dev)
+        out[form] = (ok_all, worst)
+    return out
+
+
+def clause_decoupled(ctx: Context) -> Finding:
+    if not ctx.harness.mapping.accepts("weight_decay"):
+        raise NotApplicable("the candidate takes no weight decay")
+    lr, wd, steps = 0.1, 0.5, 4
+    seen_a, seen_b, info = _decay_pair(ctx, lr=lr, wd=wd, steps=steps, same_sign=False, eps=1e-8)
+    forms = _decay_forms(seen_a, seen_b, 1 - lr * wd, info["tol"])
+    deviation = min(forms["before"][1], forms["after"][1])
+    detail = (f"{steps} steps with lr {lr}, weight_decay {wd} vs. weight_decay 0 on the same gradients; "
+              f"fit as decoupled decay before the update: {_fmt(forms['before'][1])}, after the update: {_fmt(forms['after'][1])}")
+    if forms["before"][0] or forms["after"][0]:
+        return Finding("pass", deviation, "the update direction does not depend on weight_decay (decoupled). " + detail)
+    return Finding("fail", deviation, "weight_decay changes the update direction: it reaches the moments "
+                   "(L2 coupled into the gradient) or is not lr*wd*theta. " + detail)
+
+
+def clause_decay_order(ctx: Context) -> Finding:
+    if not ctx.harness.mapping.accepts("weight_decay"):
+        raise NotApplicable("the candidate takes no weight decay")
+    lr, wd = 0.5, 0.5
+    seen_a, seen_b, info = _decay_pair(ctx, lr=lr, wd=wd, steps=1, same_sign=True, eps=1e-8)
+    forms = _decay_forms(seen_a, seen_b, 1 - lr * wd, info["tol"])
+    detail = (f"one step, lr {lr}, weight_decay {wd}, gradients of theta's sign: distance to "
+              f"s*theta0 - u (decay first): {_fmt(forms['before'][1])}; to s*(theta0 - u) (decay after): {_fmt(forms['after'][1])}")
+    if forms["before"][0]:
+        return Finding("pass", forms["before"][1], "decay acts on the pre-update value. " + detail)
+    if forms["after"][0]:
+        return Finding("fail", forms["before"][1], "decay is applied after the update (adds lr^2*wd*u). " + detail)
+    return Finding("fail", forms["before"][1], "the decayed step fits neither order (is the decay lr*wd*theta?). " + detail)
+
+
+# ----------------------------------------------------------------------------- 4
+
+def clause_step_count(ctx: Context) -> Finding:
+    h = ctx.harness
+    shapes = {"always": (6,), "skipped_middle": (4,), "late_start": (5,)}
+    theta0 = {n: random_values(30 + i, s, 0.5, 2.0) for i, (n, s) in enumerate(shapes.items())}
+    full = [{n: random_values(300 + 10 * k + i, s, 0.1, 1.0) for i, (n, s) in enumerate(shapes.items())} for k in range(4)]
+    present = {"always": (0, 1, 2, 3), "skipped_middle": (0, 3), "late_start": (2, 3)}
+    grads = [{n: (full[k][n] if k in present[n] else None) for n in shapes} for k in range(4)]
+    values = hyper(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
+
+    params = h.params(theta0, ctx.dtype)
+    opt = h.build(params, values)
+    seen = h.run(opt, params, grads)
+    tol = _tol(ctx, opt, params, steps=4)
+
+    problems, worst = [], 0.0
+    for name in shapes:
+        alone_params = h.params({name: theta0[name]}, ctx.dtype)
+        alone = h.build(alone_params, values)
+        alone_seen = h.run(alone, alone_params, [{name: full[k][name]} for k in present[name]])
+        j = 0
+        for k in range(4):
+            if k in present[name]:
+                expected, tol_k = alone_seen[j][name], tol
+                j += 1
+            else:  # no gradient: exactly what it was before this call (theta0 before its first gradient)
+                expected, tol_k = (seen[k - 1][name] if k > 0 else theta0[name]), EXACT
+            ok, dev = compare(seen[k][name], expected, tol_k)
+            worst = max(worst, dev)
+            if not ok:
+                kind = "updated although its grad was None" if k not in present[name] else "differs from stepping it alone"
+                problems.append(f"{name!r} at step call {k + 1}: {kind} (deviation {_fmt(dev)})")
+    counts = []
+    for name, p in params.items():
+        step = opt.state.get(p, {}).get("step") if hasattr(opt, "state") else None
+        if step is not None:
+            counts.append(f"{name}: step {float(step):g} (expected {len(present[name])})")
+    detail = ("4 step calls; 'skipped_middle' has grad None at calls 2-3, 'late_start' at calls 1-2; each compared with "
+              "the same tensor stepped alone with only its real gradients")
+    if counts:
+        detail += "\nstate step counts: " + ", ".join(counts)
+    if problems:
+        return Finding("fail", worst, "tensors without a gradient are not left alone, or their step count is not their own:\n"
+                       + "\n".join(problems) + "\n" + detail)
+    return Finding("pass", worst, "each tensor's t, m, v, theta advance only when it has a gradient. " + detail)
+
+
+# ----------------------------------------------------------------------------- 5
+
+def _tiny(dtype: torch.dtype) -> float:
+    # A gradient small enough to change nothing measurable, yet not zero in the dtype.
+    return 2.0**-20 if dtype == torch.float16 else 1e-30
+
+
+def clause_zero_grad(ctx: Context) -> Finding:
+    h = ctx.harness
+    shapes = {"warm": (6,), "cold": (4,)}
+    theta0 = {n: random_values(40 + i, s, 0.5, 2.0) for i, (n, s) in enumerate(shapes.items())}
+    real = [{n: random_values(400 + 10 * k + i, s, 0.1, 1.0) for i, (n, s) in enumerate(shapes.items())} for k in range(4)]
+    zero_at = {"warm": (1, 2), "cold": (0, 1)}  # 'cold' starts with zero gradients (no state yet)
+    tiny = _tiny(ctx.dtype)
+
+    def history(filler: Callable[[Tensor], Tensor]) -> list[dict[str, Tensor]]:
+        return [{n: (filler(real[k][n]) if k in zero_at[n] else real[k][n]) for n in shapes} for k in range(4)]
+
+    values = hyper(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
+    px, py = h.params(theta0, ctx.dtype), h.params(theta0, ctx.dtype)
+    opt_x, opt_y = h.build(px, values), h.build(py, values)
+    seen_x = h.run(opt_x, px, history(torch.zeros_like))
+    seen_y = h.run(opt_y, py, history(lambda g: torch.sign(g) * tiny))
+    tol = _tol(ctx, opt_x, px, steps=4)
+    ok, dev, where = _series_compare(seen_x, seen_y, tol)
+    moved = not torch.equal(seen_x[1]["warm"], seen_x[0]["warm"])
+    detail = (f"gradients exactly 0 vs. {tiny:g} at the same steps ('warm' at steps 2-3, 'cold' at steps 1-2, before any "
+              f"other gradient); theta moved at the first zero step: {moved}")
+    if ok:
+        return Finding("pass", dev, "a zero gradient is an update (moments decay, t advances, theta moves). " + detail)
+    return Finding("fail", dev, f"a zero gradient is treated differently from a tiny one, first at {where}: "
+                   "zero gradients are skipped or special-cased. " + detail)
+
+
+# ----------------------------------------------------------------------------- 6
+
+def clause_lr_zero(ctx: Context) -> Finding:
+    h = ctx.harness
+    theta0 = {"w": random_values(50, (6,), 0.5, 2.0), "b": random_values(51, (3,), 0.5, 2.0)}
+    grads = [{n: random_values(500 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
+    eta = 0.1
+
+    def trajectory(first_lr: float) -> tuple[list, Any, dict]:
+        params = h.params(theta0, ctx.dtype)
+        opt = h.build(params, hyper(lr=first_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1)))
+        start = h.observe_all(opt, params)
+        seen = h.run(opt, params, grads, before=lambda k: h.set_lr(opt, eta) if k == 1 else None)
+        return [start] + seen, opt, params
+
+    seen_x, opt_x, px = trajectory(0.0)
+    seen_y, _, _ = trajectory(1e-20)
+    unchanged, dev0 = True, 0.0
+    for name in theta0:
+        ok, dev = compare(seen_x[1][name], seen_x[0][name], EXACT)
+        unchanged &= ok
+        dev0 = max(dev0, dev)
+    ok, dev, where = _series_compare(seen_x[2:], seen_y[2:], _tol(ctx, opt_x, px, steps=3))
+    detail = (f"step 1 with lr 0 (vs. lr 1e-20), then lr {eta}; theta unchanged by the lr=0 step: {unchanged} "
+              f"(deviation {_fmt(dev0)}); later steps vs. the lr=1e-20 run: {_fmt(dev)}")
+    if not unchanged:
+        return Finding("fail", max(dev0, dev), "lr = 0 still moves theta (decay or update not scaled by lr). " + detail)
+    if not ok:
+        return Finding("fail", dev, f"the lr=0 step did not count: its gradient is missing from the moments or t did not "
+                       f"advance (first seen at {where}). " + detail)
+    return Finding("pass", dev, "lr = 0 leaves theta alone while moments absorb the gradient and t advances. " + detail)
+
+
+# ----------------------------------------------------------------------------- 7
+
+def clause_groups(ctx: Context) -> Finding:
+    h = ctx.harness
+    theta0 = {"decayed.weight": random_values(60, (6,), 0.5, 2.0), "no_decay.bias": random_values(61, (5,), 0.5, 2.0)}
+    grads = [{n: random_values(600 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
+    h0 = hyper(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
+    h1 = hyper(lr=0.02, betas=(0.8, 0.99), eps=1e-3, weight_decay=0.0)
+    first, second = "decayed.weight", "no_decay.bias"
+
+    params = h.params(theta0, ctx.dtype)
+    opt = h.build({first: params[first]}, h0, groups=[({second: params[second]}, h1)])
+    seen = h.run(opt, params, grads)
+    tol = _tol(ctx, opt, params, steps=3)
+    problems, worst = [], 0.0
+    for name, values in ((first, h0), (second, h1)):
+        alone_params = h.params({name: theta0[name]}, ctx.dtype)
+        alone = h.build(alone_params, values)
+        alone_seen = h.run(alone, alone_params, [{name: g[name]} for g in grads])
+        ok, dev, where = _series_compare([{name: s[name]} for s in seen], alone_seen, tol)
+        worst = max(worst, dev)
+        if not ok:
+            problems.append(f"group with {name!r} differs from its own single-group optimizer at {where} (deviation {_fmt(dev)})")
+
+    # The schedule: with weight_decay 0 the moments do not depend on theta, so each step's
+    # displacement is lr times the same unit update; a schedule must scale it exactly.
+    factors = [1.0, 0.25, 2.0, 0.5, 1.0]
+    eta = 0.1
+    sched_theta = {"w": random_values(62, (6,), 0.5, 2.0)}
+    sched_grads = [{"w": random_values(620 + k, (6,), 0.1, 1.0)} for k in range(4)]
+    pa, pb = h.params(sched_theta, ctx.dtype), h.params(sched_theta, ctx.dtype)
+    values = hyper(lr=eta, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt_a, opt_b = h.build(pa, values), h.build(pb, values)
+    seen_a = [h.observe_all(opt_a, pa)] + h.run(opt_a, pa, sched_grads)
+    use_scheduler = isinstance(opt_b, torch.optim.Optimizer) and h.mapping.lr_key() == "lr"
+    seen_b = [h.observe_all(opt_b, pb)]
+    if use_scheduler:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt_b, lr_lambda=lambda epoch: factors[epoch])
+    for k, g in enumerate(sched_grads):
+        if not use_scheduler:
+            h.set_lr(opt_b, eta * factors[k])
+        h.step(opt_b, pb, g)
+        seen_b.append(h.observe_all(opt_b, pb))
+        if use_scheduler:
+            scheduler.step()
+    sched_tol = _tol(ctx, opt_b, pb, steps=4)
+    sched_ok, sched_dev = True, 0.0
+    for k in range(1, len(seen_b)):
+        predicted = seen_b[k - 1]["w"] - factors[k - 1] * (seen_a[k - 1]["w"] - seen_a[k]["w"])
+        ok, dev = compare(seen_b[k]["w"], predicted, sched_tol)
+        sched_ok &= ok
+        sched_dev = max(sched_dev, dev)
+    worst = max(worst, sched_dev)
+    how = "torch.optim.lr_scheduler.LambdaLR" if use_scheduler else f"writing param_groups[0][{h.mapping.lr_key()!r}]"
+    if not sched_ok:
+        problems.append(f"an lr schedule set by {how} is not honoured (deviation {_fmt(sched_dev)})")
+    detail = (f"two groups (lr 0.1/0.02, betas (0.9, 0.999)/(0.8, 0.99), eps 1e-8/1e-3, weight_decay {h0['weight_decay']}/0) "
+              f"vs. one optimizer per group; schedule x{factors[:4]} by {how} vs. constant lr")
+    if problems:
+        return Finding("fail", worst, "\n".join(problems) + "\n" + detail)
+    return Finding("pass", worst, "each group keeps its own hyperparameters and lr changes take effect. " + detail)
+
+
+# ----------------------------------------------------------------------------- 8
+
+LONG_ZERO_STEPS = 1000
+LONG_TAIL_STEPS = 50
+
+
+def _long_horizon_problem(wd: float) -> tuple[dict, list, dict]:
+    theta0 = {
+        "decay_only": random_values(80, (8,), 0.5, 2.0),
+        "second_moment": random_values(81, (8,), 0.5, 2.0),
+        "small_updates": random_values(82, (8,), 8.0, 16.0),
+    }
+    first = random_values(83, (8,), 0.5, 1.0)
+    tail = random_values(84, (8,), 0.005, 0.01)
+    steady = random_values(85, (8,), 0.5, 1.0)
+    zeros = torch.zeros(8, dtype=torch.float64)
+    n = 1 + LONG_ZERO_STEPS + LONG_TAIL_STEPS
+    grads = []
+    for k in range(n):
+        grads.append({
+            "decay_only": zeros,  # explicit zeros: only weight decay moves theta
+            "second_moment": first if k == 0 else (zeros if k <= LONG_ZERO_STEPS else tail),
+            "small_updates": steady,  # |theta| ~ 8-16 and lr*u ~ 1e-2: below half a bf16 ulp
+        })
+    values = hyper(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+    return theta0, grads, values
+
+
+@functools.lru_cache(maxsize=2)
+def _long_horizon_reference(wd: float) -> dict[str, Tensor]:
+    theta0, grads, values = _long_horizon_problem(wd)
+    hp = as_reference(values)
+    out = {}
+    for name, t in theta0.items():
+        state = reference.init_state(tuple(t.flatten().tolist()))
+        for g in grads:
+            state = reference.adamw_step(state, tuple(g[name].flatten().tolist()), hp)
+        out[name] = torch.tensor(state.theta, dtype=torch.float64)
+    return out
+
+
+def _ulp(x: Tensor, dtype: torch.dtype) -> Tensor:
+    info = torch.finfo(dtype)
+    mag = torch.clamp(x.abs(), min=info.tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * info.eps
+
+
+def clause_precision(ctx: Context) -> Finding:
+    h = ctx.harness
+    wd = _wd(ctx, 0.1)
+    theta0, grads, values = _long_horizon_problem(wd)
+    ref = _long_horizon_reference(wd)
+
+    def final(dtype: torch.dtype) -> tuple[Any, dict, dict]:
+        params = h.params(theta0, dtype)
+        opt = h.build(params, values)
+        for g in grads:
+            h.step(opt, params, g)
+        return opt, params, h.observe_all(opt, params)
+
+    _, _, base = final(torch.float32)
+    lines = [f"{len(grads)} steps (lr 1e-2, weight_decay {wd}): 'decay_only' gets zero gradients throughout, "
+             f"'second_moment' one gradient, {LONG_ZERO_STEPS} zeros, then small ones, 'small_updates' |theta| 8-16 with updates ~1e-2"]
+    ref_dev = max(compare(base[n], ref[n], Tolerance(0, 0))[1] for n in ref)
+    lines.append(f"float32 parameters vs. the reference: deviation {_fmt(ref_dev)}")
+    problems, worst = [], 0.0
+    for dtype in (torch.bfloat16, torch.float16):
+        label = _dtype_name(dtype)
+        opt, params, seen = final(dtype)
+        per_tensor = []
+        for name, p in params.items():
+            master = h.master(opt, p)
+            if master is not None:
+                ok, dev = compare(seen[name], base[name], tolerance_for(torch.float32, steps=len(grads)))
+                rounded = torch.equal(p.detach().cpu(), master.detach().to("cpu", dtype))
+                if not rounded:
+                    problems.append(f"{label} {name!r}: the parameter is not the round-to-nearest copy of its master")
+            else:
+                expected = base[name].to(dtype).to(torch.float64)
+                got = p.detach().to("cpu", torch.float64)
+                diff = (got - expected).abs()
+                ok = bool((diff <= 1.01 * _ulp(expected, dtype) + 1e-5 * expected.abs()).all())
+                dev = compare(got, base[name].to(dtype).to(torch.float64), Tolerance(0, 0))[1]
+            worst = max(worst, dev)
+            vs_ref = compare(seen[name], ref[name], Tolerance(0, 0))[1]
+            per_tensor.append(f"{name} {_fmt(dev)} (reference {_fmt(vs_ref)})")
+            if not ok:
+                problems.append(f"{label} {name!r}: deviation {_fmt(dev)} from the float32 run")
+        kinds = sorted({str(v).replace("torch.", "") for d in state_dtypes(opt, params).values() for k, v in d.items() if k != "step"})
+        has_master = any(h.master(opt, p) is not None for p in params.values())
+        lines.append(f"{label}: vs. float32 run: " + ", ".join(per_tensor)
+                     + f"; state dtypes {kinds or '?'}; master copy: {'yes' if has_master else 'no'}")
+    if problems:
+        return Finding("fail", worst, "low-precision parameters do not follow the float32 computation:\n"
+                       + "\n".join(problems) + "\n" + "\n".join(lines))
+    return Finding("pass", worst, "bf16/fp16 parameters end where float32 ones do (up to the final rounding).\n" + "\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- 9
+
+def clause_placement(ctx: Context) -> Finding:
+    if not torch.cuda.is_available():
+        raise NotApplicable("no accelerator: every tensor is in host memory")
+    h = ctx.harness
+    theta0 = {"w": random_values(90, (64,), 0.5, 2.0)}
+    params = h.params(theta0, ctx.dtype, device=torch.device("cuda"))
+    opt = h.build(params, hyper(lr=1e-3, weight_decay=_wd(ctx, 0.01)))
+    for k in range(2):
+        h.step(opt, params, {"w": random_values(900 + k, (64,), 0.1, 1.0)})
+    torch.cuda.synchronize()
+    where = []
+    for key, value in opt.state[params["w"]].items():
+        if isinstance(value, Tensor):
+            pinned = value.device.type == "cpu" and value.is_pinned()
+            where.append(f"{key}: {value.device}{' (pinned)' if pinned else ''} {_dtype_name(value.dtype)}")
+    return Finding("info", None, "parameter on cuda; state between steps: " + "; ".join(where))
+
+
+# ----------------------------------------------------------------------------- 10
+
+def _round_trip(ctx: Context, dtype: torch.dtype) -> tuple[bool, float, str]:
+    h = ctx.harness
+    theta0 = {"encoder.weight": random_values(100, (3, 4), 0.5, 2.0), "encoder.bias": random_values(101, (4,), 0.5, 2.0)}
+    grads = [{n: random_values(1000 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(6)]
+    values = hyper(lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
+    pa = h.params(theta0, dtype)
+    opt_a = h.build(pa, values)
+    h.run(opt_a, pa, grads[:3])
+    saved = save_and_load(opt_a.state_dict())
+    at_save = {n: p.detach().clone() for n, p in pa.items()}
+    dtypes_a = state_dtypes(opt_a, pa)
+    seen_a = h.run(opt_a, pa, grads[3:])
+
+    pb = {n: torch.nn.Parameter(v.clone()) for n, v in at_save.items()}
+    opt_b = h.build(pb, values)
+    opt_b.load_state_dict(saved)
+    dtypes_b = state_dtypes(opt_b, pb)
+    seen_b = h.run(opt_b, pb, grads[3:])
+
+    bitwise = all(torch.equal(a[n], b[n]) for a, b in zip(seen_a, seen_b) for n in a)
+    bitwise &= all(torch.equal(pa[n].detach(), pb[n].detach()) for n in pa)
+    _, dev, where = _series_compare(seen_b, seen_a, EXACT)
+    changed = [f"{n}.{k}: {_dtype_name(dtypes_a[n][k])} -> {_dtype_name(dtypes_b[n][k]) if k in dtypes_b[n] else 'missing'}"
+               for n in dtypes_a for k in dtypes_a[n] if dtypes_b[n].get(k) != dtypes_a[n][k]]
+    parts = [f"{_dtype_name(dtype)}: continuation after load {'bitwise equal' if bitwise else f'differs (deviation {_fmt(dev)}, first at {where})'}"]
+    if changed:
+        parts.append("loaded state changed dtype: " + ", ".join(changed))
+    return bitwise and not changed, dev, "; ".join(parts)
+
+
+def clause_round_trip(ctx: Context) -> Finding:
+    ok, dev, text = _round_trip(ctx, ctx.dtype)
+    lines = [text]
+    if ctx.dtype != torch.bfloat16:
+        try:
+            ok_bf16, dev_bf16, text_bf16 = _round_trip(ctx, torch.bfloat16)
+            ok, dev = ok and ok_bf16, max(dev, dev_bf16)
+            lines.append(text_bf16)
+        except Exception as exc:  # bf16 support itself is clause 8's question
+            lines.append(f"bfloat16: not run ({type(exc).__name__}: {exc})")
+    head = ("state_dict -> torch.save/load -> fresh instance over the parameters at step 3, 3 more steps, "
+            "compared with the uninterrupted run")
+    return Finding("pass" if ok else "fail", dev, head + "\n" + "\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- 11
+
+def clause_name_mapping(ctx: Context) -> Finding:
+    h = ctx.harness
+    theta0 = {"attn.q.weight": random_values(110, (2, 3), 0.5, 2.0), "attn.k.weight": random_values(111, (2, 3), 0.5, 2.0)}
+    # Different gradient sizes give the two same-shaped tensors clearly different moments.
+    grads = [{"attn.q.weight": random_values(1100 + k, (2, 3), 0.5, 1.0),
+              "attn.k.weight": random_values(1150 + k, (2, 3), 0.01, 0.05)} for k in range(5)]
+    values = hyper(lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
+    pa = h.params(theta0, ctx.dtype)
+    opt_a = h.build(pa, values)
+    h.run(opt_a, pa, grads[:3])
+    saved = save_and_load(opt_a.state_dict())
+    at_save = {n: p.detach().clone() for n, p in pa.items()}
+
+    def resumed(order: list[str]) -> tuple[Any, dict]:
+        params = {n: torch.nn.Parameter(at_save[n].clone()) for n in order}
+        opt = h.build(params, values)
+        opt.load_state_dict(saved)
+        return opt, params
+
+    names = list(theta0)
+    try:
+        opt_same, p_same = resumed(names)
+    except Exception as exc:
+        raise NotApplicable(f"loading fails even in the saved order (clause 10): {type(exc).__name__}: {exc}") from None
+    unnamed = "" if h.named else " (the candidate takes no parameter names, so only positions can match)"
+    try:
+        opt_rev, p_rev = resumed(names[::-1])
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return Finding("pass", None, f"loading into an optimizer whose parameters are in another order is refused: "
+                       f"{type(exc).__name__}: {first_line}")
+    seen_same = h.run(opt_same, p_same, grads[3:])
+    seen_rev = h.run(opt_rev, p_rev, grads[3:])
+    ok, dev, where = _series_compare(seen_rev, seen_same, _tol(ctx, opt_same, p_same, steps=2))
+    detail = ("checkpoint of [attn.q.weight, attn.k.weight] (same shape, different moments) loaded into an optimizer over "
+              "[attn.k.weight, attn.q.weight]; continuation per name compared with a load in the saved order" + unnamed)
+    if ok:
+        return Finding("pass", dev, "state is matched by name: " + detail)
+    return Finding("fail", dev, f"same-shaped state went silently to the wrong tensor (first seen at {where}): " + detail)
+
+
+# ----------------------------------------------------------------------------- 12
+
+def clause_validation(ctx: Context) -> Finding:
+    h = ctx.harness
+    ok_values = hyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.01))
+    cases = [
+        ("lr = nan", {"lr": math.nan}),
+        ("lr = -1e-3", {"lr": -1e-3}),
+        ("eps = -1e-8", {"eps": -1e-8}),
+        ("weight_decay = -0.01", {"weight_decay": -0.01}),
+        ("beta1 = 1.0", {"betas": (1.0, 0.999)}),
+        ("beta2 = 1.0", {"betas": (0.9, 1.0)}),
+    ]
+    accepted, rejected, skipped = [], [], []
+    for label, change in cases:
+        key = next(iter(change))
+        if not h.mapping.accepts(key):
+            skipped.append(label)
+            continue
+        params = h.params({"w": random_values(120, (4,), 0.5, 2.0)}, ctx.dtype)
+        try:
+            h.build(params, {**ok_values, **change})
+        except NotApplicable:
+            skipped.append(label)
+        except Exception as exc:
+            rejected.append(f"{label} ({type(exc).__name__})")
+        else:
+            accepted.append(label)
+    detail = f"rejected: {', '.join(rejected) or 'none'}"
+    if skipped:
+        detail += f"; not asked (no such argument): {', '.join(skipped)}"
+    if accepted:
+        return Finding("fail", None, f"accepted at construction: {', '.join(accepted)}; " + detail)
+    return Finding("pass", None, detail)
+
+
+# ----------------------------------------------------------------------------- 13
+
+def clause_nonfinite(ctx: Context) -> Finding:
+    h = ctx.harness
+    theta0 = {"bad": random_values(130, (6,), 0.5, 2.0), "good": random_values(131, (4,), 0.5, 2.0)}
+    grads = [{n: random_values(1300 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
+    poisoned = dict(grads[1])
+    bad = poisoned["bad"].clone()
+    bad[0], bad[1] = math.inf, math.nan
+    poisoned["bad"] = bad
+    values = hyper(lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
+
+    px = h.params(theta0, ctx.dtype)
+    opt_x = h.build(px, values)
+    declared = ctx.nonfinite_policy
+    source = "declared by the caller"
+    if declared is None:
+        advertised = getattr(opt_x, "nonfinite", None)
+        if isinstance(advertised, str) and advertised in NONFINITE_POLICIES:
+            declared, source = advertised, "advertised by the candidate's 'nonfinite' attribute"
+    before = h.run(opt_x, px, grads[:1])[0]
+    raised = None
+    try:
+        h.step(opt_x, px, poisoned)
+    except Exception as exc:
+        raised = exc
+    after = h.observe_all(opt_x, px)
+    try:
+        later = h.run(opt_x, px, grads[2:])[0]
+    except Exception:
+        later = None
+
+    py = h.params(theta0, ctx.dtype)
+    opt_y = h.build(py, values)
+    clean = h.run(opt_y, py, [grads[0], grads[2]])[-1]
+    tol = _tol(ctx, opt_x, px, steps=2)
+    unchanged = {n: compare(after[n], before[n], EXACT)[0] for n in theta0}
+    as_if_never = later is not None and all(compare(later[n], clean[n], tol)[0] for n in theta0)
+
+    if raised is not None:
+        behaviour = "raise" if all(unchanged.values()) and as_if_never else "raise (after changing state)"
+        observed = f"step raised {type(raised).__name__}: {str(raised).strip().splitlines()[0] if str(raised).strip() else ''}"
+    elif not bool(torch.isfinite(after["bad"]).all()):
+        behaviour = "propagate"
+        observed = "the update went ahead and theta of the tensor with the inf/NaN gradient became non-finite"
+    elif all(unchanged.values()) and as_if_never:
+        behaviour = "skip"
+        observed = "no tensor changed and the next step continued as if the bad step never happened"
+    elif all(unchanged.values()):
+        behaviour = "skip (state changed)"
+        observed = "theta unchanged but the next step differs from a run without the bad step (t or moments moved)"
+    elif unchanged["bad"]:
+        behaviour = "skip per tensor"
+        observed = "only the tensor with the bad gradient was left alone"
+    else:
+        behaviour = "other"
+        observed = "theta stayed finite but changed"
+    detail = f"inf and NaN in one tensor's gradient at step 2: {observed}"
+    if declared is None:
+        return Finding("info", None, f"behaviour: {behaviour} (no policy declared). " + detail)
+    verdict = "pass" if behaviour == declared else "fail"
+    return Finding(verdict, None, f"behaviour: {behaviour}; policy {declared!r} {source}. " + detail)
+
+
+# ----------------------------------------------------------------------------- 14
+
+def clause_grad_scaler(ctx: Context) -> Finding:
+    h = ctx.harness
+    dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
+    theta0 = {"w": random_values(140, (6,), 0.5, 2.0), "b": random_values(141, (4,), 0.5, 2.0)}
+    weights = [{n: random_values(1400 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
+    values = hyper(lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
+    px = h.params(theta0, dtype)
+    opt_x = h.build(px, values)
+    if not isinstance(opt_x, torch.optim.Optimizer):
+        raise NotApplicable("GradScaler support is not advertised (the candidate is not a torch.optim.Optimizer)")
+    scaler = torch.amp.GradScaler(h.device.type, init_scale=2.0**10)
+    seen = []
+    for k, w in enumerate(weights):
+        for p in px.values():
+            p.grad = None
+        loss = sum((p * w[n].to(p.device, p.dtype)).sum() for n, p in px.items())
+        scaler.scale(loss).backward()
+        if k == 1:
+            px["w"].grad[0] = math.inf  # an overflow in the scaled backward pass
+        scaler.step(opt_x)
+        scaler.update()
+        seen.append(h.observe_all(opt_x, px))
+
+    py = h.params(theta0, dtype)
+    opt_y = h.build(py, values)
+    clean = h.run(opt_y, py, [weights[0], weights[2]])
+    tol = _tol(ctx, opt_x, px, steps=2)
+    skipped = all(compare(seen[1][n], seen[0][n], EXACT)[0] for n in theta0)
+    ok, dev, where = _series_compare([seen[0], seen[2]], clean, tol)
+    detail = (f"torch.amp.GradScaler, overflow at step 2 of 3, compared with plain steps 1 and 3: theta untouched at the "
+              f"overflow step: {skipped}; continuation deviation {_fmt(dev)}")
+    if skipped and ok:
+        return Finding("pass", dev, "the found_inf step is skipped without a trace. " + detail)
+    return Finding("fail", dev, "a GradScaler overflow step changes the optimizer" + (f" (first at {where})" if not ok else "") + ". " + detail)
+
+
+# ----------------------------------------------------------------------------- 15
+
+COST_SHAPES = [(256, 256)] * 4
+
+
+def _median_step_seconds(opt: Any, params: list[Tensor], grads: list[Tensor], repeats: int = 5) -> float:
+    for p, g in zip(params, grads):
+        p.grad = g
+    sync = torch.cuda.synchronize if params[0].device.type == "cuda" else (lambda: None)
+    opt.step()  # the first step allocates the state
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        opt.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def clause_cost(ctx: Context) -> Finding:
+    h = ctx.harness
+    gen = torch.Generator().manual_seed(150)
+    data = {f"block{i}.weight": torch.randn(s, generator=gen, dtype=torch.float64) for i, s in enumerate(COST_SHAPES)}
+    grads = [torch.randn(s, generator=gen).to(h.device, ctx.dtype) for s in COST_SHAPES]
+    values = hyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.01))
+    params = h.params(data, ctx.dtype)
+    candidate = _median_step_seconds(h.build(params, values), list(params.values()), grads)
+    elements = sum(math.prod(s) for s in COST_SHAPES)
+    base_params = [torch.nn.Parameter(v.to(h.device, ctx.dtype)) for v in data.values()]
+    try:
+        fused = _median_step_seconds(torch.optim.AdamW(base_params, lr=1e-3, weight_decay=0.01, fused=True), base_params, grads)
+    except Exception as exc:
+        return Finding("info", None, f"{elements:,} {_dtype_name(ctx.dtype)} elements: candidate {candidate * 1e3:.2f} ms per step; "
+                       f"torch.optim.AdamW(fused=True) unavailable here ({type(exc).__name__})")
+    ratio = candidate / fused
+    return Finding("info", ratio, f"{elements:,} {_dtype_name(ctx.dtype)} elements on {h.device}: candidate {candidate * 1e3:.2f} ms, "
+                   f"torch.optim.AdamW(fused=True) {fused * 1e3:.2f} ms per step (median of 5): {ratio:.2f}x (deviation column = this ratio)")
+
+
+# ----------------------------------------------------------------------------- registry
+
+CLAUSES: tuple[Clause, ...] = (
+    Clause(1, "update rule: bias correction, eps outside the root", "every step has the wrong size: a different effective learning rate, worst in the first steps", clause_update),
+    Clause(2, "decoupled weight decay, not L2 in the gradient", "decay is divided by sqrt(v): weights with large gradients barely decay (Adam+L2, not AdamW)", clause_decoupled),
+    Clause(3, "decay applied to the pre-update value", "an extra lr^2*wd*u term: the effective decay depends on the update", clause_decay_order),
+    Clause(4, "per-tensor step count, grad None leaves a tensor alone", "frozen or conditionally used tensors decay while idle or get the wrong bias correction", clause_step_count),
+    Clause(5, "an explicit zero gradient is an update", "where gradients are exactly zero (masked rows, unused tokens) moments and decay stop", clause_zero_grad),
+    Clause(6, "lr = 0: moments absorb the gradient, theta unchanged", "warm-up from lr 0 starts from empty moments and a shifted step count", clause_lr_zero),
+    Clause(7, "parameter groups and LR schedules", "no-decay groups are decayed, per-group lr or the scheduler is ignored", clause_groups),
+    Clause(8, "state precision with bf16/fp16 parameters (long horizon)", "v stops decaying, weight decay and small updates vanish: slow drift over long runs", clause_precision),
+    Clause(9, "where the state lives between steps (info)", "placement changes speed and memory, never results", clause_placement),
+    Clause(10, "state_dict round trip: bitwise continuation, dtypes kept", "resuming from a checkpoint starts a different trajectory (a loss jump after resume)", clause_round_trip),
+    Clause(11, "resume matches state by name, not position", "after a refactor one tensor's moments silently drive another tensor", clause_name_mapping),
+    Clause(12, "hyperparameter validation", "a NaN or sign typo in the config trains silently on garbage", clause_validation),
+    Clause(13, "non-finite gradients (propagate, skip, raise)", "one inf/NaN gradient poisons the weights, or a declared skip/raise does not happen", clause_nonfinite),
+    Clause(14, "GradScaler found_inf step is skipped", "mixed-precision overflow steps corrupt the moments instead of being skipped", clause_grad_scaler),
+    Clause(15, "cost of one step vs. torch.optim.AdamW(fused=True) (info)", "speed only", clause_cost),
+)

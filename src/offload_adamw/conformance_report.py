@@ -1,0 +1,119 @@
+"""The result of a conformance check: one verdict per clause, as a table and as JSON.
+
+Contract: a :class:`Report` holds one :class:`ClauseResult` per clause run, in clause
+order. ``verdict`` is one of ``pass``, ``fail``, ``n/a`` (the question cannot be asked
+of this candidate here) and ``info`` (reported, never judged). ``deviation`` is the
+measured distance that decided the verdict (relative, see each clause), or None where
+the clause measures no distance. ``to_json()`` holds only JSON types.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import textwrap
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+__all__ = ["VERDICTS", "ClauseResult", "Report"]
+
+VERDICTS = ("pass", "fail", "n/a", "info")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClauseResult:
+    """The outcome of one clause for one candidate."""
+
+    number: int
+    """Clause number (1-15), as listed in :mod:`offload_adamw.conformance`."""
+    name: str
+    """What the clause checks, in a few words."""
+    verdict: str
+    """``pass``, ``fail``, ``n/a`` or ``info``."""
+    deviation: Optional[float]
+    """The measured deviation that decided the verdict (None when nothing is measured)."""
+    consequence: str
+    """One line on what breaking this clause does to training."""
+    detail: str
+    """What was measured or observed, including the candidate's error when it raised."""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+
+def _format_deviation(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value) or math.isnan(value):
+        return str(value)
+    return f"{value:.2e}"
+
+
+@dataclass(kw_only=True)
+class Report:
+    """Every clause's result for one candidate."""
+
+    candidate: str
+    """How the candidate was named (spec string or qualified name of the factory)."""
+    dtype: str
+    """Parameter dtype the clauses ran with (clause 8 adds bf16 and fp16 itself)."""
+    device: str
+    """Device of the parameters."""
+    results: list[ClauseResult] = field(default_factory=list)
+    """One result per clause run, in clause order."""
+    seconds: float = 0.0
+    """Wall time of the whole check."""
+
+    @property
+    def failed(self) -> list[ClauseResult]:
+        return [r for r in self.results if r.verdict == "fail"]
+
+    def result(self, number: int) -> ClauseResult:
+        for r in self.results:
+            if r.number == number:
+                return r
+        raise KeyError(f"clause {number} was not run")
+
+    def to_json(self) -> dict[str, Any]:
+        def clean(value: Any) -> Any:
+            if isinstance(value, float) and not math.isfinite(value):
+                return str(value)  # JSON has no inf/nan
+            return value
+
+        return {
+            "candidate": self.candidate,
+            "dtype": self.dtype,
+            "device": self.device,
+            "seconds": round(self.seconds, 3),
+            "failed": [r.number for r in self.failed],
+            "results": [{k: clean(v) for k, v in asdict(r).items()} for r in self.results],
+        }
+
+    def to_table(self, width: Optional[int] = None) -> str:
+        """A terminal table (clause, verdict, deviation, consequence), then the details."""
+        width = width or max(100, min(160, shutil.get_terminal_size((120, 20)).columns))
+        rows = [("#", "clause", "verdict", "deviation", "consequence when broken")]
+        for r in self.results:
+            rows.append((str(r.number), r.name, r.verdict.upper() if r.verdict == "fail" else r.verdict,
+                          _format_deviation(r.deviation), r.consequence))
+        fixed = [max(len(row[i]) for row in rows) for i in range(4)]
+        last = max(30, width - sum(fixed) - 2 * 4)
+        lines = [f"conformance of {self.candidate} to the AdamW contract ({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)", ""]
+        for i, row in enumerate(rows):
+            wrapped = textwrap.wrap(row[4], last) or [""]
+            head = "  ".join(cell.ljust(fixed[j]) for j, cell in enumerate(row[:4]))
+            lines.append(f"{head}  {wrapped[0]}")
+            pad = " " * (len(head) + 2)
+            lines.extend(pad + extra for extra in wrapped[1:])
+            if i == 0:
+                lines.append("-" * min(width, len(head) + 2 + last))
+        lines.append("")
+        verdicts = {v: sum(r.verdict == v for r in self.results) for v in VERDICTS}
+        lines.append("  ".join(f"{n} {v}" for v, n in verdicts.items()))
+        lines.append("")
+        for r in self.results:
+            lines.append(f"[{r.number}] {r.name}: {r.verdict}")
+            for paragraph in r.detail.splitlines() or [""]:
+                lines.extend("    " + s for s in (textwrap.wrap(paragraph, width - 4) or [""]))
+        return "\n".join(lines)
