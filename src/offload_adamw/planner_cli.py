@@ -228,7 +228,7 @@ def write_plot(result: Plan, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [s.name for s in result.strategies]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 7.5))
     colors = plt.get_cmap("tab10").colors
     for ax, where, capacity, title in (
         (axes[0], "gpu", result.hardware.gpu_memory_bytes, "per GPU"),
@@ -248,10 +248,8 @@ def write_plot(result: Plan, path: str) -> None:
             ax.text(x, min(total, ax.get_ylim()[1] / 1.08), f"{total:,.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_title(f"{result.model_name}: {title}")
         ax.set_ylabel("GB")
-        ax.tick_params(axis="x", labelrotation=30)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
-        ax.legend(fontsize=8, loc="upper right")
+        ax.set_xticks(range(len(names)), [name.replace("+", "+\n") for name in names], fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4)  # below: bars stay visible
     hw = result.hardware
     fig.suptitle(
         f"{result.num_parameters / 1e9:,.1f}B parameters on {hw.nodes} x {hw.gpus_per_node} GPUs; "
