@@ -2,7 +2,8 @@
 
 from ._version import __version__
 from .optimizer import OffloadAdamW, StateDictMismatch
+from .planner import HardwareConfig, ModelConfig, TrainingConfig, plan, predict_host_optimizer_bytes
 from .param_groups import ParamGroupError, Rule, param_groups
 from .audit import AuditReport, Finding, audit, audit_state_dict
 
-__all__ = ["__version__", "OffloadAdamW", "StateDictMismatch", "param_groups", "Rule", "ParamGroupError", "audit", "audit_state_dict", "AuditReport", "Finding"]
+__all__ = ["__version__", "OffloadAdamW", "StateDictMismatch", "plan", "predict_host_optimizer_bytes", "ModelConfig", "HardwareConfig", "TrainingConfig", "param_groups", "Rule", "ParamGroupError", "audit", "audit_state_dict", "AuditReport", "Finding"]
