@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import warnings
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from hypothesis import strategies as st
 from offload_adamw import OffloadAdamW, ParamGroupError, Rule, param_groups
 
 transformers = pytest.importorskip("transformers")
-warnings.filterwarnings("ignore", message=".*token_id.*")
 
 
 def tiny_llama(tied: bool) -> torch.nn.Module:
