@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Optional, Sequence
 
 __all__ = [
@@ -58,7 +58,6 @@ __all__ = [
 ]
 
 GB = 1e9
-GIB = 2**30
 
 _DTYPE_ALIASES = {
     "float64": "float64", "fp64": "float64", "double": "float64",

@@ -17,7 +17,6 @@ import importlib
 import json
 import re
 import sys
-from dataclasses import fields
 from typing import Any, Optional
 
 from . import planner
