@@ -62,9 +62,10 @@ class BlockConfig:
     the float32 gradient buffer and the master chunk, 8 bytes per element: 128 Ki
     elements are 1 MiB, half of one core's 2 MiB L2 when the chunk is shared by two
     threads. Measured with ``benchmarks/step_bench.py --chunk-sweep``."""
-    threads: int = 0
-    """0: torch intra-op threads inside each chunk's operations. N >= 1: N Python
-    worker threads, each running whole chunks with torch single-threaded."""
+    threads: int = -1
+    """-1: as many Python worker threads as ``torch.get_num_threads()`` (read at each call),
+    each running whole chunks with torch single-threaded; 0: no workers, torch's intra-op
+    threads split each chunk's three operations; N >= 1: N Python worker threads."""
 
 
 DEFAULT_CONFIG = BlockConfig()
@@ -241,19 +242,22 @@ def blocked_adamw_(
         for start, stop in _chunk_ranges(masters[i].numel(), chunk):
             work.append((flat, start, stop))
 
-    if config.threads <= 0:
+    threads = torch.get_num_threads() if config.threads < 0 else config.threads
+    if threads == 0 or (threads == 1 and torch.get_num_threads() == 1):
         for flat, start, stop in work:
             _run_chunk(*flat, start, stop, kwargs)
         return
 
-    pool = _get_pool(config.threads)
-    shares = [work[k :: config.threads] for k in range(config.threads)]
+    # Workers pull chunks from one shared iterator (next() on a list iterator is atomic
+    # under the GIL), so a worker that the OS deschedules simply does fewer chunks.
+    pending = iter(work)
 
-    def run_share(share):
-        for flat, start, stop in share:
+    def drain():
+        for flat, start, stop in pending:
             _run_chunk(*flat, start, stop, kwargs)
 
-    for f in [pool.submit(run_share, share) for share in shares if share]:
+    pool = _get_pool(threads)
+    for f in [pool.submit(drain) for _ in range(min(threads, len(work)))]:
         f.result()
 
 

@@ -1,0 +1,585 @@
+"""`offload-adamw bench`: host memory bandwidth and the AdamW step, side by side.
+
+Contract: in one run, per size (elements in a transformer's mix of tensor
+shapes), the benchmark
+
+1. measures the machine's memory bandwidth (STREAM triad and in-place triad,
+   :mod:`offload_adamw.bandwidth`) once, before the sizes;
+2. times one optimizer step of each case below, repetitions interleaved
+   (A B C .. A B C ..) so that machine noise hits every case alike, and reports
+   medians: ms/step, elements/s, effective GB/s at 28 bytes/element (the ideal
+   traffic of a step, CONTRACT.md section 7), the fraction of the in-place
+   triad bandwidth, peak RSS and the extra host memory a step allocates;
+3. prints a table, the issue's targets with met/missed, and writes JSON
+   (``--json``) and a PNG chart (``--plot``).
+
+Cases (all on the same float32 state; the mixed cases take bf16 gradients and
+write a bf16 model copy):
+
+* ``ours-fp32``, ``ours-bf16``: this project's kernel (``kernel.adamw_update_``);
+  ``ours-bf16-intraop``: the same with torch's intra-op threads instead of Python
+  worker threads (the threading choice, measured);
+* ``torch-forloop-fp32``, ``torch-foreach-fp32``, ``torch-fused-fp32``:
+  ``torch.optim.AdamW`` with each implementation;
+* ``torch-naive-bf16``: the naive mixed path, the same fused arithmetic done as
+  three passes (widen every gradient, ``AdamW(fused=True).step()``, narrow every
+  parameter);
+* ``deepspeed-fp32``, ``deepspeed-bf16``: ``DeepSpeedCPUAdam`` (when importable
+  and its JIT build works; the build time is reported), and its fp32 step plus
+  the same casts.
+
+To keep memory at about 20 bytes per element for all cases together, every case
+works on the same arrays (master, m, v, gradients, bf16 copy); values drift from
+case to case, which does not change the work done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .bandwidth import measure_host_bandwidth
+from .kernel import StepHyper, adamw_update_
+from .kernel_blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_
+
+BYTES_PER_ELEMENT = 28  # CONTRACT.md section 7: the ideal traffic of one host step
+MIB = 2**20
+MEMORY_ALLOWANCE = 64 * MIB  # the issue's bound on what a step may allocate beyond its state
+
+BF16_CASES = ("ours-bf16", "ours-bf16-intraop", "torch-naive-bf16", "deepspeed-bf16")
+ALL_CASES = (
+    "ours-fp32",
+    "ours-bf16",
+    "ours-bf16-intraop",
+    "torch-forloop-fp32",
+    "torch-foreach-fp32",
+    "torch-fused-fp32",
+    "torch-naive-bf16",
+    "deepspeed-fp32",
+    "deepspeed-bf16",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What one benchmark run measures."""
+
+    sizes: tuple[int, ...] = (16 * MIB, 64 * MIB, 256 * MIB)
+    """Total trainable elements per size (each split into a transformer's tensor shapes)."""
+    repeats: int = 5
+    """Timed repetitions per case (after one untimed warm-up step)."""
+    cases: tuple[str, ...] = ALL_CASES
+    """Which cases to time."""
+    bandwidth_elements: int = 64 * MIB
+    """Elements per array of the bandwidth probe."""
+    chunk_sweep: bool = False
+    """Also time ours-bf16 over chunk sizes and both threading modes at the first size."""
+
+
+# ---------------------------------------------------------------- workload
+
+
+def transformer_shapes(total: int) -> list[tuple[int, ...]]:
+    """A Llama-like mix of shapes summing to exactly ``total`` elements.
+
+    Four decoder layers (attention q, k, v, o: d x d; MLP gate, up: f x d, down:
+    d x f; two norms: d), a final norm, a tied embedding that takes what is left
+    (rows x d), and an odd-length vector of 1001 elements plus the remainder.
+    """
+    if total < 64:
+        return [(total,)] if total > 0 else []
+    d = 2 ** max(4, round(math.log2(math.sqrt(total) / 8)))
+    f = math.ceil(8 * d / 3 / 256) * 256 if d >= 256 else 3 * d
+    layer = [(d, d)] * 4 + [(f, d), (f, d), (d, f), (d,), (d,)]
+    per_layer = sum(math.prod(s) for s in layer)
+    layers = max(0, min(4, (total - d) // per_layer))
+    shapes: list[tuple[int, ...]] = []
+    for _ in range(layers):
+        shapes += layer
+    shapes.append((d,))
+    left = total - sum(math.prod(s) for s in shapes)
+    if left < 0:  # too small for even the final norm
+        return [(total,)]
+    odd = min(left, 1001)  # an odd-length vector, so that some tensor has a ragged SIMD tail
+    rows, rest = divmod(left - odd, d)
+    if rows:
+        shapes.insert(0, (rows, d))
+    if odd + rest:
+        shapes.append((odd + rest,))
+    return shapes
+
+
+@dataclass
+class Workload:
+    """The shared arrays of one size."""
+
+    shapes: list[tuple[int, ...]]
+    master: list[torch.Tensor]
+    exp_avg: list[torch.Tensor]
+    exp_avg_sq: list[torch.Tensor]
+    grad32: list[torch.Tensor]
+    grad16: list[torch.Tensor]
+    model16: list[torch.Tensor]
+
+    @property
+    def elements(self) -> int:
+        return sum(t.numel() for t in self.master)
+
+
+def make_workload(total: int, seed: int = 0) -> Workload:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = transformer_shapes(total)
+
+    def randn(shape, scale):
+        return torch.randn(shape, generator=gen).mul_(scale)
+
+    master = [randn(s, 0.02) for s in shapes]
+    grad32 = [randn(s, 1e-3) for s in shapes]
+    return Workload(
+        shapes=shapes,
+        master=master,
+        exp_avg=[torch.zeros(s) for s in shapes],
+        exp_avg_sq=[torch.zeros(s) for s in shapes],
+        grad32=grad32,
+        grad16=[g.to(torch.bfloat16) for g in grad32],
+        model16=[m.to(torch.bfloat16) for m in master],
+    )
+
+
+HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _hp() -> StepHyper:
+    return StepHyper(
+        lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
+
+
+# ------------------------------------------------------------------- cases
+
+
+def _torch_optimizer(w: Workload, **impl) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """A torch AdamW over Parameters that alias the shared arrays, its state pre-set to them."""
+    params = [torch.nn.Parameter(m) for m in w.master]  # shares storage with the masters
+    opt = torch.optim.AdamW(params, **HYPER, **impl)
+    for p, m, v in zip(params, w.exp_avg, w.exp_avg_sq):
+        opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32), "exp_avg": m, "exp_avg_sq": v}
+    return opt, params
+
+
+def _deepspeed_optimizer(w: Workload, info: dict):
+    """DeepSpeedCPUAdam on the shared arrays, or None (the reason goes into ``info``)."""
+    try:
+        start = time.perf_counter()
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 (optional dependency)
+
+        params = [torch.nn.Parameter(m) for m in w.master]
+        opt = DeepSpeedCPUAdam(params, adamw_mode=True, **HYPER)
+        info["deepspeed_load_s"] = round(time.perf_counter() - start, 2)  # includes the JIT build when not cached
+        import deepspeed  # noqa: PLC0415
+
+        info["deepspeed_version"] = deepspeed.__version__
+    except Exception as exc:  # ImportError, or the JIT build failing: report, do not crash
+        info["deepspeed_unavailable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return None
+    for p, m, v in zip(params, w.exp_avg, w.exp_avg_sq):
+        opt.state[p] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
+    return opt, params
+
+
+def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Callable[[], None]]:
+    """name -> a function doing one step of that case on the shared arrays."""
+    hp = _hp()
+    cases: dict[str, Callable[[], None]] = {}
+
+    def ours(grads, outs, config: Optional[BlockConfig] = None):
+        steps = [torch.zeros((), dtype=torch.float32) for _ in w.master]
+        if config is None:
+            return lambda: adamw_update_(w.master, grads, w.exp_avg, w.exp_avg_sq, [], steps, hp, model_params=outs)
+        return lambda: blocked_adamw_(w.master, grads, w.exp_avg, w.exp_avg_sq, [], steps, outs, hp, config=config)
+
+    def torch_step(**impl):
+        opt, params = _torch_optimizer(w, **impl)
+
+        def step():
+            for p, g in zip(params, w.grad32):
+                p.grad = g
+            opt.step()
+
+        return step
+
+    def torch_naive_mixed():
+        opt, params = _torch_optimizer(w, fused=True)
+
+        def step():
+            for p, g in zip(params, w.grad16):
+                p.grad = g.to(torch.float32)  # pass 1: widen (a full-size temporary)
+            opt.step()  # pass 2
+            for out, p in zip(w.model16, params):
+                out.copy_(p.detach())  # pass 3: narrow
+            for p in params:
+                p.grad = None
+
+        return step
+
+    ds = None
+    if any(n.startswith("deepspeed") for n in names):
+        ds = _deepspeed_optimizer(w, info)
+
+    def deepspeed_step(mixed: bool):
+        opt, params = ds
+
+        def step():
+            for p, g16, g32 in zip(params, w.grad16, w.grad32):
+                p.grad = g16.to(torch.float32) if mixed else g32
+            opt.step()
+            if mixed:
+                for out, p in zip(w.model16, params):
+                    out.copy_(p.detach())
+                for p in params:
+                    p.grad = None
+
+        return step
+
+    for name in names:
+        if name == "ours-fp32":
+            cases[name] = ours(w.grad32, None)
+        elif name == "ours-bf16":
+            cases[name] = ours(w.grad16, w.model16)
+        elif name == "ours-bf16-intraop":
+            cases[name] = ours(w.grad16, w.model16, BlockConfig(chunk_elements=DEFAULT_CONFIG.chunk_elements, threads=0))
+        elif name == "torch-forloop-fp32":
+            cases[name] = torch_step(foreach=False, fused=False)
+        elif name == "torch-foreach-fp32":
+            cases[name] = torch_step(foreach=True, fused=False)
+        elif name == "torch-fused-fp32":
+            cases[name] = torch_step(fused=True)
+        elif name == "torch-naive-bf16":
+            cases[name] = torch_naive_mixed()
+        elif name in ("deepspeed-fp32", "deepspeed-bf16"):
+            if ds is not None:
+                cases[name] = deepspeed_step(mixed=name == "deepspeed-bf16")
+        else:
+            raise ValueError(f"unknown benchmark case {name!r}; choose from {', '.join(ALL_CASES)}")
+    return cases
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _status_kib(field_name: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark of this process's RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_step(fn: Callable[[], None]) -> tuple[float, Optional[int], Optional[int]]:
+    """(seconds, peak RSS bytes during the step, bytes above the RSS before the step)."""
+    can_reset = _reset_peak_rss()
+    before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    peak = _status_kib("VmHWM")
+    if peak is None or before is None or not can_reset:
+        return seconds, None, None
+    return seconds, peak * 1024, max(0, peak - before) * 1024
+
+
+# --------------------------------------------------------------------- run
+
+
+def _progress(iterable, **kw):
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        return tqdm(iterable, file=sys.stderr, leave=False, **kw)
+    except ImportError:  # pragma: no cover
+        return iterable
+
+
+def run_size(total: int, config: BenchConfig, bandwidth: dict, info: dict) -> dict:
+    w = make_workload(total)
+    cases = build_cases(w, config.cases, info)
+    samples: dict[str, list[float]] = {n: [] for n in cases}
+    peaks: dict[str, list[int]] = {n: [] for n in cases}
+    extras: dict[str, list[int]] = {n: [] for n in cases}
+    for fn in cases.values():  # warm-up: thread pools, chunk buffers, DeepSpeed's first call
+        fn()
+    for _ in _progress(range(config.repeats), desc=f"{_fmt_size(total)} elements"):
+        for name, fn in cases.items():  # interleaved: A B C .. A B C ..
+            seconds, peak, extra = measure_step(fn)
+            samples[name].append(seconds)
+            if peak is not None:
+                peaks[name].append(peak)
+                extras[name].append(extra)
+    n = w.elements
+    state_bytes = sum(t.numel() * t.element_size() for t in w.master + w.exp_avg + w.exp_avg_sq)
+    ceiling = bandwidth["inplace_triad_gbps"]
+    rows = {}
+    for name, times in samples.items():
+        med = statistics.median(times)
+        gbps = BYTES_PER_ELEMENT * n / med / 1e9
+        rows[name] = {
+            "ms_per_step": med * 1e3,
+            "ms_all": [t * 1e3 for t in times],
+            "elements_per_s": n / med,
+            "effective_gbps": gbps,
+            "fraction_of_inplace_triad": gbps / ceiling,
+            "peak_rss_mib": max(peaks[name]) / MIB if peaks[name] else None,
+            "step_extra_mib": max(extras[name]) / MIB if extras[name] else None,
+        }
+    del cases, w
+    return {"elements": n, "tensors": len(transformer_shapes(total)), "state_bytes": state_bytes, "cases": rows}
+
+
+def chunk_sweep(total: int, repeats: int) -> list[dict]:
+    """ours-bf16 over chunk sizes x threading modes, interleaved."""
+    w = make_workload(total)
+    hp = _hp()
+    steps = [torch.zeros(()) for _ in w.master]
+    variants = {}
+    for threads in (-1, 0):
+        for chunk in (16 * 1024, 64 * 1024, 128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024, 4 * MIB):
+            variants[(threads, chunk)] = BlockConfig(chunk_elements=chunk, threads=threads)
+    samples = {k: [] for k in variants}
+    for cfg in variants.values():
+        blocked_adamw_(w.master, w.grad16, w.exp_avg, w.exp_avg_sq, [], steps, w.model16, hp, config=cfg)
+    for _ in _progress(range(repeats), desc="chunk sweep"):
+        for k, cfg in variants.items():
+            start = time.perf_counter()
+            blocked_adamw_(w.master, w.grad16, w.exp_avg, w.exp_avg_sq, [], steps, w.model16, hp, config=cfg)
+            samples[k].append(time.perf_counter() - start)
+    out = []
+    for (threads, chunk), times in samples.items():
+        med = statistics.median(times)
+        out.append({
+            "threads": "python" if threads < 0 else "intra-op",
+            "chunk_elements": chunk,
+            "ms_per_step": med * 1e3,
+            "effective_gbps": BYTES_PER_ELEMENT * w.elements / med / 1e9,
+        })
+    return out
+
+
+def _fmt_size(n: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def parse_size(text: str) -> int:
+    """'16M' -> 16 * 2**20; also K and G, or a plain number of elements."""
+    text = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16M, 65536)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def machine_info() -> dict:
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def targets(result: dict) -> list[dict]:
+    """The issue's targets per size: ratio, required, met."""
+    out = []
+    for size in result["sizes"]:
+        c = size["cases"]
+
+        def ratio(a, b):
+            return c[b]["ms_per_step"] / c[a]["ms_per_step"] if a in c and b in c else None
+
+        checks = [
+            ("ours-bf16 vs torch-naive-bf16 (speedup)", ratio("ours-bf16", "torch-naive-bf16"), 1.4),
+            ("ours-bf16 vs deepspeed-bf16 (speedup)", ratio("ours-bf16", "deepspeed-bf16"), 1.0),
+            ("ours-bf16 fraction of in-place triad", c.get("ours-bf16", {}).get("fraction_of_inplace_triad"), 0.8),
+            ("ours-fp32 vs torch-fused-fp32 (speedup)", ratio("ours-fp32", "torch-fused-fp32"), 1.0),
+        ]
+        extra = c.get("ours-bf16", {}).get("step_extra_mib")
+        if extra is not None:
+            checks.append(("ours-bf16 extra memory in a step (MiB, at most)", extra, MEMORY_ALLOWANCE / MIB))
+        for label, value, need in checks:
+            if value is None:
+                met = None
+            elif "at most" in label:
+                met = value <= need
+            else:
+                met = value >= need
+            out.append({"size": size["elements"], "target": label, "value": value, "required": need, "met": met})
+    return out
+
+
+def run_benchmark(config: BenchConfig) -> dict:
+    info = machine_info()
+    bandwidth = measure_host_bandwidth(elements=config.bandwidth_elements, repeats=5)
+    result = {"machine": info, "config": asdict(config), "bandwidth": bandwidth, "sizes": []}
+    for total in config.sizes:
+        result["sizes"].append(run_size(total, config, bandwidth, info))
+    if config.chunk_sweep:
+        result["chunk_sweep"] = chunk_sweep(config.sizes[0], config.repeats)
+    info["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    result["targets"] = targets(result)
+    return result
+
+
+# ------------------------------------------------------------------ output
+
+
+def format_report(result: dict) -> str:
+    m, bw = result["machine"], result["bandwidth"]
+    lines = [
+        f"machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']} ({m['torch_threads']} threads), "
+        f"load average {m.get('load_average_at_start')} -> {m.get('load_average_at_end')}",
+        f"bandwidth ({bw['elements'] * 4 // MIB} MiB arrays, best of {bw['repeats']}): "
+        f"triad {bw['triad_gbps']:.1f} GB/s, in-place triad {bw['inplace_triad_gbps']:.1f} GB/s "
+        f"-> ceiling {bw['inplace_triad_gbps'] * 1e9 / BYTES_PER_ELEMENT / 1e9:.2f} G elements/s at {BYTES_PER_ELEMENT} B/element",
+    ]
+    for key in ("deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
+        if key in m:
+            lines.append(f"{key}: {m[key]}")
+    header = f"{'case':20s} {'ms/step':>9s} {'G elem/s':>9s} {'GB/s@28B':>9s} {'of triad':>9s} {'vs ref':>7s} {'peak RSS':>9s} {'step +MiB':>9s}"
+    for size in result["sizes"]:
+        lines += ["", f"{_fmt_size(size['elements'])} elements in {size['tensors']} tensors "
+                      f"(state {size['state_bytes'] / MIB:.0f} MiB)", header, "-" * len(header)]
+        cases = size["cases"]
+        for name, row in cases.items():
+            ref = "torch-naive-bf16" if name in BF16_CASES else "torch-fused-fp32"
+            vs = cases[ref]["ms_per_step"] / row["ms_per_step"] if ref in cases else float("nan")
+            peak = f"{row['peak_rss_mib']:.0f}M" if row["peak_rss_mib"] is not None else "n/a"
+            extra = f"{row['step_extra_mib']:.1f}" if row["step_extra_mib"] is not None else "n/a"
+            lines.append(
+                f"{name:20s} {row['ms_per_step']:9.1f} {row['elements_per_s'] / 1e9:9.3f} {row['effective_gbps']:9.2f} "
+                f"{row['fraction_of_inplace_triad']:9.2f} {vs:6.2f}x {peak:>9s} {extra:>9s}"
+            )
+    if result.get("chunk_sweep"):
+        lines += ["", "chunk sweep (ours-bf16, first size): threads, chunk elements, ms/step, GB/s@28B"]
+        for r in result["chunk_sweep"]:
+            lines.append(f"  {r['threads']:9s} {r['chunk_elements']:>9d} {r['ms_per_step']:9.1f} {r['effective_gbps']:7.2f}")
+    lines += ["", "targets (issue #4):"]
+    for t in result["targets"]:
+        value = "n/a" if t["value"] is None else f"{t['value']:.2f}"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        lines.append(f"  {_fmt_size(t['size']):>5s}  {t['target']:48s} {value:>7s} (need {t['required']:g}): {verdict}")
+    return "\n".join(lines)
+
+
+def write_plot(result: dict, path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    sizes = result["sizes"]
+    names = list(sizes[0]["cases"])
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(names) * len(sizes) / 2), 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [k + i * width for k in range(len(sizes))]
+        ys = [s["cases"].get(name, {}).get("elements_per_s", 0) / 1e9 for s in sizes]
+        ax.bar(xs, ys, width, label=name, color=plt.cm.tab10(i % 10), hatch="//" if "bf16" in name else None)
+    ceiling = result["bandwidth"]["inplace_triad_gbps"] / BYTES_PER_ELEMENT
+    ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label=f"in-place triad / 28 B ({ceiling:.2f})")
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(sizes))])
+    ax.set_xticklabels([f"{_fmt_size(s['elements'])} elements" for s in sizes])
+    ax.set_ylabel("G elements / s (median)")
+    ax.set_title(f"AdamW host step, {result['machine']['cpu']}, {result['machine']['torch_threads']} threads", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="16M,64M,256M",
+                        help="comma-separated element counts, K/M/G = 2**10/20/30 (default 16M,64M,256M)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed interleaved repetitions per case (default 5)")
+    parser.add_argument("--cases", default=",".join(ALL_CASES), help="comma-separated cases (default: all)")
+    parser.add_argument("--bandwidth-elements", type=parse_size, default=64 * MIB,
+                        help="elements per array of the bandwidth probe (default 64M)")
+    parser.add_argument("--chunk-sweep", action="store_true", help="also sweep chunk size and threading mode")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
+    parser.add_argument("--json", metavar="FILE", help="write all numbers as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
+    cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
+    unknown = [c for c in cases if c not in ALL_CASES]
+    if unknown:
+        raise SystemExit(f"offload-adamw bench: unknown case(s) {unknown}; choose from {', '.join(ALL_CASES)}")
+    if args.repeats < 1:
+        raise SystemExit("offload-adamw bench: --repeats must be at least 1")
+    config = BenchConfig(sizes=sizes, repeats=args.repeats, cases=cases,
+                         bandwidth_elements=args.bandwidth_elements, chunk_sweep=args.chunk_sweep)
+    if args.quick:
+        config = BenchConfig(sizes=(MIB, 4 * MIB), repeats=3, cases=cases, bandwidth_elements=16 * MIB,
+                             chunk_sweep=args.chunk_sweep)
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    result = run_benchmark(config)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        write_plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
