@@ -1,0 +1,87 @@
+"""Shared pieces of the distributed tests: a small causal transformer, its data, training loops.
+
+Used by ``_distributed_worker.py`` (the 2-process gloo run) and by
+``test_distributed.py`` (the single-process side of the resharding checks), so
+that both sides train exactly the same model on exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 61  # odd on purpose: the embedding and the head shard unevenly over 2 ranks (31 + 30 rows)
+WIDTH = 32
+SEQ = 8
+ROWS_PER_RANK = 2
+STEPS = 20
+LR = 3e-3
+WEIGHT_DECAY = 0.1
+
+#: fp32 tolerances of the project (COMMON.md); the same numbers as torch's own fp32 defaults for allclose tests.
+RTOL = 1.3e-6
+ATOL = 1e-5
+
+
+class TinyCausalLM(nn.Module):
+    """Embedding, two pre-norm transformer blocks with a causal mask, final norm, untied head."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(WIDTH, nhead=4, dim_feedforward=48, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(2)
+        )
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        torch.random.set_rng_state(generator_state)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def batch(step: int, rank: int | None, world: int = 2) -> torch.Tensor:
+    """Tokens of one step: rank ``rank``'s rows, or (rank None) all ranks' rows concatenated in rank order."""
+    g = torch.Generator().manual_seed(1000 + step)
+    rows = torch.randint(0, VOCAB, (world * ROWS_PER_RANK, SEQ + 1), generator=g)
+    if rank is None:
+        return rows
+    return rows[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int | None, clip: float | None = None) -> list[float]:
+    """``steps`` optimizer steps on ``batch(step, rank)``; with ``clip``, torch's clip_grad_norm_ before each step.
+
+    Returns the loss of each step (this rank's rows only when ``rank`` is given).
+    """
+    losses = []
+    for step in steps:
+        loss = loss_of(model, batch(step, rank))
+        loss.backward()
+        losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a whole (gathered) tensor, by name; DDP's ``module.`` prefix dropped."""
+    out = {}
+    for name, p in model.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.removeprefix("module.")] = value.detach().clone()
+    return out
