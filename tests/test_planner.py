@@ -11,6 +11,7 @@ import math
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -93,6 +94,8 @@ def test_unsharded_bill_is_the_contract_bill(model, dtype, per_element, amsgrad)
     gpu = result.strategy("single-gpu").gpu
     state = gpu.parameters + gpu.gradients + gpu.master + gpu.exp_avg + gpu.exp_avg_sq + gpu.max_exp_avg_sq
     assert state == (per_element + (4 if amsgrad else 0)) * n
+    alone = planner.memory_bill(n, param_dtype=dtype, amsgrad=amsgrad)
+    assert alone.total == state and replace(gpu, activations=0, reserved=0) == alone
     # DDP adds exactly one gradient copy (its buckets)
     assert result.strategy("ddp").gpu.total - gpu.total == (4 if dtype == "float32" else 2) * n
 

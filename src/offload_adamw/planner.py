@@ -51,6 +51,7 @@ __all__ = [
     "dtype_name",
     "dtype_bytes",
     "predict_host_optimizer_bytes",
+    "memory_bill",
     "param_specs_from_tensors",
     "model_from_hf_config",
     "activation_bytes",
@@ -536,6 +537,20 @@ class Plan:
             "reason": self.reason,
             "assumptions": list(self.assumptions),
         }
+
+
+def memory_bill(num_parameters: int, *, param_dtype: str = "bfloat16", amsgrad: bool = False) -> MemoryBill:
+    """CONTRACT.md section 7 for ``num_parameters`` trainable elements in one place (no activations, no buffers).
+
+    bf16/fp16: parameter 2, gradient 2, master 4, m 4, v 4 bytes per element; float32: 4, 4, 0 (its own
+    master), 4, 4; AMSGrad adds max_v, 4 bytes.
+    """
+    p = dtype_bytes(param_dtype)
+    n = int(num_parameters)
+    return MemoryBill(
+        parameters=p * n, gradients=p * n, master=0 if p >= 4 else 4 * n,
+        exp_avg=4 * n, exp_avg_sq=4 * n, max_exp_avg_sq=4 * n if amsgrad else 0,
+    )
 
 
 # --------------------------------------------------------------------------- formulas
