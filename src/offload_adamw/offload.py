@@ -1,0 +1,579 @@
+"""The transfer pipeline between a parameter's device and the host for OffloadAdamW.
+
+Contract:
+
+* **Gradients leave the device as backward produces them.** A post-accumulate-grad
+  hook on every trainable parameter copies its gradient into a host buffer; on
+  CUDA the copy runs on a side stream (ordered after the producing stream by a
+  stream wait, never by a host synchronisation) and completes an event that the
+  host waits on only when it needs *that* gradient.
+* **Two modes.** ``offload_gradients=False`` keeps ``p.grad`` on the device as
+  the truth; the host copy is a cache that is re-fetched when the device
+  gradient changed after the copy (its version counter moved: clipping,
+  unscaling, a user's in-place edit). ``offload_gradients=True`` frees the device
+  gradient right after its copy is issued (``record_stream`` keeps the memory
+  from being reused before the copy ends): the host buffer is then the
+  gradient. Gradient accumulation over micro-batches works in both modes; with
+  freed device gradients it happens in host memory, in the gradient's dtype,
+  which is bitwise what autograd's accumulation on the device computes
+  (``old + new`` rounded once to the gradient dtype).
+* **Pinned memory in a few exactly-sized buffers.** Host gradient buffers (and
+  the host staging copies of device parameters) are carved out of one flat
+  allocation per dtype and purpose. On CUDA each allocation is page-locked with
+  ``cudaHostRegister`` on an exactly-sized pageable buffer, because torch's
+  pinned allocator rounds every allocation up to a power of two. The pinned
+  bytes are reported by :meth:`GradientPipeline.pinned_bytes`.
+* **The step runs bucket by bucket.** Gradients are taken in the order they
+  arrived in backward, in buckets of about ``bucket_bytes``: the host waits only
+  for the copies of the bucket at hand, updates it with the kernel of
+  :mod:`offload_adamw.kernel`, and sends the updated parameters back with
+  non-blocking copies on a second side stream; the compute stream waits on the
+  buckets' events, so the next forward waits on the device, not the host.
+* **CPU as device.** With CPU parameters the same pipeline runs without streams
+  or events (copies are synchronous): this is how the tests exercise ordering,
+  accumulation, clipping, scaling and parity on a machine without an accelerator.
+* **Nothing of this is optimizer state.** ``state_dict`` looks the same with or
+  without the pipeline, in either mode.
+* **GradScaler.** A pipelined optimizer sets ``_step_supports_amp_scaling``:
+  ``step`` honours ``grad_scale`` (gradients divided by it in float32, as torch's
+  fused AdamW does) and ``found_inf`` (the step is skipped, nothing changes).
+  Freed device gradients are invisible to ``torch.amp.GradScaler``; use
+  :class:`OffloadGradScaler`, which unscales and checks the host gradients. A
+  plain GradScaler with freed gradients raises a clear error instead of silently
+  skipping the unscale.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from . import kernel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import OffloadAdamW
+
+__all__ = ["PipelineConfig", "GradientPipeline", "HostArena", "OffloadGradScaler"]
+
+MASTER_KEY = "master_param"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How OffloadAdamW moves gradients and parameters between device and host."""
+
+    offload_gradients: bool = False
+    """Free each device gradient as soon as its copy to the host is issued (the host buffer is then the gradient)."""
+    bucket_bytes: int = 32 << 20
+    """Gradient bytes per bucket of the step: the host waits for one bucket's copies at a time."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+
+
+# --------------------------------------------------------------------------- host memory
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+
+
+class HostArena:
+    """Flat host buffers, one per dtype, each exactly the sum of its tensors' sizes.
+
+    ``pin`` page-locks the buffers for asynchronous copies: first with
+    ``cudaHostRegister`` on an exactly-sized buffer (no rounding), falling back
+    to torch's pinned allocator (which rounds up to a power of two) if that fails.
+    """
+
+    def __init__(self, shapes: Iterable[tuple[Any, torch.Size, torch.dtype]], *, pin: bool, label: str) -> None:
+        self.label = label
+        self.views: dict[Any, Tensor] = {}
+        self.buffers: list[Tensor] = []
+        self.pinned_bytes = 0
+        self.rounded_bytes = 0  # bytes requested through the rounding pinned allocator (fallback only)
+        by_dtype: dict[torch.dtype, list[tuple[Any, torch.Size]]] = {}
+        for key, shape, dtype in shapes:
+            by_dtype.setdefault(dtype, []).append((key, shape))
+        for dtype, items in by_dtype.items():
+            numel = sum(math.prod(shape) for _, shape in items)
+            buffer = self._allocate(numel, dtype, pin)
+            offset = 0
+            for key, shape in items:
+                n = math.prod(shape)
+                self.views[key] = buffer[offset : offset + n].view(shape)
+                offset += n
+
+    def _allocate(self, numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
+        buffer = torch.empty(numel, dtype=dtype)
+        nbytes = numel * buffer.element_size()
+        if pin and nbytes > 0:
+            try:
+                error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+            except Exception:
+                error = -1
+            if error == 0:
+                weakref.finalize(buffer, _unregister, buffer.data_ptr())
+            else:
+                buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
+                self.rounded_bytes += nbytes
+            self.pinned_bytes += nbytes
+        self.buffers.append(buffer)
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+# --------------------------------------------------------------------------- per-parameter slots
+
+
+class _Slot:
+    """Everything the pipeline keeps for one parameter (none of it is optimizer state)."""
+
+    __slots__ = (
+        "param", "host_grad", "incoming", "staging", "has_grad", "pending_add",
+        "d2h_event", "h2d_event", "source", "source_version", "arrival", "hook",
+    )
+
+    def __init__(self, param: Tensor) -> None:
+        self.param = param
+        self.host_grad: Optional[Tensor] = None  # the host gradient buffer (a view into an arena)
+        self.incoming: Optional[Tensor] = None  # second buffer for accumulation with freed device grads
+        self.staging: Optional[Tensor] = None  # param-dtype host copy sent back to a device parameter
+        self.has_grad = False  # freed mode: host_grad holds this parameter's gradient
+        self.pending_add = False  # freed mode: incoming must still be added into host_grad
+        self.d2h_event: Any = None
+        self.h2d_event: Any = None
+        self.source: Optional[weakref.ref] = None  # kept mode: the device gradient that host_grad copies
+        self.source_version = -1
+        self.arrival = math.inf  # order in the latest backward, for bucketing
+        self.hook: Any = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.param.device.type != "cpu"
+
+
+def _hook_for(pipeline: "GradientPipeline"):
+    ref = weakref.ref(pipeline)
+
+    def hook(param: Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_gradient(param)
+
+    return hook
+
+
+class GradientPipeline:
+    """Hooks, host buffers, streams and the bucketed step of one OffloadAdamW."""
+
+    def __init__(self, optimizer: "OffloadAdamW", config: PipelineConfig) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.offload_gradients = config.offload_gradients
+        self._slots: dict[Tensor, _Slot] = {}
+        self._unhooked: list[_Slot] = []
+        self._arenas: list[HostArena] = []
+        self._streams: dict[tuple[torch.device, str], Any] = {}
+        self._arrival = 0
+        self.refresh()
+
+    # ----------------------------------------------------------------- set-up
+
+    def refresh(self) -> None:
+        """Slots and buffers for parameters seen for the first time; hooks for newly trainable ones."""
+        new = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._slots]
+        for p in new:
+            self._slots[p] = _Slot(p)
+        trainable = [self._slots[p] for p in new if p.requires_grad]
+        self._allocate("host_grad", trainable, "gradients")
+        self._allocate("staging", [self._slots[p] for p in new if self._slots[p].on_device], "parameter staging")
+        self._unhooked = [s for s in self._slots.values() if s.hook is None]
+        self._hook_trainable()
+
+    def _hook_trainable(self) -> None:
+        """Hooks for parameters that require a gradient now (a frozen tensor cannot take a hook)."""
+        still = []
+        for slot in self._unhooked:
+            if slot.param.requires_grad:
+                slot.hook = slot.param.register_post_accumulate_grad_hook(_hook_for(self))
+            else:
+                still.append(slot)
+        self._unhooked = still
+
+    def _allocate(self, field: str, slots: list[_Slot], label: str) -> None:
+        if not slots:
+            return
+        pin = any(s.on_device and s.param.device.type == "cuda" for s in slots)
+        arena = HostArena(((id(s), s.param.shape, s.param.dtype) for s in slots), pin=pin, label=label)
+        self._arenas.append(arena)
+        for s in slots:
+            setattr(s, field, arena.views[id(s)])
+
+    def close(self) -> None:
+        """Remove the hooks (the optimizer no longer sees gradients as they arrive)."""
+        for slot in self._slots.values():
+            if slot.hook is not None:
+                slot.hook.remove()
+                slot.hook = None
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held by the pipeline (exact: no allocator rounding unless the fallback ran)."""
+        return sum(a.pinned_bytes for a in self._arenas)
+
+    def host_buffer_bytes(self) -> dict[str, int]:
+        """Host bytes of the pipeline's buffers, by purpose."""
+        out: dict[str, int] = {}
+        for a in self._arenas:
+            out[a.label] = out.get(a.label, 0) + a.nbytes
+        return out
+
+    def _stream(self, device: torch.device, direction: str):
+        key = (device, direction)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=device)
+        return self._streams[key]
+
+    # ------------------------------------------------------------ transfers
+
+    def _transfer(self, slot: _Slot, src: Tensor, dst: Tensor) -> None:
+        """dst (host) <- src (a gradient where it lives), ordered after the work that produced src."""
+        if src.device.type == "cuda":
+            stream = self._stream(src.device, "d2h")
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            # The caching allocator must not hand src's memory to anyone before this copy has read it.
+            src.record_stream(stream)
+            if slot.d2h_event is None:
+                slot.d2h_event = torch.cuda.Event()
+            slot.d2h_event.record(stream)
+        else:
+            dst.copy_(src)
+
+    def _ensure_grad_buffer(self, slot: _Slot) -> None:
+        if slot.host_grad is None:  # a parameter that was frozen when the buffers were laid out
+            self._allocate("host_grad", [slot], "gradients")
+
+    def _ensure_incoming(self, slot: _Slot) -> None:
+        if slot.incoming is None:
+            # First accumulation: one buffer for every slot that has a gradient buffer, in one go.
+            self._allocate("incoming", [s for s in self._slots.values() if s.host_grad is not None and s.incoming is None], "accumulation")
+
+    def _absorb(self, slot: _Slot, grad: Tensor) -> None:
+        """Freed mode: take ``grad`` into host memory (copy, or accumulate onto what is there)."""
+        self._ensure_grad_buffer(slot)
+        if not slot.has_grad:
+            self._transfer(slot, grad, slot.host_grad)
+            slot.has_grad = True
+            return
+        if slot.pending_add:
+            self._finish(slot)  # the incoming buffer is about to be overwritten
+        self._ensure_incoming(slot)
+        self._transfer(slot, grad, slot.incoming)
+        slot.pending_add = True
+
+    def _copy_out(self, slot: _Slot, grad: Tensor) -> None:
+        """Kept mode: refresh the host copy of the device gradient."""
+        self._ensure_grad_buffer(slot)
+        self._transfer(slot, grad, slot.host_grad)
+        slot.source = weakref.ref(grad)
+        slot.source_version = grad._version
+
+    def _finish(self, slot: _Slot) -> None:
+        """Wait for this slot's copies (only this slot's) and apply a pending accumulation."""
+        if slot.d2h_event is not None:
+            slot.d2h_event.synchronize()
+        if slot.pending_add:
+            slot.host_grad.add_(slot.incoming)
+            slot.pending_add = False
+
+    def _on_gradient(self, param: Tensor) -> None:
+        """The post-accumulate-grad hook: runs during backward, must not block the host."""
+        if self._unhooked:
+            # A parameter unfrozen since the last step gets its hook now, in time for this backward
+            # unless its gradient was already accumulated (step() then picks that one up).
+            self._hook_trainable()
+        slot = self._slots.get(param)
+        grad = param.grad
+        if slot is None or grad is None or grad.is_sparse or grad.shape != param.shape or grad.dtype != param.dtype:
+            return  # left on the parameter: step() validates it and names the culprit
+        self._arrival += 1
+        slot.arrival = self._arrival
+        if self.offload_gradients:
+            self._absorb(slot, grad)
+            param.grad = None
+        else:
+            self._copy_out(slot, grad)
+
+    # ------------------------------------------------------------ gradients
+
+    def _where(self) -> dict[Tensor, tuple[int, int]]:
+        return {p: (gi, i) for gi, g in enumerate(self.optimizer.param_groups) for i, p in enumerate(g["params"])}
+
+    def _validate(self, slot: _Slot, grad: Tensor, where: tuple[int, int]) -> None:
+        opt = self.optimizer
+        group = opt.param_groups[where[0]]
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"OffloadAdamW does not support sparse gradients ({opt._describe(group, where[1])}); "
+                "use torch.optim.SparseAdam for sparse embeddings"
+            )
+        if grad.shape != slot.param.shape:
+            raise RuntimeError(
+                f"gradient of {opt._describe(group, where[1])} has shape {tuple(grad.shape)}, "
+                f"the parameter has {tuple(slot.param.shape)}"
+            )
+        if grad.dtype != slot.param.dtype:
+            raise RuntimeError(
+                f"gradient of {opt._describe(group, where[1])} has dtype {grad.dtype}, the parameter {slot.param.dtype}"
+            )
+
+    def _ready(self, slot: _Slot, where: tuple[int, int]) -> Optional[Tensor]:
+        """The host gradient of ``slot``, complete and current, or None when it has none."""
+        p = slot.param
+        if self.offload_gradients:
+            if p.grad is not None:  # set outside backward's hooks, or produced before the hook existed
+                self._validate(slot, p.grad, where)
+                self._absorb(slot, p.grad)
+                p.grad = None
+            if not slot.has_grad:
+                return None
+            self._finish(slot)
+            return slot.host_grad
+        grad = p.grad
+        if grad is None:
+            return None
+        self._validate(slot, grad, where)
+        fresh = slot.source is not None and slot.source() is grad and slot.source_version == grad._version
+        if not fresh:
+            self._copy_out(slot, grad)
+        self._finish(slot)
+        return slot.host_grad
+
+    def host_gradients(self) -> list[tuple[Tensor, Tensor]]:
+        """(parameter, complete host gradient) for every parameter that has one, in optimizer order."""
+        self.refresh()
+        where = self._where()
+        out = []
+        for p, w in where.items():
+            grad = self._ready(self._slots[p], w)
+            if grad is not None:
+                out.append((p, grad))
+        return out
+
+    def gradient_tensors(self) -> list[Tensor]:
+        """The gradients as the truth holds them: host buffers when freed, else the device ``p.grad``."""
+        if self.offload_gradients:
+            return [g for _, g in self.host_gradients()]
+        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def gradient(self, p: Tensor) -> Optional[Tensor]:
+        """The current gradient of ``p``: its host buffer when device gradients are freed, else ``p.grad``."""
+        if not self.offload_gradients:
+            return p.grad
+        self.refresh()
+        w = self._where().get(p)
+        if w is None:
+            raise KeyError("the tensor is not a parameter of this optimizer")
+        return self._ready(self._slots[p], w)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Clear the host gradients as torch's zero_grad clears ``p.grad`` (device grads: the optimizer's job)."""
+        for slot in self._slots.values():
+            if slot.d2h_event is not None:
+                slot.d2h_event.synchronize()  # no copy may land in host memory after it was cleared
+            slot.pending_add = False
+            slot.source = None
+            if self.offload_gradients:
+                if set_to_none:
+                    slot.has_grad = False
+                elif slot.has_grad:
+                    slot.host_grad.zero_()
+        self.refresh()
+
+    def unscale_(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict[torch.device, Tensor]:
+        """GradScaler's unscale-and-check over the host gradients (freed mode); found_inf stays on its device."""
+        grads = [g for _, g in self.host_gradients()]
+        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        host_found = torch.zeros((), dtype=torch.float32)
+        host_inv = inv_scale.detach().to("cpu", torch.float32)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, host_found, host_inv)
+        found_inf.add_(host_found.to(found_inf.device))
+        return {found_inf.device: found_inf}
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, grad_scale: Optional[Tensor], found_inf: Any, called_by_scaler: bool) -> None:
+        """One AdamW update of every parameter with a gradient, bucket by bucket (see the module contract)."""
+        opt = self.optimizer
+        self.refresh()
+        where = self._where()
+        if called_by_scaler and not isinstance(found_inf, Tensor) and self.offload_gradients:
+            if any(s.has_grad or s.param.grad is not None for s in self._slots.values()):
+                raise RuntimeError(
+                    "torch.amp.GradScaler could not see any gradient: with offload_gradients=True they live in host "
+                    "memory only. Use offload_adamw.OffloadGradScaler (a drop-in GradScaler) with this optimizer."
+                )
+        if isinstance(found_inf, Tensor) and bool(found_inf.item() != 0):
+            return  # GradScaler's skip: no state, no parameter changes
+        if opt.nonfinite != "propagate":
+            culprits = []
+            for p, w in where.items():
+                grad = self._ready(self._slots[p], w)
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    culprits.append(opt._describe(opt.param_groups[w[0]], w[1]))
+            if culprits and opt.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"non-finite gradient in {len(culprits)} parameter(s): {', '.join(culprits)}; no state was changed"
+                )
+            if culprits:
+                opt.skipped_steps += 1
+                return
+        scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
+
+        # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
+        devices = {s.param.device for s in self._slots.values() if s.param.device.type == "cuda"}
+        for device in devices:
+            self._stream(device, "h2d").wait_stream(torch.cuda.current_stream(device))
+
+        ordered = sorted(where, key=lambda p: self._slots[p].arrival)  # stable: unseen ones last, in order
+        bucket: list[Tensor] = []
+        bucket_bytes = 0
+        events = []
+        for p in ordered:
+            bucket.append(p)
+            bucket_bytes += p.numel() * p.element_size()
+            if bucket_bytes >= self.config.bucket_bytes:
+                events += self._update_bucket(bucket, where, scale)
+                bucket, bucket_bytes = [], 0
+        if bucket:
+            events += self._update_bucket(bucket, where, scale)
+        # The next forward waits for the parameters on the device, the host does not wait at all.
+        for device, event in events:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def _update_bucket(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Optional[Tensor]) -> list:
+        opt = self.optimizer
+        by_group: dict[int, list[tuple[_Slot, Tensor]]] = {}
+        for p in params:
+            slot = self._slots[p]
+            grad = self._ready(slot, where[p])
+            if grad is not None:
+                by_group.setdefault(where[p][0], []).append((slot, grad))
+        events = []
+        for gi, members in by_group.items():
+            group = opt.param_groups[gi]
+            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, outputs = [], [], [], [], [], [], []
+            to_device: list[_Slot] = []
+            for slot, grad in members:
+                p = slot.param
+                state = opt.state[p]
+                if len(state) == 0:
+                    state.update(opt._init_state(p, group))
+                master = state.get(MASTER_KEY, p)
+                if master.shape != p.shape:
+                    raise RuntimeError(
+                        f"{opt._describe(group, where[p][1])} changed shape under the optimizer: "
+                        f"state has {tuple(master.shape)}, the parameter is {tuple(p.shape)}"
+                    )
+                if scale is not None:
+                    # torch's fused AdamW divides the (upcast) gradient by the scale; a new tensor keeps the gradient.
+                    grad = torch.div(grad.to(master.dtype), scale)
+                masters.append(master)
+                grads.append(grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                if group["amsgrad"]:
+                    if "max_exp_avg_sq" not in state:
+                        state["max_exp_avg_sq"] = opt._host_empty(p.shape, master.dtype)
+                    max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+                steps.append(state["step"])
+                if master is p:
+                    outputs.append(None)
+                elif not slot.on_device:
+                    outputs.append(p.data)  # a bf16/fp16 host parameter receives round(master)
+                else:
+                    if slot.h2d_event is not None:
+                        slot.h2d_event.synchronize()  # the previous copy out of staging has ended
+                    outputs.append(slot.staging)
+                    to_device.append(slot)
+            beta1, beta2 = group["betas"]
+            hp = kernel.StepHyper(
+                lr=group["lr"],
+                beta1=_scalar(beta1),
+                beta2=_scalar(beta2),
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                amsgrad=group["amsgrad"],
+                maximize=group["maximize"],
+            )
+            kernel.adamw_update_(
+                masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp,
+                model_params=outputs,
+                impl="for_loop" if group.get("fused") is False else "fused",
+            )
+            events += self._send_back(to_device)
+        return events
+
+    def _send_back(self, slots: list[_Slot]) -> list:
+        """Updated parameters host -> device, non-blocking; one event per device for the bucket."""
+        by_device: dict[torch.device, list[_Slot]] = {}
+        for s in slots:
+            by_device.setdefault(s.param.device, []).append(s)
+        events = []
+        for device, members in by_device.items():
+            if device.type != "cuda":
+                for s in members:  # another accelerator without streams here: a plain copy
+                    s.param.copy_(s.staging)
+                continue
+            stream = self._stream(device, "h2d")
+            with torch.cuda.stream(stream):
+                for s in members:
+                    s.param.copy_(s.staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            for s in members:
+                s.h2d_event = event
+            events.append((device, event))
+        return events
+
+
+def _scalar(x: Any) -> Any:
+    return x.item() if isinstance(x, Tensor) and x.numel() == 1 else x
+
+
+class OffloadGradScaler(torch.amp.GradScaler):
+    """A drop-in ``torch.amp.GradScaler`` that also sees gradients living only in host memory.
+
+    With ``OffloadAdamW(..., offload_gradients=True)`` the device gradients are
+    freed during backward, so torch's GradScaler finds nothing to unscale or
+    check. This subclass hands the unscale-and-check of such an optimizer to the
+    optimizer's host gradients (the same ``_amp_foreach_non_finite_check_and_unscale_``
+    op, on the same values); for every other optimizer it is torch's GradScaler.
+    ``scaler.unscale_(opt)`` before clipping, ``scaler.step(opt)`` with the
+    found_inf skip and ``scaler.update()`` work unchanged.
+    """
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
+        pipeline = getattr(optimizer, "_pipeline", None)
+        if pipeline is None or not pipeline.offload_gradients:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        return pipeline.unscale_(inv_scale, found_inf, allow_fp16)
