@@ -252,9 +252,12 @@ class Harness:
         """The candidate's separate master copy of ``p``, or None when it keeps none (or hides it)."""
         getter = getattr(opt, "master_param", None)
         if callable(getter):
-            m = getter(p)
-            if isinstance(m, Tensor) and m is not p and m.data_ptr() != p.data_ptr():
-                return m
+            # A master is a tensor the optimizer keeps: asked twice, it answers with the same
+            # storage. A getter that returns a fresh converted copy (no master kept) does not.
+            first, second = getter(p), getter(p)
+            if (isinstance(first, Tensor) and isinstance(second, Tensor) and first.data_ptr() == second.data_ptr()
+                    and first.data_ptr() != p.data_ptr()):
+                return first
             return None
         state = getattr(opt, "state", None)
         try:

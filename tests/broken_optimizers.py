@@ -1,0 +1,395 @@
+"""Deliberately broken AdamW optimizers, each breaking exactly one clause of the contract.
+
+``TextbookAdamW`` is a correct AdamW written out per tensor (float32 moments, a float32
+master for low-precision parameters, name-matched loading inherited from OffloadAdamW),
+with one overridable method per part of the rule. Each broken class overrides one of
+them the way a hand edit might. ``BROKEN`` maps each class to the clause that must flag
+it; the conformance tests check that clause fails and no other one does.
+
+``SplitBetaAdamW`` is not broken: it is a correct AdamW with another signature
+(``beta1``/``beta2``, ``epsilon``, ``wd``, ``correct_bias=False`` by default as some
+older libraries had), to be driven through the checker's hyperparameter mapping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from offload_adamw import OffloadAdamW
+
+
+@dataclass(frozen=True)
+class GroupHyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+
+
+class TextbookAdamW(OffloadAdamW):
+    """Correct AdamW, one readable per-tensor loop; every part can be overridden."""
+
+    # ---- parts of the rule (the broken classes override exactly one)
+
+    def group_hyper(self, group: dict[str, Any]) -> GroupHyper:
+        beta1, beta2 = group["betas"]
+        return GroupHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
+
+    def skips_group(self, hp: GroupHyper) -> bool:
+        return False
+
+    def gradient_of(self, p: Tensor) -> Optional[Tensor]:
+        return p.grad
+
+    def ignores_gradient(self, grad: Tensor) -> bool:
+        return False
+
+    def state_dtype(self, p: Tensor) -> torch.dtype:
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+    def keeps_master(self, p: Tensor) -> bool:
+        return not (p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64))
+
+    def begin_step(self) -> None:
+        pass
+
+    def advance_step(self, state: dict[str, Any]) -> int:
+        state["step"] += 1
+        return int(state["step"].item())
+
+    def decay_before(self, theta: Tensor, hp: GroupHyper) -> None:
+        theta.mul_(1 - hp.lr * hp.weight_decay)
+
+    def decay_after(self, theta: Tensor, hp: GroupHyper) -> None:
+        pass
+
+    def moment_gradient(self, grad: Tensor, theta: Tensor, hp: GroupHyper) -> Tensor:
+        return grad
+
+    def second_moment_for_denominator(self, state: dict[str, Any], hp: GroupHyper) -> Tensor:
+        if hp.amsgrad:
+            torch.maximum(state["max_exp_avg_sq"], state["exp_avg_sq"], out=state["max_exp_avg_sq"])
+            return state["max_exp_avg_sq"]
+        return state["exp_avg_sq"]
+
+    def bias_corrections(self, t: int, hp: GroupHyper) -> tuple[float, float]:
+        return 1 - hp.beta1**t, 1 - hp.beta2**t
+
+    def move(self, theta: Tensor, m: Tensor, v: Tensor, t: int, hp: GroupHyper) -> None:
+        c1, c2 = self.bias_corrections(t, hp)
+        denom = (v.sqrt() / math.sqrt(c2)).add_(hp.eps)  # eps outside the root
+        theta.addcdiv_(m, denom, value=-hp.lr / c1)
+
+    # ---- the loop
+
+    def new_state(self, p: Tensor, hp: GroupHyper) -> dict[str, Any]:
+        dtype = self.state_dtype(p)
+        state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32)}
+        state["exp_avg"] = torch.zeros(p.shape, dtype=dtype)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype)
+        if hp.amsgrad:
+            state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype)
+        if self.keeps_master(p):
+            state["master_param"] = p.detach().to("cpu", dtype).clone()
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.begin_step()
+        for group in self.param_groups:
+            hp = self.group_hyper(group)
+            if self.skips_group(hp):
+                continue
+            for p in group["params"]:
+                grad = self.gradient_of(p)
+                if grad is None or self.ignores_gradient(grad):
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(self.new_state(p, hp))
+                theta = state.get("master_param", p)
+                g = grad.to(state["exp_avg"].dtype)
+                if hp.maximize:
+                    g = -g
+                t = self.advance_step(state)
+                g_m = self.moment_gradient(g, theta, hp)
+                self.decay_before(theta, hp)
+                state["exp_avg"].lerp_(g_m, 1 - hp.beta1)
+                state["exp_avg_sq"].mul_(hp.beta2).addcmul_(g_m, g_m, value=1 - hp.beta2)
+                v = self.second_moment_for_denominator(state, hp)
+                if theta.dtype == state["exp_avg"].dtype:
+                    self.move(theta, state["exp_avg"], v, t, hp)
+                else:  # a low-precision theta updated in place (no master): the rounding happens here
+                    wide = theta.to(state["exp_avg"].dtype)
+                    self.move(wide, state["exp_avg"], v, t, hp)
+                    theta.copy_(wide)
+                self.decay_after(theta, hp)
+                if theta is not p:
+                    p.copy_(theta)
+        return loss
+
+
+# ----------------------------------------------------------------------------- clause 1
+
+class EpsInsideRoot(TextbookAdamW):
+    """sqrt(v_hat + eps) instead of sqrt(v_hat) + eps."""
+
+    def move(self, theta, m, v, t, hp):
+        c1, c2 = self.bias_corrections(t, hp)
+        theta.addcdiv_(m, (v / c2 + hp.eps).sqrt(), value=-hp.lr / c1)
+
+
+class NoBiasCorrection(TextbookAdamW):
+    """m / (sqrt(v) + eps) without 1 - beta**t."""
+
+    def bias_corrections(self, t, hp):
+        return 1.0, 1.0
+
+
+class EpsNotRescaled(TextbookAdamW):
+    """The rearranged form lr*sqrt(c2)/c1 * m / (sqrt(v) + eps) that forgets to scale eps by sqrt(c2)."""
+
+    def move(self, theta, m, v, t, hp):
+        c1, c2 = self.bias_corrections(t, hp)
+        theta.addcdiv_(m, v.sqrt().add_(hp.eps), value=-hp.lr * math.sqrt(c2) / c1)
+
+
+class AmsgradIgnored(TextbookAdamW):
+    """Accepts amsgrad=True and keeps max_exp_avg_sq, but divides by the current v."""
+
+    def second_moment_for_denominator(self, state, hp):
+        if hp.amsgrad:
+            torch.maximum(state["max_exp_avg_sq"], state["exp_avg_sq"], out=state["max_exp_avg_sq"])
+        return state["exp_avg_sq"]
+
+
+# ----------------------------------------------------------------------------- clauses 2, 3
+
+class L2InGradient(TextbookAdamW):
+    """Adam with L2: weight_decay * theta is added to the gradient, no decoupled decay."""
+
+    def moment_gradient(self, grad, theta, hp):
+        return grad + hp.weight_decay * theta.to(grad.dtype)
+
+    def decay_before(self, theta, hp):
+        pass
+
+
+class DecayAfterUpdate(TextbookAdamW):
+    """Decoupled decay, but applied to the updated value."""
+
+    def decay_before(self, theta, hp):
+        pass
+
+    def decay_after(self, theta, hp):
+        theta.mul_(1 - hp.lr * hp.weight_decay)
+
+
+# ----------------------------------------------------------------------------- clause 4
+
+class SharedStepCounter(TextbookAdamW):
+    """One step count for the whole optimizer (1 + the largest count), written to every updated tensor."""
+
+    def begin_step(self):
+        counts = [float(s["step"]) for s in self.state.values() if "step" in s]
+        self._call_step = int(max(counts, default=0.0)) + 1
+
+    def advance_step(self, state):
+        state["step"].fill_(self._call_step)
+        return self._call_step
+
+
+class NoneGradAsZero(TextbookAdamW):
+    """A tensor whose grad is None is updated as if its gradient were zero."""
+
+    def gradient_of(self, p):
+        return torch.zeros_like(p) if p.grad is None else p.grad
+
+
+# ----------------------------------------------------------------------------- clauses 5, 6
+
+class ZeroGradSkipped(TextbookAdamW):
+    """An all-zero gradient is taken for 'no gradient' and the tensor is skipped."""
+
+    def ignores_gradient(self, grad):
+        return not bool(grad.any())
+
+
+class LrZeroSkipsStep(TextbookAdamW):
+    """A group with lr == 0 is skipped entirely (an early return that looked harmless)."""
+
+    def skips_group(self, hp):
+        return hp.lr == 0
+
+
+# ----------------------------------------------------------------------------- clause 7
+
+class FirstGroupHyperparameters(TextbookAdamW):
+    """Every group is stepped with the hyperparameters of param_groups[0]."""
+
+    def group_hyper(self, group):
+        return super().group_hyper(self.param_groups[0])
+
+
+class LrFixedAtConstruction(TextbookAdamW):
+    """Uses the constructor's lr forever: schedulers and per-group lr are ignored."""
+
+    def group_hyper(self, group):
+        hp = super().group_hyper(group)
+        return GroupHyper(self.defaults["lr"], hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.amsgrad, hp.maximize)
+
+
+# ----------------------------------------------------------------------------- clause 8
+
+class MomentsInParamDtype(TextbookAdamW):
+    """What torch.optim.AdamW does for bf16 parameters: moments and theta in the parameter's dtype."""
+
+    def state_dtype(self, p):
+        return p.dtype
+
+    def keeps_master(self, p):
+        return False
+
+    def load_state_dict(self, state_dict):
+        # Loads as torch does for this layout: moments stay in the parameter's dtype, no master appears.
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            state.pop("master_param", None)
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(p.dtype)
+
+
+class NoMasterCopy(TextbookAdamW):
+    """float32 moments, but theta is updated in the parameter's own (bf16/fp16) dtype."""
+
+    def keeps_master(self, p):
+        return False
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            state.pop("master_param", None)  # the inherited loader adds one; this layout has none
+
+
+# ----------------------------------------------------------------------------- clauses 10, 11
+
+class StateResetOnLoad(TextbookAdamW):
+    """load_state_dict restores the groups and drops every tensor's state."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+
+
+class StateCastOnLoad(TextbookAdamW):
+    """Loading casts every state tensor to its parameter's dtype (torch's default load policy)."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            for key, value in list(state.items()):
+                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                    state[key] = value.to(p.dtype)
+
+
+class PositionalLoad(TextbookAdamW):
+    """Loading ignores the saved parameter names and matches states by position."""
+
+    def load_state_dict(self, state_dict):
+        groups = [{k: v for k, v in g.items() if k != "param_names"} for g in state_dict["param_groups"]]
+        super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
+
+
+# ----------------------------------------------------------------------------- clause 12
+
+class NoValidation(TextbookAdamW):
+    """Takes any hyperparameters: skips the constructor checks."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *, maximize=False, **_: Any):
+        self.nonfinite = "propagate"
+        self.skipped_steps = 0
+        self._pin_memory = False
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
+                    "maximize": maximize, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                    "decoupled_weight_decay": True}
+        torch.optim.Optimizer.__init__(self, params, defaults)
+
+
+# ----------------------------------------------------------------------------- clauses 13, 14
+
+class DeclaresSkipButPropagates(TextbookAdamW):
+    """Advertises nonfinite='skip' but never looks at the gradients' finiteness."""
+
+    def __init__(self, params, *args: Any, **kwargs: Any):
+        super().__init__(params, *args, **kwargs)
+        self.nonfinite = "skip"
+
+
+class AmpClaimIgnoresFoundInf(TextbookAdamW):
+    """Tells GradScaler it handles scaling itself (so GradScaler neither unscales nor skips), then ignores found_inf."""
+
+    _step_supports_amp_scaling = True
+
+
+# ----------------------------------------------------------------------------- another signature
+
+class SplitBetaAdamW(TextbookAdamW):
+    """A correct AdamW with the signature (lr, beta1, beta2, epsilon, wd, correct_bias) and those group keys."""
+
+    def __init__(self, params, lr=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-6, wd=0.0, correct_bias=False):
+        for name, value, ok in (("lr", lr, lr >= 0), ("beta1", beta1, 0 <= beta1 < 1), ("beta2", beta2, 0 <= beta2 < 1),
+                                ("epsilon", epsilon, epsilon >= 0), ("wd", wd, wd >= 0)):
+            if not ok:  # written so that NaN fails too
+                raise ValueError(f"invalid {name}: {value}")
+        self.nonfinite = "propagate"
+        self.skipped_steps = 0
+        self._pin_memory = False
+        defaults = {"lr": lr, "beta1": beta1, "beta2": beta2, "epsilon": epsilon, "wd": wd, "correct_bias": correct_bias,
+                    "amsgrad": False, "maximize": False}
+        torch.optim.Optimizer.__init__(self, params, defaults)
+
+    def group_hyper(self, group):
+        return GroupHyper(group["lr"], group["beta1"], group["beta2"], group["epsilon"], group["wd"], False, False)
+
+    def bias_corrections(self, t, hp):
+        group_flags = {g["correct_bias"] for g in self.param_groups}
+        return super().bias_corrections(t, hp) if all(group_flags) else (1.0, 1.0)
+
+
+SPLIT_BETA_MAPPING = {"betas": ["beta1", "beta2"], "eps": "epsilon", "weight_decay": "wd", "amsgrad": None, "maximize": None}
+
+#: broken class -> the one clause that must fail
+BROKEN: dict[type, int] = {
+    EpsInsideRoot: 1,
+    NoBiasCorrection: 1,
+    EpsNotRescaled: 1,
+    AmsgradIgnored: 1,
+    L2InGradient: 2,
+    DecayAfterUpdate: 3,
+    SharedStepCounter: 4,
+    NoneGradAsZero: 4,
+    ZeroGradSkipped: 5,
+    LrZeroSkipsStep: 6,
+    FirstGroupHyperparameters: 7,
+    LrFixedAtConstruction: 7,
+    MomentsInParamDtype: 8,
+    NoMasterCopy: 8,
+    StateResetOnLoad: 10,
+    StateCastOnLoad: 10,
+    PositionalLoad: 11,
+    NoValidation: 12,
+    DeclaresSkipButPropagates: 13,
+    AmpClaimIgnoresFoundInf: 14,
+}
