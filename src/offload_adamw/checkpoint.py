@@ -291,23 +291,31 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale(final: Path) -> None:
-    """Delete temporary directories that killed saves of ``final`` left behind."""
-    prefix_tmp = f".{final.name}{_TMP_TAG}"
-    prefix_prev = f".{final.name}{_PREV_TAG}"
-    final_complete = (final / COMMIT_FILE).exists()
-    for entry in final.parent.iterdir():
-        for prefix in (prefix_tmp, prefix_prev):
-            if not entry.name.startswith(prefix):
+def _remove_stale(parent: Path) -> None:
+    """Delete what killed saves left in ``parent``: temporaries of processes that no longer run.
+
+    A ``.NAME.tmp-PID-*`` directory is never the only complete copy of anything
+    (after an exchange it holds the replaced checkpoint), so it goes once its
+    writer is dead. A ``.NAME.prev-PID-*`` directory (no atomic exchange) may
+    be, so it goes only once ``NAME`` is complete again.
+    """
+    for entry in parent.iterdir():
+        name = entry.name
+        if not name.startswith("."):
+            continue
+        for tag in (_TMP_TAG, _PREV_TAG):
+            target, found, rest = name[1:].rpartition(tag)
+            if not found:
                 continue
-            if prefix == prefix_prev and not final_complete:
-                continue  # it may be the only complete copy
             try:
-                pid = int(entry.name[len(prefix):].split("-", 1)[0])
+                pid = int(rest.split("-", 1)[0])
             except ValueError:
-                continue
+                break
+            if tag == _PREV_TAG and not (parent / target / COMMIT_FILE).is_file():
+                break
             if pid != os.getpid() and not _pid_alive(pid):
                 shutil.rmtree(entry, ignore_errors=True)
+            break
 
 
 # ------------------------------------------------------------------- save
@@ -420,7 +428,7 @@ def save(
     meta_bytes = _dumps(meta)
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(final)
+    _remove_stale(final.parent)
     tmp = final.with_name(f".{final.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.mkdir()

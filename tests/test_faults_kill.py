@@ -1,0 +1,106 @@
+"""Training killed with SIGKILL at many points, then resumed, ends bitwise equal to an uninterrupted run.
+
+One worker process per mode (tests/_fault_worker.py) forks a real child per
+training run. Kill points are drawn (seeded) from the events of an
+uninterrupted reference run, half during saves (before/after every file
+write, fsync, rename, exchange, removal; torn files included) and half during
+steps (before/after backward and each kernel call); some runs are killed twice,
+and some are killed from outside after a random delay. Each run then resumes
+from its last complete checkpoint and finishes; its final checkpoint and model
+must equal the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from offload_adamw import checkpoint
+
+WORKER = Path(__file__).with_name("_fault_worker.py")
+KILLS = {"overwrite": 14, "series": 10}  # kill points per mode (24 in all), plus double and timer kills
+DOUBLE, TIMER = 2, 3
+
+
+@pytest.fixture
+def fast_dir(tmp_path):
+    """A directory in tmpfs where there is one: a SIGKILL keeps the page cache, so fsync's cost buys nothing here."""
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="offload-adamw-faults-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def assert_same_end_state(run_dir: Path, ref_dir: Path) -> None:
+    ref, got = ref_dir / "final", run_dir / "final"
+    meta_ref, meta_got = checkpoint.verify(ref), checkpoint.verify(got)
+    assert meta_got == meta_ref, f"{run_dir}: metadata (groups, scheduler, RNG, step) differs"
+    for name in (checkpoint.MODEL_FILE, checkpoint.OPTIMIZER_FILE, checkpoint.AUX_FILE):
+        a, b = load_file(str(got / name)), load_file(str(ref / name))
+        assert a.keys() == b.keys(), (run_dir, name)
+        for key in b:
+            assert same_bits(a[key], b[key]), f"{run_dir}: {name} {key} differs from the uninterrupted run"
+    a, b = load_file(str(run_dir / "final_model.safetensors")), load_file(str(ref_dir / "final_model.safetensors"))
+    for key in b:
+        assert same_bits(a[key], b[key]), f"{run_dir}: model value {key} differs"
+
+
+@pytest.mark.parametrize("mode", ["overwrite", "series"])
+def test_sigkill_anywhere_then_resume_is_bitwise_equal(fast_dir, mode):
+    result = subprocess.run(
+        [sys.executable, str(WORKER), "kills", str(fast_dir), mode, str(KILLS[mode]), str(DOUBLE), str(TIMER), "7"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    ref_dir = Path(report["reference"])
+    runs = report["runs"]
+
+    planned = [r for r in runs if r["plan"]]
+    killed_first = [r for r in planned if r["ends"][0] == {"kill_at": r["plan"][0], "timer_s": None, "ended": "signal", "signal": signal.SIGKILL}]
+    assert len(killed_first) == len(planned) == KILLS[mode] + DOUBLE, [r["ends"][0] for r in planned]
+    labels = [r["first_label"] for r in planned]
+    assert sum(label.startswith("save:") for label in labels) >= KILLS[mode] // 2
+    assert sum(label.startswith("step:") for label in labels) >= KILLS[mode] // 2
+    kills = 0
+    for r in runs:
+        run_dir = Path(r["dir"])
+        *faulted, last = r["ends"]
+        assert last["ended"] == "exit" and last["code"] == 0, (run_dir, r["ends"])
+        for end in faulted:
+            assert end["ended"] in ("signal", "exit"), (run_dir, end)  # a late timer or second kill may miss
+            assert end["ended"] == "exit" or end["signal"] == signal.SIGKILL
+            kills += end["ended"] == "signal"
+        assert_same_end_state(run_dir, ref_dir)
+        # Killed saves leave no temporary directories behind once a later save has run.
+        leftovers = [p.name for p in run_dir.rglob(".*")]
+        assert not leftovers, (run_dir, leftovers)
+    assert kills >= KILLS[mode] + DOUBLE
+
+    # Resumes really came from checkpoints (not only from scratch), including after a kill inside a save.
+    resumed = []
+    for r in planned:
+        starts = [json.loads(line)["from_step"] for line in (Path(r["dir"]) / "resumes.jsonl").read_text().splitlines()]
+        resumed.append(starts[-1])
+    assert any(step > 0 for step in resumed)
+    assert any(r["first_label"].startswith("save:") and s > 0 for r, s in zip(planned, resumed))
