@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
+from . import distributed as _distributed
 from . import kernel
 from . import preflight as _preflight
 
@@ -180,6 +181,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             "decoupled_weight_decay": True,
         }
         super().__init__(params, defaults)
+        # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed.py).
+        self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
 
     # ------------------------------------------------------------------ groups
 
@@ -255,6 +258,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # DCP's get/set_optimizer_state_dict call step() with zero grads and lr 0 only to allocate state: not an update.
+        state_only = _distributed.inside_dcp_state_init()
 
         # Fail early, with the figures, if the state about to be allocated cannot fit in host memory (preflight.py).
         fresh = [(g, i) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None and not self.state.get(p)]
@@ -297,8 +302,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if not grad.is_floating_point():
                     raise RuntimeError(f"gradient of {self._describe(group, index)} has dtype {grad.dtype}")
                 state = self.state[p]
+                # From here on p and grad are this rank's shards (themselves unless DTensors).
+                p, grad = _distributed.local_tensor(p), _distributed.local_grad(grad, p)
                 if len(state) == 0:
                     state.update(self._init_state(p, group))
+                if state_only:
+                    continue
                 master = state.get(MASTER_KEY, p)
                 if master.shape != p.shape:
                     raise RuntimeError(
@@ -353,8 +362,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         culprits = []
         for group in self.param_groups:
             for index, p in enumerate(group["params"]):
-                if p.grad is not None and not p.grad.is_sparse and not bool(torch.isfinite(p.grad).all()):
+                grad = None if p.grad is None else _distributed.local_tensor(p.grad)
+                if grad is not None and not grad.is_sparse and not bool(torch.isfinite(grad).all()):
                     culprits.append(self._describe(group, index))
+        # Shards: every rank must take the same decision, also when the bad values are on another rank.
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if _distributed.any_rank(bool(culprits), params) and not culprits:
+            culprits.append("a gradient shard held by another rank")
         return culprits
 
     # -------------------------------------------------------------- state_dict
@@ -405,6 +419,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         dtype = _state_dtype(p)
         for key, value in saved.items():
             if key == "step":
+                value = _distributed.local_tensor(value) if isinstance(value, Tensor) else value
                 step = value.detach().float().cpu().reshape(()) if isinstance(value, Tensor) else torch.tensor(float(value))
                 if not (step >= 0 and step == step.round()):
                     problems.append(f"{where}: step must be a non-negative whole number, got {step.item()}")
@@ -416,6 +431,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if tuple(value.shape) != tuple(p.shape):
                 problems.append(f"{where}: {key} has shape {tuple(value.shape)}, the parameter has {tuple(p.shape)}")
                 continue
+            value = _distributed.local_shard_of(value, p)  # this rank's piece of the (global) saved state
             if key in MOMENT_KEYS or key == MASTER_KEY:
                 if not value.is_floating_point():
                     problems.append(f"{where}: {key} has dtype {value.dtype}")
@@ -430,7 +446,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             problems.append(f"{where}: amsgrad is on but the state has no 'max_exp_avg_sq'")
         if saved and MASTER_KEY not in out and not _is_own_master(p):
             # A state_dict from torch.optim.AdamW has no master: the parameter's value is the best there is.
-            out[MASTER_KEY] = self._host_copy(p, dtype)
+            out[MASTER_KEY] = self._host_copy(_distributed.local_tensor(p), dtype)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -490,8 +506,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if MASTER_KEY not in state:
                     continue
                 if _is_own_master(p):
-                    p.copy_(state.pop(MASTER_KEY))  # a host float32 parameter is its own master
+                    _distributed.local_tensor(p).copy_(state.pop(MASTER_KEY))  # a host float32 parameter is its own master
                 else:
-                    p.copy_(state[MASTER_KEY])
+                    _distributed.local_tensor(p).copy_(state[MASTER_KEY])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
