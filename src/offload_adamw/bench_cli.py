@@ -94,7 +94,7 @@ def transformer_shapes(total: int) -> list[tuple[int, ...]]:
 
     Four decoder layers (attention q, k, v, o: d x d; MLP gate, up: f x d, down:
     d x f; two norms: d), a final norm, a tied embedding that takes what is left
-    (rows x d), and an odd-length vector of 1001 elements plus the remainder.
+    (rows x d), a vector of 1001 elements and one of the remainder (< d).
     """
     if total < 64:
         return [(total,)] if total > 0 else []
@@ -110,12 +110,11 @@ def transformer_shapes(total: int) -> list[tuple[int, ...]]:
     left = total - sum(math.prod(s) for s in shapes)
     if left < 0:  # too small for even the final norm
         return [(total,)]
-    odd = min(left, 1001)  # an odd-length vector, so that some tensor has a ragged SIMD tail
+    odd = min(left, 1001)  # odd-length vectors, so that some tensors have a ragged SIMD tail
     rows, rest = divmod(left - odd, d)
     if rows:
         shapes.insert(0, (rows, d))
-    if odd + rest:
-        shapes.append((odd + rest,))
+    shapes += [(n,) for n in (odd, rest) if n]
     return shapes
 
 

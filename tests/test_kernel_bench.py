@@ -1,0 +1,97 @@
+"""The benchmark's plumbing (not its numbers): workload shapes, the bandwidth probe, the CLI end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from offload_adamw import cli
+from offload_adamw.bandwidth import measure_host_bandwidth
+from offload_adamw.bench_cli import ALL_CASES, parse_size, transformer_shapes
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 2**31))
+def test_transformer_shapes_sum_to_the_requested_size(total):
+    shapes = transformer_shapes(total)
+    assert sum(math.prod(s) for s in shapes) == total
+    assert all(math.prod(s) > 0 for s in shapes)
+
+
+def test_transformer_shapes_are_a_mix():
+    shapes = transformer_shapes(16 * 2**20)
+    assert len(shapes) > 30
+    assert any(len(s) == 1 for s in shapes) and any(len(s) == 2 for s in shapes)
+    assert any(math.prod(s) % 16 for s in shapes)  # some tensor has a ragged SIMD tail
+
+
+@pytest.mark.parametrize("text,value", [("16M", 16 * 2**20), ("64K", 65536), ("1G", 2**30), ("1000", 1000), ("1.5M", 3 * 2**19)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-5M"])
+def test_parse_size_rejects(text):
+    with pytest.raises(Exception, match="size"):
+        parse_size(text)
+
+
+def test_bandwidth_probe_reports_gbps():
+    result = measure_host_bandwidth(elements=2**20, repeats=2)
+    for key in ("triad_gbps", "inplace_triad_gbps", "triad_gbps_median", "inplace_triad_gbps_median"):
+        assert 0.1 < result[key] < 10_000, (key, result[key])
+    assert result["triad_gbps"] >= result["triad_gbps_median"]
+    assert result["bytes_per_array"] == 4 * 2**20
+
+
+def test_bandwidth_probe_restores_thread_count():
+    import torch
+
+    before = torch.get_num_threads()
+    measure_host_bandwidth(elements=2**16, repeats=1, threads=1)
+    assert torch.get_num_threads() == before
+
+
+def test_bench_cli_end_to_end(tmp_path, capsys):
+    """The `offload-adamw bench` entry point, in process (a subprocess would spend its time importing torch)."""
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    cases = "ours-fp32,ours-bf16,torch-fused-fp32,torch-naive-bf16"
+    status = cli.main(["bench", "--sizes", "64K", "--repeats", "2", "--cases", cases,
+                       "--bandwidth-elements", "1M", "--json", str(json_path), "--plot", str(png_path)])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "targets (issue #4)" in out and "in-place triad" in out
+    result = json.loads(json_path.read_text())
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (size,) = result["sizes"]
+    assert size["elements"] == 65536 and set(size["cases"]) == set(cases.split(","))
+    for row in size["cases"].values():
+        assert len(row["ms_all"]) == 2 and row["ms_per_step"] > 0
+        assert row["effective_gbps"] == pytest.approx(28 * 65536 / (row["ms_per_step"] / 1e3) / 1e9)
+    assert {t["target"].split(" ")[0] for t in result["targets"]} == {"ours-bf16", "ours-fp32"}
+
+
+def test_bench_cli_rejects_an_unknown_case():
+    with pytest.raises(SystemExit, match="nope.*" + ALL_CASES[0]):
+        cli.main(["bench", "--cases", "nope"])
+
+
+def test_bench_script_is_the_same_command(capsys):
+    """benchmarks/step_bench.py parses the same options and runs the same code."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_bench.py"
+    spec = importlib.util.spec_from_file_location("step_bench", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--sizes", "--repeats", "--json", "--plot", "--quick", "--cases"):
+        assert option in out
+    assert module.bench_cli is cli.importlib.import_module("offload_adamw.bench_cli")
