@@ -1,0 +1,226 @@
+"""The conformance checker on real optimizers: torch's AdamW (three implementations),
+OffloadAdamW, a correct textbook AdamW, and a table of optimizers each broken in one way.
+
+Every candidate is checked once (module-scoped fixtures); the tests read the reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+import broken_optimizers as broken  # noqa: E402
+
+from offload_adamw import OffloadAdamW  # noqa: E402
+from offload_adamw.conformance import CLAUSES, CandidateLoadError, check, load_candidate  # noqa: E402
+from offload_adamw.conformance_harness import HyperMapping, NotApplicable, Tolerance, compare  # noqa: E402
+
+ALL = [c.number for c in CLAUSES]
+# The table of broken optimizers skips clause 15 (a timing, info only, never judged).
+JUDGED = [n for n in ALL if n != 15]
+PLACEMENT = "info" if torch.cuda.is_available() else "n/a"
+
+TORCH_IMPLS = {
+    "for_loop": {"foreach": False, "fused": False},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+}
+
+
+def torch_adamw(impl: str):
+    options = TORCH_IMPLS[impl]
+
+    def factory(params, **hyper):
+        return torch.optim.AdamW(params, **hyper, **options)
+
+    factory.__qualname__ = f"torch.optim.AdamW[{impl}]"
+    return factory
+
+
+@pytest.fixture(scope="module")
+def torch_reports():
+    return {impl: check(torch_adamw(impl)) for impl in TORCH_IMPLS}
+
+
+@pytest.fixture(scope="module")
+def offload_report():
+    return check(OffloadAdamW)
+
+
+@pytest.fixture(scope="module")
+def broken_reports():
+    classes = [broken.TextbookAdamW, *broken.BROKEN]
+    return {cls: check(cls, clauses=JUDGED) for cls in classes}
+
+
+def verdicts(report) -> dict[int, str]:
+    return {r.number: r.verdict for r in report.results}
+
+
+# ----------------------------------------------------------------------------- real optimizers
+
+@pytest.mark.parametrize("impl", list(TORCH_IMPLS))
+def test_torch_adamw_fails_precision_and_name_mapping_only(torch_reports, impl):
+    report = torch_reports[impl]
+    got = verdicts(report)
+    expected = {n: "pass" for n in ALL}
+    expected.update({8: "fail", 9: PLACEMENT, 11: "fail", 13: "info", 15: "info"})
+    assert got == expected, report.to_table()
+    # Clause 8: torch keeps bf16 moments for bf16 parameters, and says so in the detail.
+    precision = report.result(8)
+    assert "state dtypes ['bfloat16']" in precision.detail and "master copy: no" in precision.detail
+    assert precision.deviation > 0.1  # weight decay and small updates vanish: far beyond one bf16 ulp
+    # Clause 11: order-based loading hands one tensor's moments to the other.
+    assert "silently" in report.result(11).detail and report.result(11).deviation > 1e-3
+    assert "behaviour: propagate" in report.result(13).detail
+    assert report.result(15).deviation > 0  # the ratio to torch's fused AdamW
+
+
+def test_offload_adamw_passes_every_clause(offload_report):
+    got = verdicts(offload_report)
+    expected = {n: "pass" for n in ALL}
+    expected.update({9: PLACEMENT, 15: "info"})
+    assert got == expected, offload_report.to_table()
+    assert offload_report.failed == []
+    # Clause 13 is judged against the policy OffloadAdamW advertises (nonfinite="propagate").
+    assert "advertised" in offload_report.result(13).detail
+    assert "master copy: yes" in offload_report.result(8).detail
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_offload_nonfinite_policies_are_kept(policy):
+    report = check(OffloadAdamW, kwargs={"nonfinite": policy}, clauses=[13])
+    assert report.result(13).verdict == "pass", report.result(13).detail
+    assert f"behaviour: {policy};" in report.result(13).detail
+
+
+def test_a_declared_policy_the_candidate_does_not_keep_fails():
+    report = check(torch.optim.AdamW, nonfinite_policy="skip", clauses=[13])
+    assert report.result(13).verdict == "fail"
+    assert "behaviour: propagate" in report.result(13).detail
+
+
+def test_offload_adamw_on_bf16_parameters_passes():
+    report = check(OffloadAdamW, dtype="bf16", clauses=[n for n in JUDGED if n != 8])
+    assert report.failed == [], report.to_table()
+    assert report.dtype == "bfloat16"
+
+
+# ----------------------------------------------------------------------------- the broken table
+
+def test_textbook_base_passes_every_judged_clause(broken_reports):
+    report = broken_reports[broken.TextbookAdamW]
+    assert report.failed == [], report.to_table()
+
+
+@pytest.mark.parametrize("cls", list(broken.BROKEN), ids=lambda c: c.__name__)
+def test_each_broken_optimizer_is_flagged_by_its_clause_only(broken_reports, cls):
+    report = broken_reports[cls]
+    clause = broken.BROKEN[cls]
+    assert [r.number for r in report.failed] == [clause], report.to_table()
+    flagged = report.result(clause)
+    assert "raised" not in flagged.detail  # flagged by a measurement, not by a crash
+    assert flagged.deviation is None or flagged.deviation > 1e-4
+
+
+# ----------------------------------------------------------------------------- a candidate that crashes
+
+class CrashingStep(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def step(self, closure=None):
+        raise RuntimeError("kaboom in step")
+
+
+def failing_constructor(params, **hyper):
+    raise TypeError("this factory builds nothing")
+
+
+def test_a_candidate_that_raises_fails_clauses_and_never_crashes_the_checker():
+    report = check(CrashingStep)
+    got = verdicts(report)
+    stepping = [n for n in ALL if n not in (9, 12)]
+    assert all(got[n] == "fail" for n in stepping), report.to_table()
+    assert all("kaboom in step" in report.result(n).detail for n in stepping)
+    assert "test_conformance.py" in report.result(1).detail  # the candidate's own line is shown
+    # Validation does not step, and this optimizer validates nothing: still a measured failure.
+    assert got[12] == "fail" and "accepted at construction" in report.result(12).detail
+    report = check(failing_constructor, clauses=[1, 11, 12])
+    assert [r.verdict for r in report.results] == ["fail", "fail", "pass"]
+    assert "this factory builds nothing" in report.result(1).detail
+
+
+# ----------------------------------------------------------------------------- API details
+
+def test_report_json_and_table(offload_report, torch_reports):
+    report = torch_reports["fused"]
+    data = json.loads(json.dumps(report.to_json()))
+    assert data["failed"] == [8, 11]
+    assert [r["number"] for r in data["results"]] == ALL
+    assert {r["verdict"] for r in data["results"]} <= {"pass", "fail", "n/a", "info"}
+    table = report.to_table()
+    for result in report.results:
+        assert result.name in table
+    assert "FAIL" in table and "FAIL" not in offload_report.to_table()
+
+
+def test_load_candidate_by_module_and_by_file(tmp_path):
+    assert load_candidate("torch.optim:AdamW") is torch.optim.AdamW
+    assert load_candidate("offload_adamw:OffloadAdamW") is OffloadAdamW
+    path = Path(broken.__file__)
+    assert load_candidate(f"{path}:SplitBetaAdamW").__name__ == "SplitBetaAdamW"
+    (tmp_path / "bad.py").write_text("raise ImportError('no luck')\n")
+    cases = {
+        "torch.optim": "expected 'module:Class'",
+        "no_such_module_xyz:Opt": "No module named",
+        "torch.optim:NoSuchOptimizer": "no attribute",
+        f"{tmp_path / 'missing.py'}:X": "no such file",
+        f"{tmp_path / 'bad.py'}:X": "no luck",
+        "math:pi": "not a class or factory",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(CandidateLoadError, match=message) as info:
+            load_candidate(spec)
+        assert spec in str(info.value)
+
+
+def test_mapping_is_validated_and_translates():
+    mapping = HyperMapping(names=broken.SPLIT_BETA_MAPPING, extra={"correct_bias": True})
+    values = {"lr": 0.1, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.01, "amsgrad": False, "maximize": False}
+    assert mapping.translate(values) == {"lr": 0.1, "beta1": 0.8, "beta2": 0.9, "epsilon": 1e-6, "wd": 0.01}
+    with pytest.raises(NotApplicable, match="amsgrad"):
+        mapping.translate({**values, "amsgrad": True})
+    for bad in ({"momentum": "m"}, {"betas": ["only_one"]}, {"lr": None}, {"eps": 3}):
+        with pytest.raises(ValueError, match="mapping"):
+            HyperMapping(names=bad)
+    with pytest.raises(ValueError, match="unknown clause"):
+        check(OffloadAdamW, clauses=[16])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=6),
+    rtol=st.sampled_from([1e-10, 1.3e-6, 2.0**-7]),
+    atol=st.sampled_from([1e-12, 1e-5]),
+    factor=st.floats(0.0, 4.0),
+)
+def test_compare_accepts_exactly_the_stated_tolerance(values, rtol, atol, factor):
+    expected = torch.tensor(values, dtype=torch.float64)
+    bound = atol + rtol * expected.abs()
+    actual = expected + factor * bound
+    ok, deviation = compare(actual, expected, Tolerance(rtol, atol))
+    assert ok == bool(((actual - expected).abs() <= bound).all())
+    assert compare(expected, expected, Tolerance(0.0, 0.0)) == (True, 0.0)
+    assert math.isclose(deviation, float(((actual - expected).abs() / expected.abs().clamp(min=1e-3)).max()), rel_tol=1e-9, abs_tol=1e-300)
+    nan_actual = expected.clone()
+    nan_actual[0] = math.nan
+    assert compare(nan_actual, expected, Tolerance(1.0, 1.0)) == (False, math.inf)
