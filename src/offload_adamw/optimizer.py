@@ -32,6 +32,7 @@ from torch.optim.optimizer import ParamsT
 
 from . import distributed as _distributed
 from . import kernel
+from . import offload as _offload
 from . import preflight as _preflight
 
 __all__ = ["OffloadAdamW", "StateDictMismatch"]
@@ -103,6 +104,17 @@ class OffloadAdamW(torch.optim.Optimizer):
       GradScaler's found_inf; ``"raise"`` raises FloatingPointError naming every
       offending parameter, before any state changes. ``skip`` and ``raise`` cost
       one extra read of the gradients.
+    * ``offload_gradients`` (default False): free each device gradient right
+      after backward's hook has started its copy to host memory; accumulation
+      over micro-batches then happens in host memory. ``p.grad`` stays None: use
+      ``gradient(p)``, ``clip_grad_norm_`` and :class:`OffloadGradScaler`.
+    * ``transfer_pipeline`` (default: on when a parameter lives on an
+      accelerator, or with ``offload_gradients``; never for DTensor parameters):
+      gradients go to exactly-sized pinned host buffers during backward, the step
+      runs bucket by bucket (``bucket_bytes`` of gradient each) and parameters
+      return non-blocking (offload.py). ``True`` with CPU parameters runs the
+      same pipeline with the CPU as device. With the pipeline the state is not
+      pinned unless ``pin_memory=True``: the pipeline's buffers carry the transfers.
     """
 
     def __init__(
@@ -121,6 +133,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         fused: Optional[bool] = None,
         pin_memory: Optional[bool] = None,
         nonfinite: str = "propagate",
+        offload_gradients: bool = False,
+        transfer_pipeline: Optional[bool] = None,
+        bucket_bytes: int = 32 << 20,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
         if isinstance(lr, Tensor):
@@ -183,6 +198,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
+        self._setup_pipeline(offload_gradients, transfer_pipeline, bucket_bytes, pin_memory)
 
     # ------------------------------------------------------------------ groups
 
@@ -249,6 +265,60 @@ class OffloadAdamW(torch.optim.Optimizer):
                     total += value.numel() * value.element_size()
         return total
 
+    # ------------------------------------------------------- transfer pipeline
+
+    def _setup_pipeline(self, offload_gradients: bool, transfer_pipeline: Optional[bool], bucket_bytes: int, pin_memory: Optional[bool]) -> None:
+        """The device path (offload.py): hooks, exactly-sized pinned buffers, streams, bucketed step."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        sharded = any(_distributed.is_dtensor(p) for p in params)
+        if transfer_pipeline is None:
+            transfer_pipeline = offload_gradients or any(p.device.type != "cpu" for p in params)
+            transfer_pipeline = transfer_pipeline and not sharded
+        if offload_gradients and not transfer_pipeline:
+            raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
+        if transfer_pipeline and sharded:
+            raise ValueError("the transfer pipeline does not handle DTensor (FSDP2) parameters; FSDP2 owns their gradients")
+        self._pipeline: Optional[_offload.GradientPipeline] = None
+        if not transfer_pipeline:
+            return
+        if pin_memory is None:
+            self._pin_memory = False  # the pipeline's own exact pinned buffers carry every transfer
+        self._pipeline = _offload.GradientPipeline(
+            self, _offload.PipelineConfig(offload_gradients=offload_gradients, bucket_bytes=bucket_bytes)
+        )
+        # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
+        self._step_supports_amp_scaling = True
+
+    @property
+    def offload_gradients(self) -> bool:
+        """Whether device gradients are freed after their copy to the host (the host buffer is then the gradient)."""
+        return self._pipeline is not None and self._pipeline.offload_gradients
+
+    def gradient(self, p: Tensor) -> Optional[Tensor]:
+        """The current gradient of ``p`` wherever it lives (the host buffer when device gradients are freed)."""
+        return p.grad if self._pipeline is None else self._pipeline.gradient(p)
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held for transfers (the pipeline's exactly-sized buffers, plus pinned state)."""
+        total = 0 if self._pipeline is None else self._pipeline.pinned_bytes()
+        for state in self.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor) and value.device.type == "cpu" and value.is_pinned():
+                    total += value.numel() * value.element_size()
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's zero_grad, for device gradients and for gradients held in host memory."""
+        if getattr(self, "_pipeline", None) is not None:
+            self._pipeline.zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (clipping.py)."""
+        from .clipping import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
     # -------------------------------------------------------------------- step
 
     @torch.no_grad()
@@ -265,6 +335,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         fresh = [(g, i) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None and not self.state.get(p)]
         if fresh:
             _preflight.check_host_memory(fresh, pin_memory=self._pin_memory)
+        if self._pipeline is not None and not state_only:  # device path: offload.py owns the order of work
+            self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
+            return loss
+
         if self.nonfinite != "propagate":
             culprits = self._nonfinite_gradients()
             if culprits and self.nonfinite == "raise":
