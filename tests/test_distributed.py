@@ -169,3 +169,26 @@ def test_plain_model_state_dict_has_no_dtensors():
         type(v) is torch.Tensor for state in sd["state"].values() for v in state.values() if isinstance(v, torch.Tensor)
     )
     assert sd["state"][0]["exp_avg"] is opt.state[next(iter(model.parameters()))]["exp_avg"]
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_train.py"
+
+
+def _torchrun(nproc: int, *args: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(EXAMPLE), "--json", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.slow
+def test_example_trains_saves_and_resumes_at_another_world_size(tmp_path):
+    """torchrun --nproc_per_node 2 examples/fsdp_train.py, then a resume of its checkpoint at world 1."""
+    ckpt = str(tmp_path / "ckpt")
+    first = _torchrun(2, "--steps", "12", "--save-every", "6", "--ckpt-dir", ckpt)
+    assert first["world"] == 2 and first["last_loss"] < first["first_loss"]
+    shares = [r["host_state_bytes"] / first["host_state_bytes_total"] for r in first["ranks"]]
+    assert all(abs(s - 0.5) < 0.01 for s in shares), shares
+    second = _torchrun(1, "--steps", "16", "--resume", "--ckpt-dir", ckpt)
+    assert second["steps"] == [12, 16] and second["world"] == 1
+    assert second["first_loss"] < first["first_loss"]  # it continued the trained model, not a fresh one
