@@ -1,0 +1,363 @@
+"""checkpoint.save / load: exact resume, name-verified loading, all-or-nothing, no pickle.
+
+The mismatch tests are a table of (checkpoint source, target) configurations
+crossed with two properties: strict loading raises one error naming every
+culprit and changes nothing; non-strict loading loads exactly what matches and
+leaves the rest as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from _fault_worker import Net, build, groups, train
+from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
+from offload_adamw.checkpoint import CheckpointError, CheckpointMismatch
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def snapshot(model, optimizer, scheduler=None) -> dict:
+    """Every tensor and value a load could change, copied (optimizer states by parameter name)."""
+    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    name = {id(p): n for n, p in model.named_parameters()}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            out[f"opt/{name[id(p)]}/{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
+    out["groups"] = repr([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    if scheduler is not None:
+        out["scheduler"] = repr(scheduler.state_dict())
+    out["rng"] = torch.get_rng_state().clone()
+    return out
+
+
+def assert_same(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if key.startswith(skip):
+            continue
+        if isinstance(a[key], torch.Tensor):
+            assert same_bits(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+# ------------------------------------------------------------------ resume
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, out_dtype):
+    model, optimizer, scheduler = build(out_dtype=out_dtype)
+    train(model, optimizer, scheduler, 3)
+    checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra={"epoch": 1})
+    train(model, optimizer, scheduler, 3)  # batches and dropout come from the RNG: it must be restored too
+    expected = snapshot(model, optimizer, scheduler)
+
+    model2, optimizer2, scheduler2 = build(seed=99, out_dtype=out_dtype)
+    report = checkpoint.load(tmp_path / "c", model2, optimizer2, scheduler2)
+    assert report.ok and report.step == 3 and report.extra == {"epoch": 1}
+    assert report.optimizer_restored and report.scheduler_restored and report.rng_restored
+    train(model2, optimizer2, scheduler2, 3)
+    assert_same(snapshot(model2, optimizer2, scheduler2), expected)
+
+
+def test_low_precision_parameters_are_stored_as_their_float32_masters(tmp_path):
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 2)
+    checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    stored = load_file(str(tmp_path / "c" / checkpoint.MODEL_FILE))
+    assert model.out.weight.dtype == torch.bfloat16
+    for name, p in model.named_parameters():
+        assert same_bits(stored[name], optimizer.master_param(p)), name
+    assert stored["out.weight"].dtype == torch.float32
+    assert not torch.equal(stored["out.weight"], model.out.weight.float())  # the master carries more bits
+    meta = json.loads((tmp_path / "c" / checkpoint.META_FILE).read_text())
+    assert meta["model"]["out.weight"]["dtype"] == "bfloat16"
+    opt_keys = set(load_file(str(tmp_path / "c" / checkpoint.OPTIMIZER_FILE)))
+    assert "out.weight::exp_avg" in opt_keys and "out.bias::max_exp_avg_sq" in opt_keys
+    assert not any(k.endswith("::master_param") for k in opt_keys)  # stored once, as the model entry
+
+
+def test_files_are_safetensors_and_json_and_load_never_unpickles(tmp_path, monkeypatch):
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 1)
+    path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra={"t": torch.arange(3), "pair": (1, 2.5)})
+    assert sorted(p.name for p in path.iterdir()) == sorted([*checkpoint.DATA_FILES, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE])
+    for name in (checkpoint.MODEL_FILE, checkpoint.OPTIMIZER_FILE, checkpoint.AUX_FILE):
+        with safe_open(str(path / name), "pt") as f:
+            assert f.metadata()["format"] == checkpoint.FORMAT
+    for name in (checkpoint.META_FILE, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE):
+        json.loads((path / name).read_text())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load must not unpickle")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    model2, optimizer2, scheduler2 = build(seed=1)
+    report = checkpoint.load(path, model2, optimizer2, scheduler2)
+    assert torch.equal(report.extra["t"], torch.arange(3)) and report.extra["pair"] == (1, 2.5)
+
+
+def test_unsaveable_objects_are_refused_before_the_disk_is_touched(tmp_path):
+    model, optimizer, scheduler = build()
+    with pytest.raises(CheckpointError, match="extra/callback"):
+        checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra={"callback": print})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_extra_and_rng_round_trip(tmp_path):
+    np = pytest.importorskip("numpy")
+    model, optimizer, scheduler = build()
+    extra = {"nested": [(1, "a"), {"k": None}], 3: "int key", "__x": 1.5, "inf": float("inf"), "t": torch.ones(2, dtype=torch.bfloat16)}
+    checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra=extra)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.rand(5), random.random(), np.random.rand()  # move every generator on
+    report = checkpoint.load(tmp_path / "c", model, optimizer, scheduler)
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+    extra_back = report.extra
+    assert extra_back["nested"] == [(1, "a"), {"k": None}] and extra_back[3] == "int key"
+    assert extra_back["__x"] == 1.5 and extra_back["inf"] == float("inf")
+    assert same_bits(extra_back["t"], extra["t"])
+
+
+def test_overwrite_needs_the_flag_and_leaves_no_temporaries(tmp_path):
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 1)
+    checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    train(model, optimizer, scheduler, 1)
+    with pytest.raises(CheckpointError, match="overwrite=True"):
+        checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    assert checkpoint.load(tmp_path / "c", build()[0], None).step == 1
+    checkpoint.save(tmp_path / "c", model, optimizer, scheduler, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    assert checkpoint.load(tmp_path / "c", build()[0], None).step == 2
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
+    def tied():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+        m[1].weight = m[0].weight
+        return m, OffloadAdamW(m.named_parameters(), lr=0.1)
+
+    model, optimizer = tied()
+    model(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    checkpoint.save(tmp_path / "c", model, optimizer)
+    meta = json.loads((tmp_path / "c" / checkpoint.META_FILE).read_text())
+    assert meta["aliases"] == {"1.weight": "0.weight"}
+    model2, optimizer2 = tied()
+    assert checkpoint.load(tmp_path / "c", model2, optimizer2).ok
+    assert model2[1].weight is model2[0].weight and torch.equal(model2[0].weight, model[0].weight)
+
+
+def test_generic_torch_optimizer_round_trip(tmp_path):
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        return m, torch.optim.AdamW(m.parameters(), lr=0.1)
+
+    model, optimizer = make()
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    checkpoint.save(tmp_path / "c", model, optimizer)
+    model2, optimizer2 = make()
+    checkpoint.load(tmp_path / "c", model2, optimizer2)
+    assert_same(snapshot(model2, optimizer2), snapshot(model, optimizer))
+
+
+# ----------------------------------------------------------- name matching
+
+
+class AB(torch.nn.Module):
+    """Two same-shape parameters registered in a given order: positions swap, names do not."""
+
+    def __init__(self, order: str):
+        super().__init__()
+        for name in order:
+            setattr(self, name, torch.nn.Parameter(torch.zeros(4)))
+
+
+def _stepped(order: str):
+    model = AB(order)
+    optimizer = torch.optim.AdamW(model.named_parameters(), lr=0.1)
+    model.a.grad, model.b.grad = torch.full((4,), 1.0), torch.full((4,), -3.0)
+    optimizer.step()
+    return model, optimizer
+
+
+def test_torch_adamw_state_dict_into_reordered_model_is_matched_by_name():
+    model, torch_opt = _stepped("ab")
+    state_dict = torch_opt.state_dict()
+    expected = {n: torch_opt.state[p]["exp_avg"] for n, p in model.named_parameters()}
+
+    reordered = AB("ba")
+    # torch matches by position: a's moments silently land on b. This is the hazard.
+    positional = torch.optim.AdamW(reordered.named_parameters())
+    positional.load_state_dict(state_dict)
+    assert torch.equal(positional.state[reordered.a]["exp_avg"], expected["b"])
+
+    offload = OffloadAdamW(reordered.named_parameters())
+    offload.load_state_dict(state_dict)
+    for name, p in reordered.named_parameters():
+        assert torch.equal(offload.state[p]["exp_avg"], expected[name]), name
+
+
+def test_torch_adamw_state_dict_with_other_names_is_refused_naming_both():
+    _, torch_opt = _stepped("ab")
+    renamed = torch.nn.Module()
+    renamed.a, renamed.c = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    offload = OffloadAdamW(renamed.named_parameters())
+    with pytest.raises(StateDictMismatch) as info:
+        offload.load_state_dict(torch_opt.state_dict())
+    assert "'b'" in str(info.value) and "'c'" in str(info.value)
+    assert len(offload.state) == 0
+
+
+def test_checkpoint_into_reordered_model_is_matched_by_name_even_without_param_names(tmp_path):
+    model = AB("ab")
+    optimizer = OffloadAdamW(model.parameters(), lr=0.1)  # no param_names: the checkpoint takes names from the model
+    model.a.grad, model.b.grad = torch.full((4,), 1.0), torch.full((4,), -3.0)
+    optimizer.step()
+    checkpoint.save(tmp_path / "c", model, optimizer)
+    reordered = AB("ba")
+    optimizer2 = OffloadAdamW(reordered.parameters(), lr=0.1)
+    checkpoint.load(tmp_path / "c", reordered, optimizer2)
+    for name in "ab":
+        assert torch.equal(optimizer2.state[getattr(reordered, name)]["exp_avg"], optimizer.state[getattr(model, name)]["exp_avg"])
+        assert torch.equal(getattr(reordered, name), getattr(model, name))
+
+
+# --------------------------------------------------------- mismatch table
+
+# name -> (source Net options, target Net options, target optimizer layout, expected report fields)
+CASES = {
+    "missing": ({}, {"extra": True}, "groups", {"missing": ["extra.bias", "extra.weight"]}),
+    "unexpected": ({"extra": True}, {}, "groups", {"unexpected": ["extra.bias", "extra.weight"]}),
+    "wrong_shape": ({}, {"hidden": 10}, "groups", {"wrong_shape": ["inp.bias", "inp.weight", "out.weight"]}),
+    "wrong_dtype": ({}, {"out_dtype": torch.float32}, "groups", {"wrong_dtype": ["out.bias", "out.weight"]}),
+    "moved_group": ({}, {}, "swap", {"group_mismatch": ["inp.bias"]}),
+    "group_count": ({}, {}, "single", {"group_mismatch": ["inp.bias", "out.bias"], "problem": "2 parameter group(s), the optimizer has 1"}),
+    "everything": (
+        {},
+        {"extra": True, "hidden": 10, "out_dtype": torch.float32},
+        "groups",
+        {"missing": ["extra.bias", "extra.weight"], "wrong_shape": ["inp.bias", "inp.weight", "out.weight"], "wrong_dtype": ["out.bias"]},
+    ),
+}
+
+
+def _target(net_options: dict, layout: str):
+    torch.manual_seed(42)
+    model = Net(**net_options)
+    if layout == "single":
+        params = [{"params": list(model.named_parameters()), "weight_decay": 0.3}]
+    else:
+        params = groups(model, swap=layout == "swap")
+    optimizer = OffloadAdamW(params, lr=5e-3, pin_memory=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5)
+    # The target has state of its own, which a refused load must keep.
+    x = torch.randn(5, 6)
+    model(x).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return model, optimizer, scheduler
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    out = {}
+    for extra in (False, True):
+        model, optimizer, scheduler = build(extra=extra)
+        train(model, optimizer, scheduler, 2)
+        out[extra] = checkpoint.save(root / f"extra-{extra}", model, optimizer, scheduler)
+    return out
+
+
+def _culprits(expected: dict) -> list[str]:
+    return sorted({n for key, names in expected.items() if key != "problem" for n in names})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_strict_mismatch_names_every_culprit_and_changes_nothing(sources, case):
+    source, target, layout, expected = CASES[case]
+    model, optimizer, scheduler = _target(target, layout)
+    before = snapshot(model, optimizer, scheduler)
+    with pytest.raises(CheckpointMismatch) as info:
+        checkpoint.load(sources[source.get("extra", False)], model, optimizer, scheduler)
+    message, report = str(info.value), info.value.report
+    for name in _culprits(expected):
+        assert repr(name) in message, (name, message)
+    if "problem" in expected:
+        assert expected["problem"] in message
+    for field in ("missing", "unexpected", "wrong_shape", "wrong_dtype", "group_mismatch"):
+        assert sorted(getattr(report, field)) == sorted(expected.get(field, [])), field
+    assert_same(snapshot(model, optimizer, scheduler), before)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_non_strict_loads_what_matches_and_keeps_the_rest(sources, case):
+    source, target, layout, expected = CASES[case]
+    path = sources[source.get("extra", False)]
+    model, optimizer, scheduler = _target(target, layout)
+    before = snapshot(model, optimizer, scheduler)
+    report = checkpoint.load(path, model, optimizer, scheduler, strict=False)
+    assert not report.ok and sorted(report.missing) == sorted(expected.get("missing", []))
+    stored = load_file(str(path / checkpoint.MODEL_FILE))
+    saved_states = load_file(str(path / checkpoint.OPTIMIZER_FILE))
+    # A parameter in another group still gets its model value; only its optimizer state stays.
+    bad = set(_culprits({k: v for k, v in expected.items() if k != "group_mismatch"}))
+    assert set(report.loaded) == set(stored) - bad - set(report.unexpected)
+    for name, value in model.state_dict().items():
+        if name in report.loaded:
+            assert same_bits(value, stored[name].to(value.dtype)), name  # bf16 = round-to-nearest of the master
+        else:
+            assert same_bits(value, before[f"model/{name}"]), name
+    loaded_groups = layout != "single"
+    for name, p in model.named_parameters():
+        state = optimizer.state[p]
+        if name in report.loaded and name not in report.group_mismatch and loaded_groups:
+            assert same_bits(state["exp_avg"], saved_states[f"{name}::exp_avg"]), name
+        else:
+            assert same_bits(state["exp_avg"], before[f"opt/{name}/exp_avg"]), name
+        assert same_bits(optimizer.master_param(p).to(p.dtype), p.detach()), name  # model and master agree
+
+
+def test_refusal_by_the_optimizer_itself_changes_nothing(tmp_path):
+    """Names and shapes all match, but a state is invalid: OffloadAdamW.load_state_dict refuses, nothing moves."""
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 1)
+    optimizer.state[model.inp.weight]["step"] = torch.tensor(-1.0)
+    checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    model2, optimizer2, scheduler2 = _target({}, "groups")
+    before = snapshot(model2, optimizer2, scheduler2)
+    with pytest.raises(CheckpointMismatch, match="step must be a non-negative whole number"):
+        checkpoint.load(tmp_path / "c", model2, optimizer2, scheduler2)
+    assert_same(snapshot(model2, optimizer2, scheduler2), before)
+
+
+def test_scheduler_mismatch_is_reported(tmp_path):
+    model, optimizer, scheduler = build()
+    checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    other = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
+    with pytest.raises(CheckpointMismatch, match="LambdaLR"):
+        checkpoint.load(tmp_path / "c", model, optimizer, other)
+    checkpoint.save(tmp_path / "no-sched", model, optimizer)
+    with pytest.raises(CheckpointMismatch, match="no scheduler state"):
+        checkpoint.load(tmp_path / "no-sched", model, optimizer, scheduler)
