@@ -383,10 +383,11 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if state_only:
                     continue
                 master = state.get(MASTER_KEY, p)
-                if master.shape != p.shape:
+                state_shape = state["exp_avg"].shape  # a float32 host parameter is its own master: check its moments
+                if master.shape != p.shape or state_shape != p.shape:
                     raise RuntimeError(
                         f"{self._describe(group, index)} changed shape under the optimizer: "
-                        f"state has {tuple(master.shape)}, the parameter is {tuple(p.shape)}"
+                        f"state has {tuple(state_shape)}, the parameter is {tuple(p.shape)}"
                     )
                 masters.append(master)
                 grads.append(grad if grad.device.type == "cpu" else grad.to("cpu"))
