@@ -23,7 +23,8 @@ happens to take a step. The pairs:
    place of the decay decides between s*theta0 - u and s*(theta0 - u).
 4. Tensors with grad None at some step calls vs. the same tensors stepped alone with only
    their real gradients.
-5. Explicit zero gradients vs. gradients of 1e-30 (the contract is continuous there).
+5. Explicit zero gradients vs. gradients of 1e-30 (the contract is continuous there;
+   float16 uses 2**-24 and eps 1e-2, so that the tiny gradient stays far below eps).
 6. lr = 0 vs. lr = 1e-20 for one step, then the same lr for both.
 7. Two parameter groups vs. two optimizers with one group each; and an LR schedule vs.
    a constant lr (with weight_decay 0 the displacement is proportional to lr).
@@ -324,9 +325,14 @@ def clause_step_count(ctx: Context) -> Finding:
 
 # ----------------------------------------------------------------------------- 5
 
-def _tiny(dtype: torch.dtype) -> float:
-    # A gradient small enough to change nothing measurable, yet not zero in the dtype.
-    return 2.0**-20 if dtype == torch.float16 else 1e-30
+def _tiny_and_eps(dtype: torch.dtype) -> tuple[float, float]:
+    """A gradient that is not zero in the dtype yet changes nothing measurable, and an eps far above it.
+
+    On a tensor whose moments are still zero the first update is g/(|g| + eps): the tiny
+    gradient must be far below eps, or it moves theta by a full step. float16 has nothing
+    below 2**-24, so its eps is raised to 1e-2.
+    """
+    return (2.0**-24, 1e-2) if dtype == torch.float16 else (1e-30, 1e-8)
 
 
 def clause_zero_grad(ctx: Context) -> Finding:
@@ -335,12 +341,12 @@ def clause_zero_grad(ctx: Context) -> Finding:
     theta0 = {n: random_values(40 + i, s, 0.5, 2.0) for i, (n, s) in enumerate(shapes.items())}
     real = [{n: random_values(400 + 10 * k + i, s, 0.1, 1.0) for i, (n, s) in enumerate(shapes.items())} for k in range(4)]
     zero_at = {"warm": (1, 2), "cold": (0, 1)}  # 'cold' starts with zero gradients (no state yet)
-    tiny = _tiny(ctx.dtype)
+    tiny, eps = _tiny_and_eps(ctx.dtype)
 
     def history(filler: Callable[[Tensor], Tensor]) -> list[dict[str, Tensor]]:
         return [{n: (filler(real[k][n]) if k in zero_at[n] else real[k][n]) for n in shapes} for k in range(4)]
 
-    values = hyper(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
+    values = hyper(lr=0.1, betas=(0.9, 0.999), eps=eps, weight_decay=_wd(ctx, 0.1))
     px, py = h.params(theta0, ctx.dtype), h.params(theta0, ctx.dtype)
     opt_x, opt_y = h.build(px, values), h.build(py, values)
     seen_x = h.run(opt_x, px, history(torch.zeros_like))
