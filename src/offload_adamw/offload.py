@@ -46,6 +46,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import mmap
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["PipelineConfig", "GradientPipeline", "HostArena", "OffloadGradScaler"]
 
 MASTER_KEY = "master_param"
+_PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +103,7 @@ class HostArena:
         self.buffers: list[Tensor] = []
         self.pinned_bytes = 0
         self.rounded_bytes = 0  # bytes requested through the rounding pinned allocator (fallback only)
+        self._raw: list[Tensor] = []  # page-aligned allocations whose registration lives as long as they do
         by_dtype: dict[torch.dtype, list[tuple[Any, torch.Size]]] = {}
         for key, shape, dtype in shapes:
             by_dtype.setdefault(dtype, []).append((key, shape))
@@ -114,19 +117,27 @@ class HostArena:
                 offset += n
 
     def _allocate(self, numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
-        buffer = torch.empty(numel, dtype=dtype)
-        nbytes = numel * buffer.element_size()
-        if pin and nbytes > 0:
-            try:
-                error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
-            except Exception:
-                error = -1
-            if error == 0:
-                weakref.finalize(buffer, _unregister, buffer.data_ptr())
-            else:
-                buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
-                self.rounded_bytes += nbytes
-            self.pinned_bytes += nbytes
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if not (pin and nbytes > 0):
+            buffer = torch.empty(numel, dtype=dtype)
+            self.buffers.append(buffer)
+            return buffer
+        # Register whole pages that belong to this buffer alone: two registrations may not share a page.
+        raw = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % _PAGE
+        span = -(-nbytes // _PAGE) * _PAGE
+        try:
+            error = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, span, 0))
+        except Exception:
+            error = -1
+        if error == 0:
+            weakref.finalize(raw, _unregister, raw.data_ptr() + start)
+            self._raw.append(raw)
+            buffer = raw[start : start + nbytes].view(dtype)
+        else:
+            buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self.rounded_bytes += nbytes
+        self.pinned_bytes += nbytes
         self.buffers.append(buffer)
         return buffer
 
@@ -545,7 +556,7 @@ class GradientPipeline:
                     s.param.copy_(s.staging)
                 continue
             stream = self._stream(device, "h2d")
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.no_grad():
                 for s in members:
                     s.param.copy_(s.staging, non_blocking=True)
             event = torch.cuda.Event()
