@@ -144,6 +144,11 @@ def test_overwrite_needs_the_flag_and_leaves_no_temporaries(tmp_path):
     checkpoint.save(tmp_path / "c", model, optimizer, scheduler, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
     assert checkpoint.load(tmp_path / "c", build()[0], None).step == 2
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "precious.txt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        checkpoint.save(tmp_path / "data", model, optimizer, scheduler, overwrite=True)
+    assert (tmp_path / "data" / "precious.txt").read_text() == "not a checkpoint"
 
 
 def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):

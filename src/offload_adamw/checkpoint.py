@@ -373,6 +373,11 @@ def save(
     final = Path(path).absolute()
     if final.exists() and not overwrite:
         raise CheckpointError(f"{final} exists; pass overwrite=True to replace it atomically")
+    if final.exists():
+        # overwrite=True replaces (and then deletes) only what a save could have written there.
+        ours = {*DATA_FILES, MANIFEST_FILE, COMMIT_FILE}
+        if not final.is_dir() or not {entry.name for entry in final.iterdir()} <= ours:
+            raise CheckpointError(f"{final} is not a checkpoint directory; refusing to replace it")
 
     # Gather everything first: an unsaveable object fails before the disk is touched.
     canonical, aliases, _ = _model_entries(model)
@@ -491,7 +496,11 @@ def verify(path: PathLike) -> dict[str, Any]:
     found = _sha256(manifest_path)
     if found != expected_manifest:
         raise CheckpointCorrupt(f"{manifest_path}: sha256 {found} does not match the commit marker ({expected_manifest})")
-    manifest = json.loads(manifest_path.read_bytes())
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+        manifest["files"].items()
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointCorrupt(f"{manifest_path}: malformed manifest ({exc!r})") from exc
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointCorrupt(f"{root}: format {manifest.get('format')!r} version {manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}")
     damaged = []
