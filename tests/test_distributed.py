@@ -38,6 +38,7 @@ CHECKS = [
     "state_dict_is_global",
     "dcp_resume",
     "checkpoint_metadata",
+    "bf16_masters",
     "ddp",
     "clipping",
     "nonfinite_skip",
