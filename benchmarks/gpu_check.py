@@ -351,7 +351,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="reduced run with the CPU as device (checks the script)")
-    parser.add_argument("--json", type=Path, default=Path("gpu_check.json"), help="where to write the results")
+    parser.add_argument("--json", type=Path, default=Path("bench-out/gpu_check.json"), help="where to write the results")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         cfg = cpu_smoke_sizes()
@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.device == "cuda":
         result["bandwidth"] = section("bandwidth", lambda: bandwidth(cfg, mem))
     result["total_seconds"] = time.perf_counter() - started
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, default=str))
     print(table(result))
     print(f"total {result['total_seconds']:.1f} s; JSON: {args.json}")

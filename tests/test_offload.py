@@ -282,12 +282,16 @@ def test_cuda_pipeline_matches_reference(dtype: torch.dtype, freed: bool) -> Non
     ref_opt = torch.optim.AdamW(copies, lr=1e-3, fused=True)
     assert opt._pipeline is not None
     exact = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert opt._pipeline.host_buffer_bytes()["gradients"] == exact
+    assert opt._pipeline.host_buffer_bytes() == {"gradients": exact, "parameter staging": exact}
+    assert opt.pinned_bytes() == 2 * exact, "page-locked bytes must be exact (no power-of-two rounding)"
+    assert all(a.rounded_bytes == 0 for a in opt._pipeline._arenas), "cudaHostRegister fell back to the pinned allocator"
     for step in range(10):
         for micro in range(2):
             x = torch.randn(8, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step * 7 + micro)).to(dtype)
             model(x).float().square().mean().backward()
             ref(x).float().square().mean().backward()
+            if freed:
+                assert all(p.grad is None for p in model.parameters())
         for c, q in zip(copies, ref.parameters()):
             c.grad = q.grad.float()
         opt.step()
@@ -323,3 +327,24 @@ def test_grad_scale_protocol_divides_as_fused_adamw() -> None:
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])
         assert torch.equal(opt.state[p]["step"], ref_opt.state[q]["step"])
+
+
+def test_gpu_check_cpu_smoke_runs(tmp_path) -> None:
+    """benchmarks/gpu_check.py --cpu-smoke: the accelerator check itself must not crash, and finds parity."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    out = tmp_path / "check.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--cpu-smoke", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert not result["errors"]
+    assert len(result["parity"]) == 4 and all(r["bitwise_vs_host_fused_adamw"] for r in result["parity"])
+    assert len(result["memory_time"]["runs"]) == 4
+    assert "bitwise vs host fused" in done.stdout
