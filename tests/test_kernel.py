@@ -244,3 +244,33 @@ def test_worker_threads_leave_the_process_thread_count_alone():
     before = torch.get_num_threads()
     _run_ours(Layout("t", ((1000,),)), torch.bfloat16, {}, "fused", BlockConfig(chunk_elements=128, threads=3))
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_worker_pool_survives_fork():
+    """A forked child (a DataLoader worker, say) gets its own pool instead of waiting on its parent's threads."""
+    import os
+
+    layout = Layout("f", ((1000,),))
+    config = BlockConfig(chunk_elements=128, threads=2)
+    _run_ours(layout, torch.bfloat16, {}, "fused", config)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # child: must finish and be exact; any failure becomes a non-zero exit
+        code = 1
+        try:
+            ours = _run_ours(layout, torch.bfloat16, {}, "fused", config)
+            _assert_bitwise(ours, _run_torch(layout, torch.bfloat16, {}, dict(fused=True)))
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = __import__("time").monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if __import__("time").monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the parent's worker pool")
+        __import__("time").sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -30,14 +30,22 @@ The step count is read-only inside the fused op (it reads ``step`` to form the
 bias corrections), so it is incremented once per tensor before the first chunk
 and every chunk of that tensor sees the same count.
 
-Threading: torch's intra-op threads (the default, ``threads=0``) parallelise
-each chunk's three operations; ``threads=N`` runs N Python worker threads that
-each own a share of the chunks and run torch single-threaded (torch releases
-the GIL inside its ops). See ``CHOICE`` below for which is the default and why.
+Threading (measured, ``offload-adamw bench --chunk-sweep``): by default
+``torch.get_num_threads()`` Python worker threads each take whole chunks from a
+shared queue and run torch single-threaded in them (torch releases the GIL
+inside its ops). The alternative, torch's intra-op threads splitting each of a
+chunk's three operations (``threads=0``), pays an OpenMP fork/join barrier per
+operation; on the 2-core machine measured, shared with other jobs, it was 25 to
+30 percent slower (64 Mi elements: 390 to 410 ms/step against 300 to 316 ms),
+because a barrier waits for the slowest thread and a descheduled thread stalls
+every chunk, while a queue of chunks just gives the other worker more of them.
+Worker threads set their own OpenMP team size to 1 once; the process-wide
+setting is restored right after.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,12 +64,15 @@ CHUNK_ALIGN = 64
 class BlockConfig:
     """How the blocked kernel walks memory."""
 
-    chunk_elements: int = 128 * 1024
+    chunk_elements: int = 256 * 1024
     """Elements per chunk of a mixed-dtype tensor (rounded down to a multiple of 64).
-    The working set that must stay cached between the three operations of a chunk is
-    the float32 gradient buffer and the master chunk, 8 bytes per element: 128 Ki
-    elements are 1 MiB, half of one core's 2 MiB L2 when the chunk is shared by two
-    threads. Measured with ``benchmarks/step_bench.py --chunk-sweep``."""
+    Between a chunk's three operations the float32 gradient buffer and the master
+    chunk must stay cached: 8 bytes per element, 2 MiB at 256 Ki elements, one core's
+    L2 on the machine measured (Xeon, 2 MiB L2 per core). Measured with
+    ``offload-adamw bench --chunk-sweep`` (bf16, 64 Mi elements, 2 threads, busy
+    machine): 128 Ki to 1 Mi elements form a plateau (300 to 316 ms/step with Python
+    workers); 16 Ki pays Python's per-chunk overhead (593 ms), 4 Mi spills the cache
+    (444 ms)."""
     threads: int = -1
     """-1: as many Python worker threads as ``torch.get_num_threads()`` (read at each call),
     each running whole chunks with torch single-threaded; 0: no workers, torch's intra-op
@@ -135,6 +146,17 @@ def _run_chunk(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, out, sta
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_size = 0
 _pool_lock = threading.Lock()
+
+
+def _forget_pool_after_fork() -> None:
+    # A forked child (e.g. a DataLoader worker) inherits the pool object but not its
+    # threads: submitting to it would wait forever. The child builds its own on demand.
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _single_threaded_worker_init() -> None:
