@@ -348,3 +348,19 @@ def test_gpu_check_cpu_smoke_runs(tmp_path) -> None:
     assert len(result["parity"]) == 4 and all(r["bitwise_vs_host_fused_adamw"] for r in result["parity"])
     assert len(result["memory_time"]["runs"]) == 4
     assert "bitwise vs host fused" in done.stdout
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_nonfinite_policy_sees_host_gradients(policy: str) -> None:
+    model = Mixed()
+    opt = OffloadAdamW(model.named_parameters(), transfer_pipeline=True, offload_gradients=True, nonfinite=policy)
+    model(_x(0)).backward()
+    opt.gradient(model.b.weight)[0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match="'b.weight'"):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.skipped_steps == 1
+    assert not opt.state and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
