@@ -10,5 +10,6 @@ from .clipping import clip_grad_norm_
 from .conformance import CandidateLoadError, check as check_conformance
 from .checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
 from .preflight import HostMemoryError
+from .bandwidth import measure_host_bandwidth
 
-__all__ = ["__version__", "OffloadAdamW", "StateDictMismatch", "plan", "predict_host_optimizer_bytes", "ModelConfig", "HardwareConfig", "TrainingConfig", "param_groups", "Rule", "ParamGroupError", "audit", "audit_state_dict", "AuditReport", "Finding", "OffloadGradScaler", "clip_grad_norm_", "check_conformance", "CandidateLoadError", "CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "LoadReport", "HostMemoryError"]
+__all__ = ["__version__", "OffloadAdamW", "StateDictMismatch", "plan", "predict_host_optimizer_bytes", "ModelConfig", "HardwareConfig", "TrainingConfig", "param_groups", "Rule", "ParamGroupError", "audit", "audit_state_dict", "AuditReport", "Finding", "OffloadGradScaler", "clip_grad_norm_", "check_conformance", "CandidateLoadError", "CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "LoadReport", "HostMemoryError", "measure_host_bandwidth"]
