@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -239,6 +240,25 @@ def check_state_dict_is_global(rank, mesh, measured, runs):
         assert opt.state[p]["exp_avg"].shape == p.to_local().shape
 
 
+def check_full_state_dict(rank, mesh, measured, runs):
+    """StateDictOptions(full_state_dict=True): consolidated on rank 0, then broadcast back into fresh shards."""
+    model, opt, _ = runs["fsdp_ours_fused"]
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(model, opt, options=options)
+    expected = full_states(model, opt)
+    if rank == 0:
+        for name, state in full["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state[key]
+                assert type(value) is torch.Tensor and torch.equal(value, expected[f"{name}.{key}"]), f"{name}.{key}"
+    fresh = sharded(9, mesh)
+    fresh_opt = offload_adamw(fresh, "fused")
+    set_optimizer_state_dict(
+        fresh, fresh_opt, full if rank == 0 else {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    assert diff(full_states(fresh, fresh_opt), expected)[0], "broadcast full state_dict did not land shard by shard"
+
+
 def check_bf16_masters(rank, mesh, measured, out: Path):
     """bf16 sharded parameters: float32 host masters per shard, saved as DTensors, bitwise one process.
 
@@ -447,6 +467,7 @@ def worker(rank: int, port: int, out: str, ckpt_w1: str | None) -> None:
     if shared["runs"] is not None:
         run("host_bytes", check_host_bytes, shared["runs"])
         run("state_dict_is_global", check_state_dict_is_global, shared["runs"])
+        run("full_state_dict", check_full_state_dict, shared["runs"])
     run("dcp_resume", check_dcp_resume, out_dir, Path(ckpt_w1) if ckpt_w1 else None)
     run("checkpoint_metadata", check_checkpoint_metadata, out_dir)
     run("bf16_masters", check_bf16_masters, out_dir)

@@ -36,6 +36,7 @@ CHECKS = [
     "fsdp_parity",
     "host_bytes",
     "state_dict_is_global",
+    "full_state_dict",
     "dcp_resume",
     "checkpoint_metadata",
     "bf16_masters",
