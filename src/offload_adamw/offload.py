@@ -458,6 +458,16 @@ class GradientPipeline:
             if culprits:
                 opt.skipped_steps += 1
                 return
+        if self.offload_gradients:
+            # OffloadAdamW.step's pre-flight looks at p.grad, which is None here: run it on the host gradients.
+            fresh = [
+                (opt.param_groups[gi], i) for p, (gi, i) in where.items()
+                if (self._slots[p].has_grad or p.grad is not None) and not opt.state.get(p)
+            ]
+            if fresh:
+                from . import preflight
+
+                preflight.check_host_memory(fresh, pin_memory=opt._pin_memory)
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
