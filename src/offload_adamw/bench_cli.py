@@ -562,7 +562,10 @@ def write_plot(result: dict, path: str) -> None:
     ax.set_xticklabels([f"{_fmt_size(s['elements'])} elements" for s in sizes])
     ax.set_ylabel("G elements / s (median)")
     ax.set_title(f"AdamW host step, {result['machine']['cpu']}, {result['machine']['torch_threads']} threads", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    top = max([s["inplace_triad_gbps"] / BYTES_PER_ELEMENT for s in sizes]
+              + [r["elements_per_s"] / 1e9 for s in sizes for r in s["cases"].values()])
+    ax.set_ylim(0, top * 1.45)  # room for the legend above the bars and the ceiling
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

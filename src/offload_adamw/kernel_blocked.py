@@ -35,10 +35,13 @@ Threading (measured, ``offload-adamw bench --chunk-sweep``): by default
 shared queue and run torch single-threaded in them (torch releases the GIL
 inside its ops). The alternative, torch's intra-op threads splitting each of a
 chunk's three operations (``threads=0``), pays an OpenMP fork/join barrier per
-operation; on the 2-core machine measured, shared with other jobs, it was 25 to
-30 percent slower (64 Mi elements: 390 to 410 ms/step against 300 to 316 ms),
-because a barrier waits for the slowest thread and a descheduled thread stalls
-every chunk, while a queue of chunks just gives the other worker more of them.
+operation. On the 2-core machine measured (64 Mi bf16 elements): while other
+jobs loaded it (load average 8) intra-op was 25 to 30 percent slower (390 to
+410 ms/step against 300 to 316 ms), because a barrier waits for the slowest
+thread and a descheduled thread stalls every chunk, while a queue of chunks just
+gives the other worker more of them; with the machine calmer (load average 2)
+intra-op was 2 to 4 percent faster (137 to 146 ms against 140 to 155 ms). The
+workers are the default for their robustness; ``threads=0`` is there to choose.
 Worker threads set their own OpenMP team size to 1 once; the process-wide
 setting is restored right after.
 """
@@ -64,15 +67,17 @@ CHUNK_ALIGN = 64
 class BlockConfig:
     """How the blocked kernel walks memory."""
 
-    chunk_elements: int = 256 * 1024
+    chunk_elements: int = 512 * 1024
     """Elements per chunk of a mixed-dtype tensor (rounded down to a multiple of 64).
-    Between a chunk's three operations the float32 gradient buffer and the master
-    chunk must stay cached: 8 bytes per element, 2 MiB at 256 Ki elements, one core's
-    L2 on the machine measured (Xeon, 2 MiB L2 per core). Measured with
-    ``offload-adamw bench --chunk-sweep`` (bf16, 64 Mi elements, 2 threads, busy
-    machine): 128 Ki to 1 Mi elements form a plateau (300 to 316 ms/step with Python
-    workers); 16 Ki pays Python's per-chunk overhead (593 ms), 4 Mi spills the cache
-    (444 ms)."""
+    What must stay cached between a chunk's three operations is the float32 gradient
+    buffer and the master chunk, 8 bytes per element: 4 MiB per worker at 512 Ki.
+    Measured (``offload-adamw bench --chunk-sweep``, bf16, 64 Mi elements, 2-core Xeon
+    with 2 MiB L2 per core): with 2 workers, ms/step falls from 16 Ki (202) through
+    64 Ki (164), 256 Ki (148) to a plateau at 512 Ki to 1 Mi (144, 140) and rises at
+    4 Mi (151); on one thread the optimum is 64 to 128 Ki (the chunk fits L2, the
+    narrowing then costs 0.33 ns/element instead of 0.56), but with two workers the
+    per-chunk Python work contends for the GIL and larger chunks win. 512 Ki is the
+    plateau's smaller end, so that the chunk stays within a few MiB of L3 per core."""
     threads: int = -1
     """-1: as many Python worker threads as ``torch.get_num_threads()`` (read at each call),
     each running whole chunks with torch single-threaded; 0: no workers, torch's intra-op
