@@ -254,12 +254,15 @@ def test_worker_pool_survives_fork():
     layout = Layout("f", ((1000,),))
     config = BlockConfig(chunk_elements=128, threads=2)
     _run_ours(layout, torch.bfloat16, {}, "fused", config)  # the parent's pool exists now
+    ref = _run_torch(layout, torch.bfloat16, {}, dict(fused=True))
     pid = os.fork()
     if pid == 0:  # child: must finish and be exact; any failure becomes a non-zero exit
         code = 1
         try:
-            ours = _run_ours(layout, torch.bfloat16, {}, "fused", config)
-            _assert_bitwise(ours, _run_torch(layout, torch.bfloat16, {}, dict(fused=True)))
+            # As DataLoader workers do: GNU OpenMP cannot run a parallel region in a child
+            # forked after the parent ran one, so the child's own intra-op work is serial.
+            torch.set_num_threads(1)
+            _assert_bitwise(_run_ours(layout, torch.bfloat16, {}, "fused", config), ref)
             code = 0
         finally:
             os._exit(code)
