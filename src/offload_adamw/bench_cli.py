@@ -38,6 +38,7 @@ case to case, which does not change the work done.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -374,6 +375,7 @@ def run_size(total: int, config: BenchConfig, bandwidth: dict, info: dict) -> di
             "step_extra_mib": max(extras[name]) / MIB if extras[name] else None,
         }
     del cases, w
+    gc.collect()  # optimizers hold reference cycles; free this size's arrays before the next
     return {
         "elements": n,
         "tensors": len(transformer_shapes(total)),
