@@ -206,3 +206,14 @@ def test_real_model_backward_bf16():
         for p, q in zip(model.parameters(), fp32):
             assert same_bits(opt.master_param(p), q)
             assert same_bits(p, q.to(torch.bfloat16))
+
+
+def test_a_bad_gradient_in_a_later_group_changes_nothing_in_earlier_groups():
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(2))
+    opt = OffloadAdamW([{"params": [("a", a)]}, {"params": [("b", b)]}], lr=0.1)
+    a.grad = torch.ones(3)
+    b.grad = torch.ones(2, dtype=torch.float32).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradients \\(parameter 'b'\\)"):
+        opt.step()
+    assert torch.equal(a, torch.ones(3)) and not opt.state, "the first group was not updated, no state was created"

@@ -330,7 +330,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         # DCP's get/set_optimizer_state_dict call step() with zero grads and lr 0 only to allocate state: not an update.
         state_only = _distributed.inside_dcp_state_init()
-
         # Fail early, with the figures, if the state about to be allocated cannot fit in host memory (preflight.py).
         fresh = [(g, i) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None and not self.state.get(p)]
         if fresh:
@@ -349,7 +348,11 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self.skipped_steps += 1
                 return loss
 
-        for group in self.param_groups:
+        # Check every gradient of every group before anything changes: an error names its
+        # parameter and leaves all state (and every other group) as it was.
+        work = [(group, self._gradients_to_apply(group)) for group in self.param_groups]
+
+        for group, entries in work:
             masters: list[Tensor] = []
             grads: list[Tensor] = []
             exp_avgs: list[Tensor] = []
@@ -359,22 +362,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             host_outputs: list[Optional[Tensor]] = []
             device_params: list[tuple[Tensor, Tensor]] = []
 
-            for index, p in enumerate(group["params"]):
-                grad = p.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError(
-                        f"OffloadAdamW does not support sparse gradients ({self._describe(group, index)}); "
-                        "use torch.optim.SparseAdam for sparse embeddings"
-                    )
-                if grad.shape != p.shape:
-                    raise RuntimeError(
-                        f"gradient of {self._describe(group, index)} has shape {tuple(grad.shape)}, "
-                        f"the parameter has {tuple(p.shape)}"
-                    )
-                if not grad.is_floating_point():
-                    raise RuntimeError(f"gradient of {self._describe(group, index)} has dtype {grad.dtype}")
+            for p, grad in entries:
                 state = self.state[p]
                 # From here on p and grad are this rank's shards (themselves unless DTensors).
                 p, grad = _distributed.local_tensor(p), _distributed.local_grad(grad, p)
@@ -383,12 +371,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if state_only:
                     continue
                 master = state.get(MASTER_KEY, p)
-                state_shape = state["exp_avg"].shape  # a float32 host parameter is its own master: check its moments
-                if master.shape != p.shape or state_shape != p.shape:
-                    raise RuntimeError(
-                        f"{self._describe(group, index)} changed shape under the optimizer: "
-                        f"state has {tuple(state_shape)}, the parameter is {tuple(p.shape)}"
-                    )
                 masters.append(master)
                 grads.append(grad if grad.device.type == "cpu" else grad.to("cpu"))
                 exp_avgs.append(state["exp_avg"])
@@ -432,6 +414,38 @@ class OffloadAdamW(torch.optim.Optimizer):
             for p, master in device_params:
                 p.copy_(master)
         return loss
+
+    def _gradients_to_apply(self, group: dict[str, Any]) -> list[tuple[Tensor, Tensor]]:
+        """(parameter, gradient) for every parameter of ``group`` with a gradient, checked, nothing changed."""
+        entries = []
+        for index, p in enumerate(group["params"]):
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"OffloadAdamW does not support sparse gradients ({self._describe(group, index)}); "
+                    "use torch.optim.SparseAdam for sparse embeddings"
+                )
+            if grad.shape != p.shape:
+                raise RuntimeError(
+                    f"gradient of {self._describe(group, index)} has shape {tuple(grad.shape)}, "
+                    f"the parameter has {tuple(p.shape)}"
+                )
+            if not grad.is_floating_point():
+                raise RuntimeError(f"gradient of {self._describe(group, index)} has dtype {grad.dtype}")
+            state = self.state.get(p)
+            if state:
+                local_shape = _distributed.local_tensor(p).shape
+                # A float32 host parameter is its own master: its moments tell the shape the state has.
+                state_shape = state["exp_avg"].shape
+                if state_shape != local_shape or state.get(MASTER_KEY, state["exp_avg"]).shape != local_shape:
+                    raise RuntimeError(
+                        f"{self._describe(group, index)} changed shape under the optimizer: "
+                        f"state has {tuple(state_shape)}, the parameter is {tuple(local_shape)}"
+                    )
+            entries.append((p, grad))
+        return entries
 
     def _nonfinite_gradients(self) -> list[str]:
         culprits = []
