@@ -178,6 +178,12 @@ def check_host_bytes(rank, mesh, measured, runs):
     mine = opt.host_state_bytes()
     expected_mine = sum(p.to_local().numel() * 4 * 2 + 4 for p in model.parameters())  # exp_avg, exp_avg_sq, step
     assert mine == expected_mine, f"rank {rank}: {mine} host bytes, its shards need {expected_mine}"
+    # The host-memory pre-flight bills the same local shards, not the global tensors.
+    from offload_adamw.preflight import state_bill
+
+    every_param = [(g, i) for g in opt.param_groups for i in range(len(g["params"]))]
+    billed = state_bill(every_param, pin_memory=False).total
+    assert billed == mine, f"rank {rank}: pre-flight bills {billed} bytes, the rank allocated {mine}"
     single = TinyCausalLM(0)
     single_opt = offload_adamw(single, "fused")
     train(single, single_opt, range(1), None)

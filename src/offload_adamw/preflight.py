@@ -36,6 +36,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .distributed import local_tensor
+
 __all__ = ["HostMemory", "HostMemoryError", "StateBill", "check_host_memory", "host_memory", "state_bill"]
 
 ENV_AVAILABLE = "OFFLOAD_ADAMW_HOST_AVAILABLE_BYTES"
@@ -115,7 +117,8 @@ def state_bill(fresh: Sequence[tuple[dict[str, Any], int]], *, pin_memory: bool)
     """Bytes of state for the parameters ``group["params"][index]`` of each (group, index)."""
     moments = masters = steps = blocks = 0
     for group, index in fresh:
-        p = group["params"][index]
+        # A DTensor (FSDP2) parameter: this rank allocates state for its local shard only.
+        p = local_tensor(group["params"][index])
         width = 8 if p.dtype == torch.float64 else 4
         one = p.numel() * width
         kinds = [one] * (3 if group.get("amsgrad") else 2)
