@@ -266,3 +266,17 @@ def test_parameter_whose_shape_changed_is_refused_by_name_and_nothing_changes(dt
     after = snapshot(params, optimizer)
     assert_same(after, before, skip=lambda key: key == "b")
     assert torch.equal(params["b"].detach(), torch.zeros(5, dtype=DTYPES[dtype]))
+
+
+def test_shape_change_is_refused_on_the_transfer_pipeline_too():
+    """The pipeline path (offload.py) uses the same check: a float32 host parameter is its own master."""
+    from offload_adamw import OffloadAdamW
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = OffloadAdamW([("w", p)], lr=0.1, transfer_pipeline=True)
+    p.grad = torch.ones(4)
+    opt.step()
+    p.data = torch.ones(6)
+    p.grad = torch.ones(6)
+    with pytest.raises(RuntimeError, match="'w' changed shape under the optimizer"):
+        opt.step()

@@ -351,6 +351,12 @@ class GradientPipeline:
             raise RuntimeError(
                 f"gradient of {opt._describe(group, where[1])} has dtype {grad.dtype}, the parameter {slot.param.dtype}"
             )
+        opt._check_state_shape(group, where[1])
+        if slot.host_grad is not None and slot.host_grad.shape != slot.param.shape:
+            raise RuntimeError(
+                f"{opt._describe(group, where[1])} changed shape under the optimizer: its host gradient buffer "
+                f"has {tuple(slot.host_grad.shape)}, the parameter is {tuple(slot.param.shape)}"
+            )
 
     def _ready(self, slot: _Slot, where: tuple[int, int]) -> Optional[Tensor]:
         """The host gradient of ``slot``, complete and current, or None when it has none."""
@@ -509,12 +515,8 @@ class GradientPipeline:
                 state = opt.state[p]
                 if len(state) == 0:
                     state.update(opt._init_state(p, group))
+                opt._check_state_shape(group, where[p][1])
                 master = state.get(MASTER_KEY, p)
-                if master.shape != p.shape:
-                    raise RuntimeError(
-                        f"{opt._describe(group, where[p][1])} changed shape under the optimizer: "
-                        f"state has {tuple(master.shape)}, the parameter is {tuple(p.shape)}"
-                    )
                 if scale is not None:
                     # torch's fused AdamW divides the (upcast) gradient by the scale; a new tensor keeps the gradient.
                     grad = torch.div(grad.to(master.dtype), scale)
@@ -536,20 +538,10 @@ class GradientPipeline:
                         slot.h2d_event.synchronize()  # the previous copy out of staging has ended
                     outputs.append(slot.staging)
                     to_device.append(slot)
-            beta1, beta2 = group["betas"]
-            hp = kernel.StepHyper(
-                lr=group["lr"],
-                beta1=_scalar(beta1),
-                beta2=_scalar(beta2),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                amsgrad=group["amsgrad"],
-                maximize=group["maximize"],
-            )
             kernel.adamw_update_(
-                masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp,
+                masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, opt.step_hyper(group),
                 model_params=outputs,
-                impl="for_loop" if group.get("fused") is False else "fused",
+                impl=opt.kernel_impl(group),
             )
             events += self._send_back(to_device)
         return events
@@ -575,10 +567,6 @@ class GradientPipeline:
                 s.h2d_event = event
             events.append((device, event))
         return events
-
-
-def _scalar(x: Any) -> Any:
-    return x.item() if isinstance(x, Tensor) and x.numel() == 1 else x
 
 
 class OffloadGradScaler(torch.amp.GradScaler):

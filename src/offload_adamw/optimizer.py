@@ -390,16 +390,6 @@ class OffloadAdamW(torch.optim.Optimizer):
 
             if not masters:
                 continue
-            beta1, beta2 = group["betas"]
-            hp = kernel.StepHyper(
-                lr=group["lr"],
-                beta1=_to_scalar(beta1),
-                beta2=_to_scalar(beta2),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                amsgrad=group["amsgrad"],
-                maximize=group["maximize"],
-            )
             kernel.adamw_update_(
                 masters,
                 grads,
@@ -407,9 +397,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 exp_avg_sqs,
                 max_exp_avg_sqs,
                 steps,
-                hp,
+                self.step_hyper(group),
                 model_params=host_outputs,
-                impl="for_loop" if group.get("fused") is False else "fused",
+                impl=self.kernel_impl(group),
             )
             for p, master in device_params:
                 p.copy_(master)
@@ -434,18 +424,43 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
             if not grad.is_floating_point():
                 raise RuntimeError(f"gradient of {self._describe(group, index)} has dtype {grad.dtype}")
-            state = self.state.get(p)
-            if state:
-                local_shape = _distributed.local_tensor(p).shape
-                # A float32 host parameter is its own master: its moments tell the shape the state has.
-                state_shape = state["exp_avg"].shape
-                if state_shape != local_shape or state.get(MASTER_KEY, state["exp_avg"]).shape != local_shape:
-                    raise RuntimeError(
-                        f"{self._describe(group, index)} changed shape under the optimizer: "
-                        f"state has {tuple(state_shape)}, the parameter is {tuple(local_shape)}"
-                    )
+            self._check_state_shape(group, index)
             entries.append((p, grad))
         return entries
+
+    def _check_state_shape(self, group: dict[str, Any], index: int) -> None:
+        """Refuse a parameter whose shape changed after its state was allocated (naming it)."""
+        p = group["params"][index]
+        state = self.state.get(p)
+        if not state:
+            return
+        local_shape = _distributed.local_tensor(p).shape
+        # A float32 host parameter is its own master: its moments tell the shape the state has.
+        state_shape = state["exp_avg"].shape
+        if state_shape != local_shape or state.get(MASTER_KEY, state["exp_avg"]).shape != local_shape:
+            raise RuntimeError(
+                f"{self._describe(group, index)} changed shape under the optimizer: "
+                f"state has {tuple(state_shape)}, the parameter is {tuple(local_shape)}"
+            )
+
+    @staticmethod
+    def step_hyper(group: dict[str, Any]) -> kernel.StepHyper:
+        """The kernel's hyperparameters for one group at this step (the scheduler may have changed lr, betas)."""
+        beta1, beta2 = group["betas"]
+        return kernel.StepHyper(
+            lr=group["lr"],
+            beta1=_to_scalar(beta1),
+            beta2=_to_scalar(beta2),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+        )
+
+    @staticmethod
+    def kernel_impl(group: dict[str, Any]) -> str:
+        """fused=False picks the readable for-loop kernel; anything else the fused one."""
+        return "for_loop" if group.get("fused") is False else "fused"
 
     def _nonfinite_gradients(self) -> list[str]:
         culprits = []
