@@ -193,12 +193,7 @@ def test_default_chunking_on_tensors_larger_than_a_chunk():
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
 @pytest.mark.parametrize("option", OPTIONS, ids=str)
-def test_for_loop_bitwise_equals_torch_single_tensor(layout, option, request):
-    if option == "tensor-lr" and layout.name not in ("0-dim", "0-element"):  # too few elements to show it
-        # Known gap of _for_loop_impl (kernel.py, not owned by this file's author): torch keeps a
-        # tensor lr a float32 tensor, so lr / bias_correction1 is rounded to float32 there, while
-        # _for_loop_impl uses lr.item() in double. Strict: fixing it turns these into failures.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="for_loop: step_size in double for a tensor lr"))
+def test_for_loop_bitwise_equals_torch_single_tensor(layout, option):
     ours = _run_ours(layout, torch.float32, OPTIONS[option], "for_loop", None)
     ref = _run_torch(layout, torch.float32, OPTIONS[option], dict(foreach=False, fused=False))
     _assert_bitwise(ours, ref)

@@ -29,7 +29,6 @@ torch/optim/adam.py dispatches):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -84,7 +83,8 @@ def _widen(grad: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
-    lr = hp.lr.item() if isinstance(hp.lr, Tensor) else hp.lr
+    # A tensor lr stays a (float32) tensor, as in torch: lr*wd and lr/c1 are then rounded to float32.
+    lr = hp.lr
     for i, theta in enumerate(masters):
         grad = _widen(grads[i], theta.dtype)
         if hp.maximize:
@@ -106,7 +106,7 @@ def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
         bias_correction1 = 1 - hp.beta1**t
         bias_correction2 = 1 - hp.beta2**t
         step_size = lr / bias_correction1
-        bias_correction2_sqrt = math.sqrt(bias_correction2)
+        bias_correction2_sqrt = bias_correction2**0.5
         if hp.amsgrad:
             torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
             denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(hp.eps)
@@ -144,9 +144,7 @@ def adamw_update_(
     """One AdamW update of every tensor in the lists (all of them have a gradient).
 
     All tensors live on one device (the host, for this project). ``masters``,
-    the moments and ``steps`` are modified in place; ``grads`` are read (a
-    float32 gradient may be negated in place by the fused op with ``maximize``,
-    exactly as torch's fused AdamW does).
+    the moments and ``steps`` are modified in place; ``grads`` are only read.
     """
     _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp.amsgrad)
     if not masters:
