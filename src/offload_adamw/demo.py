@@ -499,6 +499,11 @@ def _report_markdown(summary: dict[str, Any], results: list[RunResult]) -> str:
         f"torch {summary['machine']['torch']}, {summary['machine']['threads']} threads; the whole demo took "
         f"{summary['seconds']:.0f} s.",
         "",
+        f"Weights start at std {cfg['init_std']} (the scale of a trained model's weights at this width) and the peak lr "
+        "is fine-tuning-sized: the regime where a bf16 update smaller than half the spacing of its weight "
+        "(|w|·2⁻⁹) is lost. The bf16 runs hold parameters and gradients in bf16 and compute in float32, so the "
+        "optimizer is the only difference between the runs.",
+        "",
         "| run | final train loss | final val loss | max param diff vs ref | max loss diff vs ref | distance to ref | "
         "unmoved elements | optimizer state | ms/step (optimizer) |",
         "|---|---|---|---|---|---|---|---|---|",
