@@ -12,4 +12,30 @@ from .checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, 
 from .preflight import HostMemoryError
 from .bandwidth import measure_host_bandwidth
 
-__all__ = ["__version__", "OffloadAdamW", "StateDictMismatch", "plan", "predict_host_optimizer_bytes", "ModelConfig", "HardwareConfig", "TrainingConfig", "param_groups", "Rule", "ParamGroupError", "audit", "audit_state_dict", "AuditReport", "Finding", "OffloadGradScaler", "clip_grad_norm_", "check_conformance", "CandidateLoadError", "CheckpointError", "CheckpointCorrupt", "CheckpointMismatch", "LoadReport", "HostMemoryError", "measure_host_bandwidth"]
+__all__ = [
+    "__version__",
+    "OffloadAdamW",
+    "StateDictMismatch",
+    "plan",
+    "predict_host_optimizer_bytes",
+    "ModelConfig",
+    "HardwareConfig",
+    "TrainingConfig",
+    "param_groups",
+    "Rule",
+    "ParamGroupError",
+    "audit",
+    "audit_state_dict",
+    "AuditReport",
+    "Finding",
+    "OffloadGradScaler",
+    "clip_grad_norm_",
+    "check_conformance",
+    "CandidateLoadError",
+    "CheckpointError",
+    "CheckpointCorrupt",
+    "CheckpointMismatch",
+    "LoadReport",
+    "HostMemoryError",
+    "measure_host_bandwidth",
+]

@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim.optimizer import ParamsT
 
+from .optimizer import check_hyperparameter_ranges
+
 __all__ = ["NaiveOffloadAdamW"]
 
 
@@ -38,16 +40,7 @@ class NaiveOffloadAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        check_hyperparameter_ranges(lr, betas, eps, weight_decay)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()

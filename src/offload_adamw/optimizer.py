@@ -78,6 +78,20 @@ def _is_own_master(param: Tensor) -> bool:
     return param.device.type == "cpu" and param.dtype in (torch.float32, torch.float64)
 
 
+def check_hyperparameter_ranges(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """torch.optim.Adam's range checks, in its order and words; written ``not lo <= x`` so NaN fails too."""
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
 class OffloadAdamW(torch.optim.Optimizer):
     """AdamW whose master weights and moments live in (pinned) host memory, in float32.
 
@@ -143,16 +157,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
             if lr.numel() != 1:
                 raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        check_hyperparameter_ranges(lr, betas, eps, weight_decay)
         if not (
             (isinstance(betas[0], float) and isinstance(betas[1], float))
             or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))

@@ -41,25 +41,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .optimizer import TORCH_GROUP_KEYS
+
 __all__ = ["Rule", "ParamGroupError", "param_groups", "ADAMW_GROUP_KEYS", "DEFAULT_GROUP_RULE"]
 
-#: hyperparameter keys that a group of torch.optim.AdamW / OffloadAdamW understands.
-ADAMW_GROUP_KEYS = frozenset(
-    {
-        "lr",
-        "betas",
-        "eps",
-        "weight_decay",
-        "amsgrad",
-        "maximize",
-        "foreach",
-        "capturable",
-        "differentiable",
-        "fused",
-        "decoupled_weight_decay",
-        "initial_lr",
-    }
-)
+#: hyperparameter keys that a group of torch.optim.AdamW / OffloadAdamW understands
+#: (plus ``initial_lr``, which lr schedulers add).
+ADAMW_GROUP_KEYS = frozenset(TORCH_GROUP_KEYS) | {"initial_lr"}
 #: the ``rule`` entry of the group of parameters that no rule matched.
 DEFAULT_GROUP_RULE = "<default>"
 _RESERVED_KEYS = frozenset({"params", "param_names", "tied_names", "rule"})
