@@ -46,15 +46,18 @@ __all__ = [
     "any_rank",
 ]
 
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor, distribute_tensor
-else:  # a torch build without distributed support has no DTensor parameters
-    DTensor = None  # type: ignore[assignment,misc]
-    distribute_tensor = None  # type: ignore[assignment]
+
+def _dtensor_module() -> Any:
+    """torch.distributed.tensor if something imported it, else None.
+
+    A DTensor cannot exist before that module is imported, so there is no need to
+    import it here (it costs about half a second at start-up)."""
+    return sys.modules.get("torch.distributed.tensor")
 
 
 def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    module = _dtensor_module()
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -74,7 +77,7 @@ def local_grad(grad: Tensor, param: Tensor) -> Tensor:
 
 def as_dtensor_like(local: Tensor, param: Tensor) -> Tensor:
     """``local`` (a shard shaped like ``param``'s local tensor) as a DTensor laid out like ``param``."""
-    return DTensor.from_local(
+    return _dtensor_module().DTensor.from_local(
         local,
         param.device_mesh,
         param.placements,
@@ -97,7 +100,7 @@ def local_shard_of(value: Tensor, param: Tensor) -> Tensor:
             value = value.redistribute(param.device_mesh, param.placements)
         return local_tensor(value)
     # A plain tensor holding the whole (global) value: slice our shard locally, no communication.
-    return local_tensor(distribute_tensor(value.to(local_tensor(param).device), param.device_mesh, param.placements, src_data_rank=None))
+    return local_tensor(_dtensor_module().distribute_tensor(value.to(local_tensor(param).device), param.device_mesh, param.placements, src_data_rank=None))
 
 
 def _params_by_id(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[Any, Tensor]:
