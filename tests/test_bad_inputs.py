@@ -280,3 +280,21 @@ def test_shape_change_is_refused_on_the_transfer_pipeline_too():
     p.grad = torch.ones(6)
     with pytest.raises(RuntimeError, match="'w' changed shape under the optimizer"):
         opt.step()
+
+
+def test_pipeline_checks_every_bucket_before_updating_any():
+    """With tiny buckets, a bad parameter in the last bucket must leave the first buckets untouched."""
+    from offload_adamw import OffloadAdamW
+
+    first = torch.nn.Parameter(torch.ones(4))
+    last = torch.nn.Parameter(torch.ones(3))
+    opt = OffloadAdamW([("first", first), ("last", last)], lr=0.1, transfer_pipeline=True, bucket_bytes=1)
+    first.grad, last.grad = torch.ones(4), torch.ones(3)
+    opt.step()
+    before = first.detach().clone(), opt.state[first]["exp_avg"].clone(), opt.state[first]["step"].clone()
+    last.data = torch.ones(5)  # changed under the optimizer
+    first.grad, last.grad = torch.ones(4), torch.ones(5)
+    with pytest.raises(RuntimeError, match="'last' changed shape under the optimizer"):
+        opt.step()
+    after = first.detach(), opt.state[first]["exp_avg"], opt.state[first]["step"]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))

@@ -451,6 +451,14 @@ class GradientPipeline:
                 )
         if isinstance(found_inf, Tensor) and bool(found_inf.item() != 0):
             return  # GradScaler's skip: no state, no parameter changes
+        # Buckets are updated one after another: check every gradient first, so that an
+        # error names its parameter before any bucket has changed.
+        for p, w in where.items():
+            slot = self._slots[p]
+            if p.grad is not None:
+                self._validate(slot, p.grad, w)
+            elif slot.has_grad:
+                opt._check_state_shape(opt.param_groups[w[0]], w[1])
         if opt.nonfinite != "propagate":
             culprits = []
             for p, w in where.items():
