@@ -50,24 +50,30 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_"]
+__all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 
 #: chunk boundaries are multiples of this many elements (see the module docstring).
 CHUNK_ALIGN = 64
+# Work distribution among worker threads: at least this many batches per worker ...
+_BATCHES_PER_WORKER = 4
+# ... of at most this many chunks each.
+_MAX_BATCH_CHUNKS = 16
 
 
 @dataclass(frozen=True, kw_only=True)
 class BlockConfig:
     """How the blocked kernel walks memory."""
 
-    chunk_elements: int = 512 * 1024
+    chunk_elements: int = 128 * 1024
     """Elements per chunk of a mixed-dtype tensor (rounded down to a multiple of 64).
     What must stay cached between a chunk's three operations is the float32 gradient
     buffer and the master chunk, 8 bytes per element: 4 MiB per worker at 512 Ki.
@@ -78,6 +84,9 @@ class BlockConfig:
     narrowing then costs 0.33 ns/element instead of 0.56), but with two workers the
     per-chunk Python work contends for the GIL and larger chunks win. 512 Ki is the
     plateau's smaller end, so that the chunk stays within a few MiB of L3 per core."""
+    scripted: bool = True
+    """Run each worker's chunk loop as TorchScript (no GIL between a chunk's operations);
+    False, or where TorchScript is unavailable, the same loop runs as Python."""
     threads: int = -1
     """-1: as many Python worker threads as ``torch.get_num_threads()`` (read at each call),
     each running whole chunks with torch single-threaded; 0: no workers, torch's intra-op
@@ -126,26 +135,137 @@ def _chunk_ranges(numel: int, chunk: int):
     return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
 
 
-def _run_chunk(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, out, start, stop, kwargs) -> None:
-    """One chunk: widen grad -> fused step on master/m/v views -> narrow into the model copy."""
-    n = stop - start
-    theta = master[start:stop]
-    g = grad[start:stop]
-    if g.dtype != theta.dtype:
-        buf = _chunk_buffer(theta.dtype, n)[:n]
-        buf.copy_(g)  # exact widening
-        g = buf
-    torch._fused_adamw_(
-        [theta],
-        [g],
-        [exp_avg[start:stop]],
-        [exp_avg_sq[start:stop]],
-        [max_exp_avg_sq[start:stop]] if max_exp_avg_sq is not None else [],
-        [step],
-        **kwargs,
-    )
-    if out is not None:
-        out[start:stop].copy_(theta)  # round to nearest even
+def _chunk_loop(
+    masters: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    max_exp_avg_sqs: List[Tensor],
+    steps: List[Tensor],
+    outs: List[Optional[Tensor]],
+    tensor_index: List[int],
+    starts: List[int],
+    stops: List[int],
+    buffer: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool,
+    maximize: bool,
+) -> List[Tensor]:
+    """Chunks k = 0..: widen grad -> fused step on master/m/v views -> narrow into the model copy.
+
+    Tensors are flat; chunk k is ``[starts[k], stops[k])`` of tensor ``tensor_index[k]``;
+    ``buffer`` (the master dtype, at least one chunk long) receives the widened gradient.
+    Written in the subset of Python that TorchScript compiles (see :func:`_loop_function`).
+    Returns the last chunk's master view: TorchScript drops a call whose effects nothing
+    reads, and the fused op's effects are on list elements, so they are made to be read.
+    """
+    empty: List[Tensor] = []
+    last: List[Tensor] = empty
+    for k in range(len(tensor_index)):
+        i = tensor_index[k]
+        a = starts[k]
+        b = stops[k]
+        theta = [masters[i][a:b]]
+        g = grads[i][a:b]
+        if g.dtype != buffer.dtype:
+            widened = buffer[: b - a]
+            widened.copy_(g)  # exact widening
+            g = widened
+        torch._fused_adamw_(
+            theta,
+            [g],
+            [exp_avgs[i][a:b]],
+            [exp_avg_sqs[i][a:b]],
+            [max_exp_avg_sqs[i][a:b]] if amsgrad else empty,
+            [steps[i]],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
+        out = outs[i]
+        if out is not None:
+            out[a:b].copy_(theta[0])  # round to nearest even
+        last = theta
+    return last
+
+
+_script_lock = threading.Lock()
+_script_state: dict = {}
+
+
+def _self_test(fn) -> bool:
+    """Does ``fn`` compute the Python loop's bits (widen, no model copy, amsgrad, model copy)?"""
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for loop in (_chunk_loop, fn):
+        n = 3 * CHUNK_ALIGN + 5
+        master = [torch.randn(n, generator=gen) for _ in range(2)]
+        grads = [torch.randn(n, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)]
+        m = [torch.zeros(n), torch.zeros(n)]
+        v = [torch.zeros(n), torch.zeros(n)]
+        mv = [torch.zeros(n), torch.zeros(n)]
+        steps = [torch.ones(()), torch.ones(())]
+        outs = [None, torch.empty(n, dtype=torch.bfloat16)]
+        chunks = [(i, a, min(a + 2 * CHUNK_ALIGN, n)) for i in (0, 1) for a in range(0, n, 2 * CHUNK_ALIGN)]
+        for amsgrad in (False, True):
+            loop(master, grads, m, v, mv, steps, outs, [c[0] for c in chunks], [c[1] for c in chunks],
+                 [c[2] for c in chunks], torch.empty(2 * CHUNK_ALIGN), 1e-2, 0.9, 0.99, 0.1, 1e-8, amsgrad, False)
+        results.append(master + m + v + mv + [outs[1]])
+        gen.manual_seed(0)
+    return all(torch.equal(x, y) for x, y in zip(*results))
+
+
+def _loop_function(scripted: bool):
+    """The chunk loop: TorchScript-compiled once per process when possible, else the Python function.
+
+    Why TorchScript: its interpreter runs the whole loop without the GIL, so two worker
+    threads never wait for each other between a chunk's three operations (measured
+    below). It is an interpreter of torch's own IR, no compiler is involved; it needs
+    the module's source file and is deprecated upstream, so any failure to compile, or
+    a compiled loop that does not reproduce the Python loop's bits on a small self-test,
+    falls back to the Python loop, and the reason is kept (:func:`chunk_loop_status`).
+    """
+    if not scripted:
+        return _chunk_loop
+    with _script_lock:
+        if "loop" not in _script_state:
+            start = time.perf_counter()
+            loop, reason = _chunk_loop, None
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # TorchScript's deprecation notice
+                    compiled = torch.jit.script(_chunk_loop)
+                if not isinstance(compiled, torch.jit.ScriptFunction):
+                    reason = "TorchScript is disabled (PYTORCH_JIT=0)"
+                elif "aten::_fused_adamw_" not in str(compiled.graph):
+                    reason = "TorchScript dropped the fused AdamW call"
+                elif not _self_test(compiled):
+                    reason = "the compiled loop did not reproduce the Python loop's bits"
+                else:
+                    loop = compiled
+            except Exception as exc:  # no source file, TorchScript removed or broken: Python loop
+                reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            _script_state.update(loop=loop, seconds=time.perf_counter() - start, fallback_reason=reason)
+        return _script_state["loop"]
+
+
+def chunk_loop_status() -> dict:
+    """How the chunk loop runs in this process: ``scripted`` (bool), ``compile_seconds``
+    (the one-off TorchScript compilation and self-test), ``fallback_reason`` (None when scripted)."""
+    _loop_function(True)
+    return {
+        "scripted": _script_state["loop"] is not _chunk_loop,
+        "compile_seconds": _script_state["seconds"],
+        "fallback_reason": _script_state["fallback_reason"],
+    }
 
 
 _pool: Optional[ThreadPoolExecutor] = None
@@ -254,37 +374,57 @@ def blocked_adamw_(
 
     if not blocked:
         return
+    if isinstance(hp.lr, Tensor):
+        # The compiled loop takes a float lr; a tensor lr keeps the Python loop, which passes
+        # it to the fused op unchanged (torch's own overload for it).
+        loop, lr = _chunk_loop, hp.lr
+    else:
+        loop, lr = _loop_function(config.scripted), float(hp.lr)
+    scalars = (lr, float(hp.beta1), float(hp.beta2), float(hp.weight_decay), float(hp.eps),
+               bool(hp.amsgrad), bool(hp.maximize))
     # Flat views of each blocked tensor (contiguous, so view(-1) never copies).
-    work = []
-    for i in blocked:
-        flat = (
-            masters[i].view(-1),
-            grads[i].view(-1),
-            exp_avgs[i].view(-1),
-            exp_avg_sqs[i].view(-1),
-            max_exp_avg_sqs[i].view(-1) if hp.amsgrad else None,
-            steps[i],
-            model_params[i].view(-1) if model_params is not None and model_params[i] is not None else None,
-        )
-        for start, stop in _chunk_ranges(masters[i].numel(), chunk):
-            work.append((flat, start, stop))
+    flat = [
+        [masters[i].view(-1) for i in blocked],
+        [grads[i].view(-1) for i in blocked],
+        [exp_avgs[i].view(-1) for i in blocked],
+        [exp_avg_sqs[i].view(-1) for i in blocked],
+        [max_exp_avg_sqs[i].view(-1) for i in blocked] if hp.amsgrad else [],
+        [steps[i] for i in blocked],
+        [model_params[i].view(-1) if model_params is not None and model_params[i] is not None else None
+         for i in blocked],
+    ]
+    # Chunks of tensors with the same master dtype (one buffer dtype per loop call).
+    by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
+    for j, i in enumerate(blocked):
+        n = masters[i].numel()
+        by_dtype.setdefault(masters[i].dtype, []).extend((j, a, min(a + chunk, n)) for a in range(0, n, chunk))
+
+    def run(dtype, batch) -> None:
+        buffer = _chunk_buffer(dtype, chunk)
+        loop(*flat, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
 
     threads = torch.get_num_threads() if config.threads < 0 else config.threads
     if threads == 0 or (threads == 1 and torch.get_num_threads() == 1):
-        for flat, start, stop in work:
-            _run_chunk(*flat, start, stop, kwargs)
+        for dtype, work in by_dtype.items():
+            run(dtype, work)
         return
 
-    # Workers pull chunks from one shared iterator (next() on a list iterator is atomic
-    # under the GIL), so a worker that the OS deschedules simply does fewer chunks.
-    pending = iter(work)
+    # Workers pull batches of consecutive chunks from one shared iterator (next() on a
+    # list iterator is atomic under the GIL), so a worker that the OS deschedules simply
+    # does fewer batches; a few batches per worker keep that balance while each loop
+    # call covers many chunks.
+    batches = []
+    for dtype, work in by_dtype.items():
+        size = max(1, min(_MAX_BATCH_CHUNKS, len(work) // (_BATCHES_PER_WORKER * threads)))
+        batches.extend((dtype, work[k : k + size]) for k in range(0, len(work), size))
+    pending = iter(batches)
 
     def drain():
-        for flat, start, stop in pending:
-            _run_chunk(*flat, start, stop, kwargs)
+        for dtype, batch in pending:
+            run(dtype, batch)
 
     pool = _get_pool(threads)
-    for f in [pool.submit(drain) for _ in range(min(threads, len(work)))]:
+    for f in [pool.submit(drain) for _ in range(min(threads, len(batches)))]:
         f.result()
 
 
