@@ -52,6 +52,7 @@ VARIANTS = {
     "chunk192": BlockConfig(chunk_elements=192),
     "chunk100->64": BlockConfig(chunk_elements=100),
     "threads2-chunk128": BlockConfig(chunk_elements=128, threads=2),
+    "python-loop-threads2-chunk128": BlockConfig(chunk_elements=128, threads=2, scripted=False),
 }
 
 OPTIONS = {
@@ -171,7 +172,7 @@ def test_fast_path_bitwise_equals_torch_fused(layout, dtype, variant):
 
 @pytest.mark.parametrize("option", OPTIONS, ids=str)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("variant", ["default", "chunk64", "threads2-chunk128"])
+@pytest.mark.parametrize("variant", ["default", "chunk64", "threads2-chunk128", "python-loop-threads2-chunk128"])
 def test_fast_path_options_bitwise(option, dtype, variant):
     """Every option x dtype on layouts that cross chunk boundaries and include a non-contiguous tensor."""
     layout = Layout("mixed-list", ((), (0,), (130,), (33, 7), (1000,), (9, 11)), transpose=True)
@@ -272,3 +273,41 @@ def test_worker_pool_survives_fork():
             pytest.fail("the forked child hung on the parent's worker pool")
         __import__("time").sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_chunk_loop_is_compiled_here_and_falls_back_where_torchscript_is_off():
+    """The TorchScript loop runs where TorchScript works; with it disabled (PYTORCH_JIT=0,
+    a real switch of torch) the Python loop runs instead, says why, and is still exact."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from offload_adamw.kernel_blocked import chunk_loop_status
+
+    status = chunk_loop_status()
+    assert status["scripted"] and status["fallback_reason"] is None, status
+    code = (
+        "import json, torch\n"
+        "from offload_adamw.kernel_blocked import BlockConfig, blocked_adamw_, chunk_loop_status\n"
+        "from offload_adamw.kernel import StepHyper\n"
+        "torch.manual_seed(0)\n"
+        "m = [torch.randn(1000)]; g = [torch.randn(1000).bfloat16()]; out = [torch.empty(1000, dtype=torch.bfloat16)]\n"
+        "hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)\n"
+        "blocked_adamw_(m, g, [torch.zeros(1000)], [torch.zeros(1000)], [], [torch.zeros(())], out, hp,\n"
+        "               config=BlockConfig(chunk_elements=128, threads=2))\n"
+        "print(json.dumps(dict(status=chunk_loop_status(), out=out[0].float().tolist())))\n"
+    )
+    env = dict(os.environ, PYTORCH_JIT="0")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    child = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not child["status"]["scripted"], child["status"]
+    assert "PYTORCH_JIT" in child["status"]["fallback_reason"], child["status"]
+    torch.manual_seed(0)
+    m = [torch.randn(1000)]
+    g = [torch.randn(1000).bfloat16()]
+    out = [torch.empty(1000, dtype=torch.bfloat16)]
+    hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    blocked_adamw_(m, g, [torch.zeros(1000)], [torch.zeros(1000)], [], [torch.zeros(())], out, hp,
+                   config=BlockConfig(chunk_elements=128, threads=2))
+    assert torch.equal(torch.tensor(child["out"]), out[0].float())

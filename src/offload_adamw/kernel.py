@@ -20,7 +20,8 @@ torch/optim/adam.py dispatches):
   the project), and for low-precision models bitwise equal to that optimizer run
   on float32 copies fed the upcast gradients, followed by a round-to-nearest cast.
   The mixed case runs cache-blocked in one memory pass (``kernel_blocked.py``):
-  the same arithmetic, hence the same bits, chunk by chunk.
+  the same arithmetic, hence the same bits, chunk by chunk (128 Ki-element
+  chunks, a TorchScript chunk loop per worker thread where TorchScript works).
 * ``"for_loop"``: a readable per-tensor loop that spells out the contract, with
   the operation order of torch's single-tensor AdamW (``fused=False,
   foreach=False``), bitwise equal to it. It is the ground truth the fast path is

@@ -30,18 +30,46 @@ The step count is read-only inside the fused op (it reads ``step`` to form the
 bias corrections), so it is incremented once per tensor before the first chunk
 and every chunk of that tensor sees the same count.
 
-Threading (measured, ``offload-adamw bench --chunk-sweep``): by default
-``torch.get_num_threads()`` Python worker threads each take whole chunks from a
-shared queue and run torch single-threaded in them (torch releases the GIL
-inside its ops). The alternative, torch's intra-op threads splitting each of a
-chunk's three operations (``threads=0``), pays an OpenMP fork/join barrier per
-operation. On the 2-core machine measured (64 Mi bf16 elements): while other
-jobs loaded it (load average 8) intra-op was 25 to 30 percent slower (390 to
-410 ms/step against 300 to 316 ms), because a barrier waits for the slowest
-thread and a descheduled thread stalls every chunk, while a queue of chunks just
-gives the other worker more of them; with the machine calmer (load average 2)
-intra-op was 2 to 4 percent faster (137 to 146 ms against 140 to 155 ms). The
-workers are the default for their robustness; ``threads=0`` is there to choose.
+Threading and the chunk loop: by default ``torch.get_num_threads()`` Python
+worker threads each take batches of consecutive chunks from a shared queue and
+run torch single-threaded in them. Each batch runs through one call of
+:func:`_chunk_loop`, compiled once per process with TorchScript, whose
+interpreter holds no GIL: the two workers never wait for each other between a
+chunk's three operations. Run as Python, every operation releases and retakes
+the GIL, and on a virtual machine a thread that sleeps on the GIL costs a
+wake-up of tens of microseconds each time the other holds it. TorchScript is an
+interpreter of torch's IR (no compiler); it needs this file's source and is
+deprecated upstream, so any failure falls back to the same loop in Python
+(:func:`chunk_loop_status` says which runs, why, and the one-off compile time:
+0.04 to 0.07 s measured).
+
+Measured on a quiet 2-core Ice Lake Xeon VM (AVX-512, no avx512_bf16),
+64 Mi bf16 elements in a transformer's shapes, medians of 7 to 11 interleaved
+steps, an in-place triad over the same arrays at 20.6 to 23 ms:
+
+* Python loop (512 Ki chunks, the previous default) 73 to 81 ms/step; TorchScript
+  loop 68 to 72 ms (128 Ki chunks). Chunk size with the TorchScript loop: 64 Ki
+  71.4, 96 Ki 68.5, 128 Ki 68.2, 192 Ki 69.6, 256 Ki 70 to 73, 512 Ki 70 to 77,
+  1 Mi 82 ms. Narrowing in reverse-ordered pieces (to read the master chunk from
+  the most recently used end) measured 1 to 4 ms slower and was dropped; so was
+  folding the narrowing of one chunk and the widening of the next into one
+  ``_foreach_copy_`` (no gain).
+* What a step is made of (2 workers, 128 Ki chunks): the fused op alone on chunk
+  views (gradient in the cache-resident buffer) 41.6 ms, which is the memory
+  bandwidth of both cores (38.7 GB/s for its 24 bytes/element, the in-place
+  triad's); the widening adds 10.6 ms and the narrowing 16.5 ms (0.33 and 0.52
+  ns/element/core, against 0.20 and 0.21 in cache: the bf16 gradient read and the
+  read-for-ownership plus write-back of the bf16 copy stall a core that cannot
+  keep enough misses in flight, one core streams only about 21 GB/s). The three
+  add up (67.5 ms) because the casts are compute plus latency-bound traffic that
+  does not overlap with the other core's streaming.
+* ``threads=0`` (torch's intra-op threads splitting each operation) pays an
+  OpenMP fork/join per operation, ruinous at small chunks on this VM: 195 ms at
+  128 Ki, 116 ms at 512 Ki, 97 ms at 1 Mi. Under load (load average 8, an earlier
+  measurement) it was also 25 to 30 percent slower than the workers, because a
+  barrier waits for a descheduled thread while a queue gives the other worker
+  more batches.
+
 Worker threads set their own OpenMP team size to 1 once; the process-wide
 setting is restored right after.
 """
@@ -75,15 +103,12 @@ class BlockConfig:
 
     chunk_elements: int = 128 * 1024
     """Elements per chunk of a mixed-dtype tensor (rounded down to a multiple of 64).
-    What must stay cached between a chunk's three operations is the float32 gradient
-    buffer and the master chunk, 8 bytes per element: 4 MiB per worker at 512 Ki.
-    Measured (``offload-adamw bench --chunk-sweep``, bf16, 64 Mi elements, 2-core Xeon
-    with 2 MiB L2 per core): with 2 workers, ms/step falls from 16 Ki (202) through
-    64 Ki (164), 256 Ki (148) to a plateau at 512 Ki to 1 Mi (144, 140) and rises at
-    4 Mi (151); on one thread the optimum is 64 to 128 Ki (the chunk fits L2, the
-    narrowing then costs 0.33 ns/element instead of 0.56), but with two workers the
-    per-chunk Python work contends for the GIL and larger chunks win. 512 Ki is the
-    plateau's smaller end, so that the chunk stays within a few MiB of L3 per core."""
+    Between a chunk's three operations the float32 gradient buffer and the master,
+    m and v chunks pass through the core's L2: 16 bytes per element, 2 MiB at 128 Ki.
+    Measured (module docstring): with the TorchScript loop and 2 workers 128 Ki is
+    the optimum (64 Ki +5 percent, 512 Ki +3 to +10, 1 Mi +20); with the Python loop
+    larger chunks (512 Ki to 1 Mi) were better because each chunk's GIL hand-offs
+    then count less."""
     scripted: bool = True
     """Run each worker's chunk loop as TorchScript (no GIL between a chunk's operations);
     False, or where TorchScript is unavailable, the same loop runs as Python."""
