@@ -53,7 +53,7 @@ import torch
 
 from .bandwidth import measure_host_bandwidth
 from .kernel import StepHyper, adamw_update_
-from .kernel_blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_
+from .kernel_blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, chunk_loop_status
 
 BYTES_PER_ELEMENT = 28  # CONTRACT.md section 7: the ideal traffic of one host step
 MIB = 2**20
@@ -61,6 +61,7 @@ MEMORY_ALLOWANCE = 64 * MIB  # the issue's bound on what a step may allocate bey
 
 TRIAD_CASE = "inplace-triad"  # timed in the same rotation: the ceiling under the same conditions
 TRIAD_BYTES_PER_ELEMENT = 12
+INTRAOP_CHUNK_ELEMENTS = 1024 * 1024
 BF16_CASES = ("ours-bf16", "ours-bf16-intraop", "torch-naive-bf16", "deepspeed-bf16")
 ALL_CASES = (
     "ours-fp32",
@@ -271,7 +272,9 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
         elif name == "ours-bf16":
             cases[name] = ours(w.grad16, w.model16)
         elif name == "ours-bf16-intraop":
-            cases[name] = ours(w.grad16, w.model16, BlockConfig(chunk_elements=DEFAULT_CONFIG.chunk_elements, threads=0))
+            # Intra-op threads pay a fork/join per operation, so they get their own best chunk
+            # size (1 Mi elements, measured), not the worker threads' default.
+            cases[name] = ours(w.grad16, w.model16, BlockConfig(chunk_elements=INTRAOP_CHUNK_ELEMENTS, threads=0))
         elif name == "torch-forloop-fp32":
             cases[name] = torch_step(foreach=False, fused=False)
         elif name == "torch-foreach-fp32":
@@ -490,6 +493,7 @@ def targets(result: dict) -> list[dict]:
 def run_benchmark(config: BenchConfig) -> dict:
     info = machine_info()
     bandwidth = measure_host_bandwidth(elements=config.bandwidth_elements, repeats=5)
+    info["chunk_loop"] = chunk_loop_status()  # TorchScript or plain Python, compile time, fallback reason
     result = {"machine": info, "config": asdict(config), "bandwidth": bandwidth, "sizes": []}
     for total in config.sizes:
         result["sizes"].append(run_size(total, config, bandwidth, info))
@@ -512,7 +516,7 @@ def format_report(result: dict) -> str:
         f"triad {bw['triad_gbps']:.1f} GB/s, in-place triad {bw['inplace_triad_gbps']:.1f} GB/s "
         f"-> ceiling {bw['inplace_triad_gbps'] * 1e9 / BYTES_PER_ELEMENT / 1e9:.2f} G elements/s at {BYTES_PER_ELEMENT} B/element",
     ]
-    for key in ("deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
+    for key in ("chunk_loop", "deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
         if key in m:
             lines.append(f"{key}: {m[key]}")
     header = f"{'case':20s} {'ms/step':>9s} {'G elem/s':>9s} {'GB/s@28B':>9s} {'of triad':>9s} {'vs ref':>7s} {'peak RSS':>9s} {'step +MiB':>9s}"
