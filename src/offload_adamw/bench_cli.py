@@ -83,7 +83,11 @@ class BenchConfig:
     sizes: tuple[int, ...] = (16 * MIB, 64 * MIB, 256 * MIB)
     """Total trainable elements per size (each split into a transformer's tensor shapes)."""
     repeats: int = 5
-    """Timed repetitions per case (after one untimed warm-up step)."""
+    """Timed repetitions per case (after ``warmup`` untimed steps)."""
+    warmup: int = 3
+    """Untimed steps per case first: thread pools, chunk buffers, DeepSpeed's first call, and
+    TorchScript's profiling runs of the chunk loop (its first calls are slower; a training run
+    pays that once). The timed figures are the steady state."""
     cases: tuple[str, ...] = ALL_CASES
     """Which cases to time."""
     bandwidth_elements: int = 64 * MIB
@@ -346,8 +350,9 @@ def run_size(total: int, config: BenchConfig, bandwidth: dict, info: dict) -> di
     samples: dict[str, list[float]] = {n: [] for n in cases}
     peaks: dict[str, list[int]] = {n: [] for n in cases}
     extras: dict[str, list[int]] = {n: [] for n in cases}
-    for fn in cases.values():  # warm-up: thread pools, chunk buffers, DeepSpeed's first call
-        fn()
+    for _ in range(config.warmup):
+        for fn in cases.values():
+            fn()
     for _ in _progress(range(config.repeats), desc=f"{_fmt_size(total)} elements"):
         for name, fn in cases.items():  # interleaved: A B C .. A B C ..
             seconds, peak, extra = measure_step(fn)
@@ -585,6 +590,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="16M,64M,256M",
                         help="comma-separated element counts, K/M/G = 2**10/20/30 (default 16M,64M,256M)")
     parser.add_argument("--repeats", type=int, default=5, help="timed interleaved repetitions per case (default 5)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per case before timing (default 3)")
     parser.add_argument("--cases", default=",".join(ALL_CASES), help="comma-separated cases (default: all)")
     parser.add_argument("--bandwidth-elements", type=parse_size, default=64 * MIB,
                         help="elements per array of the bandwidth probe (default 64M)")
@@ -602,10 +608,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit(f"offload-adamw bench: unknown case(s) {unknown}; choose from {', '.join(ALL_CASES)}")
     if args.repeats < 1:
         raise SystemExit("offload-adamw bench: --repeats must be at least 1")
-    config = BenchConfig(sizes=sizes, repeats=args.repeats, cases=cases,
+    if args.warmup < 0:
+        raise SystemExit("offload-adamw bench: --warmup must be at least 0")
+    config = BenchConfig(sizes=sizes, repeats=args.repeats, warmup=args.warmup, cases=cases,
                          bandwidth_elements=args.bandwidth_elements, chunk_sweep=args.chunk_sweep)
     if args.quick:
-        config = BenchConfig(sizes=(MIB, 4 * MIB), repeats=3, cases=cases, bandwidth_elements=16 * MIB,
+        config = BenchConfig(sizes=(MIB, 4 * MIB), repeats=3, warmup=1, cases=cases, bandwidth_elements=16 * MIB,
                              chunk_sweep=args.chunk_sweep)
     return config
 
