@@ -23,28 +23,10 @@ from offload_adamw.audit import KINDS, shrink_factor
 from offload_adamw.cli import main as cli_main
 
 transformers = pytest.importorskip("transformers")
+
+from _models import tiny_gpt2, tiny_llama  # noqa: E402
 # Two set-ups list a tensor twice on purpose; torch warns about it, the audit is what is tested.
 pytestmark = pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
-
-
-def tiny_llama(tied: bool = True, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=tied,
-    )
-    return transformers.LlamaForCausalLM(config).to(dtype)
-
-
-def tiny_gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config)
 
 
 LLAMA_RULES = [("*norm*", {"weight_decay": 0.0})]

@@ -20,25 +20,7 @@ from offload_adamw import OffloadAdamW, ParamGroupError, Rule, param_groups
 
 transformers = pytest.importorskip("transformers")
 
-
-def tiny_llama(tied: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=tied,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def tiny_gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config)
+from _models import tiny_gpt2, tiny_llama  # noqa: E402
 
 
 MODELS = {"llama_tied": lambda: tiny_llama(True), "llama_untied": lambda: tiny_llama(False), "gpt2_tied": tiny_gpt2}
