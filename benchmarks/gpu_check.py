@@ -375,9 +375,19 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             out = fn()
-        except Exception:  # recorded, the next section still runs
+        except Exception:  # recorded (torch.OutOfMemoryError included), the next section still runs
             result["errors"][name] = traceback.format_exc()
             out = None
+        if name in result["errors"]:
+            # A failed section's model and optimizer (the optimizer and its pipeline form a reference
+            # cycle) still hold device, pinned and host memory: free them before the next section.
+            gc.collect()
+            if cfg.device == "cuda":
+                try:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                except Exception:  # a sticky CUDA error: the next sections will record it too
+                    pass
         result.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
         return out
 

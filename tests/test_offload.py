@@ -277,7 +277,9 @@ def test_cuda_pipeline_matches_reference(dtype: torch.dtype, freed: bool) -> Non
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda().to(dtype)
     ref = copy.deepcopy(model)
-    copies = [nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    # The reference is torch's fused AdamW on float32 copies on the HOST (issue #2's parity definition):
+    # the CUDA fused kernel rounds differently and is not bitwise equal to the host one.
+    copies = [nn.Parameter(p.detach().float().cpu()) for p in ref.parameters()]
     opt = OffloadAdamW(model.parameters(), lr=1e-3, offload_gradients=freed, bucket_bytes=16 << 10)
     ref_opt = torch.optim.AdamW(copies, lr=1e-3, fused=True)
     assert opt._pipeline is not None
@@ -293,7 +295,7 @@ def test_cuda_pipeline_matches_reference(dtype: torch.dtype, freed: bool) -> Non
             if freed:
                 assert all(p.grad is None for p in model.parameters())
         for c, q in zip(copies, ref.parameters()):
-            c.grad = q.grad.float()
+            c.grad = q.grad.float().cpu()
         opt.step()
         ref_opt.step()
         with torch.no_grad():
@@ -305,7 +307,7 @@ def test_cuda_pipeline_matches_reference(dtype: torch.dtype, freed: bool) -> Non
     torch.cuda.synchronize()
     for p, q, c in zip(model.parameters(), ref.parameters(), copies):
         assert torch.equal(p, q)
-        assert torch.equal(opt.master_param(p), c.detach().cpu())
+        assert torch.equal(opt.master_param(p), c.detach())
 
 
 def test_grad_scale_protocol_divides_as_fused_adamw() -> None:
@@ -327,6 +329,26 @@ def test_grad_scale_protocol_divides_as_fused_adamw() -> None:
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])
         assert torch.equal(opt.state[p]["step"], ref_opt.state[q]["step"])
+
+
+def test_kept_gradients_unscaled_by_grad_scaler_are_fetched_again() -> None:
+    """scaler.unscale_ rescales p.grad in place without moving its version: the host copy must not be reused."""
+    torch.manual_seed(0)
+    ref = Mixed()
+    model = copy.deepcopy(ref)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, transfer_pipeline=True, offload_gradients=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12) for _ in range(2)]
+    for step in range(3):
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            scaler.scale(m(_x(step))).backward()
+            scaler.unscale_(o)  # no clipping after it: nothing else bumps the version
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])
 
 
 def test_gpu_check_cpu_smoke_runs(tmp_path) -> None:

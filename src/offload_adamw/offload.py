@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
@@ -84,8 +85,25 @@ class PipelineConfig:
 
 def _unregister(ptr: int) -> None:
     try:
+        # A copy still in flight into or out of these pages (an optimizer dropped between backward
+        # and step) would otherwise DMA into memory that is unpinned here and freed right after.
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+
+
+def _clear_cuda_error() -> None:
+    """Consume the error a failed ``cudaHostRegister`` left as CUDA's last error of this thread.
+
+    torch binds no ``cudaGetLastError``; left set, the error would be raised by the next
+    kernel-launch check (which calls it) from an unrelated op, possibly inside backward.
+    That check clears the error as it raises it, so one tiny kernel launch consumes it.
+    """
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except Exception:  # pragma: no cover - needs a failing registration
         pass
 
 
@@ -130,6 +148,8 @@ class HostArena:
             error = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, span, 0))
         except Exception:
             error = -1
+        if error > 0:
+            _clear_cuda_error()
         if error == 0:
             weakref.finalize(raw, _unregister, raw.data_ptr() + start)
             self._raw.append(raw)
@@ -199,6 +219,10 @@ class GradientPipeline:
         self._arenas: list[HostArena] = []
         self._streams: dict[tuple[torch.device, str], Any] = {}
         self._arrival = 0
+        # With parameters on several devices, autograd runs the hooks on one thread per device; the GIL
+        # is released inside cudaHostRegister and event waits, so two hooks could otherwise interleave
+        # (two accumulation arenas, one overwriting the other's buffer after a copy into it was issued).
+        self._hook_lock = threading.Lock()
         self.refresh()
 
     # ----------------------------------------------------------------- set-up
@@ -313,6 +337,10 @@ class GradientPipeline:
 
     def _on_gradient(self, param: Tensor) -> None:
         """The post-accumulate-grad hook: runs during backward, must not block the host."""
+        with self._hook_lock:
+            self._on_gradient_locked(param)
+
+    def _on_gradient_locked(self, param: Tensor) -> None:
         if self._unhooked:
             # A parameter unfrozen since the last step gets its hook now, in time for this backward
             # unless its gradient was already accumulated (step() then picks that one up).
@@ -451,6 +479,12 @@ class GradientPipeline:
                 )
         if isinstance(found_inf, Tensor) and bool(found_inf.item() != 0):
             return  # GradScaler's skip: no state, no parameter changes
+        if called_by_scaler and grad_scale is None and not self.offload_gradients:
+            # GradScaler.unscale_ ran: it rescaled every p.grad in place with
+            # _amp_foreach_non_finite_check_and_unscale_, which does not move the version counter,
+            # so the host copies taken in backward (still scaled) would look current. Fetch again.
+            for slot in self._slots.values():
+                slot.source = None
         # Buckets are updated one after another: check every gradient first, so that an
         # error names its parameter before any bucket has changed.
         for p, w in where.items():
