@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-slow bench clean
+.PHONY: venv demo test test-slow bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ test-slow: venv
 
 bench: venv
 	$(VENV)/bin/offload-adamw bench
+
+# On a machine with an NVIDIA GPU (and a CUDA build of torch in the venv): the GPU tests, then the
+# GPU benchmark (parity, peak device memory, ~1B step time, PCIe fraction) as JSON in bench-out/.
+gpu-check: venv
+	$(PY) -m pytest -q -m gpu -p no:cacheprovider
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
