@@ -588,6 +588,19 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 2:
         print("offload-adamw demo: --steps must be at least 2", file=sys.stderr)
         return 2
+    missing = []
+    for name in ("transformers", "matplotlib"):  # optional dependencies: the `demo` extra
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        print(
+            f"offload-adamw demo: needs {' and '.join(missing)} (the model and the plot); "
+            "install them with: pip install 'offload-adamw[demo]'",
+            file=sys.stderr,
+        )
+        return 2
     config = DemoConfig(steps=args.steps, check=args.check, warmup_steps=min(10, max(1, args.steps // 6)))
     quiet = args.json
     log = (lambda msg: print(msg, file=sys.stderr)) if quiet else print
