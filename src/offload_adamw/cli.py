@@ -23,6 +23,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("offload_adamw.audit_cli", "audit the optimizer set-up of a training script or checkpoint"),
 }
 
+# optional package -> the extra of pyproject.toml that brings it
+OPTIONAL_EXTRAS = {"matplotlib": "plot", "transformers": "hf", "accelerate": "hf", "deepspeed": "bench"}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -55,7 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     sub_parser = argparse.ArgumentParser(prog=f"offload-adamw {name}", description=help_text)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:
+        # An optional dependency that this use of the command needs (e.g. matplotlib for --plot).
+        extra = OPTIONAL_EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"offload-adamw {name}: needs {exc.name}; install it with: pip install 'offload-adamw[{extra}]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover
