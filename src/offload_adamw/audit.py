@@ -38,7 +38,7 @@ import textwrap
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -545,12 +545,7 @@ def audit(
     summaries = []
     for gi, group in enumerate(optimizer.param_groups):
         params = group["params"]
-        state_dtypes = {
-            _dtype(v.dtype)
-            for p in params
-            for v in (optimizer.state.get(p) or {}).values()
-            if isinstance(v, Tensor) and v.is_floating_point()
-        }
+        state_dtypes = _state_dtypes(optimizer.state.get(p) for p in params)
         summaries.append(
             GroupSummary(
                 index=gi,
@@ -560,12 +555,26 @@ def audit(
                 tensors=len(params),
                 elements=sum(p.numel() for p in params),
                 param_dtypes=tuple(sorted({_dtype(p.dtype) for p in params})),
-                state_dtypes=tuple(sorted(state_dtypes)),
+                state_dtypes=state_dtypes,
             )
         )
+    return AuditReport(source="model + optimizer", findings=_by_severity(findings), groups=tuple(summaries))
+
+
+def _state_dtypes(entries: Iterable[Optional[Mapping[str, Any]]]) -> tuple[str, ...]:
+    """The floating dtypes of the state tensors in ``entries`` (per-parameter state dicts or None), sorted."""
+    return tuple(sorted({
+        _dtype(v.dtype)
+        for entry in entries
+        for v in (entry or {}).values()
+        if isinstance(v, Tensor) and v.is_floating_point()
+    }))
+
+
+def _by_severity(findings: list[Finding]) -> tuple[Finding, ...]:
+    """Errors, then warnings, then info; stable, so the order of the checks is kept within a severity."""
     order = {"error": 0, "warning": 1, "info": 2}
-    findings.sort(key=lambda f: order[f.severity])  # stable: the order of the checks within a severity
-    return AuditReport(source="model + optimizer", findings=tuple(findings), groups=tuple(summaries))
+    return tuple(sorted(findings, key=lambda f: order[f.severity]))
 
 
 # ---------------------------------------------------------- state_dict audit
@@ -694,12 +703,6 @@ def audit_state_dict(
     for gi, group in enumerate(groups):
         pids = group.get("params", [])
         shapes = [shape_of(pid) for pid in pids]
-        dtypes = {
-            _dtype(v.dtype)
-            for pid in pids
-            for v in (state.get(pid) or {}).values()
-            if isinstance(v, Tensor) and v.is_floating_point()
-        }
         summaries.append(
             GroupSummary(
                 index=gi,
@@ -709,9 +712,7 @@ def audit_state_dict(
                 tensors=len(pids),
                 elements=None if any(s is None for s in shapes) else sum(math.prod(s) for s in shapes),
                 param_dtypes=(),
-                state_dtypes=tuple(sorted(dtypes)),
+                state_dtypes=_state_dtypes(state.get(pid) for pid in pids),
             )
         )
-    order = {"error": 0, "warning": 1, "info": 2}
-    findings.sort(key=lambda f: order[f.severity])
-    return AuditReport(source=source, findings=tuple(findings), groups=tuple(summaries), notes=tuple(notes))
+    return AuditReport(source=source, findings=_by_severity(findings), groups=tuple(summaries), notes=tuple(notes))
