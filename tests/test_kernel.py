@@ -87,7 +87,7 @@ def _hyper(opts, amsgrad_lr=1e-2):
     lr = opts.get("lr", 1e-2)
     return dict(
         lr=torch.tensor(lr) if opts.get("lr_tensor") else lr,
-        betas=(0.9, 0.99),
+        betas=(opts.get("beta1", 0.9), 0.99),
         eps=1e-8,
         weight_decay=opts.get("weight_decay", 0.1),
         amsgrad=opts.get("amsgrad", False),

@@ -20,7 +20,9 @@ write a bf16 model copy):
 
 * ``ours-fp32``, ``ours-bf16``: this project's kernel (``kernel.adamw_update_``);
   ``ours-bf16-intraop``: the same with torch's intra-op threads instead of Python
-  worker threads (the threading choice, measured);
+  worker threads (the threading choice, measured); ``ours-bf16-compiled``: the
+  opt-in loop compiled by torch.compile (kernel_compiled.py; its compilation and
+  self-test happen in the warm-up steps and are reported as ``compiled_kernel``);
 * ``torch-forloop-fp32``, ``torch-foreach-fp32``, ``torch-fused-fp32``:
   ``torch.optim.AdamW`` with each implementation;
 * ``torch-naive-bf16``: the naive mixed path, the same fused arithmetic done as
@@ -62,10 +64,11 @@ MEMORY_ALLOWANCE = 64 * MIB  # the issue's bound on what a step may allocate bey
 TRIAD_CASE = "inplace-triad"  # timed in the same rotation: the ceiling under the same conditions
 TRIAD_BYTES_PER_ELEMENT = 12
 INTRAOP_CHUNK_ELEMENTS = 1024 * 1024
-BF16_CASES = ("ours-bf16", "ours-bf16-intraop", "torch-naive-bf16", "deepspeed-bf16")
+BF16_CASES = ("ours-bf16", "ours-bf16-compiled", "ours-bf16-intraop", "torch-naive-bf16", "deepspeed-bf16")
 ALL_CASES = (
     "ours-fp32",
     "ours-bf16",
+    "ours-bf16-compiled",
     "ours-bf16-intraop",
     "torch-forloop-fp32",
     "torch-foreach-fp32",
@@ -275,6 +278,8 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
             cases[name] = ours(w.grad32, None)
         elif name == "ours-bf16":
             cases[name] = ours(w.grad16, w.model16)
+        elif name == "ours-bf16-compiled":
+            cases[name] = ours(w.grad16, w.model16, BlockConfig(compiled=True))
         elif name == "ours-bf16-intraop":
             # Intra-op threads pay a fork/join per operation, so they get their own best chunk
             # size (1 Mi elements, measured), not the worker threads' default.
@@ -481,9 +486,17 @@ def targets(result: dict) -> list[dict]:
             # the same fused op as torch's (parity by construction): expect 1.0 within noise
             ("ours-fp32 vs torch-fused-fp32 (speedup)", ratio("ours-fp32", "torch-fused-fp32"), 1.0),
         ]
-        extra = c.get("ours-bf16", {}).get("step_extra_mib")
-        if extra is not None:
-            checks.append(("ours-bf16 extra memory in a step (MiB, at most)", extra, MEMORY_ALLOWANCE / MIB))
+        if "ours-bf16-compiled" in c:
+            checks += [
+                ("ours-bf16-compiled vs torch-naive-bf16 (speedup)", ratio("ours-bf16-compiled", "torch-naive-bf16"), 1.4),
+                ("ours-bf16-compiled vs deepspeed-bf16 (speedup)", ratio("ours-bf16-compiled", "deepspeed-bf16"), 1.0),
+                ("ours-bf16-compiled fraction of in-place triad",
+                 c["ours-bf16-compiled"].get("fraction_of_inplace_triad"), 0.8),
+            ]
+        for name in ("ours-bf16", "ours-bf16-compiled"):
+            extra = c.get(name, {}).get("step_extra_mib")
+            if extra is not None:
+                checks.append((f"{name} extra memory in a step (MiB, at most)", extra, MEMORY_ALLOWANCE / MIB))
         for label, value, need in checks:
             if value is None:
                 met = None
@@ -505,6 +518,10 @@ def run_benchmark(config: BenchConfig) -> dict:
     if config.chunk_sweep:
         result["chunk_sweep"] = chunk_sweep(config.sizes[0], config.repeats)
     info["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if "ours-bf16-compiled" in config.cases:
+        from .kernel_compiled import compiled_kernel_status  # noqa: PLC0415
+
+        info["compiled_kernel"] = compiled_kernel_status()  # per variant: usable, compile seconds, reason
     result["targets"] = targets(result)
     return result
 
@@ -521,7 +538,7 @@ def format_report(result: dict) -> str:
         f"triad {bw['triad_gbps']:.1f} GB/s, in-place triad {bw['inplace_triad_gbps']:.1f} GB/s "
         f"-> ceiling {bw['inplace_triad_gbps'] * 1e9 / BYTES_PER_ELEMENT / 1e9:.2f} G elements/s at {BYTES_PER_ELEMENT} B/element",
     ]
-    for key in ("chunk_loop", "deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
+    for key in ("chunk_loop", "compiled_kernel", "deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
         if key in m:
             lines.append(f"{key}: {m[key]}")
     header = f"{'case':20s} {'ms/step':>9s} {'G elem/s':>9s} {'GB/s@28B':>9s} {'of triad':>9s} {'vs ref':>7s} {'peak RSS':>9s} {'step +MiB':>9s}"
@@ -548,7 +565,7 @@ def format_report(result: dict) -> str:
     for t in result["targets"]:
         value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-        lines.append(f"  {_fmt_size(t['size']):>5s}  {t['target']:48s} {value:>7s} (need {t['required']:g}): {verdict}")
+        lines.append(f"  {_fmt_size(t['size']):>5s}  {t['target']:57s} {value:>7s} (need {t['required']:g}): {verdict}")
     return "\n".join(lines)
 
 

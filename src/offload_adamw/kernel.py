@@ -12,7 +12,7 @@ Contract (../shared/CONTRACT.md sections 2, 3 and 5):
   nothing of parameter groups, devices or transfers. The optimizer class calls
   them; a faster body can replace ``_fused_impl`` without touching it.
 
-Two implementations, picked by :func:`adamw_update_`'s ``impl`` flag (the way
+Three implementations, picked by :func:`adamw_update_`'s ``impl`` flag (the way
 torch/optim/adam.py dispatches):
 
 * ``"fused"`` (default): torch's fused CPU AdamW arithmetic. Bitwise equal to
@@ -22,6 +22,9 @@ torch/optim/adam.py dispatches):
   The mixed case runs cache-blocked in one memory pass (``kernel_blocked.py``):
   the same arithmetic, hence the same bits, chunk by chunk (128 Ki-element
   chunks, a TorchScript chunk loop per worker thread where TorchScript works).
+* ``"compiled"`` (opt-in): ``"fused"`` with large mixed tensors in one loop compiled
+  by torch.compile (``kernel_compiled.py``): the same bits, checked by a self-test
+  before first use; needs a C++ compiler at run time, else ``"fused"`` runs.
 * ``"for_loop"``: a readable per-tensor loop that spells out the contract, with
   the operation order of torch's single-tensor AdamW (``fused=False,
   foreach=False``), bitwise equal to it. It is the ground truth the fast path is
@@ -36,7 +39,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernel_blocked import blocked_adamw_
+from .kernel_blocked import BlockConfig, blocked_adamw_
 
 __all__ = ["StepHyper", "adamw_update_", "IMPLEMENTATIONS"]
 
@@ -127,7 +130,16 @@ def _fused_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, m
     blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp)
 
 
-IMPLEMENTATIONS = {"fused": _fused_impl, "for_loop": _for_loop_impl}
+_COMPILED = BlockConfig(compiled=True)
+
+
+def _compiled_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
+    # The fused path with large mixed tensors in the loop compiled by torch.compile
+    # (kernel_compiled.py): the same bits, self-checked; falls back to the blocked loop.
+    blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, config=_COMPILED)
+
+
+IMPLEMENTATIONS = {"fused": _fused_impl, "compiled": _compiled_impl, "for_loop": _for_loop_impl}
 
 
 def adamw_update_(

@@ -87,6 +87,8 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .kernel_compiled import DEFAULT_MIN_ELEMENTS as COMPILED_MIN_ELEMENTS
+
 __all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 
 #: chunk boundaries are multiples of this many elements (see the module docstring).
@@ -116,6 +118,14 @@ class BlockConfig:
     """-1: as many Python worker threads as ``torch.get_num_threads()`` (read at each call),
     each running whole chunks with torch single-threaded; 0: no workers, torch's intra-op
     threads split each chunk's three operations; N >= 1: N Python worker threads."""
+    compiled: bool = False
+    """Opt-in: run mixed tensors of at least ``compiled_min_elements`` elements through the
+    single loop compiled by torch.compile (kernel_compiled.py): the same bits, checked by a
+    self-test before first use, one pass over memory without the casts' extra cache traffic.
+    Needs a C++ compiler at run time; where it is unavailable this kernel runs instead."""
+    compiled_min_elements: int = COMPILED_MIN_ELEMENTS
+    """Smaller tensors stay on the chunk loop: a compiled call has a fixed cost of about
+    0.1 ms (measured crossover near 768 Ki elements; kernel_compiled.py)."""
 
 
 DEFAULT_CONFIG = BlockConfig()
@@ -399,6 +409,19 @@ def blocked_adamw_(
 
     if not blocked:
         return
+    # Opt-in compiled loop: it updates each large tensor up to a multiple of 64 elements
+    # and says where it stopped; the chunk loop below does the rest (the same bits).
+    start_at: dict[int, int] = {}
+    if config.compiled:
+        from .kernel_compiled import compiled_adamw_
+
+        start_at = compiled_adamw_(
+            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked,
+            min_elements=config.compiled_min_elements,
+        )
+        blocked = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]
+        if not blocked:
+            return
     if isinstance(hp.lr, Tensor):
         # The compiled loop takes a float lr; a tensor lr keeps the Python loop, which passes
         # it to the fused op unchanged (torch's own overload for it).
@@ -422,7 +445,9 @@ def blocked_adamw_(
     by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
     for j, i in enumerate(blocked):
         n = masters[i].numel()
-        by_dtype.setdefault(masters[i].dtype, []).extend((j, a, min(a + chunk, n)) for a in range(0, n, chunk))
+        by_dtype.setdefault(masters[i].dtype, []).extend(
+            (j, a, min(a + chunk, n)) for a in range(start_at.get(i, 0), n, chunk)
+        )
 
     def run(dtype, batch) -> None:
         buffer = _chunk_buffer(dtype, chunk)

@@ -129,6 +129,14 @@ class OffloadAdamW(torch.optim.Optimizer):
       return non-blocking (offload.py). ``True`` with CPU parameters runs the
       same pipeline with the CPU as device. With the pipeline the state is not
       pinned unless ``pin_memory=True``: the pipeline's buffers carry the transfers.
+    * ``compiled_kernel`` (default False): update large mixed-precision tensors
+      (bf16/fp16 parameters or gradients, float32 masters) in one loop compiled by
+      torch.compile (kernel_compiled.py), about 1.6x faster than the default
+      blocked kernel where memory bandwidth is the limit. The same bits: each
+      compiled variant is checked against torch's fused op before its first use.
+      Needs a C++ compiler; the first step compiles (a few seconds per variant,
+      cached on disk by torch); where anything fails the default kernel runs,
+      after one warning.
     """
 
     def __init__(
@@ -150,6 +158,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         offload_gradients: bool = False,
         transfer_pipeline: Optional[bool] = None,
         bucket_bytes: int = 32 << 20,
+        compiled_kernel: bool = False,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
         if isinstance(lr, Tensor):
@@ -187,6 +196,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.compiled_kernel = bool(compiled_kernel)
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -462,10 +472,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             maximize=group["maximize"],
         )
 
-    @staticmethod
-    def kernel_impl(group: dict[str, Any]) -> str:
-        """fused=False picks the readable for-loop kernel; anything else the fused one."""
-        return "for_loop" if group.get("fused") is False else "fused"
+    def kernel_impl(self, group: dict[str, Any]) -> str:
+        """fused=False picks the readable for-loop kernel; else the fused one, compiled where asked."""
+        if group.get("fused") is False:
+            return "for_loop"
+        return "compiled" if self.compiled_kernel else "fused"
 
     def _nonfinite_gradients(self) -> list[str]:
         culprits = []

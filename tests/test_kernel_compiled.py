@@ -1,0 +1,226 @@
+"""The opt-in compiled host loop (kernel_compiled.py): the same bits as the parity definition.
+
+Table: model dtypes (bf16, fp16, and float32 gradients into a bf16 copy) x options
+(plain, amsgrad, maximize, no weight decay, tensor lr, beta1 < 0.5 for the other
+lerp branch) on layouts whose tensors are shorter than, equal to and longer than
+multiples of 64 elements. Property: bitwise equal to torch's fused AdamW on float32
+copies followed by the round-to-nearest cast, as the default kernel is.
+
+Also: the self-test refuses a loop compiled without the contracted multiply-adds
+(the variant falls back, with a warning and the reason); no C++ compiler means the
+default kernel runs with the same bits; sizes and storage offsets never recompile;
+``OffloadAdamW(compiled_kernel=True)`` trains bit for bit like the default.
+Needs a C++ compiler (torch.compile's CPU backend); skipped without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from offload_adamw import OffloadAdamW
+from offload_adamw.kernel import StepHyper
+from offload_adamw.kernel_blocked import BlockConfig, blocked_adamw_
+from offload_adamw.kernel_compiled import (
+    COMPILED_ALIGN,
+    _get,
+    compiled_adamw_,
+    compiled_kernel_status,
+    variant_key,
+)
+from test_kernel import OPTIONS, Layout, _assert_bitwise, _run_ours, _run_torch
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="torch.compile's CPU backend needs a C++ compiler"
+)
+
+# Small tensors go through the compiled loop too (the default leaves them to the chunk loop).
+EVERYTHING = BlockConfig(compiled=True, compiled_min_elements=COMPILED_ALIGN)
+LAYOUT = Layout(
+    "compiled",
+    ((), (0,), (63,), (64,), (130,), (4096 + 15,), (33, 65), (65536 + 3 * 64 + 5,)),
+)
+COMPILED_OPTIONS = {**OPTIONS, "lerp-large": dict(beta1=0.3)}
+HP = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("option", COMPILED_OPTIONS, ids=str)
+def test_bf16_bitwise_equals_parity_definition(option):
+    ours = _run_ours(LAYOUT, torch.bfloat16, COMPILED_OPTIONS[option], "fused", EVERYTHING)
+    ref = _run_torch(LAYOUT, torch.bfloat16, COMPILED_OPTIONS[option], dict(fused=True))
+    _assert_bitwise(ours, ref)
+    # ... and the compiled loop did run (a variant that failed its self-test would hide here)
+    used = [s for s in compiled_kernel_status() if s["contract"] == "fast"]
+    assert used and all(s["usable"] for s in used), used
+
+
+def test_fp16_bitwise_equals_parity_definition():
+    _assert_bitwise(
+        _run_ours(LAYOUT, torch.float16, {}, "fused", EVERYTHING),
+        _run_torch(LAYOUT, torch.float16, {}, dict(fused=True)),
+    )
+
+
+def _tensors(n, grad_dtype, out_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen).bfloat16().float()
+    return dict(
+        master=master,
+        grad=torch.randn(n, generator=gen).to(grad_dtype),
+        m=torch.zeros(n),
+        v=torch.zeros(n),
+        step=torch.zeros(()),
+        out=None if out_dtype is None else torch.empty(n, dtype=out_dtype),
+    )
+
+
+@pytest.mark.parametrize("grad_dtype, out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, None)])
+def test_other_dtype_pairs_bitwise(grad_dtype, out_dtype):
+    """float32 gradients into a bf16 copy (the pipeline under GradScaler), and no model copy."""
+    n = 3 * 4096 + 17
+    t = _tensors(n, grad_dtype, out_dtype)
+    ref = {k: (v.clone() if v is not None else None) for k, v in t.items()}
+    for _ in range(3):
+        blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP, config=EVERYTHING)
+        ref["step"] += 1
+        torch._fused_adamw_([ref["master"]], [ref["grad"].float()], [ref["m"]], [ref["v"]], [], [ref["step"]],
+                            lr=HP.lr, beta1=HP.beta1, beta2=HP.beta2, weight_decay=HP.weight_decay, eps=HP.eps,
+                            amsgrad=False, maximize=False)
+    for key in ("master", "m", "v"):
+        assert torch.equal(t[key].view(torch.int32), ref[key].view(torch.int32)), key
+    if out_dtype is not None:
+        assert torch.equal(t["out"].view(torch.int16), ref["master"].to(out_dtype).view(torch.int16))
+    assert all(s["usable"] for s in compiled_kernel_status()), compiled_kernel_status()
+
+
+def test_covers_multiples_of_64_and_leaves_the_rest_untouched():
+    sizes = [100, 64, 4096 + 15, 7]
+    ts = [_tensors(n, torch.bfloat16, torch.bfloat16, seed=n) for n in sizes]
+    for t in ts:
+        t["step"] += 1
+    before = [t["master"].clone() for t in ts]
+    done = compiled_adamw_(
+        [t["master"] for t in ts], [t["grad"] for t in ts], [t["m"] for t in ts], [t["v"] for t in ts], [],
+        [t["step"] for t in ts], [t["out"] for t in ts], HP, range(len(ts)), min_elements=128,
+    )
+    assert done == {2: 4096}  # 100 and 64 are below min_elements (128); 7 has no whole 64-element block
+    for i, t in enumerate(ts):
+        stop = done.get(i, 0)
+        assert not torch.equal(t["master"][:stop], before[i][:stop]) or stop == 0
+        assert torch.equal(t["master"][stop:], before[i][stop:]), f"tensor {i} changed past {stop}"
+        assert torch.equal(t["m"][stop:], torch.zeros(sizes[i] - stop))
+
+
+def test_tensor_lr_is_left_to_the_blocked_kernel():
+    t = _tensors(4096, torch.bfloat16, torch.bfloat16)
+    t["step"] += 1
+    hp = StepHyper(lr=torch.tensor(1e-2), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    done = compiled_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], hp, [0],
+                           min_elements=64)
+    assert done == {}
+
+
+def test_self_test_refuses_a_loop_without_the_contracted_multiply_adds():
+    """Compiled with -ffp-contract=off the loop rounds m and v twice where torch rounds once:
+    the self-test must catch it, and the variant must not be used."""
+    variant = variant_key(torch.bfloat16, torch.bfloat16, False, False, 0.9)
+    with pytest.warns(RuntimeWarning, match="differs from torch's fused AdamW"):
+        entry = _get(variant, contract="off")
+    assert entry.fn is None and "differs" in entry.reason
+    t = _tensors(4096, torch.bfloat16, torch.bfloat16)
+    t["step"] += 1
+    done = compiled_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP, [0],
+                           min_elements=64, contract="off")
+    assert done == {}
+
+
+def test_sizes_and_storage_offsets_do_not_recompile():
+    from torch._dynamo.utils import counters
+
+    buffer = _tensors(1 << 16, torch.bfloat16, torch.bfloat16)
+    buffer["step"] += 1
+
+    def run(offset, n):
+        sl = lambda t: t[offset : offset + n]  # noqa: E731  (views at a storage offset)
+        compiled_adamw_([sl(buffer["master"])], [sl(buffer["grad"])], [sl(buffer["m"])], [sl(buffer["v"])], [],
+                        [buffer["step"]], [sl(buffer["out"])], HP, [0], min_elements=64)
+
+    run(0, 4096)
+    graphs = counters["stats"]["unique_graphs"]
+    for offset, n in [(0, 64), (64, 128), (640, 30000), (1 << 15, 1 << 15), (3, 1000)]:
+        run(offset, n)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def _train(compiled: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1100), torch.nn.GELU(), torch.nn.Linear(1100, 33), torch.nn.LayerNorm(33)
+    ).to(torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, compiled_kernel=compiled)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
+    x = torch.randn(16, 1024).bfloat16()
+    for step in range(6):
+        model(x).float().square().mean().backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_optimizer_option_trains_bit_for_bit_like_the_default():
+    a, _ = _train(False)
+    b, opt = _train(True)
+    assert opt.kernel_impl(opt.param_groups[0]) == "compiled"
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+    used = [s for s in compiled_kernel_status() if s["contract"] == "fast"]
+    assert used and all(s["usable"] for s in used)
+
+
+def test_fused_false_still_picks_the_readable_loop():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = OffloadAdamW([p], compiled_kernel=True, fused=False)
+    assert opt.kernel_impl(opt.param_groups[0]) == "for_loop"
+
+
+FALLBACK = textwrap.dedent(
+    """
+    import hashlib, json, warnings, torch
+    from offload_adamw import OffloadAdamW
+    from offload_adamw.kernel_compiled import compiled_kernel_status
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1 << 20).to(torch.bfloat16))
+    opt = OffloadAdamW([p], lr=1e-2, compiled_kernel=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            p.grad = torch.randn(p.shape).to(torch.bfloat16)
+            opt.step()
+    ours = [str(w.message) for w in caught if "offload_adamw" in str(w.message)]
+    print(json.dumps(dict(status=compiled_kernel_status(), warnings=ours,
+                          bits=hashlib.sha256(p.detach().view(torch.int16).numpy().tobytes()).hexdigest())))
+    """
+)
+
+
+def test_without_a_compiler_the_default_kernel_runs_with_the_same_bits(tmp_path):
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    broken = json.loads(out.stdout.strip().splitlines()[-1])
+    assert broken["status"] and not broken["status"][0]["usable"]
+    assert "compiler" in broken["status"][0]["reason"].lower(), broken["status"]
+    assert len(broken["warnings"]) == 1 and "blocked kernel runs instead" in broken["warnings"][0]
+
+    script = FALLBACK.replace("compiled_kernel=True", "compiled_kernel=False")
+    default = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=True)
+    assert json.loads(default.stdout.strip().splitlines()[-1])["bits"] == broken["bits"]
