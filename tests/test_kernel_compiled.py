@@ -224,3 +224,14 @@ def test_without_a_compiler_the_default_kernel_runs_with_the_same_bits(tmp_path)
     script = FALLBACK.replace("compiled_kernel=True", "compiled_kernel=False")
     default = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=True)
     assert json.loads(default.stdout.strip().splitlines()[-1])["bits"] == broken["bits"]
+
+
+def test_an_eager_stance_is_declined_rather_than_run_with_other_bits():
+    """Under torch.compiler.set_stance("force_eager") torch.compile runs the Python function
+    eagerly (other roundings): the compiled path must step aside, the chunk loop runs."""
+    t = _tensors(4096, torch.bfloat16, torch.bfloat16)
+    t["step"] += 1
+    args = ([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP, [0])
+    assert compiled_adamw_(*args, min_elements=64) == {0: 4096}
+    with torch.compiler.set_stance("force_eager"):
+        assert compiled_adamw_(*args, min_elements=64) == {}

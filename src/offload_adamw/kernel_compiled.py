@@ -53,6 +53,7 @@ length share one compilation.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 import types
@@ -245,6 +246,18 @@ def _get(variant: _Variant, contract: str = "fast") -> _Compiled:
         return entry
 
 
+def _compiler_active() -> bool:
+    """False where torch.compile would run the function eagerly (different bits): dynamo
+    disabled, or a stance other than the default (``torch.compiler.set_stance``)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return True  # not imported yet: compiling imports it, and the self-test checks the result
+    if getattr(dynamo.config, "disable", False):
+        return False
+    stance = getattr(getattr(dynamo, "eval_frame", None), "_stance", None)
+    return stance is None or getattr(stance, "stance", "default") == "default"
+
+
 def compiled_kernel_status() -> list[dict]:
     """Each variant compiled so far in this process: name, usable, compile (and self-test) seconds, reason."""
     with _lock:
@@ -277,6 +290,8 @@ def compiled_adamw_(
     done: dict[int, int] = {}
     if isinstance(hp.lr, Tensor):
         return done  # torch's tensor-lr overload: left to the blocked kernel
+    if not _compiler_active():
+        return done
     scalars_at: dict[float, Tensor] = {}
     for i in indices:
         master = masters[i]
