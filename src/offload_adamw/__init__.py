@@ -11,6 +11,7 @@ from .conformance import CandidateLoadError, check as check_conformance
 from .checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
 from .preflight import HostMemoryError
 from .bandwidth import measure_host_bandwidth
+from .kernel_compiled import compiled_kernel_status
 
 __all__ = [
     "__version__",
@@ -38,4 +39,5 @@ __all__ = [
     "LoadReport",
     "HostMemoryError",
     "measure_host_bandwidth",
+    "compiled_kernel_status",
 ]
