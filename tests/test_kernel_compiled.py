@@ -235,3 +235,33 @@ def test_an_eager_stance_is_declined_rather_than_run_with_other_bits():
     assert compiled_adamw_(*args, min_elements=64) == {0: 4096}
     with torch.compiler.set_stance("force_eager"):
         assert compiled_adamw_(*args, min_elements=64) == {}
+
+
+def _train_pipelined(compiled: bool):
+    """An fp16 model through the CPU-as-device pipeline: freed gradients, loss scaling (the
+    step then divides the gradients into float32: the float32-gradient variant)."""
+    from offload_adamw import OffloadGradScaler
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1100), torch.nn.Tanh(), torch.nn.Linear(1100, 7)).half()
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, transfer_pipeline=True, offload_gradients=True,
+                       compiled_kernel=compiled)
+    scaler = OffloadGradScaler("cpu", init_scale=2.0**8)
+    x = torch.randn(8, 1024).half()
+    for _ in range(4):
+        scaler.scale(model(x).float().square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_pipeline_with_loss_scaling_is_bit_for_bit_the_default():
+    a, opt_a = _train_pipelined(False)
+    b, opt_b = _train_pipelined(True)
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+        sa, sb = opt_a.state[x], opt_b.state[y]
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            assert torch.equal(sa[key].view(torch.int32), sb[key].view(torch.int32)), (name, key)
+    assert any(s["variant"].startswith("grad=float32,out=float16") and s["usable"] for s in compiled_kernel_status())
