@@ -195,6 +195,10 @@ def memory_and_time(cfg: CheckConfig) -> dict:
         "torch.optim.AdamW(fused=True) on device": lambda: torch.optim.AdamW(model.parameters(), fused=True),
         "OffloadAdamW (grads kept)": lambda: OffloadAdamW(model.parameters()),
         "OffloadAdamW(offload_gradients=True)": lambda: OffloadAdamW(model.parameters(), offload_gradients=True),
+        # the host step as one compiled loop (bitwise the same; needs a C++ compiler on the GPU machine)
+        "OffloadAdamW(offload_grads, compiled_kernel)": lambda: OffloadAdamW(
+            model.parameters(), offload_gradients=True, compiled_kernel=True
+        ),
     }
     for name, make in tqdm(makers.items(), desc="memory+time", leave=False):
         if dev == "cuda":
@@ -403,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     result["memory_time"] = mem
     if cfg.device == "cuda":
         result["bandwidth"] = section("bandwidth", lambda: bandwidth(cfg, mem))
+    from offload_adamw import compiled_kernel_status
+
+    result["compiled_kernel"] = compiled_kernel_status()  # per variant: usable, compile seconds, reason
     result["total_seconds"] = time.perf_counter() - started
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, default=str))
