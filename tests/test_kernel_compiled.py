@@ -265,3 +265,16 @@ def test_pipeline_with_loss_scaling_is_bit_for_bit_the_default():
         for key in ("exp_avg", "exp_avg_sq", "master_param"):
             assert torch.equal(sa[key].view(torch.int32), sb[key].view(torch.int32)), (name, key)
     assert any(s["variant"].startswith("grad=float32,out=float16") and s["usable"] for s in compiled_kernel_status())
+
+
+@pytest.mark.parametrize("lr, weight_decay", [(1e-3, 0.01), (3e-4, 0.1), (0.0, 0.1), (1e-2, 0.0), (0.7, 1.3)])
+def test_decay_factor_is_torchs_own(lr, weight_decay):
+    """The factor read back from torch's op is its float32 rounding of 1 - lr*wd (one or two roundings)."""
+    from fractions import Fraction
+
+    from offload_adamw.kernel_compiled import _decay_factor
+
+    factor = _decay_factor(lr, weight_decay)
+    one_rounding = torch.tensor(float(Fraction(1) - Fraction(lr) * Fraction(weight_decay)), dtype=torch.float64)
+    two_roundings = torch.tensor(1 - lr * weight_decay, dtype=torch.float64)
+    assert factor in (one_rounding.float().item(), two_roundings.float().item())

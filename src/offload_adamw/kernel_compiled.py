@@ -25,7 +25,7 @@ Why the bits can be the same. torch's fused kernel computes, per vector of
 elements (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, read in the disassembly
 of torch 2.13's AVX2 build):
 
-    p     = theta * (1 - lr*wd)                      (skipped when wd == 0)
+    p     = theta * (1 - lr*wd)                      (skipped when wd == 0; the factor is read back from the op)
     m     = fma(c, g - m, base)                      c, base: w, m if |w| < 0.5 else w - 1, g  (w = 1 - beta1)
     v     = fma((1 - beta2) * g, g, v * beta2)       the compiler contracted this one
     denom = sqrt(v) / sqrt(1 - beta2^t) + eps        (sqrt(max(v_max, v)) with amsgrad)
@@ -52,6 +52,7 @@ length share one compilation.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -140,6 +141,25 @@ def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()
 
 
+@functools.lru_cache(maxsize=256)
+def _decay_factor(lr: float, weight_decay: float) -> float:
+    """The float32 factor ``1 - lr * weight_decay`` exactly as torch's fused op has it.
+
+    Read back from the op itself: on a parameter of ones with zero gradient and moments
+    the update leaves ``1 * factor``. Its build may compute ``1 - lr * wd`` in double with
+    one rounding (a fused multiply-add: this machine's AVX2 kernel does) or with two;
+    the two differ in float32 for about one (lr, wd) pair in 2**29, too rare for the
+    self-test to see, so the constant is taken from the op instead of recomputed.
+    """
+    ones = torch.ones(2 * COMPILED_ALIGN)
+    zeros = [torch.zeros(2 * COMPILED_ALIGN) for _ in range(3)]
+    torch._fused_adamw_(
+        [ones], [zeros[0]], [zeros[1]], [zeros[2]], [], [torch.ones(())],
+        lr=lr, beta1=0.9, beta2=0.999, weight_decay=weight_decay, eps=1e-8, amsgrad=False, maximize=False,
+    )
+    return ones[0].item()
+
+
 def _scalars(step: float, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float) -> Tensor:
     """The float32 constants of torch's fused kernel at this step, computed as it does (in double)."""
     bias_correction1 = 1 - beta1**step
@@ -147,7 +167,7 @@ def _scalars(step: float, lr: float, beta1: float, beta2: float, weight_decay: f
     step_size = lr / bias_correction1
     w = _f32(1 - beta1)
     coeff = w if abs(w) < 0.5 else _f32(w - 1.0)  # float32 subtraction, exact for w in [0.5, 1]
-    values = [1 - lr * weight_decay, coeff, 1 - beta2, beta2, math.sqrt(bias_correction2), eps, -step_size]
+    values = [_decay_factor(lr, weight_decay), coeff, 1 - beta2, beta2, math.sqrt(bias_correction2), eps, -step_size]
     return torch.tensor(values, dtype=torch.float64).to(torch.float32)
 
 
