@@ -278,3 +278,47 @@ def test_decay_factor_is_torchs_own(lr, weight_decay):
     one_rounding = torch.tensor(float(Fraction(1) - Fraction(lr) * Fraction(weight_decay)), dtype=torch.float64)
     two_roundings = torch.tensor(1 - lr * weight_decay, dtype=torch.float64)
     assert factor in (one_rounding.float().item(), two_roundings.float().item())
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 40).map(lambda k: 64 * k),
+    lr=st.one_of(st.just(0.0), st.floats(1e-7, 1.0)),
+    beta1=st.one_of(st.just(0.0), st.floats(0.0, 0.999)),
+    beta2=st.one_of(st.just(0.0), st.floats(0.0, 0.99999)),
+    eps=st.one_of(st.just(0.0), st.floats(1e-12, 1e-3)),
+    weight_decay=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    step=st.integers(1, 5000),
+    log_scale=st.floats(-20.0, 10.0),
+    amsgrad=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_any_hyperparameters_and_magnitudes_give_torchs_bits(
+    n, lr, beta1, beta2, eps, weight_decay, step, log_scale, amsgrad, seed
+):
+    """The law behind the tables: for any hyperparameters in torch's accepted ranges, step
+    count and gradient scale, one compiled update equals torch's fused op bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen).bfloat16().float()
+    grad = (torch.randn(n, generator=gen) * 2.0**log_scale).bfloat16()
+    m = torch.randn(n, generator=gen) * 2.0**log_scale * 0.1
+    v = torch.rand(n, generator=gen) * 4.0**log_scale
+    mv = v * 2
+    hp = StepHyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+    ours = [master.clone(), m.clone(), v.clone(), mv.clone()]
+    out = torch.empty(n, dtype=torch.bfloat16)
+    steps = [torch.tensor(float(step))]
+    done = compiled_adamw_([ours[0]], [grad], [ours[1]], [ours[2]], [ours[3]], steps, [out], hp, [0], min_elements=64)
+    assert done == {0: n}
+    ref = [master.clone(), m.clone(), v.clone(), mv.clone()]
+    torch._fused_adamw_([ref[0]], [grad.float()], [ref[1]], [ref[2]], [ref[3]] if amsgrad else [],
+                        [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                        eps=eps, amsgrad=amsgrad, maximize=False)
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), ours, ref):
+        if name == "max_exp_avg_sq" and not amsgrad:
+            continue
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+    assert torch.equal(out.view(torch.int16), ref[0].bfloat16().view(torch.int16))
