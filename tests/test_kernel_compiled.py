@@ -16,6 +16,7 @@ Needs a C++ compiler (torch.compile's CPU backend); skipped without one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -51,32 +52,58 @@ COMPILED_OPTIONS = {**OPTIONS, "lerp-large": dict(beta1=0.3)}
 HP = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
 
 
+@pytest.fixture
+def coverage(monkeypatch):
+    """What the compiled loop updated in each call: a list of {tensor index: elements} dicts.
+    A table test whose tensors all fell back to the chunk loop would otherwise still pass."""
+    import offload_adamw.kernel_compiled as kc
+
+    calls = []
+    real = kc.compiled_adamw_
+
+    def spy(*args, **kwargs):
+        done = real(*args, **kwargs)
+        calls.append(dict(done))
+        return done
+
+    monkeypatch.setattr(kc, "compiled_adamw_", spy)
+    return calls
+
+
+def _expected_coverage():
+    """{index in LAYOUT: elements} the compiled loop must update (EVERYTHING: from 64 elements up)."""
+    sizes = [math.prod(shape) for shape in LAYOUT.shapes]
+    return {i: n - n % COMPILED_ALIGN for i, n in enumerate(sizes) if n >= COMPILED_ALIGN}
+
+
 @pytest.mark.parametrize("option", COMPILED_OPTIONS, ids=str)
-def test_bf16_bitwise_equals_parity_definition(option):
+def test_bf16_bitwise_equals_parity_definition(option, coverage):
     ours = _run_ours(LAYOUT, torch.bfloat16, COMPILED_OPTIONS[option], "fused", EVERYTHING)
     ref = _run_torch(LAYOUT, torch.bfloat16, COMPILED_OPTIONS[option], dict(fused=True))
     _assert_bitwise(ours, ref)
-    # ... and the compiled loop did run (a variant that failed its self-test would hide here)
-    used = [s for s in compiled_kernel_status() if s["contract"] == "fast"]
-    assert used and all(s["usable"] for s in used), used
+    # ... and the compiled loop did the work (a tensor lr is left to the chunk loop by design)
+    expected = {} if option == "tensor-lr" else _expected_coverage()
+    assert coverage and all(done == expected for done in coverage), (coverage, expected)
 
 
-def test_fp16_bitwise_equals_parity_definition():
+def test_fp16_bitwise_equals_parity_definition(coverage):
     _assert_bitwise(
         _run_ours(LAYOUT, torch.float16, {}, "fused", EVERYTHING),
         _run_torch(LAYOUT, torch.float16, {}, dict(fused=True)),
     )
+    assert coverage and all(done == _expected_coverage() for done in coverage), coverage
 
 
 def _tensors(n, grad_dtype, out_dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=gen).bfloat16().float()
+    f32 = dict(dtype=torch.float32)  # explicit: one test runs under a float64 default dtype
+    master = torch.randn(n, generator=gen, **f32).bfloat16().float()
     return dict(
         master=master,
-        grad=torch.randn(n, generator=gen).to(grad_dtype),
-        m=torch.zeros(n),
-        v=torch.zeros(n),
-        step=torch.zeros(()),
+        grad=torch.randn(n, generator=gen, **f32).to(grad_dtype),
+        m=torch.zeros(n, **f32),
+        v=torch.zeros(n, **f32),
+        step=torch.zeros((), **f32),
         out=None if out_dtype is None else torch.empty(n, dtype=out_dtype),
     )
 
@@ -97,7 +124,8 @@ def test_other_dtype_pairs_bitwise(grad_dtype, out_dtype):
         assert torch.equal(t[key].view(torch.int32), ref[key].view(torch.int32)), key
     if out_dtype is not None:
         assert torch.equal(t["out"].view(torch.int16), ref["master"].to(out_dtype).view(torch.int16))
-    assert all(s["usable"] for s in compiled_kernel_status()), compiled_kernel_status()
+    fast = [s for s in compiled_kernel_status() if s["contract"] == "fast"]
+    assert fast and all(s["usable"] for s in fast), fast
 
 
 def test_covers_multiples_of_64_and_leaves_the_rest_untouched():
@@ -176,9 +204,12 @@ def _train(compiled: bool):
     return model, opt
 
 
-def test_optimizer_option_trains_bit_for_bit_like_the_default():
+def test_optimizer_option_trains_bit_for_bit_like_the_default(coverage):
     a, _ = _train(False)
+    assert coverage == []
     b, opt = _train(True)
+    # the 1100 x 1024 weight (1.1 Mi elements) goes through the compiled loop at every step
+    assert len(coverage) == 6 and all(1024 * 1100 in done.values() for done in coverage), coverage
     assert opt.kernel_impl(opt.param_groups[0]) == "compiled"
     for (name, x), y in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
@@ -267,19 +298,6 @@ def test_pipeline_with_loss_scaling_is_bit_for_bit_the_default():
     assert any(s["variant"].startswith("grad=float32,out=float16") and s["usable"] for s in compiled_kernel_status())
 
 
-@pytest.mark.parametrize("lr, weight_decay", [(1e-3, 0.01), (3e-4, 0.1), (0.0, 0.1), (1e-2, 0.0), (0.7, 1.3)])
-def test_decay_factor_is_torchs_own(lr, weight_decay):
-    """The factor read back from torch's op is its float32 rounding of 1 - lr*wd (one or two roundings)."""
-    from fractions import Fraction
-
-    from offload_adamw.kernel_compiled import _decay_factor
-
-    factor = _decay_factor(lr, weight_decay)
-    one_rounding = torch.tensor(float(Fraction(1) - Fraction(lr) * Fraction(weight_decay)), dtype=torch.float64)
-    two_roundings = torch.tensor(1 - lr * weight_decay, dtype=torch.float64)
-    assert factor in (one_rounding.float().item(), two_roundings.float().item())
-
-
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
@@ -322,3 +340,145 @@ def test_any_hyperparameters_and_magnitudes_give_torchs_bits(
             continue
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
     assert torch.equal(out.view(torch.int16), ref[0].bfloat16().view(torch.int16))
+
+
+# ------------------------------------------------------- torch.compile's life cycle
+# (findings of a review: each of these once crashed a step or gave other bits silently)
+
+
+def _bits_after_one_step(n=8192, **config):
+    t = _tensors(n, torch.bfloat16, torch.bfloat16, seed=7)
+    ref = {k: (v.clone() if v is not None else None) for k, v in t.items()}
+    blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP,
+                   config=BlockConfig(compiled=True, compiled_min_elements=64, **config))
+    ref["step"] += 1
+    torch._fused_adamw_([ref["master"]], [ref["grad"].float()], [ref["m"]], [ref["v"]], [], [ref["step"]],
+                        lr=HP.lr, beta1=HP.beta1, beta2=HP.beta2, weight_decay=HP.weight_decay, eps=HP.eps,
+                        amsgrad=False, maximize=False)
+    return all(torch.equal(t[k].view(torch.int32), ref[k].view(torch.int32)) for k in ("master", "m", "v"))
+
+
+def test_a_global_state_change_builds_and_tests_a_new_graph_with_pinned_options(coverage):
+    """Before: a thread-count change recompiled the tested graph under whatever Inductor settings the
+    user had by then (unsafe math: 10,940 of 131,072 elements differed, still reported usable)."""
+    import torch._inductor.config as inductor_config
+
+    assert _bits_after_one_step()
+    threads = torch.get_num_threads()
+    before = len(compiled_kernel_status())
+    try:
+        with inductor_config.patch({"cpp.enable_unsafe_math_opt_flag": True}):
+            torch.set_num_threads(1)
+            assert _bits_after_one_step()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(compiled_kernel_status()) == before + 1  # a variant of its own, self-tested
+    assert all(done == {0: 8192} for done in coverage), coverage
+
+
+def test_after_dynamo_reset_the_rebuilt_graph_is_tested_before_use(coverage):
+    import torch._dynamo
+
+    assert _bits_after_one_step()
+    torch._dynamo.reset()
+    assert _bits_after_one_step()
+    assert all(done == {0: 8192} for done in coverage), coverage
+
+
+def test_a_users_ban_on_recompiling_does_not_break_the_step():
+    """error_on_recompile (a user policing their own model) once made opt.step() raise mid-update."""
+    import torch._dynamo
+
+    assert _bits_after_one_step()
+    threads = torch.get_num_threads()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            torch.set_num_threads(1)
+            assert _bits_after_one_step()
+            with torch.enable_grad():
+                assert _bits_after_one_step()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_float64_default_dtype_does_not_disable_the_loop(coverage):
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert _bits_after_one_step()
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(done == {0: 8192} for done in coverage), coverage
+
+
+def test_inside_a_compiled_region_the_loop_steps_aside():
+    """torch.compile(opt.step): the step is traced, not run; the loop must not build (and fail)
+    its self-test there, which once turned it off for the rest of the process."""
+    t = _tensors(4096, torch.float16, torch.float16, seed=5)
+    t["step"] += 1
+    hp = StepHyper(lr=1e-2, beta1=0.3, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=True)
+    mv = torch.zeros(4096)
+    before = len(compiled_kernel_status())
+    traced = torch.compile(
+        lambda: compiled_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [mv], [t["step"]], [t["out"]],
+                                hp, [0], min_elements=64)
+    )
+    assert traced() == {}
+    assert len(compiled_kernel_status()) == before  # nothing built while tracing
+    # run eagerly, the same call compiles its variant and updates the tensor
+    assert compiled_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [mv], [t["step"]], [t["out"]], hp, [0],
+                           min_elements=64) == {0: 4096}
+
+
+RACE = textwrap.dedent(
+    """
+    import sys, threading, torch
+    from offload_adamw.kernel_compiled import _compiler_active
+    assert "torch._dynamo" not in sys.modules
+    errors, done = [], threading.Event()
+    def poll():
+        while not done.is_set():
+            try:
+                _compiler_active()
+            except Exception as exc:
+                errors.append(repr(exc)); return
+    t = threading.Thread(target=poll); t.start()
+    import torch._dynamo
+    done.set(); t.join()
+    print(len(errors))
+    """
+)
+
+
+def test_first_use_while_another_thread_imports_dynamo_does_not_crash():
+    out = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "0", out.stdout + out.stderr[-2000:]
+
+
+# (lr, wd) pairs where float32(1 - lr*wd) differs between one rounding (torch's x86 build: a
+# fused multiply-add in double) and two (the formula in Python); found by a reviewer's search.
+DECAY_PAIRS = [
+    (0.0035334642445518593, 0.24254536782830927),
+    (0.12336377035795751, 0.07688624060818675),
+    (0.024199493043513796, 0.1702573380511733),
+]
+
+
+@pytest.mark.parametrize("lr, weight_decay", DECAY_PAIRS)
+def test_decay_factor_where_one_and_two_roundings_differ(lr, weight_decay):
+    from fractions import Fraction
+
+    one = torch.tensor(float(Fraction(1) - Fraction(lr) * Fraction(weight_decay)), dtype=torch.float64).float()
+    two = torch.tensor(1 - lr * weight_decay, dtype=torch.float64).float()
+    assert one != two  # the pair is a real witness
+    hp = StepHyper(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay)
+    t = _tensors(4096, torch.bfloat16, torch.bfloat16, seed=3)
+    ref = {k: (v.clone() if v is not None else None) for k, v in t.items()}
+    t["step"] += 1
+    ref["step"] += 1
+    assert compiled_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], hp, [0],
+                           min_elements=64) == {0: 4096}
+    torch._fused_adamw_([ref["master"]], [ref["grad"].float()], [ref["m"]], [ref["v"]], [], [ref["step"]],
+                        lr=lr, beta1=0.9, beta2=0.99, weight_decay=weight_decay, eps=1e-8, amsgrad=False,
+                        maximize=False)
+    assert torch.equal(t["master"].view(torch.int32), ref["master"].view(torch.int32))
