@@ -368,7 +368,8 @@ def test_gpu_check_cpu_smoke_runs(tmp_path) -> None:
     result = json.loads(out.read_text())
     assert not result["errors"]
     assert len(result["parity"]) == 4 and all(r["bitwise_vs_host_fused_adamw"] for r in result["parity"])
-    assert len(result["memory_time"]["runs"]) == 4
+    assert len(result["memory_time"]["runs"]) == 5  # incl. the compiled host loop
+    assert "compiled_kernel" in result
     assert "bitwise vs host fused" in done.stdout
 
 
