@@ -131,7 +131,7 @@ class OffloadAdamW(torch.optim.Optimizer):
       pinned unless ``pin_memory=True``: the pipeline's buffers carry the transfers.
     * ``compiled_kernel`` (default False): update large mixed-precision tensors
       (bf16/fp16 parameters or gradients, float32 masters) in one loop compiled by
-      torch.compile (kernel_compiled.py), 1.2 to 1.4x faster than the default
+      torch.compile (kernel_compiled.py), 1.1 to 1.5x faster than the default
       blocked kernel here (the benchmark in the README). The same bits: each
       compiled variant is checked against torch's fused op before its first use.
       Needs a C++ compiler; the first step compiles (a few seconds per variant,
