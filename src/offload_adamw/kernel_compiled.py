@@ -66,6 +66,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import threading
 import time
 import types
@@ -342,6 +343,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_lock_after_fork)
 
 
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside this package and torch (the user's step call)."""
+    inside = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _warn_once(variant: _Variant, contract: str, reason: Optional[str]) -> None:
     if (variant, contract) in _warned:
         return
@@ -350,7 +360,7 @@ def _warn_once(variant: _Variant, contract: str, reason: Optional[str]) -> None:
         f"offload_adamw: the compiled host kernel is not used for {variant.name()} "
         f"({reason}); the blocked kernel runs instead, with the same results",
         RuntimeWarning,
-        stacklevel=5,
+        stacklevel=_caller_stacklevel(),
     )
 
 
@@ -475,6 +485,6 @@ def compiled_adamw_(
                 f"new graph failed the self-test ({entry.reason}); this step of one tensor may differ from torch's "
                 "fused AdamW in the last bit, and the blocked kernel runs from now on",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=_caller_stacklevel(),
             )
     return done
