@@ -108,6 +108,18 @@ def _tensors(n, grad_dtype, out_dtype, seed=0):
     )
 
 
+def _reference_step(ref: dict, hp: StepHyper) -> None:
+    """The parity definition on a _tensors() dict: step + 1, torch's fused op on the widened gradient."""
+    ref["step"] += 1
+    torch._fused_adamw_([ref["master"]], [ref["grad"].float()], [ref["m"]], [ref["v"]], [], [ref["step"]],
+                        lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
+                        amsgrad=False, maximize=False)
+
+
+def _same_state(t: dict, ref: dict) -> bool:
+    return all(torch.equal(t[k].view(torch.int32), ref[k].view(torch.int32)) for k in ("master", "m", "v"))
+
+
 @pytest.mark.parametrize("grad_dtype, out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, None)])
 def test_other_dtype_pairs_bitwise(grad_dtype, out_dtype):
     """float32 gradients into a bf16 copy (the pipeline under GradScaler), and no model copy."""
@@ -116,12 +128,8 @@ def test_other_dtype_pairs_bitwise(grad_dtype, out_dtype):
     ref = {k: (v.clone() if v is not None else None) for k, v in t.items()}
     for _ in range(3):
         blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP, config=EVERYTHING)
-        ref["step"] += 1
-        torch._fused_adamw_([ref["master"]], [ref["grad"].float()], [ref["m"]], [ref["v"]], [], [ref["step"]],
-                            lr=HP.lr, beta1=HP.beta1, beta2=HP.beta2, weight_decay=HP.weight_decay, eps=HP.eps,
-                            amsgrad=False, maximize=False)
-    for key in ("master", "m", "v"):
-        assert torch.equal(t[key].view(torch.int32), ref[key].view(torch.int32)), key
+        _reference_step(ref, HP)
+    assert _same_state(t, ref)
     if out_dtype is not None:
         assert torch.equal(t["out"].view(torch.int16), ref["master"].to(out_dtype).view(torch.int16))
     fast = [s for s in compiled_kernel_status() if s["contract"] == "fast"]
@@ -351,11 +359,8 @@ def _bits_after_one_step(n=8192, **config):
     ref = {k: (v.clone() if v is not None else None) for k, v in t.items()}
     blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP,
                    config=BlockConfig(compiled=True, compiled_min_elements=64, **config))
-    ref["step"] += 1
-    torch._fused_adamw_([ref["master"]], [ref["grad"].float()], [ref["m"]], [ref["v"]], [], [ref["step"]],
-                        lr=HP.lr, beta1=HP.beta1, beta2=HP.beta2, weight_decay=HP.weight_decay, eps=HP.eps,
-                        amsgrad=False, maximize=False)
-    return all(torch.equal(t[k].view(torch.int32), ref[k].view(torch.int32)) for k in ("master", "m", "v"))
+    _reference_step(ref, HP)
+    return _same_state(t, ref)
 
 
 def test_a_global_state_change_builds_and_tests_a_new_graph_with_pinned_options(coverage):
@@ -475,10 +480,7 @@ def test_decay_factor_where_one_and_two_roundings_differ(lr, weight_decay):
     t = _tensors(4096, torch.bfloat16, torch.bfloat16, seed=3)
     ref = {k: (v.clone() if v is not None else None) for k, v in t.items()}
     t["step"] += 1
-    ref["step"] += 1
     assert compiled_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], hp, [0],
                            min_elements=64) == {0: 4096}
-    torch._fused_adamw_([ref["master"]], [ref["grad"].float()], [ref["m"]], [ref["v"]], [], [ref["step"]],
-                        lr=lr, beta1=0.9, beta2=0.99, weight_decay=weight_decay, eps=1e-8, amsgrad=False,
-                        maximize=False)
-    assert torch.equal(t["master"].view(torch.int32), ref["master"].view(torch.int32))
+    _reference_step(ref, hp)
+    assert _same_state(t, ref)
