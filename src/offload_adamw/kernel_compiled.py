@@ -26,8 +26,8 @@ Contract:
 
 Why the bits can be the same. torch's fused kernel computes, per vector of
 elements (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, read in the disassembly
-of the AVX2 variant in torch 2.13's x86 wheel; this machine dispatches AVX512,
-whose results the self-test compares):
+of the AVX2 variant in torch 2.13's x86 wheel; torch reports AVX512 capability
+here, and whichever variant its dispatcher runs is what the self-test compares):
 
     p     = theta * (1 - lr*wd)                      (skipped when wd == 0; the factor is read back from the op)
     m     = fma(c, g - m, base)                      c, base: w, m if |w| < 0.5 else w - 1, g  (w = 1 - beta1)
@@ -57,7 +57,7 @@ and graph with dynamic sizes, so tensors of any length share one compilation and
 a changed global state builds and tests a new variant rather than recompiling an
 old one silently. Inductor's options that change arithmetic are pinned; after
 ``torch._dynamo.reset()`` the rebuilt graph is tested again before use. Verified
-on torch 2.13.0+cpu where torch dispatches AVX512 (Ice Lake, GCC 12); elsewhere
+on torch 2.13.0+cpu with CPU capability AVX512 (Ice Lake, GCC 12); elsewhere
 the self-test decides.
 """
 
