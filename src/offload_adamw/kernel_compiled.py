@@ -3,7 +3,8 @@
 Contract:
 
 * :func:`compiled_adamw_` updates a mixed tensor (float32 master, bf16/fp16/fp32
-  gradient, optional bf16/fp16 model copy) over its first ``n - n % 64``
+  gradient, optional bf16/fp16/fp32 model copy: fp32 is the staging copy of a
+  float32 parameter on an accelerator) over its first ``n - n % 64``
   elements with exactly the bits of the parity definition (CONTRACT.md section
   5: torch's fused CPU AdamW on the float32 master fed the widened gradient, then
   the round-to-nearest cast). The caller (kernel_blocked.py) runs the last
@@ -92,7 +93,7 @@ COMPILED_ALIGN = 64
 DEFAULT_MIN_ELEMENTS = 1024 * 1024
 
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _step_math(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out, scalars, *, amsgrad, maximize, lerp_small):
