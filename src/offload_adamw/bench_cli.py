@@ -479,20 +479,19 @@ def targets(result: dict) -> list[dict]:
         def ratio(a, b):
             return c[b]["ms_per_step"] / c[a]["ms_per_step"] if a in c and b in c else None
 
-        checks = [
-            ("ours-bf16 vs torch-naive-bf16 (speedup)", ratio("ours-bf16", "torch-naive-bf16"), 1.4),
-            ("ours-bf16 vs deepspeed-bf16 (speedup)", ratio("ours-bf16", "deepspeed-bf16"), 1.0),
-            ("ours-bf16 fraction of in-place triad", c.get("ours-bf16", {}).get("fraction_of_inplace_triad"), 0.8),
+        def mixed(name):  # the three targets for a bf16 mixed path
+            return [
+                (f"{name} vs torch-naive-bf16 (speedup)", ratio(name, "torch-naive-bf16"), 1.4),
+                (f"{name} vs deepspeed-bf16 (speedup)", ratio(name, "deepspeed-bf16"), 1.0),
+                (f"{name} fraction of in-place triad", c.get(name, {}).get("fraction_of_inplace_triad"), 0.8),
+            ]
+
+        checks = mixed("ours-bf16") + [
             # the same fused op as torch's (parity by construction): expect 1.0 within noise
             ("ours-fp32 vs torch-fused-fp32 (speedup)", ratio("ours-fp32", "torch-fused-fp32"), 1.0),
         ]
         if "ours-bf16-compiled" in c:
-            checks += [
-                ("ours-bf16-compiled vs torch-naive-bf16 (speedup)", ratio("ours-bf16-compiled", "torch-naive-bf16"), 1.4),
-                ("ours-bf16-compiled vs deepspeed-bf16 (speedup)", ratio("ours-bf16-compiled", "deepspeed-bf16"), 1.0),
-                ("ours-bf16-compiled fraction of in-place triad",
-                 c["ours-bf16-compiled"].get("fraction_of_inplace_triad"), 0.8),
-            ]
+            checks += mixed("ours-bf16-compiled")
         for name in ("ours-bf16", "ours-bf16-compiled"):
             extra = c.get(name, {}).get("step_extra_mib")
             if extra is not None:

@@ -87,7 +87,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .kernel_compiled import DEFAULT_MIN_ELEMENTS as COMPILED_MIN_ELEMENTS
+from . import kernel_compiled
 
 __all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 
@@ -123,7 +123,7 @@ class BlockConfig:
     single loop compiled by torch.compile (kernel_compiled.py): the same bits, checked by a
     self-test before first use, one pass over memory without the casts' extra cache traffic.
     Needs a C++ compiler at run time; where it is unavailable this kernel runs instead."""
-    compiled_min_elements: int = COMPILED_MIN_ELEMENTS
+    compiled_min_elements: int = kernel_compiled.DEFAULT_MIN_ELEMENTS
     """Smaller tensors stay on the chunk loop: a compiled call has a fixed cost of about
     0.1 ms (measured per tensor, the two break even between 512 Ki and 1 Mi elements;
     kernel_compiled.py)."""
@@ -414,9 +414,7 @@ def blocked_adamw_(
     # and says where it stopped; the chunk loop below does the rest (the same bits).
     start_at: dict[int, int] = {}
     if config.compiled:
-        from .kernel_compiled import compiled_adamw_
-
-        start_at = compiled_adamw_(
+        start_at = kernel_compiled.compiled_adamw_(
             masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked,
             min_elements=config.compiled_min_elements,
         )
