@@ -247,7 +247,7 @@ def _timed_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int = 5) -> float
 
 
 def bandwidth(cfg: CheckConfig, mem: dict | None) -> dict:
-    from offload_adamw.offload import HostArena
+    from offload_adamw.accel.host_memory import HostArena
 
     n = cfg.peak_copy_bytes // 2
     arena = HostArena([("x", torch.Size([n]), torch.bfloat16)], pin=True, label="probe")

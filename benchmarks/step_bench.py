@@ -8,7 +8,7 @@ See offload_adamw/bench_cli.py for what is measured and how.
 import argparse
 import sys
 
-from offload_adamw import bench_cli
+from offload_adamw.cli import bench as bench_cli
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,7 @@ gradient clipping, a learning-rate schedule and checkpoint/resume work as with t
 
 Without ``--model`` it builds a small random byte-level Llama, so the script runs anywhere (CPU
 included) without downloads. The text is the Python standard library's sources
-(:mod:`offload_adamw.data`) unless ``--text FILE`` is given.
+(:mod:`offload_adamw.demo.data`) unless ``--text FILE`` is given.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from offload_adamw import OffloadAdamW
-from offload_adamw.data import CorpusConfig, load_corpus
+from offload_adamw.demo.data import CorpusConfig, load_corpus
 
 
 def parse_args(argv=None) -> argparse.Namespace:

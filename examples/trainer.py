@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from offload_adamw import OffloadAdamW
-from offload_adamw.data import CorpusConfig, load_corpus
+from offload_adamw.demo.data import CorpusConfig, load_corpus
 
 
 class Windows(torch.utils.data.Dataset):

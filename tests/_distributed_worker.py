@@ -179,7 +179,7 @@ def check_host_bytes(rank, mesh, measured, runs):
     expected_mine = sum(p.to_local().numel() * 4 * 2 + 4 for p in model.parameters())  # exp_avg, exp_avg_sq, step
     assert mine == expected_mine, f"rank {rank}: {mine} host bytes, its shards need {expected_mine}"
     # The host-memory pre-flight bills the same local shards, not the global tensors.
-    from offload_adamw.preflight import state_bill
+    from offload_adamw.optim.preflight import state_bill
 
     every_param = [(g, i) for g in opt.param_groups for i in range(len(g["params"]))]
     billed = state_bill(every_param, pin_memory=False).total

@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from offload_adamw import OffloadAdamW, checkpoint, kernel
+from offload_adamw import OffloadAdamW, checkpoint
+from offload_adamw.checkpoint import store as checkpoint_store
+from offload_adamw.optim import update as update_path
 
 STEPS = 6
 SAVE_EVERY = 2
@@ -121,12 +123,12 @@ def _instrument() -> None:
         setattr(owner, name, wrapped)
 
     for name in ("_write_tensors", "_write_bytes"):
-        wrap(checkpoint, name, "save:", torn_arg=True)
+        wrap(checkpoint_store, name, "save:", torn_arg=True)
     for name in ("_fsync_path", "_publish", "_exchange"):
-        wrap(checkpoint, name, "save:")
+        wrap(checkpoint_store, name, "save:")
     wrap(os, "rename", "save:")
     wrap(shutil, "rmtree", "save:")
-    wrap(kernel, "adamw_update_", "step:")
+    wrap(update_path, "adamw_update_", "step:")
 
 
 # -------------------------------------------------------------------- runs

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from offload_adamw import OffloadAdamW, audit, audit_state_dict, param_groups
-from offload_adamw.audit import KINDS, shrink_factor
-from offload_adamw.cli import main as cli_main
+from offload_adamw.auditing.audit import KINDS, shrink_factor
+from offload_adamw.cli.main import main as cli_main
 
 transformers = pytest.importorskip("transformers")
 

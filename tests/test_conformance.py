@@ -21,7 +21,7 @@ import broken_optimizers as broken  # noqa: E402
 
 from offload_adamw import OffloadAdamW  # noqa: E402
 from offload_adamw.conformance import CLAUSES, CandidateLoadError, check, load_candidate  # noqa: E402
-from offload_adamw.conformance_harness import HyperMapping, NotApplicable, Tolerance, compare  # noqa: E402
+from offload_adamw.conformance.harness import HyperMapping, NotApplicable, Tolerance, compare  # noqa: E402
 
 ALL = [c.number for c in CLAUSES]
 # The table of broken optimizers skips clause 15 (a timing, info only, never judged).

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from offload_adamw.cli import main
+from offload_adamw.cli.main import main
 
 BROKEN_FILE = Path(__file__).parent / "broken_optimizers.py"
 SPLIT = f"{BROKEN_FILE}:SplitBetaAdamW"

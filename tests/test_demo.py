@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload_adamw import OffloadAdamW, reference
-from offload_adamw.data import CorpusConfig, load_corpus, stdlib_source_files
-from offload_adamw.naive import NaiveOffloadAdamW
+from offload_adamw.demo.data import CorpusConfig, load_corpus, stdlib_source_files
+from offload_adamw.demo.naive import NaiveOffloadAdamW
 
 # ----------------------------------------------------------------------------- data
 
@@ -219,7 +219,7 @@ def test_demo_command_line_writes_its_files(tmp_path):
 
 
 def test_demo_refuses_too_few_steps(tmp_path):
-    from offload_adamw.cli import main
+    from offload_adamw.cli.main import main
 
     assert main(["demo", "--steps", "1", "--out", str(tmp_path)]) == 2
 

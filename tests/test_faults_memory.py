@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offload_adamw import OffloadAdamW
-from offload_adamw.preflight import ENV_AVAILABLE, ENV_SWITCH, HostMemoryError, check_host_memory, host_memory, state_bill
+from offload_adamw.optim.preflight import ENV_AVAILABLE, ENV_SWITCH, HostMemoryError, check_host_memory, host_memory, state_bill
 
 # (parameter dtype, amsgrad): every kind of state the optimizer can allocate.
 CONFIGS = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False), (torch.float64, True)]

@@ -22,8 +22,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from offload_adamw.kernel import StepHyper, adamw_update_
-from offload_adamw.kernel_blocked import CHUNK_ALIGN, BlockConfig, blocked_adamw_, naive_mixed_adamw_
+from offload_adamw.kernels.adamw import StepHyper, adamw_update_
+from offload_adamw.kernels.blocked import CHUNK_ALIGN, BlockConfig, blocked_adamw_, naive_mixed_adamw_
 
 STEPS = 3
 
@@ -165,7 +165,7 @@ MODEL_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bflo
 def test_fast_path_bitwise_equals_torch_fused(layout, dtype, variant):
     """Every layout x dtype x kernel variant, default options, three steps."""
     model_dtype = MODEL_DTYPES[dtype]
-    ours = _run_ours(layout, model_dtype, {}, "fused", VARIANTS[variant])
+    ours = _run_ours(layout, model_dtype, {}, "blocked", VARIANTS[variant])
     ref = _run_torch(layout, model_dtype, {}, dict(fused=True))
     _assert_bitwise(ours, ref)
 
@@ -177,19 +177,19 @@ def test_fast_path_options_bitwise(option, dtype, variant):
     """Every option x dtype on layouts that cross chunk boundaries and include a non-contiguous tensor."""
     layout = Layout("mixed-list", ((), (0,), (130,), (33, 7), (1000,), (9, 11)), transpose=True)
     model_dtype = MODEL_DTYPES[dtype]
-    ours = _run_ours(layout, model_dtype, OPTIONS[option], "fused", VARIANTS[variant])
+    ours = _run_ours(layout, model_dtype, OPTIONS[option], "blocked", VARIANTS[variant])
     ref = _run_torch(layout, model_dtype, OPTIONS[option], dict(fused=True))
     _assert_bitwise(ours, ref)
 
 
 def test_default_chunking_on_tensors_larger_than_a_chunk():
     """The default chunk size, on sizes that are not multiples of it (nor of 64)."""
-    from offload_adamw.kernel_blocked import DEFAULT_CONFIG
+    from offload_adamw.kernels.blocked import DEFAULT_CONFIG
 
     c = DEFAULT_CONFIG.chunk_elements
     layout = Layout("big", ((c + 1,), (2 * c + 77,), (3, c // 3 + 5)))
     for dtype in (torch.bfloat16, torch.float16):
-        _assert_bitwise(_run_ours(layout, dtype, {}, "fused", None), _run_torch(layout, dtype, {}, dict(fused=True)))
+        _assert_bitwise(_run_ours(layout, dtype, {}, "blocked", None), _run_torch(layout, dtype, {}, dict(fused=True)))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
@@ -214,7 +214,7 @@ def test_blocked_equals_unblocked_for_any_aligned_chunk(sizes, chunk_units, thre
     layout = Layout("prop", tuple((n,) for n in sizes))
     opts = dict(amsgrad=amsgrad)
     config = BlockConfig(chunk_elements=chunk_units * CHUNK_ALIGN, threads=threads)
-    ours = _run_ours(layout, dtype, opts, "fused", config, seed=seed)
+    ours = _run_ours(layout, dtype, opts, "blocked", config, seed=seed)
     ref = _run_torch(layout, dtype, opts, dict(fused=True), seed=seed)
     _assert_bitwise(ours, ref)
 
@@ -238,7 +238,7 @@ def test_naive_baseline_is_the_same_arithmetic():
 
 def test_worker_threads_leave_the_process_thread_count_alone():
     before = torch.get_num_threads()
-    _run_ours(Layout("t", ((1000,),)), torch.bfloat16, {}, "fused", BlockConfig(chunk_elements=128, threads=3))
+    _run_ours(Layout("t", ((1000,),)), torch.bfloat16, {}, "blocked", BlockConfig(chunk_elements=128, threads=3))
     assert torch.get_num_threads() == before
 
 
@@ -249,7 +249,7 @@ def test_worker_pool_survives_fork():
 
     layout = Layout("f", ((1000,),))
     config = BlockConfig(chunk_elements=128, threads=2)
-    _run_ours(layout, torch.bfloat16, {}, "fused", config)  # the parent's pool exists now
+    _run_ours(layout, torch.bfloat16, {}, "blocked", config)  # the parent's pool exists now
     ref = _run_torch(layout, torch.bfloat16, {}, dict(fused=True))
     pid = os.fork()
     if pid == 0:  # child: must finish and be exact; any failure becomes a non-zero exit
@@ -258,7 +258,7 @@ def test_worker_pool_survives_fork():
             # As DataLoader workers do: GNU OpenMP cannot run a parallel region in a child
             # forked after the parent ran one, so the child's own intra-op work is serial.
             torch.set_num_threads(1)
-            _assert_bitwise(_run_ours(layout, torch.bfloat16, {}, "fused", config), ref)
+            _assert_bitwise(_run_ours(layout, torch.bfloat16, {}, "blocked", config), ref)
             code = 0
         finally:
             os._exit(code)
@@ -283,14 +283,14 @@ def test_chunk_loop_is_compiled_here_and_falls_back_where_torchscript_is_off():
     import subprocess
     import sys
 
-    from offload_adamw.kernel_blocked import chunk_loop_status
+    from offload_adamw.kernels.blocked import chunk_loop_status
 
     status = chunk_loop_status()
     assert status["scripted"] and status["fallback_reason"] is None, status
     code = (
         "import json, torch\n"
-        "from offload_adamw.kernel_blocked import BlockConfig, blocked_adamw_, chunk_loop_status\n"
-        "from offload_adamw.kernel import StepHyper\n"
+        "from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_, chunk_loop_status\n"
+        "from offload_adamw.kernels.adamw import StepHyper\n"
         "torch.manual_seed(0)\n"
         "m = [torch.randn(1000)]; g = [torch.randn(1000).bfloat16()]; out = [torch.empty(1000, dtype=torch.bfloat16)]\n"
         "hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)\n"

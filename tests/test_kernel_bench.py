@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from offload_adamw import cli
-from offload_adamw.bandwidth import measure_host_bandwidth
-from offload_adamw.bench_cli import ALL_CASES, parse_size, transformer_shapes
+from offload_adamw.planning.bandwidth import measure_host_bandwidth
+from offload_adamw.cli.bench import ALL_CASES, parse_size, transformer_shapes
 
 
 @settings(max_examples=60, deadline=None)
@@ -94,4 +94,4 @@ def test_bench_script_is_the_same_command(capsys):
     out = capsys.readouterr().out
     for option in ("--sizes", "--repeats", "--json", "--plot", "--quick", "--cases"):
         assert option in out
-    assert module.bench_cli is cli.importlib.import_module("offload_adamw.bench_cli")
+    assert module.bench_cli is importlib.import_module("offload_adamw.cli.bench")

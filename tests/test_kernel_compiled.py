@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from offload_adamw import OffloadAdamW
-from offload_adamw.kernel import StepHyper
-from offload_adamw.kernel_blocked import BlockConfig, blocked_adamw_
-from offload_adamw.kernel_compiled import (
+from offload_adamw.kernels.adamw import StepHyper
+from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_
+from offload_adamw.kernels.compiled import (
     COMPILED_ALIGN,
     _get,
     compiled_adamw_,
@@ -56,7 +56,7 @@ HP = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
 def coverage(monkeypatch):
     """What the compiled loop updated in each call: a list of {tensor index: elements} dicts.
     A table test whose tensors all fell back to the chunk loop would otherwise still pass."""
-    import offload_adamw.kernel_compiled as kc
+    import offload_adamw.kernels.compiled as kc
 
     calls = []
     real = kc.compiled_adamw_
@@ -78,7 +78,7 @@ def _expected_coverage():
 
 @pytest.mark.parametrize("option", COMPILED_OPTIONS, ids=str)
 def test_bf16_bitwise_equals_parity_definition(option, coverage):
-    ours = _run_ours(LAYOUT, torch.bfloat16, COMPILED_OPTIONS[option], "fused", EVERYTHING)
+    ours = _run_ours(LAYOUT, torch.bfloat16, COMPILED_OPTIONS[option], "blocked", EVERYTHING)
     ref = _run_torch(LAYOUT, torch.bfloat16, COMPILED_OPTIONS[option], dict(fused=True))
     _assert_bitwise(ours, ref)
     # ... and the compiled loop did the work (a tensor lr is left to the chunk loop by design)
@@ -88,7 +88,7 @@ def test_bf16_bitwise_equals_parity_definition(option, coverage):
 
 def test_fp16_bitwise_equals_parity_definition(coverage):
     _assert_bitwise(
-        _run_ours(LAYOUT, torch.float16, {}, "fused", EVERYTHING),
+        _run_ours(LAYOUT, torch.float16, {}, "blocked", EVERYTHING),
         _run_torch(LAYOUT, torch.float16, {}, dict(fused=True)),
     )
     assert coverage and all(done == _expected_coverage() for done in coverage), coverage
@@ -240,7 +240,7 @@ FALLBACK = textwrap.dedent(
     """
     import hashlib, json, warnings, torch
     from offload_adamw import OffloadAdamW
-    from offload_adamw.kernel_compiled import compiled_kernel_status
+    from offload_adamw.kernels.compiled import compiled_kernel_status
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(1 << 20).to(torch.bfloat16))
     opt = OffloadAdamW([p], lr=1e-2, compiled_kernel=True)
@@ -443,7 +443,7 @@ def test_inside_a_compiled_region_the_loop_steps_aside():
 RACE = textwrap.dedent(
     """
     import sys, threading, torch
-    from offload_adamw.kernel_compiled import _compiler_active
+    from offload_adamw.kernels.compiled import _compiler_active
     assert "torch._dynamo" not in sys.modules
     errors, done = [], threading.Event()
     def poll():

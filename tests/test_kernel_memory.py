@@ -27,8 +27,8 @@ SCRIPT = textwrap.dedent(
     """
     import json, torch
     from offload_adamw import OffloadAdamW
-    from offload_adamw.kernel import StepHyper
-    from offload_adamw.kernel_blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, naive_mixed_adamw_
+    from offload_adamw.kernels.adamw import StepHyper
+    from offload_adamw.kernels.blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, naive_mixed_adamw_
 
     def kib(field):
         with open("/proc/self/status") as f:

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload_adamw import cli, planner
-from offload_adamw.planner import (
+from offload_adamw import cli
+from offload_adamw.planning import planner
+from offload_adamw.planning.planner import (
     GB,
     PRESETS,
     HardwareConfig,
@@ -31,7 +32,7 @@ from offload_adamw.planner import (
     plan,
     predict_host_optimizer_bytes,
 )
-from offload_adamw.planner_cli import measured_host_bandwidth, parse_count
+from offload_adamw.cli.plan import measured_host_bandwidth, parse_count
 
 ONE_GPU = HardwareConfig(gpus_per_node=1, nodes=1)
 SMALL = ModelConfig(
@@ -313,17 +314,17 @@ def test_cli_plot_writes_a_png(tmp_path):
 
 
 def test_measure_without_the_probe_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "offload_adamw.bandwidth", None)  # the import now fails as if absent
+    monkeypatch.setitem(sys.modules, "offload_adamw.planning.bandwidth", None)  # the import now fails as if absent
     value, message = measured_host_bandwidth()
     assert value is None and "not available" in message
     assert cli.main(["plan", "--params", "7B", "--measure", "--json"]) == 0
     captured = capsys.readouterr()
-    assert "offload_adamw.bandwidth is not available" in captured.err
+    assert "offload_adamw.planning.bandwidth is not available" in captured.err
     assert json.loads(captured.out)["hardware"]["host_memory_bytes_per_s"] == HardwareConfig().host_memory_bytes_per_s
 
 
 def test_measure_with_the_probe():
-    pytest.importorskip("offload_adamw.bandwidth")
+    pytest.importorskip("offload_adamw.planning.bandwidth")
     value, message = measured_host_bandwidth(elements=1 << 18, repeats=2)
     assert value is not None and 1e8 < value < 1e13, message
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from offload_adamw import OffloadAdamW
-from offload_adamw.planner import (
+from offload_adamw.planning.planner import (
     PRESETS,
     HardwareConfig,
     ModelConfig,

@@ -1,43 +1,88 @@
-"""offload-adamw: AdamW with float32 state in host memory that provably computes AdamW."""
+"""offload-adamw: AdamW with float32 state in host memory that provably computes AdamW.
 
-from ._version import __version__
-from .optimizer import OffloadAdamW, StateDictMismatch
-from .planner import HardwareConfig, ModelConfig, TrainingConfig, plan, predict_host_optimizer_bytes
-from .param_groups import ParamGroupError, Rule, param_groups
-from .audit import AuditReport, Finding, audit, audit_state_dict
-from .offload import OffloadGradScaler
-from .clipping import clip_grad_norm_
-from .conformance import CandidateLoadError, check as check_conformance
-from .checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
-from .preflight import HostMemoryError
-from .bandwidth import measure_host_bandwidth
-from .kernel_compiled import compiled_kernel_status
+This module only re-exports. Names are resolved on first use (PEP 562), so that
+``import offload_adamw`` and ``offload-adamw --help`` do not import torch.
+"""
 
-__all__ = [
-    "__version__",
-    "OffloadAdamW",
-    "StateDictMismatch",
-    "plan",
-    "predict_host_optimizer_bytes",
-    "ModelConfig",
-    "HardwareConfig",
-    "TrainingConfig",
-    "param_groups",
-    "Rule",
-    "ParamGroupError",
-    "audit",
-    "audit_state_dict",
-    "AuditReport",
-    "Finding",
-    "OffloadGradScaler",
-    "clip_grad_norm_",
-    "check_conformance",
-    "CandidateLoadError",
-    "CheckpointError",
-    "CheckpointCorrupt",
-    "CheckpointMismatch",
-    "LoadReport",
-    "HostMemoryError",
-    "measure_host_bandwidth",
-    "compiled_kernel_status",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from offload_adamw._version import __version__
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "OffloadAdamW": "offload_adamw.optim.optimizer",
+    "StateDictMismatch": "offload_adamw.optim.loading",
+    "HostMemoryError": "offload_adamw.optim.preflight",
+    "named_param_groups": "offload_adamw.optim.named_groups",
+    "param_groups": "offload_adamw.optim.named_groups",
+    "Rule": "offload_adamw.optim.named_groups",
+    "ParamGroupError": "offload_adamw.optim.named_groups",
+    "OffloadGradScaler": "offload_adamw.accel.amp",
+    "clip_grad_norm_": "offload_adamw.accel.clipping",
+    "compiled_kernel_status": "offload_adamw.kernels.compiled",
+    "plan": "offload_adamw.planning.planner",
+    "predict_host_optimizer_bytes": "offload_adamw.planning.planner",
+    "ModelConfig": "offload_adamw.planning.planner",
+    "HardwareConfig": "offload_adamw.planning.planner",
+    "TrainingConfig": "offload_adamw.planning.planner",
+    "measure_host_bandwidth": "offload_adamw.planning.bandwidth",
+    "audit": "offload_adamw.auditing.audit",
+    "audit_state_dict": "offload_adamw.auditing.audit",
+    "AuditReport": "offload_adamw.auditing.audit",
+    "AuditFinding": "offload_adamw.auditing.audit",
+    "Finding": "offload_adamw.auditing.audit",
+    "check_conformance": "offload_adamw.conformance.checker",
+    "CandidateLoadError": "offload_adamw.conformance.checker",
+    "CheckpointError": "offload_adamw.checkpoint.store",
+    "CheckpointCorrupt": "offload_adamw.checkpoint.store",
+    "CheckpointMismatch": "offload_adamw.checkpoint.store",
+    "LoadReport": "offload_adamw.checkpoint.store",
+}
+# attribute name in the defining module, where it differs from the public name
+_RENAMED = {"check_conformance": "check", "Finding": "AuditFinding", "param_groups": "named_param_groups"}
+# subpackages reachable as attributes (offload_adamw.checkpoint.save, ...)
+_SUBMODULES = ("checkpoint", "conformance", "reference", "contract", "kernels", "optim", "accel", "distributed",
+               "planning", "auditing", "demo", "cli")
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), _RENAMED.get(name, name))
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"offload_adamw.{name}")
+    raise AttributeError(f"module 'offload_adamw' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *_SUBMODULES])
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from offload_adamw.accel.amp import OffloadGradScaler
+    from offload_adamw.accel.clipping import clip_grad_norm_
+    from offload_adamw.auditing.audit import AuditFinding, AuditReport, audit, audit_state_dict
+    from offload_adamw.auditing.audit import AuditFinding as Finding
+    from offload_adamw.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
+    from offload_adamw.conformance.checker import CandidateLoadError
+    from offload_adamw.conformance.checker import check as check_conformance
+    from offload_adamw.kernels.compiled import compiled_kernel_status
+    from offload_adamw.optim.loading import StateDictMismatch
+    from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups
+    from offload_adamw.optim.named_groups import named_param_groups as param_groups
+    from offload_adamw.optim.optimizer import OffloadAdamW
+    from offload_adamw.optim.preflight import HostMemoryError
+    from offload_adamw.planning.bandwidth import measure_host_bandwidth
+    from offload_adamw.planning.planner import (
+        HardwareConfig,
+        ModelConfig,
+        TrainingConfig,
+        plan,
+        predict_host_optimizer_bytes,
+    )

@@ -5,7 +5,7 @@ the cluster and the training set-up from the command line, prints tables (or
 JSON with ``--json``), optionally writes a PNG of stacked bars per strategy
 against the GPU and host capacities (``--plot FILE.png``). Exit status 0 when a
 strategy fits, 1 when none does, 2 on bad input. ``--measure`` takes the host
-memory bandwidth from ``offload_adamw.bandwidth.measure_host_bandwidth()``
+memory bandwidth from ``offload_adamw.planning.bandwidth.measure_host_bandwidth()``
 (imported only then); when that module is not installed it says so and keeps
 the documented default.
 """
@@ -19,8 +19,8 @@ import re
 import sys
 from typing import Any, Optional
 
-from . import planner
-from .planner import GB, HardwareConfig, Plan, TrainingConfig
+from offload_adamw.planning import planner
+from offload_adamw.planning.planner import GB, HardwareConfig, Plan, TrainingConfig
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--gpu-bandwidth-gbps", type=float, default=hw.gpu_memory_bytes_per_s / GB,
                    help="GPU memory GB/s (H100 SXM)")
     h.add_argument("--measure", action="store_true",
-                   help="measure this machine's host memory bandwidth (offload_adamw.bandwidth) instead")
+                   help="measure this machine's host memory bandwidth (offload_adamw.planning.bandwidth) instead")
 
     t = parser.add_argument_group("training")
     t.add_argument("--dtype", default=tr.param_dtype, help="parameter/gradient dtype on the GPU: bf16, fp16, fp32")
@@ -81,23 +81,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measured_host_bandwidth(**probe_options: Any) -> tuple[Optional[float], str]:
-    """(bytes/s, where it came from) by offload_adamw.bandwidth, or (None, why not).
+    """(bytes/s, where it came from) by offload_adamw.planning.bandwidth, or (None, why not).
 
     The in-place triad (``a += s*b``) is the figure used: it has the optimizer
     step's access pattern (read-modify-write, no write-allocate); its median
     over the probe's passes where the probe reports one.
     """
     try:
-        module = importlib.import_module("offload_adamw.bandwidth")
+        module = importlib.import_module("offload_adamw.planning.bandwidth")
     except ModuleNotFoundError as exc:
-        if exc.name != "offload_adamw.bandwidth":
+        if exc.name != "offload_adamw.planning.bandwidth":
             raise  # the module is there but one of its own imports is broken: show that
-        return None, "--measure: offload_adamw.bandwidth is not available in this installation; keeping the default"
+        return None, "--measure: offload_adamw.planning.bandwidth is not available in this installation; keeping the default"
     result = module.measure_host_bandwidth(**probe_options)
     for key, scale in _BANDWIDTH_KEYS:
         value = result.get(key) if isinstance(result, dict) else getattr(result, key, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return float(value) * scale, f"host memory bandwidth: {key} measured by offload_adamw.bandwidth"
+            return float(value) * scale, f"host memory bandwidth: {key} measured by offload_adamw.planning.bandwidth"
     return None, f"--measure: no bandwidth in the probe's result {result!r}; keeping the default"
 
 

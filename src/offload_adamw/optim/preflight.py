@@ -36,7 +36,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .distributed import local_tensor
+from offload_adamw.contract import bills
+from offload_adamw.distributed import local_tensor
+from offload_adamw.optim.state import dtype_name
 
 __all__ = ["HostMemory", "HostMemoryError", "StateBill", "check_host_memory", "host_memory", "state_bill"]
 
@@ -114,20 +116,20 @@ def _param_name(group: dict[str, Any], index: int, group_index: int) -> str:
 
 
 def state_bill(fresh: Sequence[tuple[dict[str, Any], int]], *, pin_memory: bool) -> StateBill:
-    """Bytes of state for the parameters ``group["params"][index]`` of each (group, index)."""
+    """Bytes of state for the parameters ``group["params"][index]`` of each (group, index) (contract/bills.py)."""
     moments = masters = steps = blocks = 0
     for group, index in fresh:
         # A DTensor (FSDP2) parameter: this rank allocates state for its local shard only.
         p = local_tensor(group["params"][index])
-        width = 8 if p.dtype == torch.float64 else 4
-        one = p.numel() * width
-        kinds = [one] * (3 if group.get("amsgrad") else 2)
-        moments += sum(kinds)
-        if not (p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64)):
-            masters += one
-            kinds.append(one)
-        steps += 4
+        amsgrad = bool(group.get("amsgrad"))
+        bill = bills.tensor_state_bytes(p.numel(), dtype_name(p.dtype), on_host=p.device.type == "cpu", amsgrad=amsgrad)
+        moments += bill.moments
+        masters += bill.master
+        steps += bill.step
         if pin_memory:
+            # Each moment and the master is one allocation of the rounding pinned allocator.
+            one = bill.moments // (3 if amsgrad else 2)
+            kinds = [one] * (3 if amsgrad else 2) + ([bill.master] if bill.master else [])
             blocks += sum(_power_of_two_ceil(k) for k in kinds)
     return StateBill(tensors=len(fresh), moments=moments, masters=masters, steps=steps, pinned=pin_memory, pinned_blocks=blocks)
 

@@ -87,7 +87,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import kernel_compiled
+from offload_adamw.kernels import compiled as kernel_compiled
 
 __all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from .audit import AuditReport, audit, audit_state_dict
+from offload_adamw.auditing.audit import AuditReport, audit, audit_state_dict
 
 SCRIPT_RUN_NAME = "__offload_adamw_audit__"
 DEFAULT_FUNCTION = "audit_setup"

@@ -63,7 +63,7 @@ def _json_argument(flag: str, text: str | None) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .conformance import CandidateLoadError, check
+    from offload_adamw.conformance.checker import CandidateLoadError, check
 
     try:
         kwargs = _json_argument("--kwargs", args.kwargs)

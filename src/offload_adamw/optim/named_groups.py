@@ -41,9 +41,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .optimizer import TORCH_GROUP_KEYS
+from offload_adamw.contract.rules import ADAMW_GROUP_KEYS as TORCH_GROUP_KEYS
 
-__all__ = ["Rule", "ParamGroupError", "param_groups", "ADAMW_GROUP_KEYS", "DEFAULT_GROUP_RULE"]
+__all__ = ["Rule", "ParamGroupError", "named_param_groups", "param_groups", "ADAMW_GROUP_KEYS", "DEFAULT_GROUP_RULE"]
 
 #: hyperparameter keys that a group of torch.optim.AdamW / OffloadAdamW understands
 #: (plus ``initial_lr``, which lr schedulers add).
@@ -137,7 +137,7 @@ def named_tensors(model: torch.nn.Module) -> dict[torch.Tensor, list[str]]:
     return names
 
 
-def param_groups(
+def named_param_groups(
     model: torch.nn.Module,
     rules: Union[Mapping[Any, Mapping[str, Any]], Sequence[RuleLike]],
     default: Optional[Mapping[str, Any]] = {},  # noqa: B006 - read only, never mutated
@@ -228,3 +228,7 @@ def _group(members: list[torch.Tensor], all_names: dict[torch.Tensor, list[str]]
 def _few(names: Sequence[str], limit: int = 5) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+#: the name this function had first; kept so that existing scripts keep working.
+param_groups = named_param_groups

@@ -37,6 +37,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Optional, Sequence
 
+from offload_adamw.contract import bills
+
 __all__ = [
     "ParamSpec",
     "ModelConfig",
@@ -67,7 +69,6 @@ _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-STEP_COUNT_BYTES = 4  # OffloadAdamW's `step`: one float32 0-dim tensor per parameter tensor
 
 
 def dtype_name(dtype: Any) -> str:
@@ -130,13 +131,7 @@ def predict_host_optimizer_bytes(params: Iterable[ParamSpec], *, amsgrad: bool =
     """
     total = 0
     for spec in params:
-        name = dtype_name(spec.dtype)
-        state_bytes = 8 if name == "float64" else 4
-        copies = 3 if amsgrad else 2
-        own_master = spec.on_host and name in ("float32", "float64")
-        if not own_master:
-            copies += 1
-        total += STEP_COUNT_BYTES + copies * state_bytes * spec.numel
+        total += bills.tensor_state_bytes(spec.numel, dtype_name(spec.dtype), on_host=spec.on_host, amsgrad=amsgrad).total
     return total
 
 
@@ -642,7 +637,7 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
             "exp_avg": 4 * node,
             "exp_avg_sq": 4 * node,
             "max_exp_avg_sq": 4 * node if amsgrad else 0,
-            "step_counts": per_node * n_tensors * STEP_COUNT_BYTES,
+            "step_counts": per_node * n_tensors * bills.STEP_COUNT_BYTES,
         }
 
     results: list[StrategyPlan] = []

@@ -26,7 +26,7 @@ Contract:
 * **The step runs bucket by bucket.** Gradients are taken in the order they
   arrived in backward, in buckets of about ``bucket_bytes``: the host waits only
   for the copies of the bucket at hand, updates it with the kernel of
-  :mod:`offload_adamw.kernel`, and sends the updated parameters back with
+  :mod:`offload_adamw.kernels.adamw`, and sends the updated parameters back with
   non-blocking copies on a second side stream; the compute stream waits on the
   buckets' events, so the next forward waits on the device, not the host.
 * **CPU as device.** With CPU parameters the same pipeline runs without streams
@@ -46,24 +46,44 @@ Contract:
 from __future__ import annotations
 
 import math
-import mmap
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from . import kernel
+from offload_adamw.accel.host_memory import HostArena
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import OffloadAdamW
+__all__ = ["PipelineConfig", "GradientPipeline", "UpdateTarget"]
 
-__all__ = ["PipelineConfig", "GradientPipeline", "HostArena", "OffloadGradScaler"]
 
-MASTER_KEY = "master_param"
-_PAGE = mmap.PAGESIZE
+class UpdateTarget(Protocol):
+    """What the pipeline needs of its optimizer (OffloadAdamW implements it; optim/update.py does the work).
+
+    Parameters are named by ``(group_index, index)`` in ``param_groups``. The pipeline checks every
+    gradient with ``check_gradient`` before the first update of a step, asks ``skip_for_nonfinite``
+    (only when ``nonfinite`` is not ``"propagate"``, since it needs every gradient complete), runs
+    ``preflight`` for parameters that have no state yet, then calls ``update_group`` once per group
+    and bucket with (parameter, host gradient, staging buffer): a device parameter's staging buffer
+    receives round(master), which the pipeline sends back; for a host parameter it is None and the
+    optimizer writes the parameter itself.
+    """
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+    nonfinite: str
+
+    def describe_param(self, group_index: int, index: int) -> str: ...
+
+    def check_gradient(self, group_index: int, index: int, grad: Tensor) -> None: ...
+
+    def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]]) -> bool: ...
+
+    def preflight(self, fresh: list[tuple[int, int]]) -> None: ...
+
+    def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,92 +98,6 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
-
-
-# --------------------------------------------------------------------------- host memory
-
-
-def _unregister(ptr: int) -> None:
-    try:
-        # A copy still in flight into or out of these pages (an optimizer dropped between backward
-        # and step) would otherwise DMA into memory that is unpinned here and freed right after.
-        for index in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(index)
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # pragma: no cover - interpreter shutdown
-        pass
-
-
-def _clear_cuda_error() -> None:
-    """Consume the error a failed ``cudaHostRegister`` left as CUDA's last error of this thread.
-
-    torch binds no ``cudaGetLastError``; left set, the error would be raised by the next
-    kernel-launch check (which calls it) from an unrelated op, possibly inside backward.
-    That check clears the error as it raises it, so one tiny kernel launch consumes it.
-    """
-    try:
-        torch.empty(1, device="cuda").fill_(0)
-    except Exception:  # pragma: no cover - needs a failing registration
-        pass
-
-
-class HostArena:
-    """Flat host buffers, one per dtype, each exactly the sum of its tensors' sizes.
-
-    ``pin`` page-locks the buffers for asynchronous copies: first with
-    ``cudaHostRegister`` on an exactly-sized buffer (no rounding), falling back
-    to torch's pinned allocator (which rounds up to a power of two) if that fails.
-    """
-
-    def __init__(self, shapes: Iterable[tuple[Any, torch.Size, torch.dtype]], *, pin: bool, label: str) -> None:
-        self.label = label
-        self.views: dict[Any, Tensor] = {}
-        self.buffers: list[Tensor] = []
-        self.pinned_bytes = 0
-        self.rounded_bytes = 0  # bytes requested through the rounding pinned allocator (fallback only)
-        self._raw: list[Tensor] = []  # page-aligned allocations whose registration lives as long as they do
-        by_dtype: dict[torch.dtype, list[tuple[Any, torch.Size]]] = {}
-        for key, shape, dtype in shapes:
-            by_dtype.setdefault(dtype, []).append((key, shape))
-        for dtype, items in by_dtype.items():
-            numel = sum(math.prod(shape) for _, shape in items)
-            buffer = self._allocate(numel, dtype, pin)
-            offset = 0
-            for key, shape in items:
-                n = math.prod(shape)
-                self.views[key] = buffer[offset : offset + n].view(shape)
-                offset += n
-
-    def _allocate(self, numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if not (pin and nbytes > 0):
-            buffer = torch.empty(numel, dtype=dtype)
-            self.buffers.append(buffer)
-            return buffer
-        # Register whole pages that belong to this buffer alone: two registrations may not share a page.
-        raw = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % _PAGE
-        span = -(-nbytes // _PAGE) * _PAGE
-        try:
-            error = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, span, 0))
-        except Exception:
-            error = -1
-        if error > 0:
-            _clear_cuda_error()
-        if error == 0:
-            weakref.finalize(raw, _unregister, raw.data_ptr() + start)
-            self._raw.append(raw)
-            buffer = raw[start : start + nbytes].view(dtype)
-        else:
-            buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
-            self.rounded_bytes += nbytes
-        self.pinned_bytes += nbytes
-        self.buffers.append(buffer)
-        return buffer
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
 # --------------------------------------------------------------------------- per-parameter slots
@@ -210,7 +144,7 @@ def _hook_for(pipeline: "GradientPipeline"):
 class GradientPipeline:
     """Hooks, host buffers, streams and the bucketed step of one OffloadAdamW."""
 
-    def __init__(self, optimizer: "OffloadAdamW", config: PipelineConfig) -> None:
+    def __init__(self, optimizer: UpdateTarget, config: PipelineConfig) -> None:
         self.optimizer = optimizer
         self.config = config
         self.offload_gradients = config.offload_gradients
@@ -363,26 +297,18 @@ class GradientPipeline:
         return {p: (gi, i) for gi, g in enumerate(self.optimizer.param_groups) for i, p in enumerate(g["params"])}
 
     def _validate(self, slot: _Slot, grad: Tensor, where: tuple[int, int]) -> None:
+        """The optimizer's checks (optim/update.py), then what the pipeline's buffers need."""
         opt = self.optimizer
-        group = opt.param_groups[where[0]]
-        if grad.is_sparse:
+        opt.check_gradient(where[0], where[1], grad)
+        if self.offload_gradients and grad.dtype != slot.param.dtype:
             raise RuntimeError(
-                f"OffloadAdamW does not support sparse gradients ({opt._describe(group, where[1])}); "
-                "use torch.optim.SparseAdam for sparse embeddings"
+                f"gradient of {opt.describe_param(*where)} has dtype {grad.dtype}, the parameter {slot.param.dtype}: "
+                "with offload_gradients=True gradients are accumulated in host buffers of the parameter's dtype; "
+                "produce gradients in the parameter's dtype, or use offload_gradients=False"
             )
-        if grad.shape != slot.param.shape:
-            raise RuntimeError(
-                f"gradient of {opt._describe(group, where[1])} has shape {tuple(grad.shape)}, "
-                f"the parameter has {tuple(slot.param.shape)}"
-            )
-        if grad.dtype != slot.param.dtype:
-            raise RuntimeError(
-                f"gradient of {opt._describe(group, where[1])} has dtype {grad.dtype}, the parameter {slot.param.dtype}"
-            )
-        opt._check_state_shape(group, where[1])
         if slot.host_grad is not None and slot.host_grad.shape != slot.param.shape:
             raise RuntimeError(
-                f"{opt._describe(group, where[1])} changed shape under the optimizer: its host gradient buffer "
+                f"{opt.describe_param(*where)} changed shape under the optimizer: its host gradient buffer "
                 f"has {tuple(slot.host_grad.shape)}, the parameter is {tuple(slot.param.shape)}"
             )
 
@@ -402,6 +328,9 @@ class GradientPipeline:
         if grad is None:
             return None
         self._validate(slot, grad, where)
+        if grad.dtype != slot.param.dtype:
+            # Not the dtype of the host buffer (the hook left it alone): taken as it is, as the plain step does.
+            return grad.detach().to("cpu")
         fresh = slot.source is not None and slot.source() is grad and slot.source_version == grad._version
         if not fresh:
             self._copy_out(slot, grad)
@@ -492,30 +421,12 @@ class GradientPipeline:
             if p.grad is not None:
                 self._validate(slot, p.grad, w)
             elif slot.has_grad:
-                opt._check_state_shape(opt.param_groups[w[0]], w[1])
+                opt.check_gradient(w[0], w[1], slot.host_grad)
         if opt.nonfinite != "propagate":
-            culprits = []
-            for p, w in where.items():
-                grad = self._ready(self._slots[p], w)
-                if grad is not None and not bool(torch.isfinite(grad).all()):
-                    culprits.append(opt._describe(opt.param_groups[w[0]], w[1]))
-            if culprits and opt.nonfinite == "raise":
-                raise FloatingPointError(
-                    f"non-finite gradient in {len(culprits)} parameter(s): {', '.join(culprits)}; no state was changed"
-                )
-            if culprits:
-                opt.skipped_steps += 1
+            present = [(w[0], w[1], self._ready(self._slots[p], w)) for p, w in where.items()]
+            if opt.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None]):
                 return
-        if self.offload_gradients:
-            # OffloadAdamW.step's pre-flight looks at p.grad, which is None here: run it on the host gradients.
-            fresh = [
-                (opt.param_groups[gi], i) for p, (gi, i) in where.items()
-                if (self._slots[p].has_grad or p.grad is not None) and not opt.state.get(p)
-            ]
-            if fresh:
-                from . import preflight
-
-                preflight.check_host_memory(fresh, pin_memory=opt._pin_memory)
+        opt.preflight([w for p, w in where.items() if (self._slots[p].has_grad or p.grad is not None) and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
@@ -549,42 +460,18 @@ class GradientPipeline:
                 by_group.setdefault(where[p][0], []).append((slot, grad))
         events = []
         for gi, members in by_group.items():
-            group = opt.param_groups[gi]
-            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, outputs = [], [], [], [], [], [], []
+            updates: list[tuple[Tensor, Tensor, Optional[Tensor]]] = []
             to_device: list[_Slot] = []
             for slot, grad in members:
                 p = slot.param
-                state = opt.state[p]
-                if len(state) == 0:
-                    state.update(opt._init_state(p, group))
-                opt._check_state_shape(group, where[p][1])
-                master = state.get(MASTER_KEY, p)
-                if scale is not None:
-                    # torch's fused AdamW divides the (upcast) gradient by the scale; a new tensor keeps the gradient.
-                    grad = torch.div(grad.to(master.dtype), scale)
-                masters.append(master)
-                grads.append(grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                if group["amsgrad"]:
-                    if "max_exp_avg_sq" not in state:
-                        state["max_exp_avg_sq"] = opt._host_empty(p.shape, master.dtype)
-                    max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-                steps.append(state["step"])
-                if master is p:
-                    outputs.append(None)
-                elif not slot.on_device:
-                    outputs.append(p.data)  # a bf16/fp16 host parameter receives round(master)
+                if not slot.on_device:
+                    updates.append((p, grad, None))  # the optimizer writes host parameters itself
                 else:
                     if slot.h2d_event is not None:
                         slot.h2d_event.synchronize()  # the previous copy out of staging has ended
-                    outputs.append(slot.staging)
+                    updates.append((p, grad, slot.staging))
                     to_device.append(slot)
-            kernel.adamw_update_(
-                masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, opt.step_hyper(group),
-                model_params=outputs,
-                impl=opt.kernel_impl(group),
-            )
+            opt.update_group(gi, updates, scale)
             events += self._send_back(to_device)
         return events
 
@@ -609,22 +496,3 @@ class GradientPipeline:
                 s.h2d_event = event
             events.append((device, event))
         return events
-
-
-class OffloadGradScaler(torch.amp.GradScaler):
-    """A drop-in ``torch.amp.GradScaler`` that also sees gradients living only in host memory.
-
-    With ``OffloadAdamW(..., offload_gradients=True)`` the device gradients are
-    freed during backward, so torch's GradScaler finds nothing to unscale or
-    check. This subclass hands the unscale-and-check of such an optimizer to the
-    optimizer's host gradients (the same ``_amp_foreach_non_finite_check_and_unscale_``
-    op, on the same values); for every other optimizer it is torch's GradScaler.
-    ``scaler.unscale_(opt)`` before clipping, ``scaler.step(opt)`` with the
-    found_inf skip and ``scaler.update()`` work unchanged.
-    """
-
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
-        pipeline = getattr(optimizer, "_pipeline", None)
-        if pipeline is None or not pipeline.offload_gradients:
-            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        return pipeline.unscale_(inv_scale, found_inf, allow_fp16)

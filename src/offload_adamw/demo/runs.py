@@ -3,7 +3,7 @@
 Contract:
 
 * Builds a small ``LlamaForCausalLM`` (random init, a few million parameters, byte vocabulary)
-  and a byte-level corpus from the standard library's sources (:mod:`offload_adamw.data`), then
+  and a byte-level corpus from the standard library's sources (:mod:`offload_adamw.demo.data`), then
   trains it from *identical* initial weights on *identical* batches, with the same warmup-cosine
   schedule, four times:
 
@@ -11,7 +11,7 @@ Contract:
   2. :class:`~offload_adamw.OffloadAdamW` in float32: its default path is defined to be bitwise
      equal to (1), so the largest parameter and loss differences reported must be exactly 0;
   3. OffloadAdamW on the same model in bf16 (float32 master and moments on the host);
-  4. :class:`~offload_adamw.naive.NaiveOffloadAdamW` on the bf16 model (bf16 moments, decay after
+  4. :class:`~offload_adamw.demo.naive.NaiveOffloadAdamW` on the bf16 model (bf16 moments, decay after
      the update).
 
   (3) and (4) are both compared with the float32 reference: the reader sees (3) track it and (4)
@@ -27,7 +27,7 @@ Contract:
   reference as the bf16 runs do), and the naive offload's drift is hidden in that noise.
 * Then runs the conformance checker (:mod:`offload_adamw.conformance`, when installed) on the
   naive optimizer and reports the clauses it fails, and includes the planner's memory bill
-  (:mod:`offload_adamw.planner`, when installed). Both are imported lazily: without them the demo
+  (:mod:`offload_adamw.planning.planner`, when installed). Both are imported lazily: without them the demo
   still runs and says what is missing.
 * Writes ``loss_curves.png``, ``report.md`` and ``results.json`` into ``--out`` and prints where
   they are; ``--json`` prints the results as JSON on stdout instead of the human summary.
@@ -55,9 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .data import VOCAB_SIZE, CorpusConfig, load_corpus
-from .naive import NaiveOffloadAdamW
-from .optimizer import OffloadAdamW
+from offload_adamw.optim.state import state_tensor_bytes
+from offload_adamw.demo.data import VOCAB_SIZE, CorpusConfig, load_corpus
+from offload_adamw.demo.naive import NaiveOffloadAdamW
+from offload_adamw.optim.optimizer import OffloadAdamW
 
 __all__ = ["DemoConfig", "RunResult", "run_demo", "add_arguments", "run"]
 
@@ -221,15 +222,6 @@ def _eval_steps(config: DemoConfig) -> list[int]:
     return sorted(points)
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, Tensor):
-                total += value.numel() * value.element_size()
-    return total
-
-
 def train_one(
     key: str,
     label: str,
@@ -296,7 +288,7 @@ def train_one(
         bar.set_postfix(loss=f"{loss.item():.3f}")
     bar.close()
 
-    result.state_bytes = _state_bytes(optimizer)
+    result.state_bytes = state_tensor_bytes(optimizer)
     final = snapshots[config.steps]
     # "Never moved" is judged at the validation points, where the snapshots are taken.
     result.unmoved_fraction = float((~moved).float().mean())
@@ -347,7 +339,7 @@ def planner_bill(named_shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, A
     bytes OffloadAdamW allocates for these tensors, which the demo sets beside what it measured.
     """
     try:
-        planner = importlib.import_module("offload_adamw.planner")
+        planner = importlib.import_module("offload_adamw.planning.planner")
         n_params = sum(math.prod(shape) for _, shape in named_shapes)
         bill = planner.memory_bill(n_params, param_dtype="bfloat16")
         specs = [planner.ParamSpec(name=name, shape=tuple(shape), dtype="bfloat16", on_host=True)

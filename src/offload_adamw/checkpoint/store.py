@@ -52,6 +52,8 @@ from typing import Any, Optional, Union
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from offload_adamw.contract.rules import MASTER_KEY
 from torch import Tensor
 
 __all__ = [
@@ -74,7 +76,6 @@ META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMIT"
 DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, AUX_FILE, META_FILE)
-MASTER_KEY = "master_param"
 _KEY_SEP = "::"
 _TMP_TAG = ".tmp-"
 _PREV_TAG = ".prev-"

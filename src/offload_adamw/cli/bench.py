@@ -4,7 +4,7 @@ Contract: in one run, per size (elements in a transformer's mix of tensor
 shapes), the benchmark
 
 1. measures the machine's memory bandwidth (STREAM triad and in-place triad,
-   :mod:`offload_adamw.bandwidth`) once, before the sizes;
+   :mod:`offload_adamw.planning.bandwidth`) once, before the sizes;
 2. times one optimizer step of each case below, repetitions interleaved
    (A B C .. A B C ..) so that machine noise hits every case alike, and reports
    medians: ms/step, elements/s, effective GB/s at 28 bytes/element (the ideal
@@ -53,9 +53,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .bandwidth import measure_host_bandwidth
-from .kernel import StepHyper, adamw_update_
-from .kernel_blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, chunk_loop_status
+from offload_adamw.planning.bandwidth import measure_host_bandwidth
+from offload_adamw.kernels.adamw import StepHyper, adamw_update_
+from offload_adamw.kernels.blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, chunk_loop_status
 
 BYTES_PER_ELEMENT = 28  # CONTRACT.md section 7: the ideal traffic of one host step
 MIB = 2**20
@@ -518,7 +518,7 @@ def run_benchmark(config: BenchConfig) -> dict:
         result["chunk_sweep"] = chunk_sweep(config.sizes[0], config.repeats)
     info["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     if "ours-bf16-compiled" in config.cases:
-        from .kernel_compiled import compiled_kernel_status  # noqa: PLC0415
+        from offload_adamw.kernels.compiled import compiled_kernel_status  # noqa: PLC0415
 
         info["compiled_kernel"] = compiled_kernel_status()  # per variant: usable, compile seconds, reason
     result["targets"] = targets(result)

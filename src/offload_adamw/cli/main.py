@@ -12,15 +12,15 @@ import argparse
 import importlib
 import sys
 
-from ._version import __version__
+from offload_adamw._version import __version__
 
 # name -> (module, one-line help). Order is the order shown by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("offload_adamw.demo", "train a small Llama three ways and show where a naive offload drifts"),
-    "check": ("offload_adamw.conformance_cli", "check an optimizer against the AdamW contract, clause by clause"),
-    "plan": ("offload_adamw.planner_cli", "what fits where for a model and a cluster, and how fast a step can be"),
-    "bench": ("offload_adamw.bench_cli", "measure host bandwidth and the optimizer step against torch and DeepSpeed"),
-    "audit": ("offload_adamw.audit_cli", "audit the optimizer set-up of a training script or checkpoint"),
+    "demo": ("offload_adamw.demo.runs", "train a small Llama three ways and show where a naive offload drifts"),
+    "check": ("offload_adamw.cli.check", "check an optimizer against the AdamW contract, clause by clause"),
+    "plan": ("offload_adamw.cli.plan", "what fits where for a model and a cluster, and how fast a step can be"),
+    "bench": ("offload_adamw.cli.bench", "measure host bandwidth and the optimizer step against torch and DeepSpeed"),
+    "audit": ("offload_adamw.cli.audit", "audit the optimizer set-up of a training script or checkpoint"),
 }
 
 # optional package -> the extra of pyproject.toml that brings it

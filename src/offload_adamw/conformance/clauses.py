@@ -1,8 +1,8 @@
 """The fifteen clauses of the conformance checker, one function each.
 
 Contract: every clause function takes a :class:`Context` and returns a
-:class:`Finding` (verdict, deviation, detail); it raises
-:class:`~offload_adamw.conformance_harness.NotApplicable` when the question cannot be
+:class:`ClauseFinding` (verdict, deviation, detail); it raises
+:class:`~offload_adamw.conformance.harness.NotApplicable` when the question cannot be
 asked of the candidate, and lets any other exception of the candidate escape (the
 caller turns it into a failed clause that shows the error).
 
@@ -52,8 +52,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import Tensor
 
-from . import reference
-from .conformance_harness import (
+from offload_adamw.contract import reference
+from offload_adamw.contract.rules import NONFINITE_POLICIES
+from offload_adamw.conformance.harness import (
     Harness,
     NotApplicable,
     Tolerance,
@@ -67,9 +68,8 @@ from .conformance_harness import (
     tolerance_for,
 )
 
-__all__ = ["Context", "Finding", "Clause", "CLAUSES", "NONFINITE_POLICIES"]
+__all__ = ["Context", "ClauseFinding", "Clause", "CLAUSES", "NONFINITE_POLICIES"]
 
-NONFINITE_POLICIES = ("propagate", "skip", "raise")
 EXACT = Tolerance(0.0, 0.0)
 
 
@@ -86,7 +86,7 @@ class Context:
 
 
 @dataclass(frozen=True)
-class Finding:
+class ClauseFinding:
     verdict: str
     deviation: Optional[float]
     detail: str
@@ -97,7 +97,7 @@ class Clause:
     number: int
     name: str
     consequence: str
-    run: Callable[[Context], Finding]
+    run: Callable[[Context], ClauseFinding]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -164,7 +164,7 @@ def _update_reference(label: str) -> list[dict[str, Tensor]]:
     return _reference_series(theta0, grads, variants[label])
 
 
-def clause_update(ctx: Context) -> Finding:
+def clause_update(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     theta0, grads, variant_values = _update_problem()
     variants = list(variant_values.items())
@@ -199,7 +199,7 @@ def clause_update(ctx: Context) -> Finding:
             elif not later_ok:
                 failed.append(f"{what} at {where}")
     head = ("theta differs from the float64 reference: " + "; ".join(failed)) if failed else "theta follows the reference on step 1 and later steps"
-    return Finding("fail" if failed else "pass", worst, head + "\n" + "\n".join(lines))
+    return ClauseFinding("fail" if failed else "pass", worst, head + "\n" + "\n".join(lines))
 
 
 # ----------------------------------------------------------------------------- 2 and 3
@@ -242,7 +242,7 @@ def _decay_forms(seen_a: list, seen_b: list, shrink: float, tol: Tolerance) -> d
     return out
 
 
-def clause_decoupled(ctx: Context) -> Finding:
+def clause_decoupled(ctx: Context) -> ClauseFinding:
     if not ctx.harness.mapping.accepts("weight_decay"):
         raise NotApplicable("the candidate takes no weight decay")
     lr, wd, steps = 0.1, 0.5, 4
@@ -252,12 +252,12 @@ def clause_decoupled(ctx: Context) -> Finding:
     detail = (f"{steps} steps with lr {lr}, weight_decay {wd} vs. weight_decay 0 on the same gradients; "
               f"fit as decoupled decay before the update: {_fmt(forms['before'][1])}, after the update: {_fmt(forms['after'][1])}")
     if forms["before"][0] or forms["after"][0]:
-        return Finding("pass", deviation, "the update direction does not depend on weight_decay (decoupled). " + detail)
-    return Finding("fail", deviation, "weight_decay changes the update direction: it reaches the moments "
+        return ClauseFinding("pass", deviation, "the update direction does not depend on weight_decay (decoupled). " + detail)
+    return ClauseFinding("fail", deviation, "weight_decay changes the update direction: it reaches the moments "
                    "(L2 coupled into the gradient) or is not lr*wd*theta. " + detail)
 
 
-def clause_decay_order(ctx: Context) -> Finding:
+def clause_decay_order(ctx: Context) -> ClauseFinding:
     if not ctx.harness.mapping.accepts("weight_decay"):
         raise NotApplicable("the candidate takes no weight decay")
     lr, wd = 0.5, 0.5
@@ -266,18 +266,18 @@ def clause_decay_order(ctx: Context) -> Finding:
     detail = (f"one step, lr {lr}, weight_decay {wd}, gradients of theta's sign: distance to "
               f"s*theta0 - u (decay first): {_fmt(forms['before'][1])}; to s*(theta0 - u) (decay after): {_fmt(forms['after'][1])}")
     if forms["before"][0]:
-        return Finding("pass", forms["before"][1], "decay acts on the pre-update value. " + detail)
+        return ClauseFinding("pass", forms["before"][1], "decay acts on the pre-update value. " + detail)
     if all(compare(seen_b[1][n], seen_a[1][n], info["tol"])[0] for n in seen_b[1]):
         raise NotApplicable("weight_decay has no effect on the first step (not decoupled: clause 2), "
                             "so the order of decay and update cannot be seen")
     if forms["after"][0]:
-        return Finding("fail", forms["before"][1], "decay is applied after the update (adds lr^2*wd*u). " + detail)
-    return Finding("fail", forms["before"][1], "the decayed step fits neither order (is the decay lr*wd*theta?). " + detail)
+        return ClauseFinding("fail", forms["before"][1], "decay is applied after the update (adds lr^2*wd*u). " + detail)
+    return ClauseFinding("fail", forms["before"][1], "the decayed step fits neither order (is the decay lr*wd*theta?). " + detail)
 
 
 # ----------------------------------------------------------------------------- 4
 
-def clause_step_count(ctx: Context) -> Finding:
+def clause_step_count(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     shapes = {"always": (6,), "skipped_middle": (4,), "late_start": (5,)}
     theta0 = {n: random_values(30 + i, s, 0.5, 2.0) for i, (n, s) in enumerate(shapes.items())}
@@ -318,9 +318,9 @@ def clause_step_count(ctx: Context) -> Finding:
     if counts:
         detail += "\nstate step counts: " + ", ".join(counts)
     if problems:
-        return Finding("fail", worst, "tensors without a gradient are not left alone, or their step count is not their own:\n"
+        return ClauseFinding("fail", worst, "tensors without a gradient are not left alone, or their step count is not their own:\n"
                        + "\n".join(problems) + "\n" + detail)
-    return Finding("pass", worst, "each tensor's t, m, v, theta advance only when it has a gradient. " + detail)
+    return ClauseFinding("pass", worst, "each tensor's t, m, v, theta advance only when it has a gradient. " + detail)
 
 
 # ----------------------------------------------------------------------------- 5
@@ -335,7 +335,7 @@ def _tiny_and_eps(dtype: torch.dtype) -> tuple[float, float]:
     return (2.0**-24, 1e-2) if dtype == torch.float16 else (1e-30, 1e-8)
 
 
-def clause_zero_grad(ctx: Context) -> Finding:
+def clause_zero_grad(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     shapes = {"warm": (6,), "cold": (4,)}
     theta0 = {n: random_values(40 + i, s, 0.5, 2.0) for i, (n, s) in enumerate(shapes.items())}
@@ -357,14 +357,14 @@ def clause_zero_grad(ctx: Context) -> Finding:
     detail = (f"gradients exactly 0 vs. {tiny:g} at the same steps ('warm' at steps 2-3, 'cold' at steps 1-2, before any "
               f"other gradient); theta moved at the first zero step: {moved}")
     if ok:
-        return Finding("pass", dev, "a zero gradient is an update (moments decay, t advances, theta moves). " + detail)
-    return Finding("fail", dev, f"a zero gradient is treated differently from a tiny one, first at {where}: "
+        return ClauseFinding("pass", dev, "a zero gradient is an update (moments decay, t advances, theta moves). " + detail)
+    return ClauseFinding("fail", dev, f"a zero gradient is treated differently from a tiny one, first at {where}: "
                    "zero gradients are skipped or special-cased. " + detail)
 
 
 # ----------------------------------------------------------------------------- 6
 
-def clause_lr_zero(ctx: Context) -> Finding:
+def clause_lr_zero(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     theta0 = {"w": random_values(50, (6,), 0.5, 2.0), "b": random_values(51, (3,), 0.5, 2.0)}
     grads = [{n: random_values(500 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
@@ -388,16 +388,16 @@ def clause_lr_zero(ctx: Context) -> Finding:
     detail = (f"step 1 with lr 0 (vs. lr 1e-20), then lr {eta}; theta unchanged by the lr=0 step: {unchanged} "
               f"(deviation {_fmt(dev0)}); later steps vs. the lr=1e-20 run: {_fmt(dev)}")
     if not unchanged:
-        return Finding("fail", max(dev0, dev), "lr = 0 still moves theta (decay or update not scaled by lr). " + detail)
+        return ClauseFinding("fail", max(dev0, dev), "lr = 0 still moves theta (decay or update not scaled by lr). " + detail)
     if not ok:
-        return Finding("fail", dev, f"the lr=0 step did not count: its gradient is missing from the moments or t did not "
+        return ClauseFinding("fail", dev, f"the lr=0 step did not count: its gradient is missing from the moments or t did not "
                        f"advance (first seen at {where}). " + detail)
-    return Finding("pass", dev, "lr = 0 leaves theta alone while moments absorb the gradient and t advances. " + detail)
+    return ClauseFinding("pass", dev, "lr = 0 leaves theta alone while moments absorb the gradient and t advances. " + detail)
 
 
 # ----------------------------------------------------------------------------- 7
 
-def clause_groups(ctx: Context) -> Finding:
+def clause_groups(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     theta0 = {"decayed.weight": random_values(60, (6,), 0.5, 2.0), "no_decay.bias": random_values(61, (5,), 0.5, 2.0)}
     grads = [{n: random_values(600 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
@@ -454,8 +454,8 @@ def clause_groups(ctx: Context) -> Finding:
     detail = (f"two groups (lr 0.1/0.02, betas (0.9, 0.999)/(0.8, 0.99), eps 1e-8/1e-3, weight_decay {h0['weight_decay']}/0) "
               f"vs. one optimizer per group; schedule x{factors[:4]} by {how} vs. constant lr")
     if problems:
-        return Finding("fail", worst, "\n".join(problems) + "\n" + detail)
-    return Finding("pass", worst, "each group keeps its own hyperparameters and lr changes take effect. " + detail)
+        return ClauseFinding("fail", worst, "\n".join(problems) + "\n" + detail)
+    return ClauseFinding("pass", worst, "each group keeps its own hyperparameters and lr changes take effect. " + detail)
 
 
 # ----------------------------------------------------------------------------- 8
@@ -508,7 +508,7 @@ def _ulp(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.exp2(torch.floor(torch.log2(mag))) * info.eps
 
 
-def clause_precision(ctx: Context) -> Finding:
+def clause_precision(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     wd = _wd(ctx, 0.1)
     theta0, grads, values = _long_horizon_problem(wd)
@@ -552,14 +552,14 @@ def clause_precision(ctx: Context) -> Finding:
         lines.append(f"{label}: vs. float32 run: " + ", ".join(per_part)
                      + f"; state dtypes {kinds or '?'}; master copy: {'yes' if master is not None else 'no'}")
     if problems:
-        return Finding("fail", worst, "low-precision parameters do not follow the float32 computation:\n"
+        return ClauseFinding("fail", worst, "low-precision parameters do not follow the float32 computation:\n"
                        + "\n".join(problems) + "\n" + "\n".join(lines))
-    return Finding("pass", worst, "bf16/fp16 parameters end where float32 ones do (up to the final rounding).\n" + "\n".join(lines))
+    return ClauseFinding("pass", worst, "bf16/fp16 parameters end where float32 ones do (up to the final rounding).\n" + "\n".join(lines))
 
 
 # ----------------------------------------------------------------------------- 9
 
-def clause_placement(ctx: Context) -> Finding:
+def clause_placement(ctx: Context) -> ClauseFinding:
     if not torch.cuda.is_available():
         raise NotApplicable("no accelerator: every tensor is in host memory")
     h = ctx.harness
@@ -574,7 +574,7 @@ def clause_placement(ctx: Context) -> Finding:
         if isinstance(value, Tensor):
             pinned = value.device.type == "cpu" and value.is_pinned()
             where.append(f"{key}: {value.device}{' (pinned)' if pinned else ''} {_dtype_name(value.dtype)}")
-    return Finding("info", None, "parameter on cuda; state between steps: " + "; ".join(where))
+    return ClauseFinding("info", None, "parameter on cuda; state between steps: " + "; ".join(where))
 
 
 # ----------------------------------------------------------------------------- 10
@@ -609,7 +609,7 @@ def _round_trip(ctx: Context, dtype: torch.dtype) -> tuple[bool, float, str]:
     return bitwise and not changed, dev, "; ".join(parts)
 
 
-def clause_round_trip(ctx: Context) -> Finding:
+def clause_round_trip(ctx: Context) -> ClauseFinding:
     ok, dev, text = _round_trip(ctx, ctx.dtype)
     lines = [text]
     if ctx.dtype != torch.bfloat16:
@@ -621,12 +621,12 @@ def clause_round_trip(ctx: Context) -> Finding:
             lines.append(f"bfloat16: not run ({type(exc).__name__}: {exc})")
     head = ("state_dict -> torch.save/load -> fresh instance over the parameters at step 3, 3 more steps, "
             "compared with the uninterrupted run")
-    return Finding("pass" if ok else "fail", dev, head + "\n" + "\n".join(lines))
+    return ClauseFinding("pass" if ok else "fail", dev, head + "\n" + "\n".join(lines))
 
 
 # ----------------------------------------------------------------------------- 11
 
-def clause_name_mapping(ctx: Context) -> Finding:
+def clause_name_mapping(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     theta0 = {"attn.q.weight": random_values(110, (2, 3), 0.5, 2.0), "attn.k.weight": random_values(111, (2, 3), 0.5, 2.0)}
     # Different gradient sizes give the two same-shaped tensors clearly different moments.
@@ -655,7 +655,7 @@ def clause_name_mapping(ctx: Context) -> Finding:
         opt_rev, p_rev = resumed(names[::-1])
     except Exception as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return Finding("pass", None, f"loading into an optimizer whose parameters are in another order is refused: "
+        return ClauseFinding("pass", None, f"loading into an optimizer whose parameters are in another order is refused: "
                        f"{type(exc).__name__}: {first_line}")
     seen_same = h.run(opt_same, p_same, grads[3:])
     seen_rev = h.run(opt_rev, p_rev, grads[3:])
@@ -663,13 +663,13 @@ def clause_name_mapping(ctx: Context) -> Finding:
     detail = ("checkpoint of [attn.q.weight, attn.k.weight] (same shape, different moments) loaded into an optimizer over "
               "[attn.k.weight, attn.q.weight]; continuation per name compared with a load in the saved order" + unnamed)
     if ok:
-        return Finding("pass", dev, "state is matched by name: " + detail)
-    return Finding("fail", dev, f"same-shaped state went silently to the wrong tensor (first seen at {where}): " + detail)
+        return ClauseFinding("pass", dev, "state is matched by name: " + detail)
+    return ClauseFinding("fail", dev, f"same-shaped state went silently to the wrong tensor (first seen at {where}): " + detail)
 
 
 # ----------------------------------------------------------------------------- 12
 
-def clause_validation(ctx: Context) -> Finding:
+def clause_validation(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     ok_values = hyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.01))
     cases = [
@@ -699,13 +699,13 @@ def clause_validation(ctx: Context) -> Finding:
     if skipped:
         detail += f"; not asked (no such argument): {', '.join(skipped)}"
     if accepted:
-        return Finding("fail", None, f"accepted at construction: {', '.join(accepted)}; " + detail)
-    return Finding("pass", None, detail)
+        return ClauseFinding("fail", None, f"accepted at construction: {', '.join(accepted)}; " + detail)
+    return ClauseFinding("pass", None, detail)
 
 
 # ----------------------------------------------------------------------------- 13
 
-def clause_nonfinite(ctx: Context) -> Finding:
+def clause_nonfinite(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     theta0 = {"bad": random_values(130, (6,), 0.5, 2.0), "good": random_values(131, (4,), 0.5, 2.0)}
     grads = [{n: random_values(1300 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
@@ -762,14 +762,14 @@ def clause_nonfinite(ctx: Context) -> Finding:
         observed = "theta stayed finite but changed"
     detail = f"inf and NaN in one tensor's gradient at step 2: {observed}"
     if declared is None:
-        return Finding("info", None, f"behaviour: {behaviour} (no policy declared). " + detail)
+        return ClauseFinding("info", None, f"behaviour: {behaviour} (no policy declared). " + detail)
     verdict = "pass" if behaviour == declared else "fail"
-    return Finding(verdict, None, f"behaviour: {behaviour}; policy {declared!r} {source}. " + detail)
+    return ClauseFinding(verdict, None, f"behaviour: {behaviour}; policy {declared!r} {source}. " + detail)
 
 
 # ----------------------------------------------------------------------------- 14
 
-def clause_grad_scaler(ctx: Context) -> Finding:
+def clause_grad_scaler(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
     theta0 = {"w": random_values(140, (6,), 0.5, 2.0), "b": random_values(141, (4,), 0.5, 2.0)}
@@ -801,8 +801,8 @@ def clause_grad_scaler(ctx: Context) -> Finding:
     detail = (f"torch.amp.GradScaler, overflow at step 2 of 3, compared with plain steps 1 and 3: theta untouched at the "
               f"overflow step: {skipped}; continuation deviation {_fmt(dev)}")
     if skipped and ok:
-        return Finding("pass", dev, "the found_inf step is skipped without a trace. " + detail)
-    return Finding("fail", dev, "a GradScaler overflow step changes the optimizer" + (f" (first at {where})" if not ok else "") + ". " + detail)
+        return ClauseFinding("pass", dev, "the found_inf step is skipped without a trace. " + detail)
+    return ClauseFinding("fail", dev, "a GradScaler overflow step changes the optimizer" + (f" (first at {where})" if not ok else "") + ". " + detail)
 
 
 # ----------------------------------------------------------------------------- 15
@@ -825,7 +825,7 @@ def _median_step_seconds(opt: Any, params: list[Tensor], grads: list[Tensor], re
     return statistics.median(times)
 
 
-def clause_cost(ctx: Context) -> Finding:
+def clause_cost(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     gen = torch.Generator().manual_seed(150)
     data = {f"block{i}.weight": torch.randn(s, generator=gen, dtype=torch.float64) for i, s in enumerate(COST_SHAPES)}
@@ -838,10 +838,10 @@ def clause_cost(ctx: Context) -> Finding:
     try:
         fused = _median_step_seconds(torch.optim.AdamW(base_params, lr=1e-3, weight_decay=0.01, fused=True), base_params, grads)
     except Exception as exc:
-        return Finding("info", None, f"{elements:,} {_dtype_name(ctx.dtype)} elements: candidate {candidate * 1e3:.2f} ms per step; "
+        return ClauseFinding("info", None, f"{elements:,} {_dtype_name(ctx.dtype)} elements: candidate {candidate * 1e3:.2f} ms per step; "
                        f"torch.optim.AdamW(fused=True) unavailable here ({type(exc).__name__})")
     ratio = candidate / fused
-    return Finding("info", ratio, f"{elements:,} {_dtype_name(ctx.dtype)} elements on {h.device}: candidate {candidate * 1e3:.2f} ms, "
+    return ClauseFinding("info", ratio, f"{elements:,} {_dtype_name(ctx.dtype)} elements on {h.device}: candidate {candidate * 1e3:.2f} ms, "
                    f"torch.optim.AdamW(fused=True) {fused * 1e3:.2f} ms per step (median of 5): {ratio:.2f}x (deviation column = this ratio)")
 
 

@@ -5,7 +5,7 @@ n/a or info, with the measured deviation and what a failure does to training. Th
 candidate never crashes the checker: an exception inside a clause fails that clause and
 the report shows it.
 
-Clauses (how each is isolated from the others: :mod:`offload_adamw.conformance_clauses`):
+Clauses (how each is isolated from the others: :mod:`offload_adamw.conformance.clauses`):
 
 1. the update on step 1 and later steps against :mod:`offload_adamw.reference` (bias
    correction, eps outside the square root, eps moved with the bias correction in
@@ -41,7 +41,7 @@ works), or a string ``"package.module:Class"`` / ``"path/to/file.py:Class"``. Ot
 signatures are driven through ``mapping`` (canonical name -> the candidate's name, e.g.
 ``{"betas": ["beta1", "beta2"], "eps": "epsilon", "weight_decay": null}``) and fixed
 ``kwargs`` (e.g. ``{"correct_bias": true}``); see
-:class:`~offload_adamw.conformance_harness.HyperMapping`. Parameters are given with their
+:class:`~offload_adamw.conformance.harness.HyperMapping`. Parameters are given with their
 names where the candidate accepts ``[(name, tensor), ...]``, else as plain tensors.
 """
 
@@ -58,9 +58,9 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from .conformance_clauses import CLAUSES, NONFINITE_POLICIES, Context
-from .conformance_harness import Harness, HyperMapping, NotApplicable
-from .conformance_report import ClauseResult, Report
+from offload_adamw.conformance.clauses import CLAUSES, NONFINITE_POLICIES, Context
+from offload_adamw.conformance.harness import Harness, HyperMapping, NotApplicable
+from offload_adamw.conformance.report import ClauseResult, Report
 
 __all__ = ["check", "load_candidate", "parse_dtype", "CandidateLoadError", "Report", "ClauseResult", "HyperMapping", "CLAUSES"]
 

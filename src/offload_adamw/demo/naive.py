@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim.optimizer import ParamsT
 
-from .optimizer import check_hyperparameter_ranges
+from offload_adamw.contract.rules import check_hyperparameter_ranges
 
 __all__ = ["NaiveOffloadAdamW"]
 

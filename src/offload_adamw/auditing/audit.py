@@ -43,9 +43,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .param_groups import named_tensors
+from offload_adamw.optim.named_groups import named_tensors
 
-__all__ = ["Finding", "GroupSummary", "AuditReport", "audit", "audit_state_dict", "shrink_factor", "KINDS"]
+__all__ = ["AuditFinding", "GroupSummary", "AuditReport", "audit", "audit_state_dict", "shrink_factor", "KINDS"]
 
 #: every kind of finding -> its severity.
 KINDS: dict[str, str] = {
@@ -64,7 +64,7 @@ _STATE_WIDTH_BYTES = 4  # state narrower than float32 loses the small updates (C
 
 
 @dataclass(frozen=True, kw_only=True)
-class Finding:
+class AuditFinding:
     """One fault (or, with severity ``info``, one fact) of the set-up."""
 
     kind: str
@@ -109,7 +109,7 @@ class AuditReport:
 
     source: str
     """What was audited (``model + optimizer`` or a file)."""
-    findings: tuple[Finding, ...]
+    findings: tuple[AuditFinding, ...]
     """Every finding, errors first."""
     groups: tuple[GroupSummary, ...]
     """One row per parameter group."""
@@ -117,11 +117,11 @@ class AuditReport:
     """Checks that could not be made, and why."""
 
     @property
-    def faults(self) -> tuple[Finding, ...]:
+    def faults(self) -> tuple[AuditFinding, ...]:
         """Findings of severity ``error`` or ``warning``."""
         return tuple(f for f in self.findings if f.severity != "info")
 
-    def of_kind(self, kind: str) -> tuple[Finding, ...]:
+    def of_kind(self, kind: str) -> tuple[AuditFinding, ...]:
         """The findings of one kind."""
         return tuple(f for f in self.findings if f.kind == kind)
 
@@ -318,7 +318,7 @@ def _shrink_findings(
     lrs: list[list[float]],
     source: str,
     accumulation: Optional[tuple[int, int]],
-) -> list[Finding]:
+) -> list[AuditFinding]:
     steps = len(lrs)
     findings = []
     for gi, group in enumerate(groups):
@@ -354,7 +354,7 @@ def _shrink_findings(
                 + (f" (weight_decay {keep:.6g} keeps {shrink:.6g})" if keep is not None else "")
             )
         findings.append(
-            Finding(kind="weight_decay_shrink", severity="info", message=message, group=gi, details=details)
+            AuditFinding(kind="weight_decay_shrink", severity="info", message=message, group=gi, details=details)
         )
     return findings
 
@@ -362,13 +362,13 @@ def _shrink_findings(
 # --------------------------------------------------------------------- audit
 
 
-def _finding(kind: str, message: str, params: Sequence[str] = (), group: Optional[int] = None, **details: Any) -> Finding:
-    return Finding(kind=kind, severity=KINDS[kind], message=message, params=tuple(params), group=group, details=details)
+def _finding(kind: str, message: str, params: Sequence[str] = (), group: Optional[int] = None, **details: Any) -> AuditFinding:
+    return AuditFinding(kind=kind, severity=KINDS[kind], message=message, params=tuple(params), group=group, details=details)
 
 
 def _predicted_state_dtype(optimizer: torch.optim.Optimizer, p: Tensor) -> Optional[torch.dtype]:
     """The dtype of the moments the optimizer will create for ``p``, where it is known before any step."""
-    from .optimizer import OffloadAdamW
+    from offload_adamw.optim.optimizer import OffloadAdamW
 
     if isinstance(optimizer, OffloadAdamW):
         return torch.float64 if p.dtype == torch.float64 else torch.float32
@@ -407,7 +407,7 @@ def audit(
     model_names = named_tensors(model)
     where: dict[Tensor, list[tuple[int, int]]] = {}
     display: dict[Tensor, str] = {}
-    findings: list[Finding] = []
+    findings: list[AuditFinding] = []
     mismatched: dict[str, str] = {}
     for gi, group in enumerate(optimizer.param_groups):
         given = group.get("param_names")
@@ -571,7 +571,7 @@ def _state_dtypes(entries: Iterable[Optional[Mapping[str, Any]]]) -> tuple[str, 
     }))
 
 
-def _by_severity(findings: list[Finding]) -> tuple[Finding, ...]:
+def _by_severity(findings: list[AuditFinding]) -> tuple[AuditFinding, ...]:
     """Errors, then warnings, then info; stable, so the order of the checks is kept within a severity."""
     order = {"error": 0, "warning": 1, "info": 2}
     return tuple(sorted(findings, key=lambda f: order[f.severity]))
@@ -597,7 +597,7 @@ def audit_state_dict(
     accumulation = _accumulation(grad_accumulation)
     groups = state_dict["param_groups"]
     state = state_dict["state"]
-    findings: list[Finding] = []
+    findings: list[AuditFinding] = []
     notes = [
         "from a state_dict alone, trainable parameters missing from the optimizer, frozen parameters that hold a "
         "gradient and tied parameters cannot be checked: audit the training script for those",

@@ -10,21 +10,21 @@ Contract (../shared/CONTRACT.md sections 2, 3 and 5):
   the round-to-nearest copy of the updated master in its own dtype.
 * The functions are pure in the optimizer sense: they own no state, know
   nothing of parameter groups, devices or transfers. The optimizer class calls
-  them; a faster body can replace ``_fused_impl`` without touching it.
+  them; a faster body can replace ``_blocked_impl`` without touching it.
 
 Three implementations, picked by :func:`adamw_update_`'s ``impl`` flag (the way
 torch/optim/adam.py dispatches):
 
-* ``"fused"`` (default): torch's fused CPU AdamW arithmetic. Bitwise equal to
+* ``"blocked"`` (default): torch's fused CPU AdamW arithmetic. Bitwise equal to
   ``torch.optim.AdamW(fused=True)`` on float32 masters (the parity definition of
   the project), and for low-precision models bitwise equal to that optimizer run
   on float32 copies fed the upcast gradients, followed by a round-to-nearest cast.
   The mixed case runs cache-blocked in one memory pass (``kernel_blocked.py``):
   the same arithmetic, hence the same bits, chunk by chunk (128 Ki-element
   chunks, a TorchScript chunk loop per worker thread where TorchScript works).
-* ``"compiled"`` (opt-in): ``"fused"`` with large mixed tensors in one loop compiled
+* ``"compiled"`` (opt-in): ``"blocked"`` with large mixed tensors in one loop compiled
   by torch.compile (``kernel_compiled.py``): the same bits, checked by a self-test
-  before first use; needs a C++ compiler at run time, else ``"fused"`` runs.
+  before first use; needs a C++ compiler at run time, else ``"blocked"`` runs.
 * ``"for_loop"``: a readable per-tensor loop that spells out the contract, with
   the operation order of torch's single-tensor AdamW (``fused=False,
   foreach=False``), bitwise equal to it. It is the ground truth the fast path is
@@ -39,7 +39,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernel_blocked import BlockConfig, blocked_adamw_
+from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_
 
 __all__ = ["StepHyper", "adamw_update_", "IMPLEMENTATIONS"]
 
@@ -122,7 +122,7 @@ def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
             model_params[i].copy_(theta)
 
 
-def _fused_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
+def _blocked_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
     # float32/float64 tensors without casts: torch's fused op over the whole list, exactly
     # as torch.optim.AdamW(fused=True). Mixed-dtype tensors: the same op chunk by chunk,
     # with the widening of the gradient and the narrowing into the model dtype done while
@@ -139,7 +139,7 @@ def _compiled_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
     blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, config=_COMPILED)
 
 
-IMPLEMENTATIONS = {"fused": _fused_impl, "compiled": _compiled_impl, "for_loop": _for_loop_impl}
+IMPLEMENTATIONS = {"blocked": _blocked_impl, "compiled": _compiled_impl, "for_loop": _for_loop_impl}
 
 
 def adamw_update_(
@@ -152,7 +152,7 @@ def adamw_update_(
     hp: StepHyper,
     *,
     model_params: Optional[Sequence[Optional[Tensor]]] = None,
-    impl: str = "fused",
+    impl: str = "blocked",
 ) -> None:
     """One AdamW update of every tensor in the lists (all of them have a gradient).
 

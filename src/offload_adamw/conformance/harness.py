@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import reference
+from offload_adamw.contract import reference
 
 __all__ = [
     "NotApplicable",

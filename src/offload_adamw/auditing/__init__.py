@@ -1,0 +1,5 @@
+"""An audit of an optimizer set-up: what is missing, duplicated, decayed, narrowed, and how much decay a run applies."""
+
+from offload_adamw.auditing.audit import AuditFinding, AuditReport, audit, audit_state_dict
+
+__all__ = ["AuditFinding", "AuditReport", "audit", "audit_state_dict"]

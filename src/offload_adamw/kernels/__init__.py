@@ -1,0 +1,5 @@
+"""The update math over host tensors (docs/contract.md, sections 2 and 5): pure functions, no state of their own."""
+
+from offload_adamw.kernels.adamw import IMPLEMENTATIONS, StepHyper, adamw_update_
+
+__all__ = ["IMPLEMENTATIONS", "StepHyper", "adamw_update_"]

@@ -1,0 +1,174 @@
+"""Loading a state_dict into OffloadAdamW: matched by name, checked whole, committed all at once.
+
+Contract (docs/contract.md, section 6):
+
+* Saved states are matched to parameters by name when both sides carry ``param_names`` (else by
+  position, as torch does). Every mismatch (missing, unexpected, wrong group, wrong shape, a state
+  without its moments) is collected into one :class:`StateDictMismatch` that names each parameter.
+* :func:`prepare_load` computes the new groups and states without touching the optimizer or the
+  parameters; the optimizer commits them only when nothing was found wrong.
+* Moments and masters land in host memory in float32 (float64 for float64 parameters), also for
+  bf16 parameters (torch's own load would cast them down). A state_dict of torch.optim.AdamW has no
+  master: the parameter's value is the best there is, and becomes the master.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from offload_adamw.contract.rules import MASTER_KEY, MOMENT_KEYS
+from offload_adamw.distributed import local_shard_of, local_tensor
+from offload_adamw.optim import state as host_state
+
+__all__ = ["StateDictMismatch", "prepare_load"]
+
+
+class StateDictMismatch(ValueError):
+    """A state_dict that does not fit this optimizer; ``problems`` lists every culprit."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n  - ".join(self.problems)
+        super().__init__(f"cannot load optimizer state_dict ({len(self.problems)} problem(s)); nothing was changed:\n  - {lines}")
+
+
+class LoadTarget(Protocol):
+    """What loading needs of the optimizer."""
+
+    param_groups: list[dict[str, Any]]
+
+    def describe_param(self, group_index: int, index: int) -> str: ...
+
+
+def _match_params(target: LoadTarget, saved_groups: list[dict[str, Any]], problems: list[str]) -> dict[Any, tuple[Tensor, int, int]]:
+    """Map each saved parameter id to (parameter, group index, index in group)."""
+    own_groups = target.param_groups
+    mapping: dict[Any, tuple[Tensor, int, int]] = {}
+    if len(saved_groups) != len(own_groups):
+        problems.append(f"the state_dict has {len(saved_groups)} parameter group(s), the optimizer has {len(own_groups)}")
+        return mapping
+    by_name = all("param_names" in g for g in saved_groups) and all("param_names" in g for g in own_groups)
+    if by_name:
+        saved_where: dict[str, tuple[int, Any]] = {}
+        for gi, g in enumerate(saved_groups):
+            for name, pid in zip(g["param_names"], g["params"]):
+                saved_where[name] = (gi, pid)
+        own_names: set[str] = set()
+        for gi, group in enumerate(own_groups):
+            for index, (name, p) in enumerate(zip(group["param_names"], group["params"])):
+                own_names.add(name)
+                if name not in saved_where:
+                    problems.append(f"parameter {name!r} (group {gi}) is missing from the state_dict")
+                    continue
+                saved_gi, pid = saved_where[name]
+                if saved_gi != gi:
+                    problems.append(f"parameter {name!r} is in group {saved_gi} of the state_dict but in group {gi} here")
+                    continue
+                mapping[pid] = (p, gi, index)
+        for name in saved_where:
+            if name not in own_names:
+                problems.append(f"unexpected parameter {name!r} in the state_dict (not in this optimizer)")
+        return mapping
+    for gi, (g, group) in enumerate(zip(saved_groups, own_groups)):
+        if len(g["params"]) != len(group["params"]):
+            problems.append(f"group {gi}: the state_dict has {len(g['params'])} parameter(s), the optimizer has {len(group['params'])}")
+            continue
+        for index, (pid, p) in enumerate(zip(g["params"], group["params"])):
+            mapping[pid] = (p, gi, index)
+    return mapping
+
+
+def _convert_state(p: Tensor, group: dict[str, Any], where: str, saved: dict[str, Any], problems: list[str], pin: bool) -> dict[str, Any]:
+    """Saved per-parameter state -> host float32 state for ``p`` (no side effects on p)."""
+    out: dict[str, Any] = {}
+    dtype = host_state.state_dtype(p)
+    for key, value in saved.items():
+        if key == "step":
+            value = local_tensor(value) if isinstance(value, Tensor) else value
+            step = value.detach().float().cpu().reshape(()) if isinstance(value, Tensor) else torch.tensor(float(value))
+            if not (step >= 0 and step == step.round()):
+                problems.append(f"{where}: step must be a non-negative whole number, got {step.item()}")
+            out["step"] = step.clone()
+            continue
+        if not isinstance(value, Tensor):
+            out[key] = copy.deepcopy(value)
+            continue
+        if tuple(value.shape) != tuple(p.shape):
+            problems.append(f"{where}: {key} has shape {tuple(value.shape)}, the parameter has {tuple(p.shape)}")
+            continue
+        value = local_shard_of(value, p)  # this rank's piece of the (global) saved state
+        if key in MOMENT_KEYS or key == MASTER_KEY:
+            if not value.is_floating_point():
+                problems.append(f"{where}: {key} has dtype {value.dtype}")
+                continue
+            out[key] = host_state.host_copy(value, dtype, pin=pin)
+        else:
+            out[key] = value.detach().clone()
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        if saved and key not in saved:
+            problems.append(f"{where}: state has no {key!r}")
+    if group["amsgrad"] and saved and "max_exp_avg_sq" not in saved:
+        problems.append(f"{where}: amsgrad is on but the state has no 'max_exp_avg_sq'")
+    if saved and MASTER_KEY not in out and not host_state.is_own_master(local_tensor(p)):
+        out[MASTER_KEY] = host_state.host_copy(local_tensor(p), dtype, pin=pin)
+    return out
+
+
+def prepare_load(target: LoadTarget, state_dict: Any, *, pin: bool) -> tuple[list[dict[str, Any]], defaultdict[Tensor, dict[str, Any]]]:
+    """The new param_groups and state for ``target``, or StateDictMismatch listing every problem."""
+    problems: list[str] = []
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise StateDictMismatch(["not an optimizer state_dict: expected the keys 'state' and 'param_groups'"])
+    saved_groups = state_dict["param_groups"]
+    saved_state = state_dict["state"]
+    mapping = _match_params(target, saved_groups, problems)
+
+    new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+    for pid, saved in saved_state.items():
+        if pid not in mapping:
+            if not any(pid in g["params"] for g in saved_groups):
+                problems.append(f"state entry {pid!r} belongs to no parameter group of the state_dict")
+            continue  # a missing or unexpected name is already reported
+        p, gi, index = mapping[pid]
+        where = target.describe_param(gi, index)
+        new_state[p] = _convert_state(p, target.param_groups[gi], where, saved, problems, pin)
+
+    new_groups = []
+    if len(saved_groups) == len(target.param_groups):
+        for saved_group, group in zip(saved_groups, target.param_groups):
+            merged = dict(group)
+            merged.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k not in ("params", "param_names")})
+            merged["params"] = group["params"]
+            if "param_names" in group:
+                merged["param_names"] = group["param_names"]
+            if merged.get("capturable") or merged.get("differentiable"):
+                problems.append("the state_dict asks for capturable or differentiable, which OffloadAdamW does not support")
+            merged["capturable"] = False
+            merged["differentiable"] = False
+            merged["decoupled_weight_decay"] = True
+            new_groups.append(merged)
+    if problems:
+        raise StateDictMismatch(problems)
+    return new_groups, new_state
+
+
+def write_masters_back(state: dict[Tensor, dict[str, Any]]) -> None:
+    """After a committed load: each parameter receives its master (rounded to its dtype).
+
+    A float32 host parameter is its own master, so a saved master is copied into it and dropped.
+    """
+    with torch.no_grad():
+        for p, s in state.items():
+            if MASTER_KEY not in s:
+                continue
+            local = local_tensor(p)
+            if host_state.is_own_master(local):
+                local.copy_(s.pop(MASTER_KEY))
+            else:
+                local.copy_(s[MASTER_KEY])
+

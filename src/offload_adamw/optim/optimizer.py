@@ -1,0 +1,412 @@
+"""OffloadAdamW: torch.optim.AdamW with its state in host memory, in float32.
+
+Contract (docs/contract.md):
+
+* Same constructor, validation messages, defaults, parameter-group keys and
+  ``state_dict`` layout as ``torch.optim.AdamW`` (PyTorch 2.8 to 2.13).
+* Per parameter tensor the state is ``step``, ``exp_avg``, ``exp_avg_sq`` (and
+  ``max_exp_avg_sq``) and, unless the parameter is its own master, a float32
+  ``master_param``, all in host memory (optim/state.py). After every update a
+  low-precision or device parameter receives the round-to-nearest copy of its master.
+* The update math is :mod:`offload_adamw.kernels`; every update runs through
+  :mod:`offload_adamw.optim.update`, with or without the transfer pipeline.
+  This class owns the groups, where state lives and the order of work.
+* ``load_state_dict`` is all or nothing and matches by name (optim/loading.py).
+* The transfer pipeline (accel/pipeline.py) talks to this class only through
+  the methods of :class:`~offload_adamw.accel.pipeline.UpdateTarget`:
+  ``describe_param``, ``check_gradient``, ``skip_for_nonfinite``, ``preflight``
+  and ``update_group``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
+from offload_adamw.accel.amp import HostGradientHolder
+from offload_adamw.accel.clipping import clip_grad_norm_ as _clip_grad_norm_
+from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
+from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES, check_hyperparameter_ranges
+from offload_adamw.distributed import dtensor as _distributed
+from offload_adamw.optim import loading as _loading
+from offload_adamw.optim import preflight as _preflight
+from offload_adamw.optim import state as host_state
+from offload_adamw.optim import update as _update
+from offload_adamw.optim.loading import StateDictMismatch
+
+__all__ = ["OffloadAdamW", "StateDictMismatch"]
+
+
+def _to_scalar(x: Any) -> Any:
+    return x.item() if isinstance(x, Tensor) and x.numel() == 1 else x
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW whose master weights and moments live in (pinned) host memory, in float32.
+
+    Arguments are those of ``torch.optim.AdamW``. Options of torch's AdamW that
+    concern how torch schedules the update on the parameter's device have this
+    meaning here:
+
+    * ``fused`` (None or True): the fused host kernel, bitwise equal to
+      ``torch.optim.AdamW(fused=True)``. ``fused=False`` picks the readable
+      per-tensor loop, bitwise equal to torch's ``foreach=False, fused=False``.
+    * ``foreach``: accepted and ignored (the host kernel is not a foreach loop);
+      ``foreach=True`` together with ``fused=True`` is refused as in torch.
+    * ``capturable=True`` and ``differentiable=True`` are refused: the state is
+      in host memory (no CUDA graph capture) and the step is not differentiable.
+
+    Keyword-only options of this class:
+
+    * ``pin_memory`` (default: whether CUDA is available) places the host state
+      in page-locked memory so that transfers can run asynchronously.
+    * ``nonfinite``: what a step does when a gradient holds inf or NaN.
+      ``"propagate"`` (default, as torch.optim.AdamW) applies the update and the
+      non-finite values spread into the state; ``"skip"`` skips the whole step
+      for every tensor (no state changes, ``skipped_steps`` counts it), like
+      GradScaler's found_inf; ``"raise"`` raises FloatingPointError naming every
+      offending parameter, before any state changes. ``skip`` and ``raise`` cost
+      one extra read of the gradients.
+    * ``offload_gradients`` (default False): free each device gradient right
+      after backward's hook has started its copy to host memory; accumulation
+      over micro-batches then happens in host memory. ``p.grad`` stays None: use
+      ``gradient(p)``, ``clip_grad_norm_`` and :class:`OffloadGradScaler`.
+    * ``transfer_pipeline`` (default: on when a parameter lives on an
+      accelerator, or with ``offload_gradients``; never for DTensor parameters):
+      gradients go to exactly-sized pinned host buffers during backward, the step
+      runs bucket by bucket (``bucket_bytes`` of gradient each) and parameters
+      return non-blocking (accel/pipeline.py). ``True`` with CPU parameters runs the
+      same pipeline with the CPU as device. With the pipeline the state is not
+      pinned unless ``pin_memory=True``: the pipeline's buffers carry the transfers.
+    * ``compiled_kernel`` (default False): update large mixed-precision tensors
+      (bf16/fp16 parameters or gradients, float32 masters) in one loop compiled by
+      torch.compile (kernels/compiled.py), 1.1 to 1.5x faster than the default
+      blocked kernel here (the benchmark in the README). The same bits: each
+      compiled variant is checked against torch's fused op before its first use.
+      Needs a C++ compiler; the first step compiles (a few seconds per variant,
+      cached on disk by torch); where anything fails the default kernel runs,
+      after one warning.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        pin_memory: Optional[bool] = None,
+        nonfinite: str = "propagate",
+        offload_gradients: bool = False,
+        transfer_pipeline: Optional[bool] = None,
+        bucket_bytes: int = 32 << 20,
+        compiled_kernel: bool = False,
+    ) -> None:
+        # The same checks, in the same order and words, as torch.optim.Adam.
+        if isinstance(lr, Tensor):
+            if foreach and not capturable:
+                raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
+        check_hyperparameter_ranges(lr, betas, eps, weight_decay)
+        if not (
+            (isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))
+        ):
+            raise ValueError("betas must be either both floats or both Tensors")
+        for index, beta in enumerate(betas):
+            if isinstance(beta, Tensor):
+                if not capturable and foreach:
+                    raise ValueError(
+                        f"betas[{index}] as a Tensor is not supported for capturable=False and foreach=True"
+                    )
+                if beta.numel() != 1:
+                    raise ValueError(f"Tensor betas[{index}] must be 1-element")
+        betas = tuple(map(_to_scalar, betas))
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        if capturable:
+            raise ValueError(
+                "OffloadAdamW does not support capturable=True: its state lives in host memory, "
+                "outside any CUDA graph"
+            )
+        if differentiable:
+            raise ValueError("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
+
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self._pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.compiled_kernel = bool(compiled_kernel)
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": True,
+        }
+        super().__init__(params, defaults)
+        # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
+        self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
+        self._pipeline: Optional[GradientPipeline] = None
+        self._setup_pipeline(offload_gradients, transfer_pipeline, bucket_bytes, pin_memory)
+
+    # ------------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for index, p in enumerate(group["params"]):
+            if torch.is_complex(p):
+                raise ValueError(
+                    f"OffloadAdamW does not support complex parameters: {self._describe(group, index)} "
+                    f"is {p.dtype}; optimize torch.view_as_real(param) instead"
+                )
+            if not p.is_floating_point():
+                raise ValueError(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
+
+    def _describe(self, group: dict[str, Any], index: int) -> str:
+        """The parameter's name where names were given, else its place and shape."""
+        names = group.get("param_names")
+        if names is not None and index < len(names):
+            return f"parameter {names[index]!r}"
+        try:
+            group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        except StopIteration:
+            group_index = len(self.param_groups)
+        shape = tuple(group["params"][index].shape)
+        return f"parameter {index} of param_groups[{group_index}] (shape {shape})"
+
+    def describe_param(self, group_index: int, index: int) -> str:
+        """``group_index``/``index``'s parameter as messages name it: its name where names were given."""
+        return self._describe(self.param_groups[group_index], index)
+
+    # ------------------------------------------------------------------- state
+
+    def master_param(self, p: Tensor) -> Tensor:
+        """The float32 (float64) master of ``p``: the tensor the next update writes.
+
+        That is the stored master, or ``p`` itself when ``p`` is its own master (a float32 host
+        parameter). Before its first update a parameter that needs a master has none yet: then
+        this is a new float32 copy of ``p``'s value, which is what the master will start from.
+        """
+        state = self.state.get(p)
+        local = _distributed.local_tensor(p)
+        if state and MASTER_KEY in state:
+            return state[MASTER_KEY]
+        if host_state.is_own_master(local):
+            return p
+        return local.detach().to("cpu", host_state.state_dtype(local))
+
+    def host_state_bytes(self) -> int:
+        """Bytes of optimizer state allocated in host memory (moments, masters, step counts), measured."""
+        return host_state.state_tensor_bytes(self, host_only=True)
+
+    # ------------------------------------------------------- transfer pipeline
+
+    def _setup_pipeline(self, offload_gradients: bool, transfer_pipeline: Optional[bool], bucket_bytes: int, pin_memory: Optional[bool]) -> None:
+        """The device path (accel/pipeline.py): hooks, exactly-sized pinned buffers, streams, bucketed step."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        sharded = any(_distributed.is_dtensor(p) for p in params)
+        if transfer_pipeline is None:
+            transfer_pipeline = offload_gradients or any(p.device.type != "cpu" for p in params)
+            transfer_pipeline = transfer_pipeline and not sharded
+        if offload_gradients and not transfer_pipeline:
+            raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
+        if transfer_pipeline and sharded:
+            raise ValueError("the transfer pipeline does not handle DTensor (FSDP2) parameters; FSDP2 owns their gradients")
+        if not transfer_pipeline:
+            return
+        if pin_memory is None:
+            self._pin_memory = False  # the pipeline's own exact pinned buffers carry every transfer
+        self._pipeline = GradientPipeline(self, PipelineConfig(offload_gradients=offload_gradients, bucket_bytes=bucket_bytes))
+        # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
+        self._step_supports_amp_scaling = True
+
+    @property
+    def offload_gradients(self) -> bool:
+        """Whether device gradients are freed after their copy to the host (the host buffer is then the gradient)."""
+        return self._pipeline is not None and self._pipeline.offload_gradients
+
+    @property
+    def transfer_pipeline(self) -> Optional[GradientPipeline]:
+        """The transfer pipeline, or None when the plain host step runs."""
+        return self._pipeline
+
+    def gradient(self, p: Tensor) -> Optional[Tensor]:
+        """The current gradient of ``p`` wherever it lives (the host buffer when device gradients are freed)."""
+        return p.grad if self._pipeline is None else self._pipeline.gradient(p)
+
+    def gradient_tensors(self) -> list[Tensor]:
+        """Every current gradient as the truth holds it (host buffers when device gradients are freed)."""
+        if self._pipeline is not None:
+            return self._pipeline.gradient_tensors()
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def host_gradient_holder(self) -> Optional[HostGradientHolder]:
+        """Where GradScaler must unscale: the pipeline when device gradients are freed, else None (``p.grad``)."""
+        return self._pipeline if self.offload_gradients else None
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held for transfers (the pipeline's exactly-sized buffers, plus pinned state)."""
+        total = 0 if self._pipeline is None else self._pipeline.pinned_bytes()
+        for state in self.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor) and value.device.type == "cpu" and value.is_pinned():
+                    total += value.numel() * value.element_size()
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's zero_grad, for device gradients and for gradients held in host memory."""
+        if self._pipeline is not None:
+            self._pipeline.zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
+        return _clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    # ------------------------------------------- the update path (UpdateTarget)
+
+    def kernel_impl(self, group: dict[str, Any]) -> str:
+        """The kernel that updates ``group``: "for_loop" with fused=False, else "blocked" or "compiled"."""
+        return _update.kernel_impl(group, compiled=self.compiled_kernel)
+
+    def check_gradient(self, group_index: int, index: int, grad: Tensor) -> None:
+        """Refuse, naming the parameter, a gradient no update may consume (optim/update.py)."""
+        group = self.param_groups[group_index]
+        p = group["params"][index]
+        local = _distributed.local_tensor(p)
+        _update.check_gradient(
+            lambda: self._describe(group, index), local, _distributed.local_grad(grad, p), self.state.get(p, {})
+        )
+
+    def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]]) -> bool:
+        """The non-finite policy over this step's gradients: True means skip (counted), raises under "raise"."""
+        named = [
+            (lambda gi=gi, i=i: self.describe_param(gi, i), _distributed.local_tensor(g)) for gi, i, g in gradients
+        ]
+        params = [self.param_groups[gi]["params"][i] for gi, i, _ in gradients]
+        skip = _update.nonfinite_decision(self.nonfinite, named, params)
+        if skip:
+            self.skipped_steps += 1
+        return skip
+
+    def preflight(self, fresh: list[tuple[int, int]]) -> None:
+        """Fail early, with the figures, when the state about to be created cannot fit in host memory."""
+        if fresh:
+            _preflight.check_host_memory([(self.param_groups[gi], i) for gi, i in fresh], pin_memory=self._pin_memory)
+
+    def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None:
+        """One update of each (parameter, host gradient, staging) in group ``group_index``.
+
+        ``staging`` is a host tensor that receives round(master) for a parameter that lives on a
+        device, or None; a low-precision host parameter receives round(master) itself, and a
+        parameter that is its own master is updated in place.
+        """
+        group = self.param_groups[group_index]
+        work = []
+        for p, grad, staging in updates:
+            local = _distributed.local_tensor(p)
+            if staging is None and local.device.type == "cpu" and not host_state.is_own_master(local):
+                staging = local.data
+            work.append(_update.TensorUpdate(local, self.state[p], grad, staging))
+        _update.update_group(
+            group,
+            work,
+            impl=self.kernel_impl(group),
+            pin_memory=self._pin_memory,
+            grad_scale=grad_scale,
+        )
+
+    # -------------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One AdamW update of every parameter that has a gradient (docs/contract.md, section 3)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if _distributed.inside_dcp_state_init():
+            # DCP's get/set_optimizer_state_dict call step() with zero grads and lr 0 only to allocate state: not an update.
+            self._create_missing_state()
+            return loss
+        if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
+            self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
+            return loss
+
+        present = [
+            (gi, i, p, p.grad)
+            for gi, group in enumerate(self.param_groups)
+            for i, p in enumerate(group["params"])
+            if p.grad is not None
+        ]
+        # Check every gradient of every group before anything changes: an error names its
+        # parameter and leaves all state (and every other group) as it was.
+        for gi, i, _, grad in present:
+            self.check_gradient(gi, i, grad)
+        if self.skip_for_nonfinite([(gi, i, g) for gi, i, _, g in present]):
+            return loss
+        self.preflight([(gi, i) for gi, i, p, _ in present if not self.state.get(p)])
+
+        for gi in range(len(self.param_groups)):
+            members = [(p, grad) for group_index, _, p, grad in present if group_index == gi]
+            updates: list[tuple[Tensor, Tensor, Optional[Tensor]]] = []
+            for p, grad in members:
+                host_grad = _distributed.local_grad(grad, p)
+                updates.append((p, host_grad if host_grad.device.type == "cpu" else host_grad.to("cpu"), None))
+            self.update_group(gi, updates)
+            # A parameter on a device (an FSDP2 shard on a GPU) receives its master after the update.
+            for p, _ in members:
+                local = _distributed.local_tensor(p)
+                if local.device.type != "cpu":
+                    local.copy_(self.state[p][MASTER_KEY])
+        return loss
+
+    def _create_missing_state(self) -> None:
+        self.preflight([(gi, i) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"]) if p.grad is not None and not self.state.get(p)])
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self.state.get(p):
+                    self.state[p].update(host_state.new_state(_distributed.local_tensor(p), amsgrad=group["amsgrad"], pin=self._pin_memory))
+
+    # -------------------------------------------------------------- state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict of OffloadAdamW or torch.optim.AdamW, all or nothing (optim/loading.py).
+
+        Saved states are matched to parameters by name when both sides carry
+        ``param_names``, else by position. Every mismatch is collected into one
+        :class:`StateDictMismatch`, and then nothing is changed. A saved master is
+        written back to its parameter (rounded to the parameter's dtype), so that
+        the model and the optimizer agree after a resume.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        new_groups, new_state = _loading.prepare_load(self, state_dict, pin=self._pin_memory)
+        # Commit: nothing above touched the optimizer or the parameters.
+        self.param_groups = new_groups
+        self.state = new_state
+        _loading.write_masters_back(self.state)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -1,0 +1,154 @@
+"""The one update path: every update of OffloadAdamW, with or without the transfer pipeline, runs here.
+
+Contract (docs/contract.md, sections 2, 3 and 5):
+
+* :func:`check_gradient` refuses, naming the parameter, what no update may consume: a sparse
+  gradient, a gradient of another shape or of a non-floating dtype, a parameter whose shape
+  changed after its state was allocated. Callers check every gradient of a step before the first
+  update, so that a refusal leaves every tensor as it was.
+* :func:`nonfinite_decision` applies the optimizer's non-finite policy to the whole step:
+  ``propagate`` updates anyway (as torch does), ``skip`` skips the step for every tensor (the
+  caller counts it), ``raise`` raises FloatingPointError naming every culprit. Under FSDP2 every
+  rank takes the same decision.
+* :func:`update_group` runs one parameter group's share of a step on host tensors: it creates a
+  tensor's state at its first update (and ``max_exp_avg_sq`` when amsgrad was switched on later),
+  divides the gradient by GradScaler's scale where one is given (in the master's dtype, as torch's
+  fused AdamW does), and calls the kernel, which writes the round-to-nearest model copy where asked.
+  Where the updated parameter goes afterwards (a device, a staging buffer) is the caller's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from offload_adamw.contract.rules import NONFINITE_POLICIES
+from offload_adamw.distributed import any_rank
+from offload_adamw.kernels import StepHyper, adamw_update_
+from offload_adamw.optim import state as host_state
+
+__all__ = ["TensorUpdate", "check_gradient", "kernel_impl", "nonfinite_decision", "step_hyper", "update_group"]
+
+
+@dataclass(frozen=True)
+class TensorUpdate:
+    """One tensor's share of a step."""
+
+    param: Tensor
+    """The local parameter tensor (this rank's shard under FSDP2)."""
+    state: dict[str, Any]
+    """Its optimizer state; empty before its first update."""
+    grad: Tensor
+    """Its gradient, in host memory, of any floating dtype."""
+    model_copy: Optional[Tensor] = None
+    """A host tensor that receives round(master) in its own dtype, or None."""
+
+
+def _to_scalar(x: Any) -> Any:
+    return x.item() if isinstance(x, Tensor) and x.numel() == 1 else x
+
+
+def step_hyper(group: dict[str, Any]) -> StepHyper:
+    """The kernel's hyperparameters for one group at this step (a scheduler may have changed lr, betas)."""
+    beta1, beta2 = group["betas"]
+    return StepHyper(
+        lr=group["lr"],
+        beta1=_to_scalar(beta1),
+        beta2=_to_scalar(beta2),
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        amsgrad=group["amsgrad"],
+        maximize=group["maximize"],
+    )
+
+
+def kernel_impl(group: dict[str, Any], *, compiled: bool) -> str:
+    """``fused=False`` picks the readable for-loop kernel; else the blocked one, or the compiled loop where asked."""
+    if group.get("fused") is False:
+        return "for_loop"
+    return "compiled" if compiled else "blocked"
+
+
+def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+    """Refuse a gradient no update may consume; ``param`` is the local tensor, ``describe()`` names it."""
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"OffloadAdamW does not support sparse gradients ({describe()}); use torch.optim.SparseAdam for sparse embeddings"
+        )
+    if grad.shape != param.shape:
+        raise RuntimeError(f"gradient of {describe()} has shape {tuple(grad.shape)}, the parameter has {tuple(param.shape)}")
+    if not grad.is_floating_point():
+        raise RuntimeError(f"gradient of {describe()} has dtype {grad.dtype}")
+    if state:
+        state_shape = state["exp_avg"].shape
+        if state_shape != param.shape or host_state.stored_master(state, param).shape != param.shape:
+            raise RuntimeError(
+                f"{describe()} changed shape under the optimizer: state has {tuple(state_shape)}, "
+                f"the parameter is {tuple(param.shape)}"
+            )
+
+
+def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str], Tensor]], params: Sequence[Tensor]) -> bool:
+    """True when the step must be skipped for a non-finite gradient; raises under ``"raise"``.
+
+    ``named_grads`` are (describe, local gradient) pairs; ``params`` the parameters with a gradient
+    (for the all-ranks decision under FSDP2).
+    """
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
+    if policy == "propagate":
+        return False
+    culprits = [describe() for describe, grad in named_grads if not bool(torch.isfinite(grad).all())]
+    # Shards: every rank must take the same decision, also when the bad values are on another rank.
+    if any_rank(bool(culprits), params) and not culprits:
+        culprits.append("a gradient shard held by another rank")
+    if culprits and policy == "raise":
+        raise FloatingPointError(f"non-finite gradient in {len(culprits)} parameter(s): {', '.join(culprits)}; no state was changed")
+    return bool(culprits)
+
+
+def update_group(
+    group: dict[str, Any],
+    updates: Sequence[TensorUpdate],
+    *,
+    impl: str,
+    pin_memory: bool,
+    grad_scale: Optional[Tensor] = None,
+) -> None:
+    """One AdamW update of each tensor in ``updates``, all of them members of ``group``."""
+    if not updates:
+        return
+    masters: list[Tensor] = []
+    grads: list[Tensor] = []
+    exp_avgs: list[Tensor] = []
+    exp_avg_sqs: list[Tensor] = []
+    max_exp_avg_sqs: list[Tensor] = []
+    steps: list[Tensor] = []
+    model_copies: list[Optional[Tensor]] = []
+    for u in updates:
+        state = u.state
+        if not state:
+            state.update(host_state.new_state(u.param, amsgrad=group["amsgrad"], pin=pin_memory))
+        master = host_state.stored_master(state, u.param)
+        grad = u.grad
+        if grad_scale is not None:
+            # torch's fused AdamW divides the (upcast) gradient by the scale; a new tensor keeps the gradient.
+            grad = torch.div(grad.to(master.dtype), grad_scale)
+        masters.append(master)
+        grads.append(grad)
+        exp_avgs.append(state["exp_avg"])
+        exp_avg_sqs.append(state["exp_avg_sq"])
+        if group["amsgrad"]:
+            if "max_exp_avg_sq" not in state:  # amsgrad switched on after the state existed
+                state["max_exp_avg_sq"] = host_state.host_zeros(u.param.shape, master.dtype, pin=pin_memory)
+            max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+        steps.append(state["step"])
+        model_copies.append(u.model_copy)
+    adamw_update_(
+        masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, step_hyper(group),
+        model_params=model_copies,
+        impl=impl,
+    )
