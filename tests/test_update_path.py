@@ -1,0 +1,125 @@
+"""The one update path (optim/update.py): the plain step and the transfer pipeline share it.
+
+Properties:
+* both paths call ``optim.update.update_group`` and nothing else to update tensors;
+* the pipeline needs of its optimizer only the ``UpdateTarget`` interface: driven through a
+  proxy that exposes nothing else, it gives the plain step's bits;
+* a gradient of another floating dtype than its parameter is taken as it is by both paths
+  (the same bits); where the pipeline cannot hold it (freed device gradients) it refuses,
+  naming the parameter, before anything changes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from offload_adamw import OffloadAdamW
+from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, UpdateTarget
+from offload_adamw.optim import update as update_path
+
+from _parity import same_bits
+
+
+def _model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3)).to(dtype)
+
+
+def _set_grads(model: nn.Module, step: int, dtype: torch.dtype | None = None) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in model.parameters():
+        if dtype is not None and dtype != p.dtype and hasattr(p, "grad_dtype"):
+            p.grad_dtype = None  # torch >= 2.10 checks a gradient's dtype against this unless it is None
+        p.grad = torch.randn(p.shape, generator=g).to(dtype or p.dtype)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipeline"])
+def test_every_update_goes_through_update_group(monkeypatch, pipeline: bool) -> None:
+    calls: list[int] = []
+    real = update_path.update_group
+
+    def spy(group, updates, **kwargs):
+        calls.append(len(updates))
+        return real(group, updates, **kwargs)
+
+    monkeypatch.setattr(update_path, "update_group", spy)
+    model = _model()
+    opt = OffloadAdamW(model.parameters(), transfer_pipeline=pipeline)
+    before = [p.detach().clone() for p in model.parameters()]
+    _set_grads(model, 0)
+    opt.step()
+    assert sum(calls) == 4, calls
+    assert all(not same_bits(a, p.detach()) for a, p in zip(before, model.parameters()))
+
+
+class _OnlyTheInterface:
+    """Exposes exactly the names of UpdateTarget, so any other access raises AttributeError."""
+
+    _names = ("param_groups", "state", "nonfinite", "describe_param", "check_gradient", "skip_for_nonfinite",
+              "preflight", "update_group")
+
+    def __init__(self, optimizer: OffloadAdamW) -> None:
+        object.__setattr__(self, "_target", optimizer)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self._names:
+            raise AttributeError(f"the pipeline used {name!r}, which is not part of UpdateTarget")
+        return getattr(object.__getattribute__(self, "_target"), name)
+
+
+@pytest.mark.parametrize("freed", [False, True], ids=["kept", "freed"])
+def test_the_pipeline_needs_only_the_update_target_interface(freed: bool) -> None:
+    plain_model, piped_model = _model(), _model()
+    plain = OffloadAdamW(plain_model.parameters(), lr=1e-2, transfer_pipeline=False)
+    target = OffloadAdamW(piped_model.parameters(), lr=1e-2, transfer_pipeline=False)
+    proxy: UpdateTarget = _OnlyTheInterface(target)  # type: ignore[assignment]
+    pipeline = GradientPipeline(proxy, PipelineConfig(offload_gradients=freed, bucket_bytes=64))
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for _ in range(4):
+        for model in (plain_model, piped_model):
+            model(x).float().square().mean().backward()
+        plain.step()
+        pipeline.step(None, None, False)
+        plain.zero_grad()
+        pipeline.zero_grad(True)
+        piped_model.zero_grad()
+    for p, q in zip(plain_model.parameters(), piped_model.parameters()):
+        assert same_bits(p.detach(), q.detach())
+        assert same_bits(plain.state[p]["master_param"], target.state[q]["master_param"])
+
+
+def test_a_gradient_of_another_dtype_gives_the_same_bits_in_both_paths() -> None:
+    models = {mode: _model() for mode in ("plain", "pipeline")}
+    opts = {
+        "plain": OffloadAdamW(models["plain"].parameters(), transfer_pipeline=False),
+        "pipeline": OffloadAdamW(models["pipeline"].parameters(), transfer_pipeline=True),
+    }
+    for step in range(3):
+        for mode in models:
+            _set_grads(models[mode], step, torch.float32)  # float32 gradients for bf16 parameters
+            opts[mode].step()
+    for p, q in zip(models["plain"].parameters(), models["pipeline"].parameters()):
+        assert same_bits(p.detach(), q.detach())
+        assert same_bits(opts["plain"].state[p]["exp_avg_sq"], opts["pipeline"].state[q]["exp_avg_sq"])
+
+
+def test_freed_gradients_of_another_dtype_are_refused_by_name_and_nothing_changes() -> None:
+    model = _model()
+    opt = OffloadAdamW(model.named_parameters(), transfer_pipeline=True, offload_gradients=True)
+    _set_grads(model, 0)
+    opt.step()
+    snapshot = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in model.parameters()]
+    _set_grads(model, 1, torch.float32)
+    with pytest.raises(RuntimeError, match=r"'0.weight'.*float32.*offload_gradients=False"):
+        opt.step()
+    assert all(same_bits(a, p.detach()) for a, p in zip(values, model.parameters()))
+    after = opt.state_dict()
+    for key, state in snapshot["state"].items():
+        for name, value in state.items():
+            assert same_bits(value, after["state"][key][name]), (key, name)
