@@ -123,3 +123,20 @@ def test_freed_gradients_of_another_dtype_are_refused_by_name_and_nothing_change
     for key, state in snapshot["state"].items():
         for name, value in state.items():
             assert same_bits(value, after["state"][key][name]), (key, name)
+
+
+def test_master_param_is_the_kept_master_and_master_value_always_a_value() -> None:
+    model = _model()
+    fp32 = nn.Linear(3, 2)
+    opt = OffloadAdamW([*model.parameters(), *fp32.parameters()])
+    low = next(model.parameters())
+    assert opt.master_param(low) is None, "no master exists before the first update"
+    start = opt.master_value(low)
+    assert start.dtype == torch.float32 and same_bits(start.to(low.dtype), low.detach())
+    assert opt.master_param(fp32.weight) is fp32.weight, "a float32 host parameter is its own master"
+    _set_grads(model, 0)
+    _set_grads(fp32, 0)
+    opt.step()
+    kept = opt.master_param(low)
+    assert kept is opt.state[low]["master_param"] and kept is opt.master_value(low)
+    assert same_bits(kept.to(low.dtype), low.detach())

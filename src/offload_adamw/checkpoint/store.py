@@ -386,7 +386,7 @@ def save(
     model_tensors: dict[str, Tensor] = {}
     optimizer_tensors: dict[str, Tensor] = {}
     aux: dict[str, Tensor] = {}
-    has_masters = optimizer is not None and hasattr(optimizer, "master_param")
+    has_masters = optimizer is not None and hasattr(optimizer, "master_value")
     optimized: set[int] = set()
     groups: list[dict[str, Any]] = []
     states: dict[str, Any] = {}
@@ -413,7 +413,7 @@ def save(
             groups.append({"param_names": names, "hyper": hyper})
     entries = {}
     for name, value in canonical.items():
-        stored = optimizer.master_param(value) if has_masters and id(value) in optimized else value
+        stored = optimizer.master_value(value) if has_masters and id(value) in optimized else value
         model_tensors[name] = stored
         entries[name] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape), "stored_dtype": str(stored.dtype).removeprefix("torch.")}
     if step is None:

@@ -200,19 +200,26 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------- state
 
-    def master_param(self, p: Tensor) -> Tensor:
-        """The float32 (float64) master of ``p``: the tensor the next update writes.
+    def master_param(self, p: Tensor) -> Optional[Tensor]:
+        """The master the optimizer keeps for ``p``: the tensor the next update writes.
 
-        That is the stored master, or ``p`` itself when ``p`` is its own master (a float32 host
-        parameter). Before its first update a parameter that needs a master has none yet: then
-        this is a new float32 copy of ``p``'s value, which is what the master will start from.
+        That is the stored float32 (float64) master, or ``p`` itself when ``p`` is its own master
+        (a float32 host parameter); None while a parameter that needs a master has none yet (its
+        master is created at its first update). :meth:`master_value` always returns a tensor.
         """
-        state = self.state.get(p)
         local = _distributed.local_tensor(p)
-        if state and MASTER_KEY in state:
-            return state[MASTER_KEY]
         if host_state.is_own_master(local):
             return p
+        state = self.state.get(p)
+        return state.get(MASTER_KEY) if state else None
+
+    def master_value(self, p: Tensor) -> Tensor:
+        """The float32 (float64) value of ``p``'s master: :meth:`master_param`, or before ``p``'s
+        first update the value its master will start from (a new host copy of ``p``)."""
+        master = self.master_param(p)
+        if master is not None:
+            return master
+        local = _distributed.local_tensor(p)
         return local.detach().to("cpu", host_state.state_dtype(local))
 
     def host_state_bytes(self) -> int:
