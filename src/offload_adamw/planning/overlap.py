@@ -1,0 +1,94 @@
+"""How long a training step takes when the host update runs after backward, or hidden behind it.
+
+Contract: pure computation on plain numbers (no torch). A step is forward, backward, and for each of
+``groups`` parameter groups (FSDP units or buckets) three stages that run one group at a time each:
+the gradient's copy to the host, the host update, and the copy of the updated parameters back. The
+groups' gradients become ready at evenly spaced moments of backward (backward produces them in
+order); each stage serves groups in that order, and a stage starts a group when the group's previous
+stage has finished and the stage itself is free (a flow shop). The next step's forward waits for the
+last copy back.
+
+* ``serial``: nothing of the optimizer starts before backward ends (today's ``step()`` after backward).
+* ``overlapped`` without clipping: each group's copy starts when its gradient is ready.
+* ``overlapped`` with clipping: the copies start as gradients arrive, but no host update can start
+  before the global gradient norm is known, which is when the last group's partial norm is: the end
+  of backward. What is hidden then is the copies, not the updates.
+
+The model ignores the contention of the copies with backward's own traffic and assumes one host
+worker (the host update of one group uses the whole memory bandwidth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StepTimeModel", "StepTimes", "step_times"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTimeModel:
+    """The parts of one training step, in seconds."""
+
+    forward_s: float
+    """Forward pass (compute)."""
+    backward_s: float
+    """Backward pass (compute), during which the groups' gradients become ready."""
+    host_update_s: float
+    """The host update of all groups together (memory-bandwidth bound)."""
+    d2h_s: float
+    """Copying every gradient to the host."""
+    h2d_s: float
+    """Copying every updated parameter back."""
+    groups: int = 1
+    """Parameter groups (FSDP units or buckets) that flow through the stages one by one."""
+    clipping: bool = False
+    """Whether the update needs the global gradient norm first."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "host_update_s", "d2h_s", "h2d_s"):
+            value = getattr(self, name)
+            if not 0.0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if not 1 <= self.groups:
+            raise ValueError(f"groups must be at least 1, got {self.groups!r}")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Step time with the optimizer after backward, and hidden behind it."""
+
+    serial_s: float
+    overlapped_s: float
+    backward_end_s: float
+    """When backward ends (forward + backward)."""
+
+    @property
+    def hidden_fraction(self) -> float:
+        """The part of the serial optimizer time that overlap hides (0 when there is none to hide)."""
+        optimizer = self.serial_s - self.backward_end_s
+        return 0.0 if optimizer <= 0 else (self.serial_s - self.overlapped_s) / optimizer
+
+
+def _flow_shop(ready: list[float], stage_times: list[float], gates: list[float]) -> float:
+    """Finish time of the last group through stages of equal per-group durations; ``gates[k]``: stage k starts no earlier."""
+    free = list(gates)
+    finish = 0.0
+    for start in ready:
+        t = start
+        for k, duration in enumerate(stage_times):
+            t = max(t, free[k]) + duration
+            free[k] = t
+        finish = t
+    return finish
+
+
+def step_times(model: StepTimeModel) -> StepTimes:
+    """Serial and overlapped step time of ``model`` (see the module contract)."""
+    g = model.groups
+    backward_end = model.forward_s + model.backward_s
+    per_group = [model.d2h_s / g, model.host_update_s / g, model.h2d_s / g]
+    serial = backward_end + model.d2h_s + model.host_update_s + model.h2d_s
+    ready = [model.forward_s + model.backward_s * (i + 1) / g for i in range(g)]
+    update_gate = backward_end if model.clipping else 0.0
+    overlapped = _flow_shop(ready, per_group, [0.0, update_gate, 0.0])
+    return StepTimes(serial_s=serial, overlapped_s=max(overlapped, backward_end), backward_end_s=backward_end)

@@ -1,0 +1,59 @@
+"""The step-time model of the planner (planning/overlap.py): serial against overlapped.
+
+Laws: overlap never makes a step longer than serial nor shorter than forward + backward or than the
+optimizer's busiest stage; with one group and clipping nothing is hidden but the copy; with many
+groups and an optimizer shorter than backward almost everything is hidden; clipping never helps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from offload_adamw.planning.overlap import StepTimeModel, step_times
+
+seconds = st.floats(min_value=0.0, max_value=100.0, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fwd=seconds, bwd=seconds, host=seconds, d2h=seconds, h2d=seconds, groups=st.integers(1, 64), clip=st.booleans())
+def test_overlap_is_bounded_by_serial_and_by_the_busiest_part(fwd, bwd, host, d2h, h2d, groups, clip) -> None:
+    model = StepTimeModel(forward_s=fwd, backward_s=bwd, host_update_s=host, d2h_s=d2h, h2d_s=h2d, groups=groups, clipping=clip)
+    t = step_times(model)
+    tol = 1e-9 * (1 + t.serial_s)
+    assert t.overlapped_s <= t.serial_s + tol
+    assert t.overlapped_s >= fwd + bwd - tol
+    assert t.overlapped_s >= fwd + max(d2h, host, h2d) - tol  # no stage can start before forward ends
+    unclipped = step_times(StepTimeModel(forward_s=fwd, backward_s=bwd, host_update_s=host, d2h_s=d2h, h2d_s=h2d, groups=groups))
+    assert unclipped.overlapped_s <= t.overlapped_s + tol, "clipping can only delay the updates"
+
+
+def test_one_group_hides_nothing() -> None:
+    t = step_times(StepTimeModel(forward_s=1, backward_s=2, host_update_s=3, d2h_s=0.5, h2d_s=0.5, groups=1))
+    assert t.serial_s == pytest.approx(7.0) and t.overlapped_s == pytest.approx(7.0)
+    assert t.hidden_fraction == pytest.approx(0.0)
+
+
+def test_many_groups_hide_an_update_shorter_than_backward() -> None:
+    t = step_times(StepTimeModel(forward_s=1, backward_s=4, host_update_s=2, d2h_s=0.5, h2d_s=0.5, groups=100))
+    assert t.serial_s == pytest.approx(8.0)
+    # the last group's three stages are what is left after backward: (0.5 + 2 + 0.5) / 100
+    assert t.overlapped_s == pytest.approx(5.0 + 3.0 / 100)
+    assert t.hidden_fraction > 0.98
+
+
+def test_with_clipping_only_the_copies_to_the_host_are_hidden() -> None:
+    t = step_times(StepTimeModel(forward_s=1, backward_s=4, host_update_s=2, d2h_s=0.5, h2d_s=0.5, groups=100, clipping=True))
+    # all updates start at the end of backward; the copies back follow each group's update
+    assert t.overlapped_s == pytest.approx(5.0 + 2.0 + 0.5 / 100)
+
+
+@pytest.mark.parametrize("field", ["forward_s", "backward_s", "host_update_s", "d2h_s", "h2d_s"])
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_bad_times_are_refused_by_name(field: str, bad: float) -> None:
+    kwargs = dict(forward_s=1.0, backward_s=1.0, host_update_s=1.0, d2h_s=1.0, h2d_s=1.0)
+    kwargs[field] = bad
+    with pytest.raises(ValueError, match=field):
+        StepTimeModel(**kwargs)
