@@ -1,0 +1,131 @@
+"""Host updates that start while backward is still running.
+
+Contract:
+
+* The buckets of a step are fixed before its backward begins (from the order in which the previous
+  backward produced gradients): each is a list of keys. :meth:`BackwardUpdater.landed` is called,
+  from backward's hooks, when one key's gradient is complete in host memory (or its copy is at
+  least issued: the update function waits for it). When every key of a bucket has landed, the bucket
+  is handed to one worker thread, which runs ``update(bucket)``; backward is never blocked by it.
+* A *gate* holds every update back until it is opened: the updates of a clipped step need the
+  global gradient norm, known only when the last gradient has landed; :meth:`open_gate` is called
+  then (or by ``finish``). Without a gate, buckets start as they complete.
+* :meth:`finish` (called by ``step()``) opens the gate, waits for the worker, re-raises the first
+  error of an update, and returns the buckets not updated (those whose gradients did not all land,
+  which the caller updates itself) and the timeline records of those that were.
+* Buckets are updated in the order they completed; each bucket once per step. A disabled updater
+  (``enabled=False``: accumulation micro-batches, or nothing known yet about the order) does nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Optional, Sequence
+
+__all__ = ["BackwardUpdater", "UpdateRecord"]
+
+
+@dataclass
+class UpdateRecord:
+    """When one bucket's last gradient landed and when its update ran (monotonic seconds)."""
+
+    bucket: int
+    ready: float
+    start: float = 0.0
+    end: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+    """What the update function reported (for example when its copies were complete)."""
+
+
+class BackwardUpdater:
+    """One step's early host updates (see the module contract)."""
+
+    def __init__(self, buckets: Sequence[Sequence[Hashable]], update: Callable[[int], Optional[dict[str, float]]], *, gated: bool, enabled: bool = True) -> None:
+        self._buckets = [list(b) for b in buckets]
+        self._update = update
+        self._where: dict[Hashable, int] = {key: index for index, b in enumerate(self._buckets) for key in b}
+        self._missing = [set(b) for b in self._buckets]
+        self._lock = threading.Lock()
+        self._gate_open = not gated
+        self._queued: list[int] = []  # complete buckets waiting for the gate, in completion order
+        self._records: dict[int, UpdateRecord] = {}
+        self._futures: list[Future] = []
+        self._enabled = enabled and bool(self._buckets)
+        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, thread_name_prefix="offload-adamw-update") if self._enabled else None
+        self.last_landed = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def landed(self, key: Hashable) -> None:
+        """``key``'s gradient is in host memory (or on its way there)."""
+        if not self._enabled:
+            return
+        now = time.monotonic()
+        with self._lock:
+            self.last_landed = now
+            index = self._where.get(key)
+            if index is None or index in self._records or key not in self._missing[index]:
+                return
+            self._missing[index].discard(key)
+            if self._missing[index]:
+                return
+            self._records[index] = UpdateRecord(bucket=index, ready=now)
+            if self._gate_open:
+                self._submit(index)
+            else:
+                self._queued.append(index)
+
+    def open_gate(self) -> None:
+        """Let every complete bucket's update start (the global norm is known, or step() was called)."""
+        with self._lock:
+            if self._gate_open:
+                return
+            self._gate_open = True
+            queued, self._queued = self._queued, []
+            for index in queued:
+                self._submit(index)
+
+    def _submit(self, index: int) -> None:
+        assert self._pool is not None
+        self._futures.append(self._pool.submit(self._run, index))
+
+    def _run(self, index: int) -> None:
+        record = self._records[index]
+        record.start = time.monotonic()
+        extra = self._update(index)
+        record.end = time.monotonic()
+        if extra:
+            record.extra.update(extra)
+
+    def finish(self) -> tuple[list[int], list[UpdateRecord]]:
+        """Wait for every started update; (buckets still to update, records of those updated)."""
+        if not self._enabled:
+            return list(range(len(self._buckets))), []
+        self.open_gate()
+        error: Optional[BaseException] = None
+        for future in self._futures:
+            exc = future.exception()
+            if exc is not None and error is None:
+                error = exc
+        assert self._pool is not None
+        self._pool.shutdown(wait=True)
+        self._pool = None
+        self._enabled = False
+        if error is not None:
+            raise error
+        done = sorted(self._records)
+        remaining = [i for i in range(len(self._buckets)) if i not in self._records]
+        return remaining, [self._records[i] for i in done]
+
+    def close(self) -> None:
+        """Drop the step without waiting for more gradients (used when the step is abandoned)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._enabled = False
+
