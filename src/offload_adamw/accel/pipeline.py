@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -55,6 +56,8 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel.host_memory import HostArena
+from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
+from offload_adamw.accel.timeline import BucketTimes, StepTimeline
 
 __all__ = ["PipelineConfig", "GradientPipeline", "UpdateTarget"]
 
@@ -94,10 +97,19 @@ class PipelineConfig:
     """Free each device gradient as soon as its copy to the host is issued (the host buffer is then the gradient)."""
     bucket_bytes: int = 32 << 20
     """Gradient bytes per bucket of the step: the host waits for one bucket's copies at a time."""
+    update_in_backward: bool = False
+    """Start each bucket's host update on a worker thread as soon as its gradients are all in during
+    backward (from the second step on: buckets follow the previous backward's order). Needs freed
+    device gradients; micro-batches that only accumulate run inside ``no_sync()``."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.update_in_backward and not self.offload_gradients:
+            raise ValueError(
+                "update_in_backward=True needs offload_gradients=True: a gradient kept on the device could still "
+                "be changed (clipped, unscaled) after its early update"
+            )
 
 
 # --------------------------------------------------------------------------- per-parameter slots
@@ -153,6 +165,14 @@ class GradientPipeline:
         self._arenas: list[HostArena] = []
         self._streams: dict[tuple[torch.device, str], Any] = {}
         self._arrival = 0
+        # Early updates (update_in_backward): the buckets of the next step, fixed before its backward.
+        self._updater: Optional[BackwardUpdater] = None
+        self._early_buckets: list[list[Tensor]] = []
+        self._early_events: list = []
+        self._early_hyper: dict[int, tuple] = {}
+        self._syncing = True  # False inside no_sync(): micro-batches that only accumulate
+        self._landed_at: dict[Tensor, float] = {}
+        self._timeline: Optional[StepTimeline] = None
         # With parameters on several devices, autograd runs the hooks on one thread per device; the GIL
         # is released inside cudaHostRegister and event waits, so two hooks could otherwise interleave
         # (two accumulation arenas, one overwriting the other's buffer after a copy into it was issued).
@@ -285,11 +305,14 @@ class GradientPipeline:
             return  # left on the parameter: step() validates it and names the culprit
         self._arrival += 1
         slot.arrival = self._arrival
+        self._landed_at[param] = time.monotonic()
         if self.offload_gradients:
             self._absorb(slot, grad)
             param.grad = None
         else:
             self._copy_out(slot, grad)
+        if self._updater is not None and self._syncing:
+            self._updater.landed(param)
 
     # ------------------------------------------------------------ gradients
 
@@ -398,6 +421,13 @@ class GradientPipeline:
     def step(self, grad_scale: Optional[Tensor], found_inf: Any, called_by_scaler: bool) -> None:
         """One AdamW update of every parameter with a gradient, bucket by bucket (see the module contract)."""
         opt = self.optimizer
+        step_called = time.monotonic()
+        early, early_records = self._finish_early_updates()
+        if self.config.update_in_backward and called_by_scaler:
+            raise RuntimeError(
+                "update_in_backward=True cannot be combined with loss scaling: the updates run during backward, "
+                "before GradScaler knows whether to skip the step; use bf16, or update_in_backward=False"
+            )
         self.refresh()
         where = self._where()
         if called_by_scaler and not isinstance(found_inf, Tensor) and self.offload_gradients:
@@ -418,6 +448,13 @@ class GradientPipeline:
         # error names its parameter before any bucket has changed.
         for p, w in where.items():
             slot = self._slots[p]
+            if p in early:
+                if p.grad is not None:
+                    raise RuntimeError(
+                        f"{opt.describe_param(*w)} was given a gradient after backward, but with update_in_backward=True "
+                        "its update already ran during backward; set gradients only through backward"
+                    )
+                continue
             if p.grad is not None:
                 self._validate(slot, p.grad, w)
             elif slot.has_grad:
@@ -426,7 +463,7 @@ class GradientPipeline:
             present = [(w[0], w[1], self._ready(self._slots[p], w)) for p, w in where.items()]
             if opt.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None]):
                 return
-        opt.preflight([w for p, w in where.items() if (self._slots[p].has_grad or p.grad is not None) and not opt.state.get(p)])
+        opt.preflight([w for p, w in where.items() if p not in early and (self._slots[p].has_grad or p.grad is not None) and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
@@ -434,23 +471,112 @@ class GradientPipeline:
         for device in devices:
             self._stream(device, "h2d").wait_stream(torch.cuda.current_stream(device))
 
-        ordered = sorted(where, key=lambda p: self._slots[p].arrival)  # stable: unseen ones last, in order
-        bucket: list[Tensor] = []
-        bucket_bytes = 0
-        events = []
-        for p in ordered:
-            bucket.append(p)
-            bucket_bytes += p.numel() * p.element_size()
-            if bucket_bytes >= self.config.bucket_bytes:
-                events += self._update_bucket(bucket, where, scale)
-                bucket, bucket_bytes = [], 0
-        if bucket:
-            events += self._update_bucket(bucket, where, scale)
+        buckets = self._buckets(where)  # in the order this backward produced the gradients
+        events = list(self._early_events)
+        self._early_events = []
+        records = list(early_records)
+        for bucket in buckets:
+            todo = [p for p in bucket if p not in early]
+            if not todo:
+                continue
+            record = UpdateRecord(bucket=len(records), ready=max((self._landed_at.get(p, step_called) for p in todo), default=step_called))
+            record.start = time.monotonic()
+            events += self._update_bucket(todo, where, scale, record.extra)
+            record.end = time.monotonic()
+            records.append(record)
         # The next forward waits for the parameters on the device, the host does not wait at all.
         for device, event in events:
             torch.cuda.current_stream(device).wait_event(event)
+        self._record_timeline(records, step_called)
+        self._prepare_early_updates(buckets)
 
-    def _update_bucket(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Optional[Tensor]) -> list:
+    # ------------------------------------------------- updates during backward
+
+    def _buckets(self, where: dict[Tensor, tuple[int, int]]) -> list[list[Tensor]]:
+        """The parameters in the order of the latest backward, cut into buckets of about bucket_bytes."""
+        ordered = sorted(where, key=lambda p: self._slots[p].arrival)  # stable: unseen ones last, in order
+        buckets: list[list[Tensor]] = []
+        bucket: list[Tensor] = []
+        nbytes = 0
+        for p in ordered:
+            bucket.append(p)
+            nbytes += p.numel() * p.element_size()
+            if nbytes >= self.config.bucket_bytes:
+                buckets.append(bucket)
+                bucket, nbytes = [], 0
+        if bucket:
+            buckets.append(bucket)
+        return buckets
+
+    def _prepare_early_updates(self, buckets: list[list[Tensor]]) -> None:
+        """The next step's early updates follow this step's buckets (the order of this backward)."""
+        self._landed_at = {}
+        if not self.config.update_in_backward or not any(s.arrival != math.inf for s in self._slots.values()):
+            return
+        self._early_buckets = buckets
+        self._updater = BackwardUpdater(buckets, self._early_update, gated=False)
+
+    def _early_update(self, index: int) -> dict[str, float]:
+        """A bucket's update on the worker thread, while backward goes on."""
+        opt = self.optimizer
+        where = self._where()
+        bucket = [p for p in self._early_buckets[index] if p in where]
+        for p in bucket:
+            slot = self._slots[p]
+            if slot.has_grad:
+                opt.check_gradient(*where[p], slot.host_grad)
+        opt.preflight([where[p] for p in bucket if self._slots[p].has_grad and not opt.state.get(p)])
+        for gi in {where[p][0] for p in bucket}:
+            self._early_hyper[gi] = _hyper_of(opt.param_groups[gi])
+        times: dict[str, float] = {}
+        self._early_events += self._update_bucket(bucket, where, None, times)
+        return times
+
+    def _finish_early_updates(self) -> tuple[set[Tensor], list[UpdateRecord]]:
+        """Wait for the updates that ran during backward; the parameters they covered and their records."""
+        updater, self._updater = self._updater, None
+        if updater is None:
+            return set(), []
+        _, records = updater.finish()
+        opt = self.optimizer
+        for gi, used in self._early_hyper.items():
+            if _hyper_of(opt.param_groups[gi]) != used:
+                raise RuntimeError(
+                    f"param_groups[{gi}]'s hyperparameters changed between backward and step(), but with "
+                    "update_in_backward=True the update ran during backward with the old ones; change lr, betas, "
+                    "eps or weight_decay (scheduler.step()) after optimizer.step()"
+                )
+        self._early_hyper = {}
+        done = {p for r in records for p in self._early_buckets[r.bucket]}
+        return done, records
+
+    def cancel_early_updates(self) -> None:
+        """Drop the pending early updates (nothing has run) so that the next backward updates nothing early."""
+        if self._updater is not None:
+            self._updater.close()
+            self._updater = None
+
+    def no_sync(self) -> "_NoSync":
+        """A context for micro-batches that only accumulate: their gradients start no update."""
+        return _NoSync(self)
+
+    def _record_timeline(self, records: list[UpdateRecord], step_called: float) -> None:
+        backward_end = max(self._landed_at.values(), default=step_called)
+        buckets = []
+        for r in records:
+            d2h = r.extra.get("d2h_done", r.start)
+            buckets.append(BucketTimes(
+                label=str(r.bucket), grad_ready=min(r.ready, d2h), d2h_done=d2h, update_start=r.start,
+                update_end=r.end, h2d_done=max(r.end, r.extra.get("h2d_issued", r.end)),
+            ))
+        self._timeline = StepTimeline(buckets=tuple(buckets), backward_end=backward_end)
+
+    def last_step_timeline(self) -> Optional[StepTimeline]:
+        """The timeline of the latest step (accel/timeline.py), or None before the first."""
+        return self._timeline
+
+    def _update_bucket(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Optional[Tensor],
+                       times: Optional[dict[str, float]] = None) -> list:
         opt = self.optimizer
         by_group: dict[int, list[tuple[_Slot, Tensor]]] = {}
         for p in params:
@@ -458,6 +584,8 @@ class GradientPipeline:
             grad = self._ready(slot, where[p])
             if grad is not None:
                 by_group.setdefault(where[p][0], []).append((slot, grad))
+        if times is not None:
+            times["d2h_done"] = time.monotonic()
         events = []
         for gi, members in by_group.items():
             updates: list[tuple[Tensor, Tensor, Optional[Tensor]]] = []
@@ -473,6 +601,8 @@ class GradientPipeline:
                     to_device.append(slot)
             opt.update_group(gi, updates, scale)
             events += self._send_back(to_device)
+        if times is not None:
+            times["h2d_issued"] = time.monotonic()
         return events
 
     def _send_back(self, slots: list[_Slot]) -> list:
@@ -496,3 +626,24 @@ class GradientPipeline:
                 s.h2d_event = event
             events.append((device, event))
         return events
+
+
+def _hyper_of(group: dict[str, Any]) -> tuple:
+    """The values an update reads from its group (a tensor lr by value)."""
+    lr = group["lr"]
+    lr = float(lr) if isinstance(lr, Tensor) else lr
+    betas = tuple(float(b) if isinstance(b, Tensor) else b for b in group["betas"])
+    return (lr, betas, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
+
+
+class _NoSync:
+    def __init__(self, pipeline: GradientPipeline) -> None:
+        self._pipeline = pipeline
+        self._before = True
+
+    def __enter__(self) -> None:
+        self._before = self._pipeline._syncing
+        self._pipeline._syncing = False
+
+    def __exit__(self, *exc: object) -> None:
+        self._pipeline._syncing = self._before

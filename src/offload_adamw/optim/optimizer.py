@@ -111,6 +111,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         transfer_pipeline: Optional[bool] = None,
         bucket_bytes: int = 32 << 20,
         compiled_kernel: bool = False,
+        update_in_backward: bool = False,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
         if isinstance(lr, Tensor):
@@ -166,7 +167,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
         self._pipeline: Optional[GradientPipeline] = None
-        self._setup_pipeline(offload_gradients, transfer_pipeline, bucket_bytes, pin_memory)
+        if update_in_backward and nonfinite != "propagate":
+            raise ValueError(
+                f"update_in_backward=True needs nonfinite='propagate' (got {nonfinite!r}): skipping or raising for a "
+                "non-finite gradient needs every gradient before the first update"
+            )
+        self._setup_pipeline(offload_gradients, transfer_pipeline, bucket_bytes, pin_memory, update_in_backward)
 
     # ------------------------------------------------------------------ groups
 
@@ -228,10 +234,15 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------- transfer pipeline
 
-    def _setup_pipeline(self, offload_gradients: bool, transfer_pipeline: Optional[bool], bucket_bytes: int, pin_memory: Optional[bool]) -> None:
+    def _setup_pipeline(self, offload_gradients: bool, transfer_pipeline: Optional[bool], bucket_bytes: int, pin_memory: Optional[bool],
+                        update_in_backward: bool = False) -> None:
         """The device path (accel/pipeline.py): hooks, exactly-sized pinned buffers, streams, bucketed step."""
         params = [p for g in self.param_groups for p in g["params"]]
         sharded = any(_distributed.is_dtensor(p) for p in params)
+        if update_in_backward and transfer_pipeline is False:
+            raise ValueError("update_in_backward=True needs the transfer pipeline (transfer_pipeline=False was given)")
+        if update_in_backward and transfer_pipeline is None:
+            transfer_pipeline = True
         if transfer_pipeline is None:
             transfer_pipeline = offload_gradients or any(p.device.type != "cpu" for p in params)
             transfer_pipeline = transfer_pipeline and not sharded
@@ -243,7 +254,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         if pin_memory is None:
             self._pin_memory = False  # the pipeline's own exact pinned buffers carry every transfer
-        self._pipeline = GradientPipeline(self, PipelineConfig(offload_gradients=offload_gradients, bucket_bytes=bucket_bytes))
+        self._pipeline = GradientPipeline(self, PipelineConfig(
+            offload_gradients=offload_gradients, bucket_bytes=bucket_bytes, update_in_backward=update_in_backward,
+        ))
         # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
         self._step_supports_amp_scaling = True
 
@@ -257,6 +270,27 @@ class OffloadAdamW(torch.optim.Optimizer):
         """The transfer pipeline, or None when the plain host step runs."""
         return self._pipeline
 
+    @property
+    def update_in_backward(self) -> bool:
+        """Whether host updates start during backward (the pipeline's worker thread)."""
+        return self._pipeline is not None and self._pipeline.config.update_in_backward
+
+    def no_sync(self) -> Any:
+        """A context for micro-batches that only accumulate (with update_in_backward: they start no update)."""
+        if self._pipeline is None:
+            import contextlib
+
+            return contextlib.nullcontext()
+        return self._pipeline.no_sync()
+
+    def last_step_timeline(self) -> Any:
+        """When each bucket's gradient, copies and host update happened in the latest step (accel/timeline.py).
+
+        Its ``overlap`` is the fraction of host-update time that ran before backward ended. None
+        without the transfer pipeline or before the first step.
+        """
+        return None if self._pipeline is None else self._pipeline.last_step_timeline()
+
     def gradient(self, p: Tensor) -> Optional[Tensor]:
         """The current gradient of ``p`` wherever it lives (the host buffer when device gradients are freed)."""
         return p.grad if self._pipeline is None else self._pipeline.gradient(p)
@@ -269,6 +303,11 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def host_gradient_holder(self) -> Optional[HostGradientHolder]:
         """Where GradScaler must unscale: the pipeline when device gradients are freed, else None (``p.grad``)."""
+        if self.update_in_backward:
+            raise RuntimeError(
+                "update_in_backward=True cannot be combined with loss scaling: the updates run during backward, "
+                "before GradScaler knows whether to skip the step; use bf16, or update_in_backward=False"
+            )
         return self._pipeline if self.offload_gradients else None
 
     def pinned_bytes(self) -> int:
@@ -288,6 +327,11 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
         """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
+        if self.update_in_backward:
+            raise RuntimeError(
+                "clip_grad_norm_ cannot clip with update_in_backward=True: the updates already ran during backward; "
+                "use update_in_backward=False to clip"
+            )
         return _clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     # ------------------------------------------- the update path (UpdateTarget)

@@ -1,0 +1,131 @@
+"""Host updates hidden behind backward (update_in_backward=True), with the CPU as device.
+
+Properties: bitwise equal to torch.optim.AdamW(fused=True) over steps with accumulation 1 and 4
+(micro-batches that only accumulate run inside opt.no_sync()); the timeline shows updates that ran
+before backward ended (overlap above 0.3 on 8 blocks); what cannot be exact is refused before the
+first update (clipping, loss scaling, non-finite policies, kept gradients) or loudly at the step
+that would be wrong (hyperparameters changed between backward and step()).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from offload_adamw import OffloadAdamW, OffloadGradScaler
+
+from _parity import same_bits
+
+BLOCKS = 8
+
+
+class Blocks(nn.Module):
+    def __init__(self, width: int = 192) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _batches(n: int, width: int = 192) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(256, width, generator=g) for _ in range(n)]
+
+
+def _block_bytes(model: Blocks) -> int:
+    return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+
+
+def _train(model: nn.Module, opt, steps: int, accumulation: int, ours: bool) -> None:
+    batches = _batches(steps * accumulation)
+    for step in range(steps):
+        for micro in range(accumulation):
+            last = micro == accumulation - 1
+            context = opt.no_sync() if (ours and not last) else _nothing()
+            with context:
+                loss = model(batches[step * accumulation + micro]).square().mean() / accumulation
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_updates_during_backward_are_bitwise_torch_fused(accumulation: int) -> None:
+    torch.manual_seed(0)
+    reference = Blocks()
+    model = copy.deepcopy(reference)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, offload_gradients=True, update_in_backward=True,
+                        bucket_bytes=_block_bytes(model))
+    _train(reference, theirs, 4, accumulation, ours=False)
+    _train(model, ours, 4, accumulation, ours=True)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert same_bits(p.detach(), q.detach())
+        assert same_bits(theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"])
+    timeline = ours.last_step_timeline()
+    assert timeline is not None and len(timeline.buckets) == BLOCKS
+
+
+def test_the_timeline_shows_updates_hidden_behind_backward() -> None:
+    torch.manual_seed(0)
+    model = Blocks(width=384)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, offload_gradients=True, update_in_backward=True,
+                       bucket_bytes=_block_bytes(model))
+    overlaps = []
+    for x in _batches(6, width=384):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        overlaps.append(opt.last_step_timeline().overlap)
+    assert overlaps[0] == 0.0, "the first step knows no order yet: every update runs in step()"
+    assert max(overlaps[1:]) > 0.3, overlaps
+    baseline = OffloadAdamW(Blocks(width=64).parameters(), offload_gradients=True)
+    assert baseline.last_step_timeline() is None
+
+
+def test_what_cannot_be_exact_is_refused_before_the_first_update() -> None:
+    model = Blocks(width=16)
+    with pytest.raises(ValueError, match="offload_gradients=True"):
+        OffloadAdamW(model.parameters(), update_in_backward=True)
+    with pytest.raises(ValueError, match="nonfinite='propagate'"):
+        OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True, nonfinite="skip")
+    opt = OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = OffloadGradScaler("cpu")
+    scaler.scale(model(_batches(1, width=16)[0]).square().mean()).backward()
+    with pytest.raises(RuntimeError, match="cannot clip"):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="loss scaling"):
+        scaler.unscale_(opt)
+    assert all(same_bits(a, p.detach()) for a, p in zip(before, model.parameters()))
+    assert not opt.state
+
+
+def test_hyperparameters_changed_between_backward_and_step_are_reported() -> None:
+    model = Blocks(width=16)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, offload_gradients=True, update_in_backward=True, bucket_bytes=64)
+    x = _batches(1, width=16)[0]
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).square().mean().backward()
+    time.sleep(0.5)  # the worker has updated every bucket (milliseconds each) before the change below
+    opt.param_groups[0]["lr"] = 5e-4  # a scheduler stepped before optimizer.step()
+    with pytest.raises(RuntimeError, match="changed between backward and step"):
+        opt.step()
