@@ -129,3 +129,20 @@ def test_hyperparameters_changed_between_backward_and_step_are_reported() -> Non
     opt.param_groups[0]["lr"] = 5e-4  # a scheduler stepped before optimizer.step()
     with pytest.raises(RuntimeError, match="changed between backward and step"):
         opt.step()
+
+
+def test_inside_no_sync_gradients_stay_on_the_device_and_are_copied_once() -> None:
+    model = Blocks(width=16)
+    twin = copy.deepcopy(model)
+    opt = OffloadAdamW(model.parameters(), offload_gradients=True, bucket_bytes=64)
+    x = _batches(3, width=16)
+    with opt.no_sync():
+        model(x[0]).square().mean().backward()
+        model(x[1]).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters()), "accumulating micro-batches keep their device gradient"
+    model(x[2]).square().mean().backward()
+    assert all(p.grad is None for p in model.parameters()), "the last micro-batch frees the device gradient"
+    for batch in x:
+        twin(batch).square().mean().backward()  # autograd's own accumulation
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert same_bits(opt.gradient(p), q.grad)

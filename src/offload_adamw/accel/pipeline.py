@@ -299,6 +299,8 @@ class GradientPipeline:
             # A parameter unfrozen since the last step gets its hook now, in time for this backward
             # unless its gradient was already accumulated (step() then picks that one up).
             self._hook_trainable()
+        if not self._syncing:
+            return  # inside no_sync(): the gradient accumulates where autograd put it, copied once at the last micro-batch
         slot = self._slots.get(param)
         grad = param.grad
         if slot is None or grad is None or grad.is_sparse or grad.shape != param.shape or grad.dtype != param.dtype:
@@ -557,7 +559,8 @@ class GradientPipeline:
             self._updater = None
 
     def no_sync(self) -> "_NoSync":
-        """A context for micro-batches that only accumulate: their gradients start no update."""
+        """A context for micro-batches that only accumulate: their gradients stay where autograd accumulates
+        them (on the device) and start no copy and no update; the next backward outside it copies each once."""
         return _NoSync(self)
 
     def _record_timeline(self, records: list[UpdateRecord], step_called: float) -> None:
