@@ -57,3 +57,18 @@ def test_bad_times_are_refused_by_name(field: str, bad: float) -> None:
     kwargs[field] = bad
     with pytest.raises(ValueError, match=field):
         StepTimeModel(**kwargs)
+
+
+def test_a_training_step_counts_six_or_eight_flops_per_parameter_and_token() -> None:
+    from offload_adamw.planning.overlap import training_step_model
+
+    common = dict(num_parameters=1e9, tokens_per_gpu=1000, gpu_flops_per_s=1e12, model_flops_utilization=0.5,
+                  grad_accumulation=1, host_update_s=1.0, d2h_s=0.1, h2d_s=0.1, groups=10, clipping=False)
+    plain = training_step_model(activation_checkpointing=False, **common)
+    assert plain.forward_s == pytest.approx(4.0) and plain.backward_s == pytest.approx(8.0)
+    recomputed = training_step_model(activation_checkpointing=True, **common)
+    assert recomputed.backward_s == pytest.approx(12.0)
+    accumulated = training_step_model(activation_checkpointing=False, **{**common, "grad_accumulation": 4})
+    assert accumulated.forward_s == pytest.approx(4 * 4.0 + 3 * 8.0) and accumulated.backward_s == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="model_flops_utilization"):
+        training_step_model(activation_checkpointing=False, **{**common, "model_flops_utilization": 0.0})

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StepTimeModel", "StepTimes", "step_times"]
+__all__ = ["StepTimeModel", "StepTimes", "step_times", "training_step_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,3 +92,40 @@ def step_times(model: StepTimeModel) -> StepTimes:
     update_gate = backward_end if model.clipping else 0.0
     overlapped = _flow_shop(ready, per_group, [0.0, update_gate, 0.0])
     return StepTimes(serial_s=serial, overlapped_s=max(overlapped, backward_end), backward_end_s=backward_end)
+
+
+def training_step_model(
+    *,
+    num_parameters: float,
+    tokens_per_gpu: float,
+    gpu_flops_per_s: float,
+    model_flops_utilization: float,
+    activation_checkpointing: bool,
+    grad_accumulation: int,
+    host_update_s: float,
+    d2h_s: float,
+    h2d_s: float,
+    groups: int,
+    clipping: bool,
+) -> StepTimeModel:
+    """The step of a dense transformer: 2 FLOPs per parameter and token forward, 4 backward (plus 2 for
+    the recomputed forward under full activation checkpointing), at ``model_flops_utilization`` of the
+    GPU's peak. Only the last micro-batch's backward can hide the optimizer: the earlier micro-batches
+    count as forward time.
+    """
+    if not 0.0 < model_flops_utilization <= 1.0:
+        raise ValueError(f"model_flops_utilization must be in (0, 1], got {model_flops_utilization!r}")
+    if not gpu_flops_per_s > 0:
+        raise ValueError(f"gpu_flops_per_s must be positive, got {gpu_flops_per_s!r}")
+    rate = gpu_flops_per_s * model_flops_utilization
+    forward = 2.0 * num_parameters * tokens_per_gpu / rate
+    backward = (6.0 if activation_checkpointing else 4.0) * num_parameters * tokens_per_gpu / rate
+    return StepTimeModel(
+        forward_s=forward * grad_accumulation + backward * (grad_accumulation - 1),
+        backward_s=backward,
+        host_update_s=host_update_s,
+        d2h_s=d2h_s,
+        h2d_s=h2d_s,
+        groups=groups,
+        clipping=clipping,
+    )
