@@ -335,7 +335,7 @@ def conformance_findings(dtype: torch.dtype = torch.bfloat16, *, progress: bool 
 def planner_bill(named_shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
     """The planner's bill for this model with bf16 parameters and OffloadAdamW, when the planner is installed.
 
-    Gives CONTRACT.md section 7's bill (bytes by item) and the planner's prediction of the host
+    Gives the bill of docs/contract.md#memory-bill (bytes by item) and the planner's prediction of the host
     bytes OffloadAdamW allocates for these tensors, which the demo sets beside what it measured.
     """
     try:
@@ -538,7 +538,7 @@ def _report_markdown(summary: dict[str, Any], results: list[RunResult]) -> str:
     )
     bill = summary["planner"]
     if bill.get("available"):
-        lines += ["", f"The planner's bill for this model with bf16 parameters and OffloadAdamW (CONTRACT.md section 7):", "",
+        lines += ["", f"The planner's bill for this model with bf16 parameters and OffloadAdamW (docs/contract.md, section Memory bill):", "",
                   "| item | bytes | per parameter |", "|---|---|---|"]
         for item, nbytes in bill["bill"].items():
             lines.append(f"| {item} | {_fmt_bytes(nbytes)} | {nbytes / n:.1f} B |")
