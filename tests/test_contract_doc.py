@@ -136,7 +136,8 @@ def test_checker_clauses_table_lists_every_clause_with_a_resolving_section():
     from offload_adamw.conformance.clauses import CLAUSES
 
     table = _section("checker-clauses")
-    rows = {int(m.group(1)): (m.group(2).strip(), m.group(3)) for m in re.finditer(r"^\| (\d+) \| (.+?) \| (.+) \|$", table, re.MULTILINE)}
+    row = re.compile(r"^\| (\d+) \| (.+?) \| (.+) \|$", re.MULTILINE)
+    rows = {int(m.group(1)): (m.group(2).strip(), m.group(3)) for m in row.finditer(table)}
     assert sorted(rows) == [c.number for c in CLAUSES]
     for clause in CLAUSES:
         name, sections = rows[clause.number]
