@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-slow bench gpu-check clean
+.PHONY: venv demo test test-slow lint bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: venv
 
 test-slow: venv
 	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
+
+# Style and types (configured in pyproject.toml). Run both even when the first one finds something.
+lint: venv
+	$(PY) -m ruff check src tests; r=$$?; $(PY) -m mypy src || exit 1; exit $$r
 
 bench: venv
 	$(VENV)/bin/offload-adamw bench

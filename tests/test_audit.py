@@ -2,7 +2,7 @@
 
 The set-ups are real transformers models (tiny Llama with tied embeddings, GPT-2) with hand-made faults.
 Each case states the exact set of finding kinds and the exact culprits; the shrink factor is checked against
-the weights of a real OffloadAdamW run with explicit zero gradients (CONTRACT.md section 3), against a
+the weights of a real OffloadAdamW run with explicit zero gradients (docs/contract.md#decay-over-a-run), against a
 scheduler stepped for real, and the user's scheduler and optimizer are checked untouched.
 """
 
@@ -188,7 +188,7 @@ def test_a_frozen_parameter_with_a_grad_really_moves_and_zero_grad_clears_the_fi
     frozen = dict(model.named_parameters())[expected["frozen_with_grad"][0]]
     before = frozen.detach().clone()
     optimizer.step()
-    assert not torch.equal(frozen, before)  # what the finding warns about (CONTRACT.md section 3)
+    assert not torch.equal(frozen, before)  # what the finding warns about (docs/contract.md#frozen-parameters)
     optimizer.zero_grad(set_to_none=True)
     assert not audit(model, optimizer).faults
 

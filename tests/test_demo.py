@@ -107,7 +107,7 @@ def test_naive_is_adamw_with_decay_after_the_update_in_float64(theta, grads, lr,
 
 
 def test_naive_contract_vector_decay_after_update():
-    """CONTRACT.md section 4, 'decay applied after the update': theta1 = 0.891 (AdamW gives 0.89)."""
+    """docs/contract.md#worked-numbers, 'decay applied after the update': theta1 = 0.891 (AdamW gives 0.89)."""
     for cls, expected in ((NaiveOffloadAdamW, 0.891), (OffloadAdamW, 0.89)):
         p = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
         opt = cls([p], lr=0.1, betas=(0.9, 0.99), eps=1e-12, weight_decay=0.1)

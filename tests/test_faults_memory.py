@@ -48,7 +48,7 @@ def test_bill_equals_what_the_optimizer_allocates(dtype, amsgrad):
 
 
 def test_bill_figures_by_hand():
-    """bf16 Linear(100, 10): 1010 elements; 4 bytes each for m, v and the master (CONTRACT.md section 7)."""
+    """bf16 Linear(100, 10): 1010 elements; 4 bytes each for m, v and the master (docs/contract.md#memory-bill)."""
     layer = torch.nn.Linear(100, 10).to(torch.bfloat16)
     optimizer = OffloadAdamW(layer.parameters())
     bill = state_bill(fresh_of(optimizer), pin_memory=False)

@@ -175,7 +175,7 @@ def test_lr_zero_absorbs_and_grad_none_skips_exactly():
 
 
 def test_requires_grad_false_with_old_grad_is_still_updated():
-    """CONTRACT.md section 3: freezing does not remove .grad; the tensor keeps moving."""
+    """docs/contract.md#frozen-parameters: freezing does not remove .grad; the tensor keeps moving."""
     p = torch.nn.Parameter(torch.randn(4))
     opt = OffloadAdamW([p], lr=0.1)
     p.grad = torch.ones(4)

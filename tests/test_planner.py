@@ -1,4 +1,4 @@
-"""The planner's arithmetic against CONTRACT.md section 7 and the cited activation formula, and the CLI.
+"""The planner's arithmetic against docs/contract.md#memory-bill and the cited activation formula, and the CLI.
 
 Expected values are written out from the contract's per-element bills and the
 formula's terms, not taken from the planner.
@@ -40,7 +40,7 @@ SMALL = ModelConfig(
     num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
 )
 
-# (dtype, bytes of param + grad + master + m + v per element): CONTRACT.md section 7
+# (dtype, bytes of param + grad + master + m + v per element): docs/contract.md#memory-bill
 CONTRACT_BILLS = [("bfloat16", 2 + 2 + 4 + 4 + 4), ("float16", 2 + 2 + 4 + 4 + 4), ("float32", 4 + 4 + 0 + 4 + 4)]
 
 

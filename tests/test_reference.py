@@ -1,4 +1,4 @@
-"""The pure-Python reference against CONTRACT.md: worked numbers, resume, and the oracle law."""
+"""The pure-Python reference against docs/contract.md: worked numbers, resume, and the oracle law."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from offload_adamw.reference import Hyper, State, adamw_step, init_state, oracle, run
 
-# CONTRACT.md section 4: lr = 0.1, b1 = 0.9, b2 = 0.99, wd = 0.1, eps = 1e-12.
+# docs/contract.md#worked-numbers: lr = 0.1, b1 = 0.9, b2 = 0.99, wd = 0.1, eps = 1e-12.
 HP = Hyper(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-12, weight_decay=0.1)
 
 

@@ -1,4 +1,4 @@
-"""Resume in a fresh process continues the same computation bit for bit (CONTRACT.md section 6)."""
+"""Resume in a fresh process continues the same computation bit for bit (docs/contract.md#round-trip)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Contract:
   the informational ``weight_decay_shrink``. A set-up without faults has no
   finding of severity ``error`` or ``warning`` (:attr:`AuditReport.faults`).
 * The weight-decay shrink of a group over a run of ``steps`` optimizer updates
-  is ``prod_t (1 - lr_t * weight_decay)`` (CONTRACT.md section 3), with lr_t the
+  is ``prod_t (1 - lr_t * weight_decay)`` (docs/contract.md#decay-over-a-run), with lr_t the
   group's learning rate at update t: the current one for the first update, then
   the scheduler's after each ``scheduler.step()``. With
   ``grad_accumulation=(current, new)`` the run has ``round(steps * current /
@@ -60,7 +60,7 @@ KINDS: dict[str, str] = {
     "low_precision_state": "warning",
     "weight_decay_shrink": "info",
 }
-_STATE_WIDTH_BYTES = 4  # state narrower than float32 loses the small updates (CONTRACT.md section 5)
+_STATE_WIDTH_BYTES = 4  # state narrower than float32 loses the small updates (docs/contract.md#state-precision)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -526,7 +526,7 @@ def audit(
             _finding(
                 "low_precision_state",
                 f"{len(narrow)} parameter(s) have optimizer state narrower than float32: small updates and weight "
-                f"decay round away, and no float32 master exists (CONTRACT.md section 5): {_by_dtype(narrow)}",
+                f"decay round away, and no float32 master exists (docs/contract.md, section State precision): {_by_dtype(narrow)}",
                 names,
                 dtypes=narrow,
             )

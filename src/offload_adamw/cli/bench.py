@@ -8,7 +8,7 @@ shapes), the benchmark
 2. times one optimizer step of each case below, repetitions interleaved
    (A B C .. A B C ..) so that machine noise hits every case alike, and reports
    medians: ms/step, elements/s, effective GB/s at 28 bytes/element (the ideal
-   traffic of a step, CONTRACT.md section 7), the fraction of the in-place
+   traffic of a step, docs/contract.md#traffic-bill), the fraction of the in-place
    triad bandwidth (an in-place triad over the same arrays is timed in the same
    rotation, so that a busy machine slows the ceiling and the steps alike), peak
    RSS and the extra host memory a step allocates;
@@ -57,7 +57,7 @@ from offload_adamw.planning.bandwidth import measure_host_bandwidth
 from offload_adamw.kernels.adamw import StepHyper, adamw_update_
 from offload_adamw.kernels.blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, chunk_loop_status
 
-BYTES_PER_ELEMENT = 28  # CONTRACT.md section 7: the ideal traffic of one host step
+BYTES_PER_ELEMENT = 28  # docs/contract.md#traffic-bill: the ideal traffic of one host step
 MIB = 2**20
 MEMORY_ALLOWANCE = 64 * MIB  # the bound on what a step may allocate beyond its state
 

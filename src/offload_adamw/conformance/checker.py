@@ -1,4 +1,4 @@
-"""Check any optimizer against the AdamW contract (../shared/CONTRACT.md), clause by clause.
+"""Check any optimizer against the AdamW contract (docs/contract.md), clause by clause.
 
 ``check(factory) -> Report`` runs each clause on small tensors and reports pass, fail,
 n/a or info, with the measured deviation and what a failure does to training. The

@@ -99,7 +99,8 @@ class Report:
                           _format_deviation(r.deviation), r.consequence))
         fixed = [max(len(row[i]) for row in rows) for i in range(4)]
         last = max(30, width - sum(fixed) - 2 * 4)
-        lines = [f"conformance of {self.candidate} to the AdamW contract ({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)", ""]
+        lines = [f"conformance of {self.candidate} to the AdamW contract ({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)",
+                 "the section of the contract each clause checks: docs/contract.md, section Checker clauses", ""]
         for i, row in enumerate(rows):
             wrapped = textwrap.wrap(row[4], last) or [""]
             head = "  ".join(cell.ljust(fixed[j]) for j, cell in enumerate(row[:4]))

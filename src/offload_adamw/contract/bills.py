@@ -1,4 +1,4 @@
-"""The memory bill of OffloadAdamW's state (docs/contract.md, section 7): the one count of its bytes.
+"""The memory bill of OffloadAdamW's state (docs/contract.md#memory-bill): the one count of its bytes.
 
 Per parameter tensor of ``n`` elements the state is a float32 step count (4 bytes), ``exp_avg`` and
 ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad) of ``n`` elements each, and a master copy of ``n``

@@ -1,4 +1,4 @@
-"""The AdamW contract (../shared/CONTRACT.md) as plain Python over floats.
+"""The AdamW contract (docs/contract.md) as plain Python over floats.
 
 This module is the specification in executable form. It uses only the standard
 library, works in double precision, and is written for reading, not speed. Every
@@ -8,7 +8,7 @@ measured against it.
 
 Two independent formulations are given:
 
-* :func:`adamw_step`, the recursion of CONTRACT.md section 2, one update of one
+* :func:`adamw_step`, the recursion of docs/contract.md#one-update, one update of one
   tensor's state ``(theta, m, v, t)``.
 * :func:`oracle`, which computes the moments of a whole gradient history as
   explicit weighted sums ``m_t = (1 - b1) * sum_i b1**(t - i) * g_i`` (no
@@ -115,7 +115,7 @@ class State:
 
 
 def init_state(theta: Sequence[float], amsgrad: bool = False) -> State:
-    """Zero moments and t = 0 for a tensor with master value ``theta`` (CONTRACT.md section 1)."""
+    """Zero moments and t = 0 for a tensor with master value ``theta`` (docs/contract.md#state)."""
     zeros = tuple(0.0 for _ in theta)
     return State(tuple(theta), zeros, zeros, 0, zeros if amsgrad else None)
 
@@ -127,7 +127,7 @@ def _finite(what: str, x: float) -> float:
 
 
 def adamw_step(state: State, grad: Optional[Sequence[float]], hp: Hyper) -> State:
-    """One AdamW update of one tensor (CONTRACT.md section 2 and 3).
+    """One AdamW update of one tensor (docs/contract.md#one-update, #what-each-input-does).
 
     ``grad=None`` returns ``state`` itself: no decay, no moment change, t unchanged.
     Any non-finite intermediate raises ValueError naming it.

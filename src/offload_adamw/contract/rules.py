@@ -1,4 +1,4 @@
-"""The names and rules every part of the project shares (docs/contract.md, sections 1, 3 and 5).
+"""The names and rules every part of the project shares (docs/contract.md#state, #what-each-input-does, #validation).
 
 One source for each: the keys of a tensor's state, the keys of an AdamW parameter group, the
 non-finite policies, torch's range checks. No torch here: the checker's report, the planner and

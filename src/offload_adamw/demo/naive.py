@@ -1,7 +1,7 @@
 """The naive hand-made offload that the demo holds up against OffloadAdamW. Do not train with it.
 
 It is what a quick edit of an AdamW loop to "move the optimizer state to the CPU" tends to
-look like, and it is wrong in the two classic ways the contract (CONTRACT.md) warns about:
+look like, and it is wrong in the two classic ways the contract (docs/contract.md) warns about:
 
 * the moments live on the host in the *model's* dtype: with a bf16 model, ``v * 0.999`` rounds
   back to ``v`` (the second moment stops decaying), and the parameter itself is updated in bf16,

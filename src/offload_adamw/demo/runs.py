@@ -1,4 +1,4 @@
-"""`offload-adamw demo`: train a small Llama three ways and show where a naive offload drifts.
+"""`offload-adamw demo`: train a small Llama four ways and show where a naive offload drifts.
 
 Contract:
 
@@ -25,10 +25,10 @@ Contract:
   Measured here: from transformers' default std 0.02 at lr 1e-3, the runs are chaotic after about
   50 steps (a float32 run started from the bf16-rounded initial weights ends as far from the
   reference as the bf16 runs do), and the naive offload's drift is hidden in that noise.
-* Then runs the conformance checker (:mod:`offload_adamw.conformance`, when installed) on the
-  naive optimizer and reports the clauses it fails, and includes the planner's memory bill
-  (:mod:`offload_adamw.planning.planner`, when installed). Both are imported lazily: without them the demo
-  still runs and says what is missing.
+* Then runs the conformance checker (:mod:`offload_adamw.conformance`) on the naive optimizer and
+  reports the clauses it fails, and includes the planner's memory bill
+  (:mod:`offload_adamw.planning.planner`). Both are imported where they are used, so that an error in
+  either is reported in the demo's output instead of ending the run.
 * Writes ``loss_curves.png``, ``report.md`` and ``results.json`` into ``--out`` and prints where
   they are; ``--json`` prints the results as JSON on stdout instead of the human summary.
 * The default ``--steps`` keeps the whole run under 3 minutes on 2 CPU cores.
@@ -335,7 +335,7 @@ def conformance_findings(dtype: torch.dtype = torch.bfloat16, *, progress: bool 
 def planner_bill(named_shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
     """The planner's bill for this model with bf16 parameters and OffloadAdamW, when the planner is installed.
 
-    Gives CONTRACT.md section 7's bill (bytes by item) and the planner's prediction of the host
+    Gives the bill of docs/contract.md#memory-bill (bytes by item) and the planner's prediction of the host
     bytes OffloadAdamW allocates for these tensors, which the demo sets beside what it measured.
     """
     try:
@@ -538,7 +538,7 @@ def _report_markdown(summary: dict[str, Any], results: list[RunResult]) -> str:
     )
     bill = summary["planner"]
     if bill.get("available"):
-        lines += ["", f"The planner's bill for this model with bf16 parameters and OffloadAdamW (CONTRACT.md section 7):", "",
+        lines += ["", f"The planner's bill for this model with bf16 parameters and OffloadAdamW (docs/contract.md, section Memory bill):", "",
                   "| item | bytes | per parameter |", "|---|---|---|"]
         for item, nbytes in bill["bill"].items():
             lines.append(f"| {item} | {_fmt_bytes(nbytes)} | {nbytes / n:.1f} B |")

@@ -1,4 +1,4 @@
-"""The update math over host tensors (docs/contract.md, sections 2 and 5): pure functions, no state of their own."""
+"""The update math over host tensors (docs/contract.md#one-update, #precision-and-placement): pure functions, no state of their own."""
 
 from offload_adamw.kernels.adamw import IMPLEMENTATIONS, StepHyper, adamw_update_
 

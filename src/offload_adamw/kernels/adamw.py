@@ -1,6 +1,6 @@
 """The AdamW update over host tensors: the one place where the update math lives.
 
-Contract (../shared/CONTRACT.md sections 2, 3 and 5):
+Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-placement):
 
 * ``adamw_update_`` updates, in place, for each tensor i: the step count
   ``steps[i]`` (a float32 0-dim tensor, +1), the master ``masters[i]`` (float32
@@ -98,7 +98,7 @@ def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
         steps[i] += 1
         t = steps[i].item()
 
-        # Decoupled decay, applied to the pre-update value (CONTRACT.md section 2).
+        # Decoupled decay, applied to the pre-update value (docs/contract.md#decay-order).
         if hp.weight_decay != 0:
             theta.mul_(1 - lr * hp.weight_decay)
         # m <- b1*m + (1-b1)*g, written as a lerp as torch does.

@@ -3,7 +3,7 @@
 Contract:
 
 * :func:`blocked_adamw_` computes exactly what the parity definition of the
-  project computes (CONTRACT.md section 5, kernel.py): torch's fused CPU AdamW
+  project computes (docs/contract.md#state-precision, kernels/adamw.py): torch's fused CPU AdamW
   on the float32 (float64) masters fed the exactly widened gradients, then the
   round-to-nearest cast into the model dtype. Results are bitwise equal to that
   definition; only the order in which memory is visited changes.

@@ -5,8 +5,8 @@ Contract:
 * :func:`compiled_adamw_` updates a mixed tensor (float32 master, bf16/fp16/fp32
   gradient, optional bf16/fp16/fp32 model copy: fp32 is the staging copy of a
   float32 parameter on an accelerator) over its first ``n - n % 64``
-  elements with exactly the bits of the parity definition (CONTRACT.md section
-  5: torch's fused CPU AdamW on the float32 master fed the widened gradient, then
+  elements with exactly the bits of the parity definition (docs/contract.md#state-precision:
+  torch's fused CPU AdamW on the float32 master fed the widened gradient, then
   the round-to-nearest cast). The caller (kernel_blocked.py) runs the last
   ``n % 64`` elements and every tensor this module declines.
 * One pass over memory: each element's gradient is read once (2 bytes), master,

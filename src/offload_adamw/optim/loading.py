@@ -1,6 +1,6 @@
 """Loading a state_dict into OffloadAdamW: matched by name, checked whole, committed all at once.
 
-Contract (docs/contract.md, section 6):
+Contract (docs/contract.md#resume):
 
 * Saved states are matched to parameters by name when both sides carry ``param_names`` (else by
   position, as torch does). Every mismatch (missing, unexpected, wrong group, wrong shape, a state

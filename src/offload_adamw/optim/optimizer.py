@@ -391,7 +391,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One AdamW update of every parameter that has a gradient (docs/contract.md, section 3)."""
+        """One AdamW update of every parameter that has a gradient (docs/contract.md#what-each-input-does)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

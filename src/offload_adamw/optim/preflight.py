@@ -3,7 +3,7 @@
 Contract:
 
 * :func:`state_bill` counts the bytes OffloadAdamW will allocate for
-  parameters that have no state yet (CONTRACT.md section 7): the moments
+  parameters that have no state yet (docs/contract.md#memory-bill): the moments
   (``exp_avg``, ``exp_avg_sq``, and ``max_exp_avg_sq`` with amsgrad; float32,
   float64 for float64 parameters), the masters (for every parameter that is not
   a float32/float64 tensor in host memory) and the step counters. When the

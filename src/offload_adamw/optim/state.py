@@ -1,4 +1,4 @@
-"""Where a tensor's optimizer state lives and what it holds (docs/contract.md, sections 1 and 5).
+"""Where a tensor's optimizer state lives and what it holds (docs/contract.md#state, #precision-and-placement).
 
 The state of one parameter tensor is a dict: ``step`` (a float32 0-dim tensor, an exact count),
 ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) in host memory, float32 (float64 for float64

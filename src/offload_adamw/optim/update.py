@@ -1,6 +1,6 @@
 """The one update path: every update of OffloadAdamW, with or without the transfer pipeline, runs here.
 
-Contract (docs/contract.md, sections 2, 3 and 5):
+Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-placement):
 
 * :func:`check_gradient` refuses, naming the parameter, what no update may consume: a sparse
   gradient, a gradient of another shape or of a non-floating dtype, a parameter whose shape

@@ -4,7 +4,7 @@ Contract:
 
 * Pure computation on plain numbers: no torch import, no I/O except
   :func:`model_from_hf_config`, which reads one ``config.json``.
-* Per-element memory bills are those of CONTRACT.md section 7 (bf16 parameter
+* Per-element memory bills are those of docs/contract.md#memory-bill (bf16 parameter
   2, gradient 2, float32 master 4, m 4, v 4; AMSGrad's max_v 4 more; an fp32
   parameter on the device is its own master). Where a strategy is PyTorch's
   own arrangement (FSDP2 CPU offload), the bill is what PyTorch allocates, and
@@ -12,7 +12,7 @@ Contract:
 * :func:`predict_host_optimizer_bytes` is exactly what
   :meth:`offload_adamw.OffloadAdamW.host_state_bytes` reports once every
   tensor has state (the validation tests hold the two equal byte for byte).
-* The ideal host-step memory traffic is CONTRACT.md section 7's 28 bytes per
+* The ideal host-step memory traffic is docs/contract.md#traffic-bill: 28 bytes per
   element (36 with AMSGrad); transfers add what they move. Step-time bounds are
   bytes / bandwidth per link, the slowest link wins (perfect overlap), so they
   are lower bounds: compute, kernel launch and collectives are not included.
@@ -535,7 +535,7 @@ class Plan:
 
 
 def memory_bill(num_parameters: int, *, param_dtype: str = "bfloat16", amsgrad: bool = False) -> MemoryBill:
-    """CONTRACT.md section 7 for ``num_parameters`` trainable elements in one place (no activations, no buffers).
+    """docs/contract.md#memory-bill for ``num_parameters`` trainable elements in one place (no activations, no buffers).
 
     bf16/fp16: parameter 2, gradient 2, master 4, m 4, v 4 bytes per element; float32: 4, 4, 0 (its own
     master), 4, 4; AMSGrad adds max_v, 4 bytes.
@@ -609,7 +609,7 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
     amsgrad = training.amsgrad
     accum = training.grad_accumulation
     state_copies = 3 if amsgrad else 2  # m, v (, max_v): float32 each
-    update_bytes = 28 + (8 if amsgrad else 0)  # CONTRACT.md section 7: the ideal single pass per element
+    update_bytes = 28 + (8 if amsgrad else 0)  # docs/contract.md#traffic-bill: the ideal single pass per element
     acts = activation_bytes(model, training)
     unit = model.largest_unit_parameters()
     gpu_reserved = int(hardware.gpu_reserved_bytes)
@@ -682,7 +682,7 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
         host=MemoryBill(gradients=offload_grad_landing, **host_offload_state(shard), reserved=host_reserved),
         h2d=p * shard, d2h=g * shard,
         host_traffic=node_shard * (g + update_bytes + p), gpu_traffic=0, gpus_used=world,
-        notes=("host traffic: gradient DMA in, the 28-byte single-pass update (CONTRACT.md 7), parameter DMA out",))
+        notes=("host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), parameter DMA out",))
     # offload_gradients: every micro-batch's gradient goes down and is accumulated in host memory.
     accumulate = (accum - 1) * 4 * g  # per extra micro-batch: DMA in, read staging, read + write accumulator
     add("fsdp+offload-adamw+offload-grads",
