@@ -1,5 +1,11 @@
 """Training killed with SIGKILL at many points, then resumed, ends bitwise equal to an uninterrupted run.
 
+Modes: one directory replaced at every save, with the atomic exchange
+("overwrite") and with the two-rename fallback of file systems without it
+("fallback", where every point of every publish is killed too); one directory
+per save ("series"). No resume ever starts before a save that had returned:
+the previous checkpoint or the new one is there at every moment.
+
 One worker process per mode (tests/_fault_worker.py) forks a real child per
 training run. Kill points are drawn (seeded) from the events of an
 uninterrupted reference run, half during saves (before/after every file
@@ -28,7 +34,7 @@ from safetensors.torch import load_file
 from offload_adamw import checkpoint
 
 WORKER = Path(__file__).with_name("_fault_worker.py")
-KILLS = {"overwrite": 14, "series": 10}  # kill points per mode (24 in all), plus double and timer kills
+KILLS = {"overwrite": 14, "fallback": 14, "series": 10}  # kill points per mode (38 in all), plus double and timer kills
 DOUBLE, TIMER = 2, 3
 
 
@@ -63,7 +69,18 @@ def assert_same_end_state(run_dir: Path, ref_dir: Path) -> None:
         assert same_bits(a[key], b[key]), f"{run_dir}: model value {key} differs"
 
 
-@pytest.mark.parametrize("mode", ["overwrite", "series"])
+def published_before_each_start(run_dir: Path) -> list[tuple[int, int]]:
+    """(last step whose save had returned before a start, the step that start resumed from), per start."""
+    published = [json.loads(line) for line in (run_dir / "published.jsonl").read_text().splitlines()] if (run_dir / "published.jsonl").exists() else []
+    starts = [json.loads(line) for line in (run_dir / "resumes.jsonl").read_text().splitlines()]
+    out = []
+    for start in starts:
+        earlier = [p["step"] for p in published if p["order"] < start["order"]]
+        out.append((max(earlier, default=0), start["from_step"]))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["overwrite", "fallback", "series"])
 def test_sigkill_anywhere_then_resume_is_bitwise_equal(fast_dir, mode):
     result = subprocess.run(
         [sys.executable, str(WORKER), "kills", str(fast_dir), mode, str(KILLS[mode]), str(DOUBLE), str(TIMER), "7"],
@@ -78,7 +95,11 @@ def test_sigkill_anywhere_then_resume_is_bitwise_equal(fast_dir, mode):
 
     planned = [r for r in runs if r["plan"]]
     killed_first = [r for r in planned if r["ends"][0] == {"kill_at": r["plan"][0], "timer_s": None, "ended": "signal", "signal": signal.SIGKILL}]
-    assert len(killed_first) == len(planned) == KILLS[mode] + DOUBLE, [r["ends"][0] for r in planned]
+    every_publish_point = sum(r["first_label"].startswith(("save: rename", "save: rmtree", "save: _publish")) for r in planned)
+    assert len(killed_first) == len(planned), [r["ends"][0] for r in planned]
+    assert len(planned) >= KILLS[mode] + DOUBLE
+    if mode == "fallback":
+        assert every_publish_point >= 2 * 8  # two replacing saves, each: _publish, two renames, a removal, before and after
     labels = [r["first_label"] for r in planned]
     assert sum(label.startswith("save:") for label in labels) >= KILLS[mode] // 2
     assert sum(label.startswith("step:") for label in labels) >= KILLS[mode] // 2
@@ -92,6 +113,9 @@ def test_sigkill_anywhere_then_resume_is_bitwise_equal(fast_dir, mode):
             assert end["ended"] == "exit" or end["signal"] == signal.SIGKILL
             kills += end["ended"] == "signal"
         assert_same_end_state(run_dir, ref_dir)
+        # The previous checkpoint or the new one, never neither: no start goes back before a save that had returned.
+        for saved, resumed_from in published_before_each_start(run_dir):
+            assert resumed_from >= saved, (run_dir, r["ends"], saved, resumed_from)
         # Killed saves leave no temporary directories behind once a later save has run.
         leftovers = [p.name for p in run_dir.rglob(".*")]
         assert not leftovers, (run_dir, leftovers)
