@@ -301,3 +301,91 @@ def test_kept_previous_checkpoint_is_found_by_load_latest_and_resolve(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "d"]  # the kept copy goes once "c" is complete again
     with pytest.raises(CheckpointError, match="no checkpoint directory"):
         checkpoint.load(tmp_path / "nothing", *build())
+
+
+# --------------------------------------------------- impossible optimizer states
+
+
+def _stepped_state_dict():
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 2)
+    return optimizer.state_dict()
+
+
+def _set_state(key, value, pid=0):
+    def edit(sd):
+        sd["state"][pid][key] = value(sd["state"][pid][key]) if callable(value) else value
+        return sd
+
+    return edit
+
+
+def _set_group(key, value, gi=0):
+    def edit(sd):
+        sd["param_groups"][gi][key] = value
+        return sd
+
+    return edit
+
+
+NAN, INF = float("nan"), float("inf")
+IMPOSSIBLE = {
+    "exp_avg_sq_negative": (_set_state("exp_avg_sq", lambda t: t - 1.0), "exp_avg_sq holds a negative"),
+    "exp_avg_sq_nan": (_set_state("exp_avg_sq", lambda t: t * NAN), "exp_avg_sq holds a negative, infinite or NaN"),
+    "max_exp_avg_sq_negative": (_set_state("max_exp_avg_sq", lambda t: -t - 1.0, pid=2), "max_exp_avg_sq holds a negative"),
+    "exp_avg_inf": (_set_state("exp_avg", lambda t: t + INF), "exp_avg holds inf or NaN"),
+    "exp_avg_nan": (_set_state("exp_avg", lambda t: t * NAN), "exp_avg holds inf or NaN"),
+    "exp_avg_a_string": (_set_state("exp_avg", "zeros"), "exp_avg must be a tensor"),
+    "step_negative": (_set_state("step", torch.tensor(-1.0)), "step must be a non-negative whole number, got -1.0"),
+    "step_fractional": (_set_state("step", torch.tensor(2.5)), "step must be a non-negative whole number, got 2.5"),
+    "step_inf": (_set_state("step", torch.tensor(INF)), "step must be a non-negative whole number, got inf"),
+    "step_nan": (_set_state("step", NAN), "step must be a non-negative whole number, got nan"),
+    "step_beyond_2_24": (_set_state("step", torch.tensor(2.0**24 + 2)), "step 16777218 is beyond 2\\*\\*24"),
+    "step_a_string": (_set_state("step", "2"), "step must be a number, got str"),
+    "step_a_vector": (_set_state("step", torch.ones(3)), "step must be one number"),
+    "lr_negative": (_set_group("lr", -1.0), "Invalid learning rate: -1.0"),
+    "lr_nan": (_set_group("lr", NAN), "Invalid learning rate: nan"),
+    "beta_one": (_set_group("betas", (1.0, 0.999)), "Invalid beta parameter at index 0: 1.0"),
+    "betas_a_string": (_set_group("betas", "0.9"), "betas must be a pair"),
+    "eps_negative": (_set_group("eps", -1e-8), "Invalid epsilon value"),
+    "weight_decay_negative": (_set_group("weight_decay", -5.0), "Invalid weight_decay value: -5.0"),
+    "lr_a_string": (_set_group("lr", "fast"), "malformed hyperparameters"),
+    "amsgrad_a_string": (_set_group("amsgrad", "yes"), "amsgrad must be True or False"),
+    "state_entry_a_list": (lambda sd: {**sd, "state": {**sd["state"], 0: [1, 2]}}, "state entry 0 must be a dict"),
+    "state_a_list": (lambda sd: {**sd, "state": []}, "state must be a dict"),
+    "groups_a_dict": (lambda sd: {**sd, "param_groups": {}}, "param_groups must be a list"),
+    "group_without_params": (lambda sd: {**sd, "param_groups": [{"lr": 1.0}, *sd["param_groups"][1:]]}, "must be a dict with a list 'params'"),
+    "param_names_too_short": (_set_group("param_names", ["inp.weight"]), "one per entry of 'params'"),
+}
+
+
+@pytest.mark.parametrize("case", IMPOSSIBLE)
+def test_impossible_state_is_refused_naming_the_culprit_and_changing_nothing(case):
+    edit, message = IMPOSSIBLE[case]
+    state_dict = edit(_stepped_state_dict())
+    model, optimizer, scheduler = build(seed=3)
+    train(model, optimizer, scheduler, 1)
+    before = snapshot(model, optimizer, scheduler)
+    with pytest.raises(StateDictMismatch, match=message) as info:
+        optimizer.load_state_dict(state_dict)
+    if case.startswith(("exp_avg", "max_", "step")):
+        assert "parameter 'inp.weight'" in str(info.value) or "parameter 'inp.bias'" in str(info.value), str(info.value)
+    assert_same(snapshot(model, optimizer, scheduler), before)
+
+
+@pytest.mark.parametrize("case", ["exp_avg_sq_negative", "step_beyond_2_24", "weight_decay_negative"])
+def test_impossible_state_in_a_checkpoint_is_refused_by_load(tmp_path, case):
+    edit, message = IMPOSSIBLE[case]
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 2)
+    sd = edit(optimizer.state_dict())
+    # write the impossible values into the optimizer itself, then checkpoint it
+    for (p, state), saved in zip(optimizer.state.items(), sd["state"].values()):
+        state.update({k: v for k, v in saved.items()})
+    optimizer.param_groups[0]["weight_decay"] = sd["param_groups"][0]["weight_decay"]
+    path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    target = build(seed=3)
+    before = snapshot(*target)
+    with pytest.raises(CheckpointMismatch, match=message):
+        checkpoint.load(path, *target)
+    assert_same(snapshot(*target), before)
