@@ -223,6 +223,11 @@ def _warm_up(root: Path) -> None:
     _KILL_AT = None
 
 
+def _draw(rng: random.Random, population: list[int], k: int) -> list[int]:
+    """k distinct kill points where there are enough, else k drawn with repetition (each run is its own)."""
+    return rng.sample(population, k) if k <= len(population) else rng.choices(population, k=k)
+
+
 def kills(root: Path, mode: str, n_kills: int, n_double: int, n_timer: int, seed: int) -> dict:
     rng = random.Random(seed)
     _warm_up(root)
@@ -244,7 +249,7 @@ def kills(root: Path, mode: str, n_kills: int, n_double: int, n_timer: int, seed
     save_events = [i + 1 for i, label in enumerate(labels) if label.startswith("save:")]
     step_events = [i + 1 for i, label in enumerate(labels) if label.startswith("step:")]
     half = n_kills // 2
-    points = sorted(rng.sample(save_events, half) + rng.sample(step_events, n_kills - half))
+    points = sorted(_draw(rng, save_events, half) + _draw(rng, step_events, n_kills - half))
     plans = [[k] for k in points]
     if mode == "fallback":  # every point of every publish without the exchange: around each rename and removal
         plans += [[i + 1] for i, label in enumerate(labels) if label.startswith(("save: rename", "save: rmtree", "save: _publish"))]

@@ -243,7 +243,8 @@ def _hyperparameter_findings(groups: Sequence[Mapping[str, Any]]) -> list[AuditF
         if betas is not None and not (
             isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0.0 <= _float(b) < 1.0 for b in betas)
         ):
-            bad["betas"] = repr(tuple(_float(b) if _is_number(b) else b for b in betas) if isinstance(betas, (tuple, list)) else betas)
+            shown = tuple(_float(b) if _is_number(b) else b for b in betas) if isinstance(betas, (tuple, list)) else betas
+            bad["betas"] = repr(shown)
         if bad:
             out.append(
                 _finding(

@@ -16,20 +16,31 @@ Contract:
       manifest.json          size and sha256 of each file above
       COMMIT                 written last: the sha256 of manifest.json
 
-  It is built in a hidden sibling directory, every file and the directory are
-  fsynced, then it is renamed onto ``path`` in one step. Replacing an existing
-  checkpoint (``overwrite=True``) is one atomic exchange where the OS has
-  ``renameat2(RENAME_EXCHANGE)`` (Linux). A crash at any point leaves either
-  the previous checkpoint or the new one at ``path``, never a mix; a failed
-  save (full disk, file-size limit) raises :class:`CheckpointError` and leaves
-  no trace.
+  It is built in a hidden sibling directory ``.NAME.tmp-OWNER-PID-TOKEN``
+  (OWNER: this machine, boot and PID namespace, hashed), locked while it is
+  written; every file and the directory are fsynced, then it is renamed onto
+  ``path`` in one step. Replacing an existing checkpoint (``overwrite=True``)
+  is one atomic exchange where the OS has ``renameat2(RENAME_EXCHANGE)``
+  (Linux; ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off). Elsewhere it
+  is two renames, and between them the previous checkpoint waits at
+  ``.NAME.prev-OWNER-PID-TOKEN``, where :func:`resolve`, :func:`latest` and
+  :func:`load` find it. So a crash at any point leaves the previous checkpoint
+  or the new one, never neither and never a mix; a failed save (full disk,
+  file-size limit) raises :class:`CheckpointError` and leaves no trace.
+* Each save first deletes what killed saves left in its directory, but only
+  temporaries of this machine whose writer no longer runs, whose lock nobody
+  holds and which hold nothing but checkpoint files (never another host's or
+  container's save in progress, never a user's directory).
 * ``load(path, model, optimizer, scheduler=None, strict=True)`` verifies the
   commit marker and every checksum before reading a tensor, parses only
-  safetensors and JSON (so it never runs code from the file), and matches
-  everything by name. Every missing, unexpected, wrong-shape or wrong-dtype
+  safetensors and JSON (so it never runs code from the file), checks the
+  layout of meta.json and the stored tensors' own shapes and dtypes (anything
+  malformed is :class:`CheckpointCorrupt` naming the file and key, never a bare
+  TypeError or KeyError), and matches everything by name. Every missing, unexpected, wrong-shape or wrong-dtype
   entry and every parameter-group mismatch is collected into one
   :class:`CheckpointMismatch` naming each culprit, and then nothing has been
-  changed: model, optimizer, scheduler and RNG are as before. ``strict=False``
+  changed: model, optimizer, scheduler and RNG are as before (everything is
+  checked before the first of them is committed). ``strict=False``
   loads what matches, leaves the rest as it is, and returns the
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
   ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
@@ -727,8 +738,10 @@ def _check_meta(file: Path, meta: Any) -> None:
             f"must name a torch dtype, got {info.get('stored_dtype')!r}",
         )
         shape = info.get("shape")
-        need(isinstance(shape, list) and all(_is_count(d) for d in shape), f"{where}['shape']", f"must be a list of sizes, got {shape!r}")
-    need(isinstance(meta["aliases"], dict) and all(isinstance(v, str) for v in meta["aliases"].values()), "'aliases'", "must map names to names")
+        sizes = isinstance(shape, list) and all(_is_count(d) for d in shape)
+        need(sizes, f"{where}['shape']", f"must be a list of sizes, got {shape!r}")
+    aliases = meta["aliases"]
+    need(isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values()), "'aliases'", "must map names to names")
     opt = meta["optimizer"]
     if opt is not None:
         need(isinstance(opt, dict), "'optimizer'", "must be an object or null")
@@ -738,14 +751,16 @@ def _check_meta(file: Path, meta: Any) -> None:
             where = f"optimizer['groups'][{gi}]"
             need(isinstance(group, dict), where, "must be an object")
             names = group.get("param_names")
-            need(isinstance(names, list) and all(isinstance(n, str) for n in names), f"{where}['param_names']", "must be a list of names")
+            named = isinstance(names, list) and all(isinstance(n, str) for n in names)
+            need(named, f"{where}['param_names']", "must be a list of names")
             need(isinstance(group.get("hyper"), dict), f"{where}['hyper']", "must be an object")
         need(isinstance(opt.get("states"), dict), "optimizer['states']", "must be an object")
         for name, state in opt["states"].items():
             need(isinstance(state, dict), f"optimizer['states'][{name!r}]", "must be an object")
     sched = meta["scheduler"]
     if sched is not None:
-        need(isinstance(sched, dict) and isinstance(sched.get("class"), str) and "state" in sched, "'scheduler'", "must be {'class': str, 'state': ...} or null")
+        well_formed = isinstance(sched, dict) and isinstance(sched.get("class"), str) and "state" in sched
+        need(well_formed, "'scheduler'", "must be {'class': str, 'state': ...} or null")
     need(meta["rng"] is None or isinstance(meta["rng"], dict), "'rng'", "must be an object or null")
 
 
@@ -999,7 +1014,9 @@ def _check_rng(states: Any, file: Path) -> None:
         try:
             trial()
         except Exception as exc:
-            raise CheckpointCorrupt(f"{file}: rng/{key} cannot be restored ({type(exc).__name__}: {exc}) (malformed metadata)") from exc
+            raise CheckpointCorrupt(
+                f"{file}: rng/{key} cannot be restored ({type(exc).__name__}: {exc}) (malformed metadata)"
+            ) from exc
 
 
 def _optimizer_state_dict(
@@ -1034,7 +1051,8 @@ def _optimizer_state_dict(
             name = name_of.get(id(p))
             if name in loadable:
                 saved = saved_opt["states"].get(name)
-                entry = None if saved is None else dict(_decode(saved, optimizer_saved, f"{meta_file}: optimizer/states/{_part(name)}"))
+                where = f"{meta_file}: optimizer/states/{_part(name)}"
+                entry = None if saved is None else dict(_decode(saved, optimizer_saved, where))
             else:
                 own = optimizer.state.get(p)
                 entry = dict(own) if own else None

@@ -99,7 +99,8 @@ def _step_count(value: Any, where: str, problems: list[str]) -> Tensor | None:
     if isinstance(value, Tensor):
         value = local_tensor(value)
         if value.numel() != 1 or value.is_meta or value.is_complex():
-            problems.append(f"{where}: step must be one number, got a tensor of shape {tuple(value.shape)} ({value.dtype}, {value.device})")
+            shape = tuple(value.shape)
+            problems.append(f"{where}: step must be one number, got a tensor of shape {shape} ({value.dtype}, {value.device})")
             return None
         count = float(value.detach().cpu().double().reshape(()))
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -111,7 +112,9 @@ def _step_count(value: Any, where: str, problems: list[str]) -> Tensor | None:
         problems.append(f"{where}: step must be a non-negative whole number, got {count}")
         return None
     if not count <= MAX_STEP:
-        problems.append(f"{where}: step {int(count)} is beyond 2**24 = {MAX_STEP}, the largest count a float32 step holds exactly")
+        problems.append(
+            f"{where}: step {int(count)} is beyond 2**24 = {MAX_STEP}, the largest count a float32 step holds exactly"
+        )
         return None
     return torch.tensor(count, dtype=torch.float32)
 
@@ -238,7 +241,8 @@ def _check_layout(saved_groups: Any, saved_state: Any) -> None:
                 problems.append(f"param_groups[{gi}] must be a dict with a list 'params'")
                 continue
             names = g.get("param_names")
-            if names is not None and not (isinstance(names, list) and len(names) == len(g["params"]) and all(isinstance(n, str) for n in names)):
+            named = isinstance(names, list) and len(names) == len(g["params"]) and all(isinstance(n, str) for n in names)
+            if names is not None and not named:
                 problems.append(f"param_groups[{gi}]['param_names'] must be a list of names, one per entry of 'params'")
             try:
                 hash(tuple(g["params"]))
