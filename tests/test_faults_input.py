@@ -389,3 +389,20 @@ def test_impossible_state_in_a_checkpoint_is_refused_by_load(tmp_path, case):
     with pytest.raises(CheckpointMismatch, match=message):
         checkpoint.load(path, *target)
     assert_same(snapshot(*target), before)
+
+
+def test_an_unwritable_buffer_is_refused_before_anything_is_committed(saved):
+    """A buffer copy_ cannot write (an expanded tensor) would fail after the optimizer was committed."""
+    model, optimizer, scheduler = build(seed=3)
+    train(model, optimizer, scheduler, 1)
+    model.register_buffer("counts", torch.zeros(1).expand(4))
+    tensors = load_file(str(saved / checkpoint.MODEL_FILE))
+    tensors["counts"] = torch.ones(4)
+    save_file(tensors, str(saved / checkpoint.MODEL_FILE), metadata={"format": checkpoint.FORMAT})
+    meta = _meta(saved)
+    meta["model"]["counts"] = {"dtype": "float32", "shape": [4], "stored_dtype": "float32"}
+    recommit(saved, meta)
+    before = snapshot(model, optimizer, scheduler)
+    with pytest.raises(CheckpointMismatch, match="unwritable 'counts'"):
+        checkpoint.load(saved, model, optimizer, scheduler)
+    assert_same(snapshot(model, optimizer, scheduler), before)

@@ -889,6 +889,10 @@ def load(
                 "materialize the model first (module.to_empty(device=...))"
             )
             continue
+        if target.is_inference() or torch._debug_has_internal_overlap(target) == 1:
+            # copy_ would raise half-way through the commit: refuse before anything changes
+            problems.append(f"unwritable {name!r}: an inference-mode tensor or one whose elements share memory (expand)")
+            continue
         saved_shape = tuple(model_saved[name].shape)  # the tensor's own shape, not the one meta.json declares
         if saved_shape != tuple(target.shape):
             report.wrong_shape[name] = (saved_shape, tuple(target.shape))
