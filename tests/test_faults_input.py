@@ -406,3 +406,32 @@ def test_an_unwritable_buffer_is_refused_before_anything_is_committed(saved):
     with pytest.raises(CheckpointMismatch, match="unwritable 'counts'"):
         checkpoint.load(saved, model, optimizer, scheduler)
     assert_same(snapshot(model, optimizer, scheduler), before)
+
+
+# ------------------------------------------- extra: a law, not an example
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_keys = st.text(alphabet="a/%2F_", min_size=0, max_size=4)
+_leaves = st.one_of(st.integers(-5, 5), st.none(), st.integers(0, 9).map(lambda n: torch.arange(n, dtype=torch.float32)))
+_values = st.recursive(_leaves, lambda inner: st.one_of(st.dictionaries(_keys, inner, max_size=4), st.lists(inner, max_size=3)), max_leaves=12)
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same_value, a, b))
+    return a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(_values)
+def test_extra_round_trips_whatever_its_keys(value):
+    """Keys with "/" and "%" in any nesting: every tensor is stored under its own name and comes back in its place."""
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = store._encode(value, tensors, "extra")
+    assert _same_value(store._decode(json.loads(json.dumps(encoded)), tensors, "meta.json: extra"), value)

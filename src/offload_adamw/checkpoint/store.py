@@ -798,7 +798,7 @@ def latest(root: PathLike, *, verify_files: bool = True) -> Optional[Path]:
             return entry
         try:
             verify(entry)
-        except CheckpointError as exc:
+        except (CheckpointError, OSError) as exc:  # OSError: a file this process may not read
             warnings.warn(f"latest(): skipping {entry}: {exc}", RuntimeWarning, stacklevel=2)
             continue
         return entry

@@ -233,15 +233,15 @@ def prepare_load(target: LoadTarget, state_dict: Any, *, pin: bool) -> tuple[lis
 def _check_layout(saved_groups: Any, saved_state: Any) -> None:
     """The shape of a state_dict, before anything indexes it: StateDictMismatch naming what is malformed."""
     problems = []
-    if not isinstance(saved_groups, list):
+    if not isinstance(saved_groups, (list, tuple)):
         problems.append(f"param_groups must be a list, got {type(saved_groups).__name__}")
     else:
         for gi, g in enumerate(saved_groups):
-            if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
                 problems.append(f"param_groups[{gi}] must be a dict with a list 'params'")
                 continue
             names = g.get("param_names")
-            named = isinstance(names, list) and len(names) == len(g["params"]) and all(isinstance(n, str) for n in names)
+            named = isinstance(names, (list, tuple)) and len(names) == len(g["params"]) and all(isinstance(n, str) for n in names)
             if names is not None and not named:
                 problems.append(f"param_groups[{gi}]['param_names'] must be a list of names, one per entry of 'params'")
             try:
