@@ -14,6 +14,7 @@ parent can also kill a child from outside after a random delay.
 
     python _fault_worker.py kills ROOT MODE N_KILLS N_DOUBLE N_TIMER SEED
         MODE "overwrite": one checkpoint directory replaced atomically at every save;
+        MODE "fallback": the same without the atomic exchange (the two-rename path of file systems without it);
         MODE "series": one directory per save, the older ones pruned, resume from the newest valid.
         Prints one JSON object: the reference run's events and every faulted run.
     python _fault_worker.py diskfull ROOT LIMIT_BYTES
@@ -135,32 +136,36 @@ def _instrument() -> None:
 
 
 def _resume_source(root: Path, mode: str) -> Path | None:
-    if mode == "overwrite":
-        return root / "ckpt" if (root / "ckpt").exists() else None
+    if mode in ("overwrite", "fallback"):
+        return checkpoint.resolve(root / "ckpt")
     return checkpoint.latest(root / "series")
 
 
 def run(root: Path, mode: str) -> None:
     """Train to STEPS from the last complete checkpoint under ``root``, saving every SAVE_EVERY steps."""
     global _KILL_AT
+    if mode == "fallback":
+        os.environ[checkpoint_store.ENV_EXCHANGE] = "0"
     model, optimizer, scheduler = build()
     start = 0
     source = _resume_source(root, mode)
     if source is not None:
         start = checkpoint.load(source, model, optimizer, scheduler).step
     with open(root / "resumes.jsonl", "a") as log:
-        log.write(json.dumps({"pid": os.getpid(), "from_step": start}) + "\n")
+        log.write(json.dumps({"pid": os.getpid(), "from_step": start, "order": time.monotonic_ns()}) + "\n")
     for step in range(start, STEPS):
         train(model, optimizer, scheduler, 1)
         done = step + 1
         if done % SAVE_EVERY:
             continue
-        if mode == "overwrite":
+        if mode in ("overwrite", "fallback"):
             checkpoint.save(root / "ckpt", model, optimizer, scheduler, step=done, overwrite=True)
         else:
             checkpoint.save(root / "series" / f"step-{done:04d}", model, optimizer, scheduler, step=done)
             for old in sorted((root / "series").glob("step-*"))[:-2]:
                 shutil.rmtree(old)
+        with open(root / "published.jsonl", "a") as log:  # after the save returned: a resume must start here or later
+            log.write(json.dumps({"pid": os.getpid(), "step": done, "order": time.monotonic_ns()}) + "\n")
     _KILL_AT = -1  # the end state is written outside the fault window
     checkpoint.save(root / "final", model, optimizer, scheduler, step=STEPS, overwrite=True)
     # The model's own low-precision values, not only the masters in the checkpoint.
@@ -218,6 +223,11 @@ def _warm_up(root: Path) -> None:
     _KILL_AT = None
 
 
+def _draw(rng: random.Random, population: list[int], k: int) -> list[int]:
+    """k distinct kill points where there are enough, else k drawn with repetition (each run is its own)."""
+    return rng.sample(population, k) if k <= len(population) else rng.choices(population, k=k)
+
+
 def kills(root: Path, mode: str, n_kills: int, n_double: int, n_timer: int, seed: int) -> dict:
     rng = random.Random(seed)
     _warm_up(root)
@@ -239,8 +249,10 @@ def kills(root: Path, mode: str, n_kills: int, n_double: int, n_timer: int, seed
     save_events = [i + 1 for i, label in enumerate(labels) if label.startswith("save:")]
     step_events = [i + 1 for i, label in enumerate(labels) if label.startswith("step:")]
     half = n_kills // 2
-    points = sorted(rng.sample(save_events, half) + rng.sample(step_events, n_kills - half))
+    points = sorted(_draw(rng, save_events, half) + _draw(rng, step_events, n_kills - half))
     plans = [[k] for k in points]
+    if mode == "fallback":  # every point of every publish without the exchange: around each rename and removal
+        plans += [[i + 1] for i, label in enumerate(labels) if label.startswith(("save: rename", "save: rmtree", "save: _publish"))]
     plans += [[rng.choice(step_events + save_events), rng.randint(3, 40)] for _ in range(n_double)]
     runs = []
     for index, plan in enumerate(plans):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -131,3 +134,148 @@ def test_pinned_state_above_memlock_warns_or_raises(low_memlock):
         warnings.simplefilter("error")
         check_host_memory(fresh, pin_memory=True, available_bytes=big, memlock="ignore")
         check_host_memory(fresh, pin_memory=False, available_bytes=big)  # unpinned state is not locked
+
+
+# ------------------------------------------------ the whole cgroup hierarchy
+
+from offload_adamw.optim import preflight  # noqa: E402
+
+
+def fake_tree(root, files: dict[str, str]):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_cgroup_v2_ancestor_limit_counts(tmp_path):
+    """The leaf has no limit; its grandparent has 1 GiB with 900 MiB used: 100 MiB are free."""
+    fake_tree(tmp_path, {
+        "proc": "0::/a/b/c\n",
+        "cg/a/memory.max": str(1 << 30), "cg/a/memory.current": str(900 << 20),
+        "cg/a/b/memory.max": "max", "cg/a/b/memory.current": str(10 << 20),
+        "cg/a/b/c/memory.max": "max", "cg/a/b/c/memory.current": str(5 << 20),
+    })
+    free, where = preflight.cgroup_free(proc_cgroup=tmp_path / "proc", root=tmp_path / "cg")
+    assert free == (1 << 30) - (900 << 20) and where.endswith("a/memory.max")
+
+
+def test_cgroup_v2_tightest_of_leaf_and_ancestors(tmp_path):
+    fake_tree(tmp_path, {
+        "proc": "0::/a/b\n",
+        "cg/a/memory.max": str(8 << 30), "cg/a/memory.current": str(1 << 30),
+        "cg/a/b/memory.max": str(2 << 30), "cg/a/b/memory.current": str(1536 << 20),
+    })
+    free, where = preflight.cgroup_free(proc_cgroup=tmp_path / "proc", root=tmp_path / "cg")
+    assert free == 512 << 20 and where.endswith("a/b/memory.max")
+
+
+def test_cgroup_v2_namespace_root_when_the_path_is_not_visible(tmp_path):
+    """Inside a container the host's path is not mounted: the mount root is this process's cgroup."""
+    fake_tree(tmp_path, {"proc": "0::/docker/abc\n", "cg/memory.max": str(4 << 30), "cg/memory.current": str(3 << 30)})
+    assert preflight.cgroup_free(proc_cgroup=tmp_path / "proc", root=tmp_path / "cg")[0] == 1 << 30
+
+
+def test_cgroup_v1_hierarchical_limit_counts(tmp_path):
+    """v1: the leaf's own limit is unset; memory.stat's hierarchical_memory_limit (an ancestor's) applies."""
+    unlimited = str(9223372036854771712)
+    fake_tree(tmp_path, {
+        "proc": "12:memory:/job/step\n11:cpu,cpuacct:/job\n",
+        "cg/memory/job/step/memory.limit_in_bytes": unlimited,
+        "cg/memory/job/step/memory.usage_in_bytes": str(700 << 20),
+        "cg/memory/job/step/memory.stat": f"cache 0\nrss {700 << 20}\nhierarchical_memory_limit {1 << 30}\n",
+    })
+    free, where = preflight.cgroup_free(proc_cgroup=tmp_path / "proc", root=tmp_path / "cg")
+    assert free == (1 << 30) - (700 << 20) and "hierarchical_memory_limit" in where
+
+
+def test_cgroup_v1_ancestor_limit_counts(tmp_path):
+    fake_tree(tmp_path, {
+        "proc": "4:memory,foo:/job/step\n",
+        "cg/memory/job/memory.limit_in_bytes": str(2 << 30), "cg/memory/job/memory.usage_in_bytes": str(1900 << 20),
+        "cg/memory/job/step/memory.limit_in_bytes": str(8 << 30), "cg/memory/job/step/memory.usage_in_bytes": str(100 << 20),
+    })
+    assert preflight.cgroup_free(proc_cgroup=tmp_path / "proc", root=tmp_path / "cg")[0] == (2 << 30) - (1900 << 20)
+
+
+def test_no_cgroup_limit_anywhere(tmp_path):
+    fake_tree(tmp_path, {"proc": "0::/a\n", "cg/a/memory.max": "max", "cg/a/memory.current": "5", "cg/memory.max": "max"})
+    assert preflight.cgroup_free(proc_cgroup=tmp_path / "proc", root=tmp_path / "cg") is None
+    assert preflight.cgroup_free(proc_cgroup=tmp_path / "missing", root=tmp_path / "cg") is None
+
+
+def test_host_memory_takes_the_hierarchy_and_divides_by_the_ranks_of_the_node(tmp_path, monkeypatch):
+    fake_tree(tmp_path, {
+        "proc": "0::/a/b\n", "cg/a/memory.max": str(1 << 30), "cg/a/memory.current": "0",
+        "cg/a/b/memory.max": "max", "cg/a/b/memory.current": "0",
+    })
+    monkeypatch.setattr(preflight, "PROC_SELF_CGROUP", tmp_path / "proc")
+    monkeypatch.setattr(preflight, "CGROUP_ROOT", tmp_path / "cg")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = host_memory()
+    assert any(name.startswith("cgroup limit - usage") and value == 1 << 30 for name, value in alone.sources.items()), alone.sources
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    shared = host_memory()
+    assert shared.sources["cgroup limit - usage, / 4 ranks on this node (LOCAL_WORLD_SIZE)"] == (1 << 30) // 4
+    assert shared.available <= (1 << 30) // 4
+    layer = torch.nn.Linear(1 << 12, 1 << 12).to(torch.bfloat16)  # 16 Mi elements: 192 MiB of state
+    optimizer = OffloadAdamW(layer.parameters(), pin_memory=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    check_host_memory(fresh_of(optimizer), pin_memory=False)  # 192 MiB of 1 GiB: fits alone
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(HostMemoryError, match="8 ranks on this node"):
+        check_host_memory(fresh_of(optimizer), pin_memory=False)  # 128 MiB per rank: does not
+
+
+# --------------------------------------------- RLIMIT_AS, in a real process
+
+RLIMIT_SCRIPT = r"""
+import json, os, resource, sys
+import torch
+torch.set_num_threads(1)
+from offload_adamw import OffloadAdamW
+from offload_adamw.optim.preflight import HostMemoryError
+
+small = torch.nn.Parameter(torch.full((1000,), 0.5, dtype=torch.bfloat16))
+big = torch.nn.Parameter(torch.full((64 << 20,), 0.5, dtype=torch.bfloat16))  # state: 3 x 256 MiB
+small.grad, big.grad = torch.ones_like(small), torch.ones_like(big)
+opt = OffloadAdamW([{"params": [small]}, {"params": [big]}], pin_memory=False)
+before = (small.detach().clone(), big.detach().clone())
+vm = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmSize:"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (200 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    opt.step()
+    error = None
+except MemoryError as exc:
+    error = {"type": type(exc).__name__, "message": str(exc)}
+except Exception as exc:
+    error = {"type": "other " + type(exc).__name__, "message": str(exc)}
+print(json.dumps({
+    "error": error,
+    "states": len(opt.state),
+    "unchanged": torch.equal(small, before[0]) and torch.equal(big, before[1]),
+}))
+"""
+
+
+def _run_rlimit(preflight_on: bool) -> dict:
+    env = {**os.environ, "OFFLOAD_ADAMW_PREFLIGHT": "1" if preflight_on else "0"}
+    env.pop(ENV_AVAILABLE, None)
+    result = subprocess.run([sys.executable, "-c", RLIMIT_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_rlimit_as_is_part_of_the_preflight():
+    report = _run_rlimit(preflight_on=True)
+    assert report["error"] is not None and report["error"]["type"] == "HostMemoryError", report
+    assert "RLIMIT_AS" in report["error"]["message"]
+    assert report["states"] == 0 and report["unchanged"]
+
+
+def test_a_step_that_cannot_allocate_changes_nothing():
+    """Pre-flight off: group 0's state fits under RLIMIT_AS, group 1's does not. No group is updated."""
+    report = _run_rlimit(preflight_on=False)
+    assert report["error"] is not None and report["error"]["type"] == "MemoryError", report
+    assert "no state or parameter was changed" in report["error"]["message"]
+    assert report["states"] == 0 and report["unchanged"], report

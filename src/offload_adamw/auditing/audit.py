@@ -10,8 +10,10 @@ Contract:
   its names, canonical name first): ``missing_from_optimizer``,
   ``duplicate_in_optimizer``, ``not_in_model``, ``frozen_with_grad``,
   ``name_mismatch``, ``decay_on_1d``, ``low_precision_state``. Group-level kinds
-  are reported at most once per group: ``empty_group`` and, given ``steps``,
-  the informational ``weight_decay_shrink``. A set-up without faults has no
+  are reported at most once per group: ``empty_group``,
+  ``invalid_hyperparameter`` (an lr, betas, eps or weight_decay the constructor
+  refuses: a NaN, a negative, a beta outside [0, 1)) and, given ``steps``, the
+  informational ``weight_decay_shrink``. A set-up without faults has no
   finding of severity ``error`` or ``warning`` (:attr:`AuditReport.faults`).
 * The weight-decay shrink of a group over a run of ``steps`` optimizer updates
   is ``prod_t (1 - lr_t * weight_decay)`` (docs/contract.md#decay-over-a-run), with lr_t the
@@ -25,7 +27,9 @@ Contract:
 * :func:`audit_state_dict` audits a saved optimizer state_dict alone: groups,
   names, state dtypes, decay on 1-D state, empty groups, duplicates and state
   that belongs to no group. What it cannot know (parameters missing from the
-  optimizer, frozen parameters, tied parameters) is listed in ``notes``.
+  optimizer, frozen parameters, tied parameters) is listed in ``notes``. Its
+  input is checked first: a malformed state_dict (wrong types anywhere) raises
+  ValueError naming the source and the entry, never another exception.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ KINDS: dict[str, str] = {
     "frozen_with_grad": "error",
     "name_mismatch": "error",
     "state_without_group": "error",
+    "invalid_hyperparameter": "error",
     "decay_on_1d": "warning",
     "empty_group": "warning",
     "low_precision_state": "warning",
@@ -218,6 +223,76 @@ def _float(x: Any) -> Optional[float]:
     if isinstance(x, Tensor):
         return float(x.item())
     return float(x)
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, Tensor):
+        return x.numel() == 1 and not x.is_complex()
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _hyperparameter_findings(groups: Sequence[Mapping[str, Any]]) -> list[AuditFinding]:
+    """One finding per group whose lr, betas, eps or weight_decay torch.optim.AdamW's constructor refuses."""
+    out = []
+    for gi, group in enumerate(groups):
+        bad: dict[str, str] = {}
+        for key in ("lr", "eps", "weight_decay"):
+            if key in group and _is_number(group[key]) and not 0.0 <= _float(group[key]):
+                bad[key] = repr(_float(group[key]))
+        betas = group.get("betas")
+        if betas is not None and not (
+            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0.0 <= _float(b) < 1.0 for b in betas)
+        ):
+            shown = tuple(_float(b) if _is_number(b) else b for b in betas) if isinstance(betas, (tuple, list)) else betas
+            bad["betas"] = repr(shown)
+        if bad:
+            out.append(
+                _finding(
+                    "invalid_hyperparameter",
+                    f"group {gi} ({_label(group, gi)}) has " + ", ".join(f"{k} {v}" for k, v in bad.items())
+                    + ": torch.optim.AdamW refuses these (lr, eps, weight_decay >= 0 and 0 <= betas < 1); "
+                    "the update computes nonsense or NaN",
+                    group=gi,
+                    values=bad,
+                )
+            )
+    return out
+
+
+def _check_state_dict_layout(state_dict: Mapping[str, Any], source: str) -> None:
+    """ValueError naming ``source`` and the entry for anything audit_state_dict could not read."""
+
+    def fail(what: str) -> None:
+        raise ValueError(f"{source}: malformed optimizer state_dict: {what}")
+
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(groups, (list, tuple)):
+        fail(f"param_groups must be a list, got {type(groups).__name__}")
+    for gi, group in enumerate(groups):
+        if not isinstance(group, Mapping):
+            fail(f"param_groups[{gi}] must be a dict, got {type(group).__name__}")
+        params = group.get("params", [])
+        if not isinstance(params, (list, tuple)):
+            fail(f"param_groups[{gi}]['params'] must be a list of ids, got {type(params).__name__}")
+        for pid in params:
+            try:
+                hash(pid)
+            except TypeError:
+                fail(f"param_groups[{gi}]['params'] holds {pid!r}, which is not an id")
+        names = group.get("param_names")
+        if names is not None and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
+            fail(f"param_groups[{gi}]['param_names'] must be a list of names, got {names!r}")
+        for key in ("lr", "eps", "weight_decay"):
+            if group.get(key) is not None and not _is_number(group[key]):
+                fail(f"param_groups[{gi}][{key!r}] must be a number, got {group[key]!r}")
+        betas = group.get("betas")
+        if betas is not None and not (isinstance(betas, (list, tuple)) and all(_is_number(b) for b in betas)):
+            fail(f"param_groups[{gi}]['betas'] must be a pair of numbers, got {betas!r}")
+    if not isinstance(state, Mapping):
+        fail(f"state must be a dict, got {type(state).__name__}")
+    for pid, entry in state.items():
+        if entry is not None and not isinstance(entry, Mapping):
+            fail(f"state entry {pid!r} must be a dict, got {type(entry).__name__}")
 
 
 def _label(group: Mapping[str, Any], index: int) -> str:
@@ -407,7 +482,7 @@ def audit(
     model_names = named_tensors(model)
     where: dict[Tensor, list[tuple[int, int]]] = {}
     display: dict[Tensor, str] = {}
-    findings: list[AuditFinding] = []
+    findings: list[AuditFinding] = _hyperparameter_findings(optimizer.param_groups)
     mismatched: dict[str, str] = {}
     for gi, group in enumerate(optimizer.param_groups):
         given = group.get("param_names")
@@ -594,10 +669,11 @@ def audit_state_dict(
     """
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError(f"{source}: not an optimizer state_dict (expected the keys 'state' and 'param_groups')")
+    _check_state_dict_layout(state_dict, source)
     accumulation = _accumulation(grad_accumulation)
     groups = state_dict["param_groups"]
     state = state_dict["state"]
-    findings: list[AuditFinding] = []
+    findings: list[AuditFinding] = _hyperparameter_findings(groups)
     notes = [
         "from a state_dict alone, trainable parameters missing from the optimizer, frozen parameters that hold a "
         "gradient and tied parameters cannot be checked: audit the training script for those",

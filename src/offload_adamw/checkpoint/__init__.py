@@ -1,9 +1,10 @@
-"""Crash-safe, name-verified checkpoints (:mod:`offload_adamw.checkpoint.store`): ``save``, ``load``, ``latest``."""
+"""Crash-safe, name-verified checkpoints (:mod:`offload_adamw.checkpoint.store`): ``save``, ``load``, ``latest``, ``resolve``."""
 
 from offload_adamw.checkpoint.store import (
     AUX_FILE,
     COMMIT_FILE,
     DATA_FILES,
+    ENV_EXCHANGE,
     FORMAT,
     MANIFEST_FILE,
     META_FILE,
@@ -15,6 +16,7 @@ from offload_adamw.checkpoint.store import (
     LoadReport,
     latest,
     load,
+    resolve,
     save,
     verify,
 )
@@ -23,6 +25,7 @@ __all__ = [
     "AUX_FILE",
     "COMMIT_FILE",
     "DATA_FILES",
+    "ENV_EXCHANGE",
     "FORMAT",
     "MANIFEST_FILE",
     "META_FILE",
@@ -34,6 +37,7 @@ __all__ = [
     "LoadReport",
     "latest",
     "load",
+    "resolve",
     "save",
     "verify",
 ]

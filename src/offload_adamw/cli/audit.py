@@ -138,8 +138,10 @@ def build_report(args: argparse.Namespace) -> AuditReport:
     state_dict, source = _state_dict_from_checkpoint(path)
     try:
         return audit_state_dict(state_dict, source=source, steps=args.steps, grad_accumulation=accumulation)
-    except (TypeError, ValueError) as exc:
-        raise AuditInputError(f"{source}: {exc}") from exc
+    except ValueError as exc:  # the audit names the source itself
+        raise AuditInputError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from exc
+    except (TypeError, KeyError, IndexError, AttributeError, RuntimeError) as exc:  # a malformed entry the checks missed
+        raise AuditInputError(f"{source}: malformed optimizer state_dict ({type(exc).__name__}: {exc})") from exc
 
 
 def run(args: argparse.Namespace) -> int:

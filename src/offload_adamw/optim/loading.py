@@ -10,18 +10,25 @@ Contract (docs/contract.md#resume):
 * Moments and masters land in host memory in float32 (float64 for float64 parameters), also for
   bf16 parameters (torch's own load would cast them down). A state_dict of torch.optim.AdamW has no
   master: the parameter's value is the best there is, and becomes the master.
+* States no run can reach are refused, naming the parameter: an ``exp_avg`` with inf or NaN, an
+  ``exp_avg_sq``/``max_exp_avg_sq`` with a negative, infinite or NaN value, a ``step`` that is
+  negative, fractional, non-finite or beyond 2**24 (the largest count a float32 step holds
+  exactly), a moment that is not a floating tensor; so are hyperparameters the constructor refuses
+  and parameters on the meta device (nothing can be loaded into them). A malformed state_dict (wrong
+  types anywhere) is a StateDictMismatch too, never a bare TypeError or KeyError.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections import defaultdict
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from offload_adamw.contract.rules import MASTER_KEY, MOMENT_KEYS
+from offload_adamw.contract.rules import MASTER_KEY, MOMENT_KEYS, check_hyperparameter_ranges
 from offload_adamw.distributed import local_shard_of, local_tensor
 from offload_adamw.optim import state as host_state
 
@@ -83,18 +90,61 @@ def _match_params(target: LoadTarget, saved_groups: list[dict[str, Any]], proble
     return mapping
 
 
+#: the largest step count a float32 step tensor holds exactly (every whole number up to it is representable).
+MAX_STEP = 2**24
+
+
+def _step_count(value: Any, where: str, problems: list[str]) -> Tensor | None:
+    """A saved step as the float32 0-dim tensor the state holds, or None with the problem recorded."""
+    if isinstance(value, Tensor):
+        value = local_tensor(value)
+        if value.numel() != 1 or value.is_meta or value.is_complex():
+            shape = tuple(value.shape)
+            problems.append(f"{where}: step must be one number, got a tensor of shape {shape} ({value.dtype}, {value.device})")
+            return None
+        count = float(value.detach().cpu().double().reshape(()))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        count = float(value)
+    else:
+        problems.append(f"{where}: step must be a number, got {type(value).__name__} {value!r}")
+        return None
+    if not (math.isfinite(count) and count >= 0 and count == round(count)):
+        problems.append(f"{where}: step must be a non-negative whole number, got {count}")
+        return None
+    if not count <= MAX_STEP:
+        problems.append(
+            f"{where}: step {int(count)} is beyond 2**24 = {MAX_STEP}, the largest count a float32 step holds exactly"
+        )
+        return None
+    return torch.tensor(count, dtype=torch.float32)
+
+
+def _impossible_values(key: str, value: Tensor) -> str | None:
+    """Why a moment's values cannot come from any run, or None."""
+    if key == "exp_avg" and not bool(torch.isfinite(value).all()):
+        return "exp_avg holds inf or NaN"
+    if key in ("exp_avg_sq", "max_exp_avg_sq") and not bool((torch.isfinite(value) & (value >= 0)).all()):
+        return f"{key} holds a negative, infinite or NaN value (a mean of squares is finite and >= 0)"
+    return None
+
+
 def _convert_state(p: Tensor, group: dict[str, Any], where: str, saved: dict[str, Any], problems: list[str], pin: bool) -> dict[str, Any]:
     """Saved per-parameter state -> host float32 state for ``p`` (no side effects on p)."""
     out: dict[str, Any] = {}
     dtype = host_state.state_dtype(p)
     for key, value in saved.items():
         if key == "step":
-            value = local_tensor(value) if isinstance(value, Tensor) else value
-            step = value.detach().float().cpu().reshape(()) if isinstance(value, Tensor) else torch.tensor(float(value))
-            if not (step >= 0 and step == step.round()):
-                problems.append(f"{where}: step must be a non-negative whole number, got {step.item()}")
-            out["step"] = step.clone()
+            step = _step_count(value, where, problems)
+            if step is not None:
+                out["step"] = step
             continue
+        if key in MOMENT_KEYS or key == MASTER_KEY:
+            if not isinstance(value, Tensor):
+                problems.append(f"{where}: {key} must be a tensor, got {type(value).__name__}")
+                continue
+            if value.is_meta:
+                problems.append(f"{where}: {key} is on the meta device (it holds no data)")
+                continue
         if not isinstance(value, Tensor):
             out[key] = copy.deepcopy(value)
             continue
@@ -106,13 +156,17 @@ def _convert_state(p: Tensor, group: dict[str, Any], where: str, saved: dict[str
             if not value.is_floating_point():
                 problems.append(f"{where}: {key} has dtype {value.dtype}")
                 continue
+            impossible = _impossible_values(key, value)
+            if impossible is not None:
+                problems.append(f"{where}: {impossible}; no run of AdamW reaches this state")
+                continue
             out[key] = host_state.host_copy(value, dtype, pin=pin)
         else:
             out[key] = value.detach().clone()
     for key in ("step", "exp_avg", "exp_avg_sq"):
         if saved and key not in saved:
             problems.append(f"{where}: state has no {key!r}")
-    if group["amsgrad"] and saved and "max_exp_avg_sq" not in saved:
+    if group.get("amsgrad") and saved and "max_exp_avg_sq" not in saved:
         problems.append(f"{where}: amsgrad is on but the state has no 'max_exp_avg_sq'")
     if saved and MASTER_KEY not in out and not host_state.is_own_master(local_tensor(p)):
         out[MASTER_KEY] = host_state.host_copy(local_tensor(p), dtype, pin=pin)
@@ -126,7 +180,20 @@ def prepare_load(target: LoadTarget, state_dict: Any, *, pin: bool) -> tuple[lis
         raise StateDictMismatch(["not an optimizer state_dict: expected the keys 'state' and 'param_groups'"])
     saved_groups = state_dict["param_groups"]
     saved_state = state_dict["state"]
-    mapping = _match_params(target, saved_groups, problems)
+    _check_layout(saved_groups, saved_state)
+    for gi, group in enumerate(target.param_groups):
+        for index, p in enumerate(group["params"]):
+            if local_tensor(p).is_meta:
+                problems.append(
+                    f"{target.describe_param(gi, index)} is on the meta device (it holds no data), nothing can be loaded "
+                    "into it: materialize the model (module.to_empty(device=...)) before loading"
+                )
+    if problems:
+        raise StateDictMismatch(problems)
+    try:
+        mapping = _match_params(target, saved_groups, problems)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise StateDictMismatch([f"malformed param_groups: {type(exc).__name__}: {exc}"]) from exc
 
     new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     for pid, saved in saved_state.items():
@@ -136,11 +203,17 @@ def prepare_load(target: LoadTarget, state_dict: Any, *, pin: bool) -> tuple[lis
             continue  # a missing or unexpected name is already reported
         p, gi, index = mapping[pid]
         where = target.describe_param(gi, index)
-        new_state[p] = _convert_state(p, target.param_groups[gi], where, saved, problems, pin)
+        try:
+            new_state[p] = _convert_state(p, target.param_groups[gi], where, saved, problems, pin)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
+            problems.append(f"{where}: malformed state ({type(exc).__name__}: {exc})")
 
     new_groups = []
     if len(saved_groups) == len(target.param_groups):
-        for saved_group, group in zip(saved_groups, target.param_groups):
+        for gi, (saved_group, group) in enumerate(zip(saved_groups, target.param_groups)):
+            hyper_problem = _check_hyper(saved_group)
+            if hyper_problem is not None:
+                problems.append(f"param_groups[{gi}]: {hyper_problem}")
             merged = dict(group)
             merged.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k not in ("params", "param_names")})
             merged["params"] = group["params"]
@@ -155,6 +228,54 @@ def prepare_load(target: LoadTarget, state_dict: Any, *, pin: bool) -> tuple[lis
     if problems:
         raise StateDictMismatch(problems)
     return new_groups, new_state
+
+
+def _check_layout(saved_groups: Any, saved_state: Any) -> None:
+    """The shape of a state_dict, before anything indexes it: StateDictMismatch naming what is malformed."""
+    problems = []
+    if not isinstance(saved_groups, (list, tuple)):
+        problems.append(f"param_groups must be a list, got {type(saved_groups).__name__}")
+    else:
+        for gi, g in enumerate(saved_groups):
+            if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
+                problems.append(f"param_groups[{gi}] must be a dict with a list 'params'")
+                continue
+            names = g.get("param_names")
+            named = isinstance(names, (list, tuple)) and len(names) == len(g["params"]) and all(isinstance(n, str) for n in names)
+            if names is not None and not named:
+                problems.append(f"param_groups[{gi}]['param_names'] must be a list of names, one per entry of 'params'")
+            try:
+                hash(tuple(g["params"]))
+            except TypeError:
+                problems.append(f"param_groups[{gi}]['params'] must hold parameter ids (hashable)")
+    if not isinstance(saved_state, dict):
+        problems.append(f"state must be a dict, got {type(saved_state).__name__}")
+    else:
+        for pid, entry in saved_state.items():
+            if not isinstance(entry, dict):
+                problems.append(f"state entry {pid!r} must be a dict, got {type(entry).__name__}")
+    if problems:
+        raise StateDictMismatch(problems)
+
+
+def _check_hyper(saved_group: dict[str, Any]) -> str | None:
+    """Why the constructor would refuse a saved group's hyperparameters, or None (torch's words, via contract/rules.py)."""
+    try:
+        lr, betas = saved_group.get("lr", 0.0), saved_group.get("betas", (0.0, 0.0))
+        eps, weight_decay = saved_group.get("eps", 0.0), saved_group.get("weight_decay", 0.0)
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            return "Tensor lr must be 1-element"
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            return f"betas must be a pair, got {betas!r}"
+        for name in ("amsgrad", "maximize"):
+            if name in saved_group and not isinstance(saved_group[name], bool):
+                return f"{name} must be True or False, got {saved_group[name]!r}"
+        check_hyperparameter_ranges(lr, betas, eps, weight_decay)
+    except ValueError as exc:
+        return str(exc)
+    except (TypeError, RuntimeError) as exc:  # not numbers at all
+        return f"malformed hyperparameters ({type(exc).__name__}: {exc})"
+    return None
 
 
 def write_masters_back(state: dict[Tensor, dict[str, Any]]) -> None:

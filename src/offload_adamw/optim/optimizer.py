@@ -361,9 +361,33 @@ class OffloadAdamW(torch.optim.Optimizer):
         return skip
 
     def preflight(self, fresh: list[tuple[int, int]]) -> None:
-        """Fail early, with the figures, when the state about to be created cannot fit in host memory."""
+        """Fail early, with the figures, when the state about to be created cannot fit in host memory.
+
+        Then the state of every parameter in ``fresh`` is created, all or none, before any group
+        is updated: a step whose allocation fails raises MemoryError and changes nothing.
+        """
         if fresh:
             _preflight.check_host_memory([(self.param_groups[gi], i) for gi, i in fresh], pin_memory=self._pin_memory)
+            self._allocate_state(fresh)
+
+    def _allocate_state(self, fresh: list[tuple[int, int]]) -> None:
+        created: dict[Tensor, dict[str, Tensor]] = {}
+        for gi, i in fresh:
+            group = self.param_groups[gi]
+            p = group["params"][i]
+            try:
+                created[p] = host_state.new_state(_distributed.local_tensor(p), amsgrad=group["amsgrad"], pin=self._pin_memory)
+            except (RuntimeError, MemoryError) as exc:
+                created.clear()  # what was allocated so far goes back
+                if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+                    raise
+                raise MemoryError(
+                    f"OffloadAdamW could not allocate the host state of {self.describe_param(gi, i)} "
+                    f"({type(exc).__name__}: {exc}); no state or parameter was changed. Free host memory, raise the "
+                    "address-space limit (ulimit -v) or shard the optimizer over more processes."
+                ) from exc
+        for p, state in created.items():
+            self.state[p].update(state)
 
     def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None:
         """One update of each (parameter, host gradient, staging) in group ``group_index``.

@@ -10,8 +10,13 @@ Contract:
   state is pinned, torch's caching host allocator hands out power-of-two
   blocks, so the pinned figure is rounded up per tensor.
 * :func:`host_memory` reads what the host can give: ``MemAvailable`` from
-  /proc/meminfo, the cgroup's memory limit minus its usage where one is set,
-  and ``RLIMIT_MEMLOCK``.
+  /proc/meminfo; the least free memory (limit minus usage) over this process's
+  cgroup and every ancestor (:func:`cgroup_free`; cgroup v2 ``memory.max`` /
+  ``memory.current``, v1 ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``
+  and memory.stat's ``hierarchical_memory_limit``); ``RLIMIT_AS`` minus the
+  address space in use; and ``RLIMIT_MEMLOCK``. Where ``LOCAL_WORLD_SIZE``
+  ranks share the node, each gets its share of the node-wide figures
+  (MemAvailable and the cgroup's): they are divided by that count.
 * :func:`check_host_memory` raises :class:`HostMemoryError` (a MemoryError)
   before anything is allocated when the bill exceeds the available bytes,
   with the bytes per kind in the message and on the exception. Pinned state
@@ -40,9 +45,14 @@ from offload_adamw.contract import bills
 from offload_adamw.distributed import local_tensor
 from offload_adamw.optim.state import dtype_name
 
-__all__ = ["HostMemory", "HostMemoryError", "StateBill", "check_host_memory", "host_memory", "state_bill"]
+__all__ = ["HostMemory", "HostMemoryError", "StateBill", "cgroup_free", "check_host_memory", "host_memory", "state_bill"]
 
 ENV_AVAILABLE = "OFFLOAD_ADAMW_HOST_AVAILABLE_BYTES"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+#: where this process's cgroup is named, and where the cgroup file systems are mounted (tests point these elsewhere).
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_V1_UNLIMITED = 1 << 60
 ENV_SWITCH = "OFFLOAD_ADAMW_PREFLIGHT"
 MEMLOCK_POLICIES = ("warn", "raise", "ignore")
 
@@ -152,26 +162,89 @@ def _read_int(path: Path) -> Optional[int]:
     return int(text) if text.isdigit() else None  # "max" means no limit
 
 
-def _cgroup_free() -> Optional[int]:
-    """The cgroup memory limit minus current usage, where a limit is set (v2, else v1)."""
+def _ancestors(base: Path, root: Path) -> list[Path]:
+    """``base`` and each directory above it up to ``root``; ``root`` alone where ``base`` is not visible here.
+
+    Inside a container with its own cgroup namespace the mount root is this process's cgroup
+    even though /proc/self/cgroup may name a path of the host.
+    """
+    if not base.is_dir():
+        return [root]
+    out = [base]
+    while out[-1] != root and root in out[-1].parents:
+        out.append(out[-1].parent)
+    return out
+
+
+def _v1_hierarchical_limit(stat: Path) -> Optional[int]:
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        for line in stat.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "hierarchical_memory_limit" and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return None
+
+
+def cgroup_free(*, proc_cgroup: Optional[Path] = None, root: Optional[Path] = None) -> Optional[tuple[int, str]]:
+    """(bytes, file) of the tightest cgroup memory limit minus usage over this cgroup and its ancestors.
+
+    None where no limit is set anywhere. cgroup v2 is read where this process has a v2 entry, else v1's
+    memory controller (``ROOT/memory``), including memory.stat's ``hierarchical_memory_limit``, the
+    limit an ancestor sets, against this cgroup's usage.
+    """
+    proc_cgroup = PROC_SELF_CGROUP if proc_cgroup is None else Path(proc_cgroup)
+    root = CGROUP_ROOT if root is None else Path(root)
+    try:
+        lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return None
+    found: list[tuple[int, str]] = []
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, rel = rest.partition(":")
         if hierarchy == "0" and controllers == "":
-            base = Path("/sys/fs/cgroup") / rel.lstrip("/")
-            limit, usage = _read_int(base / "memory.max"), _read_int(base / "memory.current")
-            if limit is not None and usage is not None:
-                return max(limit - usage, 0)
+            for d in _ancestors(root / rel.lstrip("/"), root):
+                limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+                if limit is not None and usage is not None:
+                    found.append((max(limit - usage, 0), str(d / "memory.max")))
         elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
-            limit, usage = _read_int(base / "memory.limit_in_bytes"), _read_int(base / "memory.usage_in_bytes")
-            if limit is not None and usage is not None and limit < (1 << 60):
-                return max(limit - usage, 0)
-    return None
+            v1_root = root / "memory"
+            leaf = v1_root / rel.lstrip("/")
+            for d in _ancestors(leaf, v1_root):
+                limit, usage = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+                if limit is not None and usage is not None and limit < _V1_UNLIMITED:
+                    found.append((max(limit - usage, 0), str(d / "memory.limit_in_bytes")))
+            leaf = leaf if leaf.is_dir() else v1_root
+            hierarchical, usage = _v1_hierarchical_limit(leaf / "memory.stat"), _read_int(leaf / "memory.usage_in_bytes")
+            if hierarchical is not None and usage is not None and hierarchical < _V1_UNLIMITED:
+                found.append((max(hierarchical - usage, 0), f"{leaf / 'memory.stat'} hierarchical_memory_limit"))
+    return min(found) if found else None
+
+
+def _address_space_free() -> Optional[int]:
+    """RLIMIT_AS minus the address space this process already maps; None when unlimited or unknown."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return max(int(soft) - int(line.split()[1]) * 1024, 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(soft)
+
+
+def _local_world_size() -> int:
+    """The ranks sharing this node (torchrun's LOCAL_WORLD_SIZE); 1 when unset or not a positive integer."""
+    text = os.environ.get(ENV_LOCAL_WORLD_SIZE, "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else 1
 
 
 def host_memory(*, available_bytes: Optional[int] = None) -> HostMemory:
@@ -183,12 +256,17 @@ def host_memory(*, available_bytes: Optional[int] = None) -> HostMemory:
     elif available_bytes is not None:
         sources["available_bytes argument"] = int(available_bytes)
     else:
+        ranks = _local_world_size()
+        share = "" if ranks == 1 else f", / {ranks} ranks on this node ({ENV_LOCAL_WORLD_SIZE})"
         meminfo = _meminfo_available()
         if meminfo is not None:
-            sources["MemAvailable (/proc/meminfo)"] = meminfo
-        cgroup = _cgroup_free()
+            sources[f"MemAvailable (/proc/meminfo){share}"] = meminfo // ranks
+        cgroup = cgroup_free()
         if cgroup is not None:
-            sources["cgroup limit - usage"] = cgroup
+            sources[f"cgroup limit - usage{share}"] = cgroup[0] // ranks
+        address_space = _address_space_free()
+        if address_space is not None:
+            sources["RLIMIT_AS - address space in use"] = address_space
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     memlock = None if soft == resource.RLIM_INFINITY else int(soft)
     available = min(sources.values()) if sources else -1
