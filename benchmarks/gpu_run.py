@@ -220,6 +220,30 @@ def sections(sizes: Sizes) -> tuple[Section, ...]:
     )
 
 
+SELFTEST_ENV = "GPU_RUN_SELFTEST"
+
+
+def all_sections(sizes: Sizes) -> tuple[Section, ...]:
+    """The run's sections; with GPU_RUN_SELFTEST=1 first a section that checks the driver's own limits."""
+    if os.environ.get(SELFTEST_ENV) != "1":
+        return sections(sizes)
+    selftest = Section(name="selftest", rows=(
+        Row(name="hangs", limit_s=float(os.environ.get("GPU_RUN_SELFTEST_LIMIT", "3"))),
+        Row(name="crashes", limit_s=30.0),
+        Row(name="after", limit_s=30.0),
+    ))
+    return (selftest, *sections(sizes))
+
+
+def selftest_row(ctx: "Context", row: "Row") -> dict:
+    """Rows that misbehave on purpose: one hangs past its limit, one kills its process."""
+    if row.name == "hangs":
+        time.sleep(3600)
+    if row.name == "crashes":
+        os._exit(3)
+    return {"status": "ok", "pid": os.getpid()}
+
+
 # ============================================================================ child side: rows
 
 
@@ -852,6 +876,7 @@ ROW_FUNCTIONS: dict[str, Callable[..., dict]] = {
     "llama": lambda ctx, row: llama_row(ctx, **row.args),
     "pcie": lambda ctx, row: pcie_row(ctx, "peak" if row.name == "pinned-peak" else "per-tensor"),
     "host": lambda ctx, row: host_triad(ctx) if row.name == "triad" else host_threads(ctx, **row.args),
+    "selftest": selftest_row,
 }
 
 
@@ -862,22 +887,21 @@ def _emit(events: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def child_main(section_name: str, row_names: list[str], sizes: Sizes, device: str, outdir: Path, events: Path) -> int:
+def child_main(work: list[tuple[str, str]], sizes: Sizes, device: str, outdir: Path, events: Path) -> int:
+    """Run ``(section, row)`` items in order, reporting each start and result to ``events``."""
     import torch  # noqa: F401 - imported before the first row starts its clock
 
-    section = next(s for s in sections(sizes) if s.name == section_name)
     ctx = Context(sizes, device, outdir)
-    rows = {r.name: r for r in section.rows}
-    for name in row_names:
-        row = rows[name]
-        _emit(events, {"row": name, "event": "start", "t": time.time()})
+    rows = {(s.name, r.name): r for s in all_sections(sizes) for r in s.rows}
+    for section_name, name in work:
+        _emit(events, {"section": section_name, "row": name, "event": "start"})
         started = time.perf_counter()
         try:
-            result = ROW_FUNCTIONS[section_name](ctx, row)
+            result = ROW_FUNCTIONS[section_name](ctx, rows[section_name, name])
         except Exception:  # recorded; the next row still runs
             result = {"status": "error", "error": traceback.format_exc()}
         result["seconds"] = time.perf_counter() - started
-        _emit(events, {"row": name, "event": "done", "result": result})
+        _emit(events, {"section": section_name, "row": name, "event": "done", "result": result})
         gc.collect()
     if "mesh" in ctx.cache:
         import torch.distributed as dist
@@ -949,59 +973,65 @@ class Driver:
         self.save()
 
     def run(self) -> dict:
-        for section in sections(self.sizes):
-            self.result["sections"][section.name] = {"rows": {}}
+        """Every section in order; the rows without CUDA all in one child (one start-up for the rehearsal)."""
+        batches: list[tuple[str, list[tuple[str, Row]]]] = []
+        for section in all_sections(self.sizes):
+            rows = self.result["sections"].setdefault(section.name, {"rows": {}})["rows"]
             pending = []
             for row in section.rows:
-                skip = None
+                rows[row.name] = {"status": "not run"}
                 if self.only is not None and section.name not in self.only:
-                    skip = "skipped: not selected (--only)"
+                    rows[row.name] = {"status": "skipped: not selected (--only)"}
                 elif row.needs_cuda and not self.cuda:
-                    skip = "skipped: no CUDA"
+                    rows[row.name] = {"status": "skipped: no CUDA"}
                 elif row.needs_compile and not self.sizes.compile_rows:
-                    skip = "skipped: compile rows off (--quick)"
-                if skip:
-                    self.result["sections"][section.name]["rows"][row.name] = {"status": skip}
+                    rows[row.name] = {"status": "skipped: compile rows off (--quick)"}
                 else:
-                    pending.append(row)
-            self.save()
-            if not pending:
-                continue
+                    pending.append((section.name, row))
             if section.command:
-                self.run_pytest(section, pending[0])
+                batches += [("command", [item]) for item in pending]
             elif section.fresh_process and self.cuda:
-                for row in pending:
-                    self.run_rows(section, [row])
+                batches += [(section.name, [item]) for item in pending]
+            elif pending:
+                if not self.cuda and batches and batches[-1][0] == "cpu":
+                    batches[-1][1].extend(pending)
+                else:
+                    batches.append(("cpu" if not self.cuda else section.name, pending))
+        self.save()
+        for kind, items in batches:
+            if kind == "command":
+                self.run_pytest(*items[0])
             else:
-                self.run_rows(section, pending)
+                self.run_rows(kind if kind != "cpu" else "cpu-rehearsal", items)
         self.result["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.save()
         return self.result
 
-    def run_rows(self, section: Section, rows: list[Row]) -> None:
+    def run_rows(self, log_name: str, items: list[tuple[str, Row]]) -> None:
         """Rows in one child; on a timeout or a crash, the rows after it in a new child."""
-        while rows:
+        log_path = self.outdir / "logs" / f"{log_name}.log"
+        while items:
             if self.left() <= 0:
-                for row in rows:
-                    self.record(section.name, row.name, {"status": "skipped: time budget"})
+                for section, row in items:
+                    self.record(section, row.name, {"status": "skipped: time budget"})
                 return
-            events = self.outdir / "logs" / f".{section.name}.events"
+            events = self.outdir / "logs" / f".{log_name}.events"
             events.unlink(missing_ok=True)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", section.name,
-                   "--rows", json.dumps([r.name for r in rows]), "--sizes-json", json.dumps(asdict(self.sizes)),
-                   "--device", self.device, str(self.outdir)]
-            log = (self.outdir / "logs" / f"{section.name}.log").open("a")
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child",
+                   json.dumps([[section, row.name] for section, row in items]),
+                   "--sizes-json", json.dumps(asdict(self.sizes)), "--device", self.device, str(self.outdir)]
+            log = log_path.open("a")
             log.write(f"\n=== {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} "
-                      f"rows {[r.name for r in rows]}\n")
+                      f"rows {[f'{s}/{r.name}' for s, r in items]}\n")
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env={**_child_env(), "GPU_RUN_EVENTS": str(events)}, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             spawned = last_event = time.monotonic()
             seen = 0
-            current: Optional[tuple[Row, float]] = None
-            done_names: set[str] = set()
-            by_name = {r.name: r for r in rows}
-            killed_row: Optional[Row] = None
+            current: Optional[tuple[str, Row, float]] = None
+            done: set[tuple[str, str]] = set()
+            by_key = {(section, row.name): row for section, row in items}
+            killed: Optional[tuple[str, Row]] = None
             killed_why = ""
             while True:
                 finished = proc.poll() is not None
@@ -1013,64 +1043,62 @@ class Driver:
                         break  # a line being written: read it next time
                     seen += 1
                     last_event = time.monotonic()
+                    key = (rec["section"], rec["row"])
                     if rec["event"] == "start":
-                        current = (by_name[rec["row"]], time.monotonic())
+                        current = (key[0], by_key[key], time.monotonic())
                     else:
-                        done_names.add(rec["row"])
+                        done.add(key)
                         current = None
-                        self.record(section.name, rec["row"], rec["result"])
+                        self.record(key[0], key[1], rec["result"])
                 if finished:
                     break
                 now = time.monotonic()
                 if current is None:
-                    waiting = [r for r in rows if r.name not in done_names]
+                    waiting = [(s, r) for s, r in items if (s, r.name) not in done]
                     if now - last_event > self.sizes.startup_limit_s:
                         if not waiting:  # every row reported: the child hangs on its way out, nothing is lost
                             _kill_group(proc)
                             break
-                        killed_row = waiting[0]
+                        killed = waiting[0]
                         killed_why = f"timeout: no row started within {self.sizes.startup_limit_s:.0f} s"
                     elif now > self.deadline + 15:
-                        killed_row, killed_why = None, "time budget"
+                        killed_why = "time budget"
                 else:
-                    row, since = current
+                    section, row, since = current
                     limit = min(row.limit_s, max(5.0, self.deadline + 15 - since))
                     if now - since > limit:
-                        killed_row, killed_why = row, f"timeout: over {limit:.0f} s"
+                        killed, killed_why = (section, row), f"timeout: over {limit:.0f} s"
                 if killed_why:
                     _kill_group(proc)
                     break
                 time.sleep(0.2)
             log.close()
-            remaining = [r for r in rows if r.name not in done_names]
-            if killed_row is not None:
-                self.record(section.name, killed_row.name, {"status": killed_why, "seconds": time.monotonic() - spawned,
-                                                            "log_tail": _tail(self.outdir / "logs" / f"{section.name}.log")})
-                remaining = [r for r in remaining if r is not killed_row]
-            elif killed_why:  # the budget ran out between rows
-                for row in remaining:
-                    self.record(section.name, row.name, {"status": "skipped: time budget"})
-                return
-            elif remaining and current is not None:  # the child died inside a row
-                row = current[0]
-                self.record(section.name, row.name, {"status": f"error: child exited with {proc.returncode}",
-                                                     "log_tail": _tail(self.outdir / "logs" / f"{section.name}.log")})
-                remaining = [r for r in remaining if r is not row]
-            elif remaining:  # died before its first row
-                row = remaining[0]
-                self.record(section.name, row.name, {"status": f"error: child exited with {proc.returncode} before the row",
-                                                     "log_tail": _tail(self.outdir / "logs" / f"{section.name}.log")})
-                remaining = remaining[1:]
-            rows = remaining
             events.unlink(missing_ok=True)
+            remaining = [(s, r) for s, r in items if (s, r.name) not in done]
+            lost: Optional[tuple[str, Row]] = None
+            if killed is not None:
+                lost, status = killed, killed_why
+            elif killed_why:  # the budget ran out between rows
+                for section, row in remaining:
+                    self.record(section, row.name, {"status": "skipped: time budget"})
+                return
+            elif remaining:  # the child died inside a row, or before its first
+                lost = (current[0], current[1]) if current is not None else remaining[0]
+                where = "" if current is not None else " before the row started"
+                status = f"error: child exited with {proc.returncode}{where}"
+            if lost is not None:
+                self.record(lost[0], lost[1].name, {"status": status, "seconds": time.monotonic() - spawned,
+                                                    "log_tail": _tail(log_path)})
+                remaining = [(s, r) for s, r in remaining if (s, r.name) != (lost[0], lost[1].name)]
+            items = remaining
 
-    def run_pytest(self, section: Section, row: Row) -> None:
+    def run_pytest(self, section: str, row: Row) -> None:
         if self.left() <= 0:
-            self.record(section.name, row.name, {"status": "skipped: time budget"})
+            self.record(section, row.name, {"status": "skipped: time budget"})
             return
         limit = min(row.limit_s, max(5.0, self.left()))
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"]
-        log_path = self.outdir / "logs" / f"{section.name}.log"
+        log_path = self.outdir / "logs" / f"{section}.log"
         started = time.monotonic()
         with log_path.open("a") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -1088,7 +1116,7 @@ class Driver:
             status = "ok"
         else:
             status = "failed"
-        self.record(section.name, row.name, {"status": status, "returncode": rc, "counts": counts,
+        self.record(section, row.name, {"status": status, "returncode": rc, "counts": counts,
                                              "seconds": time.monotonic() - started, "command": " ".join(cmd[1:]),
                                              "log_tail": tail if status != "ok" else tail[-600:]})
 
@@ -1366,7 +1394,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget-s", type=float, help="override the run's time budget in seconds")
     parser.add_argument("--plot", type=Path, metavar="GPU_RUN_JSON", help="only draw the PNGs from a JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", help=argparse.SUPPRESS)
     parser.add_argument("--sizes-json", help=argparse.SUPPRESS)
     parser.add_argument("--device", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1380,8 +1407,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.child:
         raw = json.loads(args.sizes_json)
         raw["host_threads"] = tuple(raw["host_threads"])
-        events = args.outdir / "logs" / f".{args.child}.events"
-        return child_main(args.child, json.loads(args.rows), Sizes(**raw), args.device, args.outdir, events)
+        work = [tuple(item) for item in json.loads(args.child)]
+        return child_main(work, Sizes(**raw), args.device, args.outdir, Path(os.environ["GPU_RUN_EVENTS"]))
 
     import torch
 
@@ -1399,9 +1426,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     only = None
     if args.only:
         only = {s.strip() for s in args.only.split(",") if s.strip()}
-        unknown = only - {s.name for s in sections(sizes)}
+        names = [s.name for s in all_sections(sizes)]
+        unknown = only - set(names)
         if unknown:
-            parser.error(f"unknown section(s) {sorted(unknown)}; choose from {[s.name for s in sections(sizes)]}")
+            parser.error(f"unknown section(s) {sorted(unknown)}; choose from {names}")
     args.outdir.mkdir(parents=True, exist_ok=True)
     driver = Driver(args.outdir, sizes, cuda=cuda, mode="gpu" if cuda else "cpu-rehearsal", sizes_name=name, only=only)
     result = driver.run()
