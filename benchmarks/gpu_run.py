@@ -57,9 +57,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 SCHEMA_VERSION = 1
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,9 +236,10 @@ def all_sections(sizes: Sizes) -> tuple[Section, ...]:
     return (selftest, *sections(sizes))
 
 
-def selftest_row(ctx: "Context", row: "Row") -> dict:
+def selftest_row(ctx: Context, row: Row) -> dict:
     """Rows that misbehave on purpose: one hangs past its limit, one kills its process."""
     if row.name == "hangs":
+        ctx.partial({"measured_before_the_hang": 1})
         time.sleep(3600)
     if row.name == "crashes":
         os._exit(3)
@@ -250,11 +252,17 @@ def selftest_row(ctx: "Context", row: "Row") -> dict:
 class Context:
     """What every row function sees: the sizes, the device, and a cache shared by a child's rows."""
 
-    def __init__(self, sizes: Sizes, device: str, outdir: Path) -> None:
+    def __init__(self, sizes: Sizes, device: str, outdir: Path, partial: Callable[[dict], None] | None = None) -> None:
         self.sizes = sizes
         self.device = device
         self.outdir = outdir
         self.cache: dict[str, Any] = {}
+        self._partial = partial
+
+    def partial(self, figures: dict) -> None:
+        """Report the figures a row has so far: kept if the row is killed later (its last phase hangs)."""
+        if self._partial is not None:
+            self._partial(figures)
 
     def sync(self) -> None:
         import torch
@@ -380,7 +388,7 @@ def parity_row(ctx: Context, case: str) -> dict:
         kw_s = {"init_scale": 2.0**12, "growth_interval": 3}
         scaler_a, scaler_b = OffloadGradScaler(dev, **kw_s), torch.amp.GradScaler(dev, **kw_s)
     gen = torch.Generator().manual_seed(1)
-    first_grads_equal: Optional[bool] = None
+    first_grads_equal: bool | None = None
     norms_equal = True
     scales_equal = True
     for step in range(sizes.parity_steps):
@@ -604,7 +612,11 @@ def llama_row(ctx: Context, variant: str) -> dict:
 
             out["compiled_kernel"] = compiled_kernel_status()
         if dev == "cuda" and sizes.profile:
-            out["overlap"] = _profile_overlap(ctx, forward_backward, opt, f"llama-{variant}")
+            ctx.partial(out)
+            try:
+                out["overlap"] = _profile_overlap(ctx, forward_backward, opt, f"llama-{variant}")
+            except Exception:  # noqa: BLE001 - the timed figures stand without it
+                out["overlap"] = {"measured": False, "why": traceback.format_exc()[-2000:]}
         else:
             out["overlap"] = {"measured": False, "why": "needs CUDA (profiler device timeline)"}
     return out
@@ -612,7 +624,6 @@ def llama_row(ctx: Context, variant: str) -> dict:
 
 def _profile_overlap(ctx: Context, forward_backward, opt, label: str) -> dict:
     """Two profiled steps: when the gradient copies ran against the end of backward, and their bandwidth."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     ctx.sync()
@@ -889,16 +900,22 @@ def _emit(events: Path, record: dict) -> None:
 
 def child_main(work: list[tuple[str, str]], sizes: Sizes, device: str, outdir: Path, events: Path) -> int:
     """Run ``(section, row)`` items in order, reporting each start and result to ``events``."""
-    import torch  # noqa: F401 - imported before the first row starts its clock
+    if any(section != "selftest" for section, _ in work):
+        import torch  # imported before the first row starts its clock
 
-    ctx = Context(sizes, device, outdir)
+    current: list[tuple[str, str]] = []
+    ctx = Context(sizes, device, outdir, partial=lambda figures: _emit(
+        events, {"section": current[-1][0], "row": current[-1][1], "event": "partial", "result": figures}))
+    if device == "cuda":
+        torch.cuda.set_device(0)
     rows = {(s.name, r.name): r for s in all_sections(sizes) for r in s.rows}
     for section_name, name in work:
+        current.append((section_name, name))
         _emit(events, {"section": section_name, "row": name, "event": "start"})
         started = time.perf_counter()
         try:
             result = ROW_FUNCTIONS[section_name](ctx, rows[section_name, name])
-        except Exception:  # recorded; the next row still runs
+        except Exception:  # noqa: BLE001 - recorded; the next row still runs
             result = {"status": "error", "error": traceback.format_exc()}
         result["seconds"] = time.perf_counter() - started
         _emit(events, {"section": section_name, "row": name, "event": "done", "result": result})
@@ -935,7 +952,7 @@ def _child_env() -> dict:
 class Driver:
     """Runs the sections, enforces the limits, writes the JSON after every row."""
 
-    def __init__(self, outdir: Path, sizes: Sizes, *, cuda: bool, mode: str, sizes_name: str, only: Optional[set]) -> None:
+    def __init__(self, outdir: Path, sizes: Sizes, *, cuda: bool, mode: str, sizes_name: str, only: set | None) -> None:
         self.outdir = outdir
         self.sizes = sizes
         self.cuda = cuda
@@ -1028,10 +1045,11 @@ class Driver:
                                     stderr=subprocess.STDOUT, start_new_session=True)
             spawned = last_event = time.monotonic()
             seen = 0
-            current: Optional[tuple[str, Row, float]] = None
+            current: tuple[str, Row, float] | None = None
             done: set[tuple[str, str]] = set()
+            partial: dict[tuple[str, str], dict] = {}
             by_key = {(section, row.name): row for section, row in items}
-            killed: Optional[tuple[str, Row]] = None
+            killed: tuple[str, Row] | None = None
             killed_why = ""
             while True:
                 finished = proc.poll() is not None
@@ -1044,7 +1062,9 @@ class Driver:
                     seen += 1
                     last_event = time.monotonic()
                     key = (rec["section"], rec["row"])
-                    if rec["event"] == "start":
+                    if rec["event"] == "partial":
+                        partial[key] = rec["result"]
+                    elif rec["event"] == "start":
                         current = (key[0], by_key[key], time.monotonic())
                     else:
                         done.add(key)
@@ -1075,7 +1095,7 @@ class Driver:
             log.close()
             events.unlink(missing_ok=True)
             remaining = [(s, r) for s, r in items if (s, r.name) not in done]
-            lost: Optional[tuple[str, Row]] = None
+            lost: tuple[str, Row] | None = None
             if killed is not None:
                 lost, status = killed, killed_why
             elif killed_why:  # the budget ran out between rows
@@ -1087,8 +1107,10 @@ class Driver:
                 where = "" if current is not None else " before the row started"
                 status = f"error: child exited with {proc.returncode}{where}"
             if lost is not None:
-                self.record(lost[0], lost[1].name, {"status": status, "seconds": time.monotonic() - spawned,
-                                                    "log_tail": _tail(log_path)})
+                record = {"status": status, "seconds": time.monotonic() - spawned, "log_tail": _tail(log_path)}
+                if (lost[0], lost[1].name) in partial:
+                    record["partial"] = partial[lost[0], lost[1].name]  # what the row measured before it was lost
+                self.record(lost[0], lost[1].name, record)
                 remaining = [(s, r) for s, r in remaining if (s, r.name) != (lost[0], lost[1].name)]
             items = remaining
 
@@ -1168,7 +1190,7 @@ def machine_info(cuda: bool) -> dict:
         info["gpu_count"] = torch.cuda.device_count()
         with contextlib.suppress(Exception):
             smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.max,pcie.link.width.max",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+                                  "--format=csv,noheader"], check=False, capture_output=True, text=True, timeout=10)
             info["nvidia_smi"] = smi.stdout.strip()
     from importlib import metadata
 
@@ -1176,7 +1198,7 @@ def machine_info(cuda: bool) -> dict:
         with contextlib.suppress(Exception):
             info[package] = metadata.version(package)
     with contextlib.suppress(Exception):
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        git = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=10)
         if git.returncode == 0:
             info["commit"] = git.stdout.strip()
     return info
@@ -1194,7 +1216,7 @@ def targets(result: dict) -> list[dict]:
     """The issue's targets, reported against (not tuned to). met is None where a figure is missing."""
     out = []
 
-    def add(name: str, value: Optional[float], required: str, met: Optional[bool]) -> None:
+    def add(name: str, value: float | None, required: str, met: bool | None) -> None:
         out.append({"target": name, "value": value, "required": required, "met": met})
 
     a, d = _row(result, "llama", "a"), _row(result, "llama", "d")
@@ -1220,7 +1242,7 @@ def targets(result: dict) -> list[dict]:
     return out
 
 
-def _gb(x: Optional[float]) -> str:
+def _gb(x: float | None) -> str:
     return "-" if x is None else f"{x / GIB:.2f}"
 
 
@@ -1266,9 +1288,9 @@ def _headline(section: str, row: str, r: dict) -> str:
 def summary_table(result: dict) -> str:
     m = result["machine"]
     lines = [
-        f"GPU run ({result['mode']}, sizes {result['sizes_preset']}): {m.get('gpu', 'no GPU')}, {m.get('cpu', '?')} "
-        f"x{m.get('logical_cpus')}, torch {m.get('torch')} (CUDA {m.get('torch_cuda')}), {result['started_utc']}, "
-        f"{result.get('elapsed_s', 0):.0f} s",
+        (f"GPU run ({result['mode']}, sizes {result['sizes_preset']}): {m.get('gpu', 'no GPU')}, {m.get('cpu', '?')} "
+         f"x{m.get('logical_cpus')}, torch {m.get('torch')} (CUDA {m.get('torch_cuda')}), {result['started_utc']}, "
+         f"{result.get('elapsed_s', 0):.0f} s"),
         f"{'section/row':44} {'status':36} {'s':>6}  figures",
     ]
     for section, body in result["sections"].items():
@@ -1300,8 +1322,7 @@ def plot(json_path: Path) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return ["matplotlib is not installed: no PNGs (run `python benchmarks/gpu_run.py --plot gpu_run.json` "
-                "where it is)"]
+        return ["matplotlib is not installed: no PNGs (run `python benchmarks/gpu_run.py --plot gpu_run.json` where it is)"]
     result = json.loads(json_path.read_text())
     notes = []
     out = json_path.parent
@@ -1333,7 +1354,7 @@ def plot(json_path: Path) -> list[str]:
         else:
             ax2.text(0.5, 0.5, "no device memory figures (CPU)", ha="center", transform=ax2.transAxes)
         ax2.set_title("peak device memory", fontsize=9)
-        fig.suptitle(f"~1B Llama: " + "; ".join(f"({k}) {LLAMA_VARIANTS.get(k, k)}" for k in keys)[:200] + "\n" + title,
+        fig.suptitle("~1B Llama: " + "; ".join(f"({k}) {LLAMA_VARIANTS.get(k, k)}" for k in keys)[:200] + "\n" + title,
                      fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "gpu_run_llama.png", dpi=120)
@@ -1384,7 +1405,7 @@ def plot(json_path: Path) -> list[str]:
 # ------------------------------------------------------------------------------------- main
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path, nargs="?", help="where the JSON, logs, traces and PNGs go")
     parser.add_argument("--cpu-rehearsal", action="store_true",
@@ -1410,6 +1431,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         work = [tuple(item) for item in json.loads(args.child)]
         return child_main(work, Sizes(**raw), args.device, args.outdir, Path(os.environ["GPU_RUN_EVENTS"]))
 
+    only = None
+    if args.only:
+        only = {s.strip() for s in args.only.split(",") if s.strip()}
+        names = [s.name for s in all_sections(GPU_SIZES)]
+        unknown = only - set(names)
+        if unknown:
+            parser.error(f"unknown section(s) {sorted(unknown)}; choose from {names}")
     import torch
 
     cuda = torch.cuda.is_available() and not args.cpu_rehearsal
@@ -1423,13 +1451,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.budget_s > 0:
             parser.error("--budget-s must be positive")
         sizes = replace(sizes, budget_s=args.budget_s)
-    only = None
-    if args.only:
-        only = {s.strip() for s in args.only.split(",") if s.strip()}
-        names = [s.name for s in all_sections(sizes)]
-        unknown = only - set(names)
-        if unknown:
-            parser.error(f"unknown section(s) {sorted(unknown)}; choose from {names}")
     args.outdir.mkdir(parents=True, exist_ok=True)
     driver = Driver(args.outdir, sizes, cuda=cuda, mode="gpu" if cuda else "cpu-rehearsal", sizes_name=name, only=only)
     result = driver.run()
