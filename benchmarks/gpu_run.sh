@@ -24,11 +24,12 @@ export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$OUTDIR/gpu_run.log"
 {
     echo "gpu_run.sh: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $("$PYTHON" --version 2>&1)"
-    # The driver keeps to its own budget (450 s); this outer limit only catches a driver that hangs.
-    timeout --signal=TERM --kill-after=10 470 "$PYTHON" benchmarks/gpu_run.py "$OUTDIR" "$@"
+    # The driver keeps to its own budget (430 s, the last row killed by 445 s); this outer limit only
+    # catches a driver that hangs. With the plots that is 8 minutes at the very most.
+    timeout --signal=TERM --kill-after=5 450 "$PYTHON" benchmarks/gpu_run.py "$OUTDIR" "$@"
     status=$?
     if [ -f "$OUTDIR/gpu_run.json" ]; then
-        timeout 60 "$PYTHON" benchmarks/gpu_run.py --plot "$OUTDIR/gpu_run.json"
+        timeout 25 "$PYTHON" benchmarks/gpu_run.py --plot "$OUTDIR/gpu_run.json"
     fi
     echo "gpu_run.sh: exit status $status"
     exit $status

@@ -82,7 +82,8 @@ def test_quick_cpu_rehearsal_runs_every_section(tmp_path: Path) -> None:
         else:
             assert row["status"].startswith("skipped: compile rows off"), (name, row)
     assert {k for k, r in sections["llama"]["rows"].items() if r["status"] == "ok"} == {"a", "b", "c", "d"}
-    assert sections["llama"]["rows"]["d"]["overlap"] == {"measured": False, "why": "needs CUDA (profiler device timeline)"}
+    overlap = sections["llama"]["rows"]["d"]["overlap"]  # the trace was exported and its ranges found; no device
+    assert not overlap["measured"] and overlap["why"] == "no kernels correlated with the fwd_bwd range", overlap
     assert set(sections["host"]["rows"]["threads-1"]["cases"]) == {
         "ours-bf16 (default kernel)", "torch-fused-fp32", "naive-bf16-preallocated"}
     assert {t["target"].split(":")[0] for t in result["targets"]} >= {"pcie h2d", "pcie d2h"}
