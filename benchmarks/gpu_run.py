@@ -198,6 +198,10 @@ LLAMA_VARIANTS = {
 }
 
 
+LLAMA_SHORT = {"a": "torch, fp32 master", "b": "torch, bf16", "c": "offload, kept", "d": "offload, freed",
+               "e": "freed, compiled"}
+
+
 def sections(sizes: Sizes) -> tuple[Section, ...]:
     parity_rows = []
     for name, case in PARITY_CASES.items():
@@ -1337,11 +1341,11 @@ def plot(json_path: Path) -> list[str]:
     if llama:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
         keys = list(llama)
-        labels = [f"({k})" for k in keys]
-        fb = [llama[k]["forward_backward_s_median"] * 1e3 for k in keys]
-        exposed = [max(0.0, llama[k]["exposed_optimizer_s"] * 1e3) for k in keys]
-        ax1.bar(labels, fb, label="forward+backward")
-        ax1.bar(labels, exposed, bottom=fb, label="exposed optimizer")
+        labels = [f"({k}) {LLAMA_SHORT.get(k, k)}" for k in keys]
+        x = list(range(len(keys)))
+        ax1.bar(x, [llama[k]["step_s_median"] * 1e3 for k in keys], 0.6, label="full step")
+        ax1.bar(x, [llama[k]["forward_backward_s_median"] * 1e3 for k in keys], 0.3, label="forward+backward only")
+        ax1.set_xticks(x, labels, fontsize=7, rotation=15)
         ax1.set_ylabel("ms per step (median)")
         ax1.set_title("step time", fontsize=9)
         ax1.legend(fontsize=8)
@@ -1349,18 +1353,18 @@ def plot(json_path: Path) -> list[str]:
             alloc = [llama[k]["step_memory"]["peak_allocated_bytes"] / GIB for k in keys]
             reserved = [llama[k]["step_memory"]["peak_reserved_bytes"] / GIB for k in keys]
             fbm = [llama[k]["forward_backward_memory"]["peak_allocated_bytes"] / GIB for k in keys]
-            x = range(len(keys))
             ax2.bar([i - 0.27 for i in x], fbm, 0.27, label="fwd+bwd only, allocated")
             ax2.bar(list(x), alloc, 0.27, label="full step, allocated")
             ax2.bar([i + 0.27 for i in x], reserved, 0.27, label="full step, reserved")
-            ax2.set_xticks(list(x), labels)
+            ax2.set_xticks(x, labels, fontsize=7, rotation=15)
             ax2.set_ylabel("peak device memory, GiB")
             ax2.legend(fontsize=8)
         else:
             ax2.text(0.5, 0.5, "no device memory figures (CPU)", ha="center", transform=ax2.transAxes)
         ax2.set_title("peak device memory", fontsize=9)
-        fig.suptitle("~1B Llama: " + "; ".join(f"({k}) {LLAMA_VARIANTS.get(k, k)}" for k in keys)[:200] + "\n" + title,
-                     fontsize=7)
+        params = llama[keys[0]]["parameters"]
+        fig.suptitle(f"Llama, {params / 1e9:.3f} B parameters, {llama[keys[0]]['tokens_per_step']} tokens per step; {title}",
+                     fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "gpu_run_llama.png", dpi=120)
         plt.close(fig)
@@ -1378,6 +1382,7 @@ def plot(json_path: Path) -> list[str]:
             ax.axhline(triad["inplace_triad_gbps"], color="black", linestyle="--", linewidth=1,
                        label=f"in-place triad, {triad['threads']} threads")
         ax.set_xscale("log", base=2)
+        ax.set_xticks([v["threads"] for v in sweep], [str(v["threads"]) for v in sweep])
         ax.set_xlabel("torch threads")
         ax.set_ylabel("GB/s at 28 B/element (median)")
         ax.set_title(f"host AdamW step, {sweep[0]['elements'] / 2**20:.0f} Mi elements\n{result['machine'].get('cpu', '')}",
