@@ -6,16 +6,19 @@
 
 Contract:
 
-* **Sections of rows, each row time-limited.** A section's rows run in a child process (one per row
-  where a clean process matters: the ~1B model's peak memory); the driver kills a row's process group
-  when the row passes its own time limit or the run's budget, records it as ``timeout`` and starts a
-  new child for the rows after it, so one hang loses one row. A row that raises is ``error`` (the
-  traceback is in the JSON), one whose check fails is ``failed``; a row that needs CUDA on a machine
-  without it is ``skipped: no CUDA``; one that would start after the budget is ``skipped: time budget``.
+* **Sections of rows, each row time-limited.** On CUDA a section's rows run in one child process (one
+  per row where a clean process matters: the ~1B model's peak memory); without CUDA all rows share one
+  child. The driver kills a child's process group when its row passes the row's limit or the run's
+  budget, records the row as ``timeout`` (with the figures it reported before, under ``partial``) and
+  starts a new child for the rows after it, so one hang loses one row; a child that dies loses only the
+  row it was in (``error: child exited with N``). A row that raises is ``error`` (the traceback is in
+  the JSON), one whose check fails is ``failed``; a row that needs CUDA on a machine without it is
+  ``skipped: no CUDA``; one that would start after the budget is ``skipped: time budget``.
+  ``GPU_RUN_SELFTEST=1`` adds a first section whose rows hang and crash on purpose (the tests use it).
 * **Outputs in OUTDIR**: ``gpu_run.json`` (``schema_version``, the machine, the sizes, every row's
   status, seconds and figures, the targets; rewritten after every row, so a killed run keeps what it
-  measured), ``logs/<section>.log`` (the children's output), ``traces/*.json.gz`` (profiler traces of the
-  offloaded steps), PNGs (``--plot``; skipped with a note when matplotlib is missing), and a summary
+  measured), ``gpu_run.log`` (stdout, from gpu_run.sh), ``logs/*.log`` (the children's output),
+  ``traces/llama-d.json.gz`` (the profiler trace of two freed-gradient steps), PNGs (``--plot``; skipped with a note when matplotlib is missing), and a summary
   table on stdout. Exit status 0 when no row failed, errored or timed out; 1 otherwise.
 * **Sections.** ``pcie``: host-to-device, device-to-host and both at once from pinned memory, as one
   large copy (the peak) and as the ~1B model's tensors one by one (what the pipeline issues).
@@ -28,11 +31,12 @@ Contract:
   autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
   (d) freed, (e) freed with the compiled host loop; each row also times a forward+backward-only step in
   the same process (the exposed optimizer time is the difference) and, for (c)-(e), profiles two steps
-  and reads from the trace how much of the gradient copies ran before backward ended and the copies'
-  own bandwidth. ``host``: the in-place triad and the host step over 1 to 16 threads (the default
+  and reads from the device timeline how much of the gradient copies ran before backward ended and the
+  copies' own bandwidth (the pipeline's CUDA events are internal and untimed, so they are not read). ``host``: the in-place triad and the host step over 1 to 16 threads (the default
   kernel through OffloadAdamW, torch fused float32, the naive path with preallocated float32 gradients).
 * **The CPU rehearsal** runs the parity, llama and host sections with the CPU as device and small sizes
   (the pipeline's CPU mode, gloo for FSDP2); ``--quick`` shrinks them further for the test suite.
+  ``--only SECTIONS`` reruns some sections (the others are ``skipped: not selected``).
 * Only public APIs of the library are used (OffloadAdamW and its options, clip_grad_norm_,
   OffloadGradScaler, master_param, gradient, measure_host_bandwidth), so its internals may change freely.
 """
@@ -787,7 +791,7 @@ def pcie_row(ctx: Context, kind: str) -> dict:
                 "pinned_with": "torch pin_memory=True"}
     # The ~1B model's tensors one by one, between views of one pinned flat buffer and device tensors:
     # the pattern of the pipeline's per-tensor copies.
-    shapes = [tuple(p.shape) for p in _llama(replace(sizes), "meta", torch.bfloat16).parameters()]
+    shapes = [tuple(p.shape) for p in _llama(sizes, "meta", torch.bfloat16).parameters()]
     total = sum(math.prod(s) for s in shapes)
     flat = torch.empty(total, dtype=torch.bfloat16, pin_memory=True)
     flat_back = torch.empty(total, dtype=torch.bfloat16, pin_memory=True)
