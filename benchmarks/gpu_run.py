@@ -319,6 +319,7 @@ def _parity_llama(sizes: Sizes, seed: int):
         vocab_size=sizes.parity_vocab, hidden_size=sizes.parity_hidden, intermediate_size=2 * sizes.parity_hidden,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, attn_implementation="eager",  # eager: a deterministic backward
+        use_cache=False,  # training: no key/value cache (and no cache object for torch.compile to trace)
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
@@ -506,7 +507,7 @@ def _llama(sizes: Sizes, device: str, dtype):
         vocab_size=sizes.llama_vocab, hidden_size=sizes.llama_hidden, intermediate_size=sizes.llama_intermediate,
         num_hidden_layers=sizes.llama_layers, num_attention_heads=sizes.llama_heads,
         num_key_value_heads=sizes.llama_heads, max_position_embeddings=max(2048, sizes.llama_seq),
-        tie_word_embeddings=False, attn_implementation="sdpa",
+        tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
     )
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
@@ -1228,8 +1229,11 @@ def _row(result: dict, section: str, row: str) -> dict:
 def targets(result: dict) -> list[dict]:
     """The issue's targets, reported against (not tuned to). met is None where a figure is missing."""
     out = []
+    rehearsal = result.get("mode", "gpu") != "gpu"
 
     def add(name: str, value: float | None, required: str, met: bool | None) -> None:
+        if rehearsal:  # tiny CPU stand-ins say nothing about the targets
+            met = None
         out.append({"target": name, "value": value, "required": required, "met": met})
 
     a, d = _row(result, "llama", "a"), _row(result, "llama", "d")
@@ -1315,6 +1319,8 @@ def summary_table(result: dict) -> str:
     for t in result.get("targets", []):
         value = "-" if t["value"] is None else f"{t['value']:.3f}"
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        if t["met"] is None and t["value"] is not None:
+            verdict = "not a GPU figure (rehearsal)"
         lines.append(f"  {t['target']:78} {value:>8} ({t['required']}): {verdict}")
     return "\n".join(lines)
 
