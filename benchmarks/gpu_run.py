@@ -1356,6 +1356,7 @@ def plot(json_path: Path) -> list[str]:
         ax1.bar(x, [llama[k]["step_s_median"] * 1e3 for k in keys], 0.6, label="full step")
         ax1.bar(x, [llama[k]["forward_backward_s_median"] * 1e3 for k in keys], 0.3, label="forward+backward only")
         ax1.set_xticks(x, labels, fontsize=7, rotation=15)
+        ax1.set_ylim(0, 1.3 * max(max(llama[k]["step_s_median"], llama[k]["forward_backward_s_median"]) for k in keys) * 1e3)
         ax1.set_ylabel("ms per step (median)")
         ax1.set_title("step time", fontsize=9)
         ax1.legend(fontsize=8)
@@ -1367,6 +1368,7 @@ def plot(json_path: Path) -> list[str]:
             ax2.bar(list(x), alloc, 0.27, label="full step, allocated")
             ax2.bar([i + 0.27 for i in x], reserved, 0.27, label="full step, reserved")
             ax2.set_xticks(x, labels, fontsize=7, rotation=15)
+            ax2.set_ylim(0, 1.3 * max(reserved + alloc + fbm))
             ax2.set_ylabel("peak device memory, GiB")
             ax2.legend(fontsize=8)
         else:

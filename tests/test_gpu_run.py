@@ -191,3 +191,59 @@ def test_targets_and_pytest_summary() -> None:
     assert gpu_run.parse_pytest_summary("....\n8 passed, 3 skipped, 1 error in 4.20s\n") == {
         "passed": 8, "skipped": 3, "errors": 1}
     assert gpu_run.parse_pytest_summary("no tests ran") == {}
+
+
+def _gpu_like_result() -> dict:
+    """A result shaped as the GPU run writes it, so the CUDA-only report paths run here too."""
+    memory = {"peak_allocated_bytes": 30 * 2**30, "peak_reserved_bytes": 32 * 2**30}
+    fb_memory = {"peak_allocated_bytes": 20 * 2**30, "peak_reserved_bytes": 22 * 2**30}
+    overlap = {"measured": True, "d2h_overlap_fraction": 0.9, "d2h_tail_after_backward_us": 1500.0,
+               "d2h_GBps_while_busy": 45.0, "h2d_GBps_while_busy": 48.0}
+
+    def llama(step_s: float, share: int) -> dict:
+        return {"status": "ok", "parameters": 1_003_000_000, "tokens_per_step": 4096, "step_s_median": step_s,
+                "forward_backward_s_median": 0.2, "exposed_optimizer_s": step_s - 0.2, "step_memory": memory,
+                "forward_backward_memory": fb_memory, "optimizer_share_bytes": share, "overlap": overlap}
+
+    return {
+        "schema_version": 1, "mode": "gpu", "sizes_preset": "gpu", "started_utc": "2026-12-01T10:00:00+00:00",
+        "elapsed_s": 300.0, "machine": {"gpu": "NVIDIA H200", "cpu": "Xeon", "logical_cpus": 16, "torch": "2.11.0"},
+        "sections": {
+            "pcie": {"rows": {
+                "pinned-peak": {"status": "ok", "h2d_GBps": 55.0, "d2h_GBps": 55.0, "both_GBps": 100.0, "seconds": 3.0},
+                "per-tensor-1b-shapes": {"status": "ok", "h2d_GBps": 50.0, "d2h_GBps": 52.0, "both_GBps": 90.0},
+            }},
+            "gpu_tests": {"rows": {"pytest -m gpu": {"status": "ok", "counts": {"passed": 8, "deselected": 700}}}},
+            "parity": {"rows": {"bf16-freed-amsgrad": {
+                "status": "ok", "bitwise": True, "first_step_gradients_bitwise": True, "clip_norms_bitwise": None,
+                "loss_scales_equal": None, "mismatch_count": 0, "max_abs_param_diff": 0.0}}},
+            "llama": {"rows": {"a": llama(0.5, 8 * 2**30), "d": llama(0.55, -2**30), "e": {"status": "timeout: over 110 s"}}},
+            "host": {"rows": {
+                "triad": {"status": "ok", "inplace_triad_gbps": 120.0, "triad_gbps": 90.0, "threads": 16},
+                **{f"threads-{n}": {"status": "ok", "threads": n, "elements": 2**27, "cases": {
+                    "ours-bf16 (default kernel)": {"ms_per_step": 400 / n, "GBps_at_28B": 9.0 * n},
+                    "torch-fused-fp32": {"ms_per_step": 300 / n, "GBps_at_28B": 12.0 * n}}} for n in (1, 2, 4)},
+            }},
+        },
+    }
+
+
+def test_summary_targets_and_plots_of_a_gpu_result(tmp_path: Path) -> None:
+    result = _gpu_like_result()
+    result["targets"] = gpu_run.targets(result)
+    verdicts = {t["target"]: t["met"] for t in result["targets"]}
+    assert verdicts["llama (d) freed step time / (a) fp32-master torch AdamW"] is True  # 1.1 <= 1.15
+    assert verdicts["llama (d) optimizer share of peak device memory, GiB"] is True  # below zero: freed gradients
+    table = gpu_run.summary_table(result)
+    assert "NVIDIA H200" in table and "h2d 55.0 GB/s, d2h 55.0 GB/s, both 100.0 GB/s" in table
+    assert "8 passed, 700 deselected" in table and "d2h before end of backward 90%, tail 1.5 ms" in table
+    assert "optimizer share 8.00 GiB" in table and "timeout: over 110 s" in table
+    assert gpu_run.bad_rows(result) == ["llama/e"]
+    path = tmp_path / "gpu_run.json"
+    path.write_text(json.dumps(result))
+    notes = gpu_run.plot(path)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in notes[0]
+    else:
+        assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+            "gpu_run_host_threads.png", "gpu_run_llama.png", "gpu_run_pcie.png"]
