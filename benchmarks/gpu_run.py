@@ -917,11 +917,12 @@ def child_main(work: list[tuple[str, str]], sizes: Sizes, device: str, outdir: P
     if any(section != "selftest" for section, _ in work):
         import torch  # imported before the first row starts its clock
 
+        if device == "cuda":
+            torch.cuda.set_device(0)
+
     current: list[tuple[str, str]] = []
     ctx = Context(sizes, device, outdir, partial=lambda figures: _emit(
         events, {"section": current[-1][0], "row": current[-1][1], "event": "partial", "result": figures}))
-    if device == "cuda":
-        torch.cuda.set_device(0)
     rows = {(s.name, r.name): r for s in all_sections(sizes) for r in s.rows}
     for section_name, name in work:
         current.append((section_name, name))
