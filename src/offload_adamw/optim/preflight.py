@@ -28,7 +28,6 @@ Contract:
 from __future__ import annotations
 
 import os
-import resource
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,11 @@ import torch
 from offload_adamw.contract import bills
 from offload_adamw.distributed import local_tensor
 from offload_adamw.optim.state import dtype_name
+
+try:
+    import resource  # POSIX only: the locked-memory limit
+except ImportError:  # Windows: no such limit to report
+    resource = None  # type: ignore[assignment]
 
 __all__ = ["HostMemory", "HostMemoryError", "StateBill", "check_host_memory", "host_memory", "state_bill"]
 
@@ -189,8 +193,8 @@ def host_memory(*, available_bytes: Optional[int] = None) -> HostMemory:
         cgroup = _cgroup_free()
         if cgroup is not None:
             sources["cgroup limit - usage"] = cgroup
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    soft = None if resource is None else resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    memlock = None if soft is None or soft == resource.RLIM_INFINITY else int(soft)
     available = min(sources.values()) if sources else -1
     return HostMemory(available=available, sources=sources, memlock_limit=memlock)
 
