@@ -201,7 +201,7 @@ def test_activations_order(seq, batch):
 
 def test_70b_on_8x80gb():
     result = plan(PRESETS["llama-3-70b"], HardwareConfig(), TrainingConfig())
-    fitting = [s for s in result.strategies if s.fits and s.name != "single-gpu"]
+    fitting = [s for s in result.strategies if s.fits and s.name != "single-gpu" and not s.comparison]
     # 16 bytes/element of 70.6e9 elements over 8 GPUs is 141 GB: GPU-resident strategies cannot fit in 80 GB
     for name in ("single-gpu", "ddp", "fsdp"):
         assert result.strategy(name).gpu_margin < 0
@@ -209,6 +209,35 @@ def test_70b_on_8x80gb():
     best = min(s.step_time_lower_bound_s for s in fitting)
     assert result.strategy(result.recommendation).step_time_lower_bound_s <= best * 1.05
     assert result.recommendation in result.reason and "fsdp (" in result.reason
+
+
+def test_70b_is_not_told_to_use_a_strategy_this_project_lacks(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough that no strategy name is wrapped
+    result = plan(PRESETS["llama-3-70b"], HardwareConfig(), TrainingConfig())
+    assert result.strategy("fsdp+streamed-state").fits  # it would be the fastest, but it is not provided
+    assert result.recommendation.startswith("fsdp+offload-adamw")
+    assert cli.main(["plan", "--preset", "llama-3-70b"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp+streamed-state (comparison)" in out and "fsdp+cpu-offload (comparison)" in out
+    assert "Recommendation: fsdp+offload-adamw" in out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    preset=st.sampled_from(sorted(PRESETS)), per_node=st.integers(1, 8), nodes=st.integers(1, 4),
+    host_gb=st.sampled_from([128, 512, 2000, 8000]), gpu_gb=st.sampled_from([24, 80, 141]),
+)
+def test_a_comparison_is_never_recommended(preset, per_node, nodes, host_gb, gpu_gb):
+    hardware = HardwareConfig(gpus_per_node=per_node, nodes=nodes, host_memory_bytes=host_gb * GB,
+                              gpu_memory_bytes=gpu_gb * GB)
+    result = plan(PRESETS[preset], hardware, TrainingConfig())
+    assert {s.name for s in result.strategies if s.comparison} == set(planner.COMPARISONS)
+    if result.recommendation is not None:
+        assert result.recommendation not in planner.COMPARISONS
+        assert result.strategy(result.recommendation).fits
+    else:
+        usable = [s for s in result.strategies if not s.comparison and (s.name != "single-gpu" or per_node * nodes == 1)]
+        assert not any(s.fits for s in usable)
 
 
 def test_small_model_stays_on_the_gpu():
