@@ -333,6 +333,54 @@ def test_cli_config_file_and_bad_file(tmp_path, capsys):
     assert "missing.json" in capsys.readouterr().err
 
 
+MIXTRAL_8X7B = {
+    "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "tie_word_embeddings": False,
+}
+
+
+def test_a_mixtral_config_directory_is_counted_with_its_experts(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    assert cli.main(["plan", "--config", str(tmp_path), "--json"]) in (0, 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_parameters"] == PRESETS["mixtral-8x7b"].num_parameters() == 46_702_792_704
+    assert data["schema_version"] == 1 and data["command"] == "plan"
+
+
+@pytest.mark.parametrize(
+    "fields, key",
+    [
+        ({**MIXTRAL_8X7B, "model_type": "llama"}, "num_local_experts"),  # experts in a dense type: refused
+        ({**MIXTRAL_8X7B, "model_type": ""}, "num_local_experts"),
+        ({**MIXTRAL_8X7B, "model_type": "qwen2_moe"}, "moe_intermediate_size"),  # the type's keys are required
+        ({**MIXTRAL_8X7B, "model_type": "deepseek_v3", "n_routed_experts": 8}, "n_shared_experts"),
+        ({**MIXTRAL_8X7B, "model_type": "mixtral", "num_local_experts": None}, "num_local_experts"),
+        ({**MIXTRAL_8X7B, "model_type": "olmoe"}, "olmoe"),
+    ],
+)
+def test_configs_the_planner_would_count_wrong_are_refused_naming_the_key(tmp_path, fields, key):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=key):
+        planner.model_from_hf_config(path)
+
+
+def test_an_unknown_architecture_without_transformers_is_refused_on_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL_8X7B, "model_type": "olmoe"}))
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            f"from offload_adamw.cli.main import main; sys.exit(main(['plan', '--config', {str(tmp_path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "model_type 'olmoe'" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_directory_without_config_json_is_named(tmp_path, capsys):
+    assert cli.main(["plan", "--config", str(tmp_path)]) == 2
+    assert "without config.json" in capsys.readouterr().err
+
+
 def test_cli_plot_writes_a_png(tmp_path):
     out = tmp_path / "plan.png"
     assert cli.main(["plan", "--preset", "llama-2-70b", "--plot", str(out)]) == 0

@@ -368,6 +368,10 @@ PRESETS: dict[str, ModelConfig] = {
         name="llama-3.1-405b", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
         num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
     ),
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_experts=8,
+    ),
 }
 
 _HF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -411,8 +415,8 @@ def model_from_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
     return model_from_hf_dict(raw, name=name, source=str(path))
 
 
-def _require(raw: dict[str, Any], source: str, keys: Sequence[str], what: str) -> None:
-    missing = [key for key in keys if key not in raw]
+def _require(raw: dict[str, Any], source: str, keys: Sequence[str], what: str, nullable: Sequence[str] = ()) -> None:
+    missing = [key for key in keys if key not in raw or (raw[key] is None and key not in nullable)]
     if missing:
         raise ValueError(f"{source}: missing {', '.join(repr(k) for k in missing)} ({what})")
 
@@ -478,7 +482,7 @@ def model_from_hf_dict(raw: dict[str, Any], *, name: str, source: Optional[str] 
     if model_type == "deepseek_v3":
         keys = ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "moe_intermediate_size",
                 "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-        _require(raw, source, keys, "DeepSeek-V3's experts and latent attention")
+        _require(raw, source, keys, "DeepSeek-V3's experts and latent attention", nullable=("q_lora_rank",))
         width = raw["moe_intermediate_size"]
         first_dense = raw["first_k_dense_replace"] or 0
         return ModelConfig(**common, num_experts=raw["n_routed_experts"], expert_intermediate_size=width,
