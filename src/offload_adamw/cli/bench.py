@@ -13,7 +13,8 @@ shapes), the benchmark
    rotation, so that a busy machine slows the ceiling and the steps alike), peak
    RSS and the extra host memory a step allocates;
 3. prints a table, the issue's targets with met/missed, and writes JSON
-   (``--json``) and a PNG chart (``--plot``).
+   (``--json [FILE]``, :mod:`offload_adamw.cli.common`) and a PNG chart (``--plot``). Bad
+   arguments (a size, a case name) and unwritable outputs exit 2 before anything is measured.
 
 Cases (all on the same float32 state; the mixed cases take bf16 gradients and
 write a bf16 model copy):
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -53,6 +53,7 @@ from typing import Callable, Optional
 
 import torch
 
+from offload_adamw.cli import common
 from offload_adamw.planning.bandwidth import measure_host_bandwidth
 from offload_adamw.kernels.adamw import StepHyper, adamw_update_
 from offload_adamw.kernels.blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, chunk_loop_status
@@ -340,7 +341,12 @@ def measure_step(fn: Callable[[], None]) -> tuple[float, Optional[int], Optional
 # --------------------------------------------------------------------- run
 
 
+_SHOW_PROGRESS = False  # set by run() from --progress/--no-progress (default: stderr is a terminal)
+
+
 def _progress(iterable, **kw):
+    if not _SHOW_PROGRESS:
+        return iterable
     try:
         from tqdm import tqdm  # noqa: PLC0415
 
@@ -442,7 +448,7 @@ def parse_size(text: str) -> int:
     number = text[:-1] if scale != 1 else text
     try:
         value = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16M, 65536)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
@@ -612,20 +618,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="elements per array of the bandwidth probe (default 64M)")
     parser.add_argument("--chunk-sweep", action="store_true", help="also sweep chunk size and threading mode")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
-    parser.add_argument("--json", metavar="FILE", help="write all numbers as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart")
+    common.add_json_argument(parser, what="all numbers")
+    common.add_plot_argument(parser, what="a bar chart")
+    common.add_progress_argument(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
+    """The run's configuration; a bad argument raises common.UsageError (exit status 2) naming it."""
+    try:
+        sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
+    except argparse.ArgumentTypeError as exc:
+        raise common.UsageError(f"--sizes: {exc}") from None
+    if not sizes:
+        raise common.UsageError(f"--sizes: no size in {args.sizes!r}")
     cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
     unknown = [c for c in cases if c not in ALL_CASES]
-    if unknown:
-        raise SystemExit(f"offload-adamw bench: unknown case(s) {unknown}; choose from {', '.join(ALL_CASES)}")
+    if unknown or not cases:
+        raise common.UsageError(f"--cases: unknown case(s) {unknown or [args.cases]}; choose from {', '.join(ALL_CASES)}")
     if args.repeats < 1:
-        raise SystemExit("offload-adamw bench: --repeats must be at least 1")
+        raise common.UsageError(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 0:
-        raise SystemExit("offload-adamw bench: --warmup must be at least 0")
+        raise common.UsageError(f"--warmup must be at least 0, got {args.warmup}")
     config = BenchConfig(sizes=sizes, repeats=args.repeats, warmup=args.warmup, cases=cases,
                          bandwidth_elements=args.bandwidth_elements, chunk_sweep=args.chunk_sweep)
     if args.quick:
@@ -635,14 +648,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    global _SHOW_PROGRESS
     config = config_from_args(args)
+    _SHOW_PROGRESS = common.progress_wanted(args)
     result = run_benchmark(config)
-    print(format_report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"\nwrote {args.json}")
+    if not common.json_to_stdout(args):
+        print(format_report(result))
+    common.write_json("bench", result, args.json)
     if args.plot:
         write_plot(result, args.plot)
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
