@@ -33,10 +33,12 @@ from __future__ import annotations
 import argparse
 import runpy
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from offload_adamw.auditing.audit import AuditReport, audit, audit_state_dict
 from offload_adamw.cli import common
+
+if TYPE_CHECKING:  # imported when the command runs: --help needs no torch
+    from offload_adamw.auditing.audit import AuditReport
 
 SCRIPT_RUN_NAME = "__offload_adamw_audit__"
 DEFAULT_FUNCTION = "audit_setup"
@@ -123,6 +125,8 @@ def _state_dict_from_checkpoint(path: Path) -> tuple[Mapping[str, Any], str]:
 
 def build_report(args: argparse.Namespace) -> AuditReport:
     """The report the command prints; raises AuditInputError when the input cannot be used."""
+    from offload_adamw.auditing.audit import AuditReport, audit, audit_state_dict
+
     path = Path(args.path)
     if not path.is_file():
         raise AuditInputError(f"{path}: no such file")

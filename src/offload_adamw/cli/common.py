@@ -39,7 +39,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from offload_adamw._output import SCHEMA_VERSION, finite_json, json_document, render_table, terminal_width
+from offload_adamw._output import (
+    SCHEMA_VERSION,
+    finite_json,
+    json_document,
+    render_table,
+    terminal_width,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
