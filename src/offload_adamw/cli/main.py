@@ -41,7 +41,7 @@ EXIT_MEANINGS: dict[str, dict[int, str]] = {
 }
 
 # optional package -> the extra of pyproject.toml that brings it
-OPTIONAL_EXTRAS = {"matplotlib": "plot", "transformers": "hf", "accelerate": "hf", "deepspeed": "bench", "yaml": "hf"}
+OPTIONAL_EXTRAS = {"matplotlib": "plot", "transformers": "hf", "accelerate": "hf", "deepspeed": "bench"}
 
 
 def build_parser() -> argparse.ArgumentParser:
