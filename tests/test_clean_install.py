@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -57,7 +58,11 @@ def clean_venv(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     env["PYTHONNOUSERSITE"] = "1"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
-    for requirement in ([TORCH_REQUIREMENT], [str(REPO)]):  # torch first, as a user would; then the project, no extras
+    # a copy of the sources: no build/ left over from an earlier in-tree build can slip stale files in
+    source = root / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
+                                                                ".hypothesis", ".pytest_cache", "*-out", "offload-adamw-demo"))
+    for requirement in ([TORCH_REQUIREMENT], [str(source)]):  # torch first, as a user would; then the project, no extras
         done = subprocess.run([str(python), "-m", "pip", "install", "-q", *requirement], capture_output=True, text=True,
                               env=env, timeout=600)
         assert done.returncode == 0, f"pip install {requirement} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

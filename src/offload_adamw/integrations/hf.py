@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["trainer_param_groups", "trainer_optimizer", "OffloadAdamWTrainer"]
+__all__ = ["trainer_param_groups", "trainer_optimizer", "OffloadAdamWTrainer"]  # noqa: F822 (module __getattr__)
 
 
 def _decay_names(model: "torch.nn.Module", trainer: Any = None) -> set[str]:
