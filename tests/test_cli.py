@@ -205,3 +205,19 @@ def test_plan_with_a_config_file_imports_no_torch(tmp_path):
             "print('torch' in sys.modules, file=sys.stderr)\n")
     done = run_python(code)
     assert done.returncode == 0 and done.stderr.strip() == "False", done.stderr
+
+
+def test_help_takes_a_fraction_of_the_time_of_importing_torch():
+    import time
+
+    def fastest(argv: list[str]) -> float:
+        times = []
+        for _ in range(2):
+            started = time.perf_counter()
+            subprocess.run(argv, capture_output=True, timeout=120, check=True)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    torch_import = fastest([sys.executable, "-c", "import torch"])
+    help_time = fastest([sys.executable, "-m", "offload_adamw", "--help"])
+    assert help_time < 0.6 * torch_import, (help_time, torch_import)
