@@ -17,7 +17,9 @@ Contract:
   default path the training is bitwise that of ``optim="adamw_torch_fused"``.
 * :class:`OffloadAdamWTrainer` is a ``Trainer`` that builds its optimizer this way when none
   is passed, for set-ups that only pass ``TrainingArguments`` (its ``offload_adamw_kwargs``
-  argument is the keyword arguments above).
+  argument is the keyword arguments above). It builds the groups from the model the Trainer
+  hands to ``create_optimizer``, so it is the route when the Trainer wraps the model first
+  (FSDP): :func:`trainer_optimizer` holds the parameters of the model it was given.
 * transformers is imported when a function here is first called (``TrainerCls`` is built then).
 """
 
