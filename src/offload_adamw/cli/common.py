@@ -110,9 +110,13 @@ def _register(parser: argparse.ArgumentParser, dest: str, flag: str, needs: Sequ
     outputs.append((dest, flag, tuple(needs)))
 
 
-def add_json_argument(parser: argparse.ArgumentParser, *, what: str = "the result", dest: str = "json") -> None:
-    """``--json [FILE]``: ``what`` as JSON to FILE, or with no FILE (or ``-``) to stdout instead of the tables."""
-    parser.add_argument("--json", dest=dest, nargs="?", const="-", default=None, metavar="FILE",
+def add_json_argument(parser: argparse.ArgumentParser, *, what: str = "the result", dest: str = "json",
+                      parent: Optional[Any] = None) -> None:
+    """``--json [FILE]``: ``what`` as JSON to FILE, or with no FILE (or ``-``) to stdout instead of the tables.
+
+    ``parent`` is an argument group of ``parser`` to list it in.
+    """
+    (parent or parser).add_argument("--json", dest=dest, nargs="?", const="-", default=None, metavar="FILE",
                         help=f"write {what} as JSON to FILE; with no FILE or '-', to stdout instead of the tables")
     _register(parser, dest, "--json", ())
 

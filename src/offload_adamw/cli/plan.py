@@ -90,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--eager-attention", action="store_true", help="attention stores the s x s scores (no flash)")
     t.add_argument("--amsgrad", action="store_true")
 
-    common.add_json_argument(parser, what="the plan")
-    common.add_plot_argument(parser, what="stacked bars per strategy against the capacities")
+    o = parser.add_argument_group("output")
+    common.add_json_argument(parser, what="the plan", parent=o)
+    common.add_plot_argument(parser, what="stacked bars per strategy against the capacities", parent=o)
 
 
 def measured_host_bandwidth(**probe_options: Any) -> tuple[Optional[float], str]:
