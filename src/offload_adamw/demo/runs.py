@@ -358,7 +358,7 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
+        return value  # a non-finite one becomes null (named under "nonfinite") when the JSON is written
     if isinstance(value, Tensor):
         return _jsonable(value.item() if value.numel() == 1 else value.tolist())
     if isinstance(value, dict):
