@@ -172,3 +172,28 @@ def test_another_architecture_is_counted_from_the_meta_device_model(tmp_path, ca
     data = json.loads(capsys.readouterr().out)
     assert data["num_parameters"] == sum(p.numel() for p in reference.parameters())
     assert any("meta device" in a for a in data["assumptions"])
+
+
+def test_a_model_id_is_read_by_autoconfig_from_the_hub_cache(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # the layout huggingface_hub keeps in its cache; offline, AutoConfig reads it from there
+    repo = tmp_path / "hub" / "models--acme--tiny-moe"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    fields = dict(model_type="qwen2_moe", **SMALL_FIELDS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                  shared_expert_intermediate_size=72)
+    (repo / "snapshots" / "0123abcd" / "config.json").write_text(json.dumps(fields))
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "offload_adamw", "plan", "--config", "acme/tiny-moe", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+    assert json.loads(done.stdout)["num_parameters"] == sum(p.numel() for p in reference.parameters())
+    done = subprocess.run([sys.executable, "-m", "offload_adamw", "plan", "--config", "acme/absent"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2 and "acme/absent" in done.stderr and "Traceback" not in done.stderr
