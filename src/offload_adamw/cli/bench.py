@@ -546,22 +546,22 @@ def format_report(result: dict) -> str:
     for key in ("chunk_loop", "compiled_kernel", "deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
         if key in m:
             lines.append(f"{key}: {m[key]}")
-    header = f"{'case':20s} {'ms/step':>9s} {'G elem/s':>9s} {'GB/s@28B':>9s} {'of triad':>9s} {'vs ref':>7s} {'peak RSS':>9s} {'step +MiB':>9s}"
+    header = ["case", "ms/step", "G elem/s", "GB/s@28B", "of triad", "vs ref", "peak RSS", "step +MiB"]
     for size in result["sizes"]:
         lines += ["", f"{_fmt_size(size['elements'])} elements in {size['tensors']} tensors "
                       f"(state {size['state_bytes'] / MIB:.0f} MiB); in-place triad in the same rotation: "
                       f"{size['inplace_triad_gbps']:.1f} GB/s = {size['inplace_triad_gbps'] / BYTES_PER_ELEMENT:.3f} "
-                      f"G elements/s at {BYTES_PER_ELEMENT} B", header, "-" * len(header)]
+                      f"G elements/s at {BYTES_PER_ELEMENT} B"]
         cases = size["cases"]
+        rows = []
         for name, row in cases.items():
             ref = "torch-naive-bf16" if name in BF16_CASES else "torch-fused-fp32"
             vs = cases[ref]["ms_per_step"] / row["ms_per_step"] if ref in cases else float("nan")
             peak = f"{row['peak_rss_mib']:.0f}M" if row["peak_rss_mib"] is not None else "n/a"
             extra = f"{row['step_extra_mib']:.1f}" if row["step_extra_mib"] is not None else "n/a"
-            lines.append(
-                f"{name:20s} {row['ms_per_step']:9.1f} {row['elements_per_s'] / 1e9:9.3f} {row['effective_gbps']:9.2f} "
-                f"{row['fraction_of_inplace_triad']:9.2f} {vs:6.2f}x {peak:>9s} {extra:>9s}"
-            )
+            rows.append([name, f"{row['ms_per_step']:.1f}", f"{row['elements_per_s'] / 1e9:.3f}", f"{row['effective_gbps']:.2f}",
+                         f"{row['fraction_of_inplace_triad']:.2f}", f"{vs:.2f}x", peak, extra])
+        lines.append(common.render_table(header, rows, align="lrrrrrrr"))
     if result.get("chunk_sweep"):
         lines += ["", "chunk sweep (ours-bf16, first size): threads, chunk elements, ms/step, GB/s@28B"]
         for r in result["chunk_sweep"]:
