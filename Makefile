@@ -19,8 +19,11 @@ venv: $(STAMP)
 demo: venv
 	$(VENV)/bin/offload-adamw demo
 
+# The second line: a clean virtual environment (torch and this project, no extras) saves and loads a
+# checkpoint and runs plan and check; it is slow (two pip installs), so it runs on its own.
 test: venv
 	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider
+	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_clean_install.py
 
 test-slow: venv
 	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
