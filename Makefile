@@ -19,8 +19,11 @@ venv: $(STAMP)
 demo: venv
 	$(VENV)/bin/offload-adamw demo
 
+# The second line: a clean virtual environment (torch and this project, no extras) saves and loads a
+# checkpoint and runs plan and check; it is slow (two pip installs), so it runs on its own.
 test: venv
 	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider
+	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_clean_install.py
 
 test-slow: venv
 	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
@@ -32,11 +35,10 @@ lint: venv
 bench: venv
 	$(VENV)/bin/offload-adamw bench
 
-# On a machine with an NVIDIA GPU (and a CUDA build of torch in the venv): the GPU tests, then the
-# GPU benchmark (parity, peak device memory, ~1B step time, PCIe fraction) as JSON in bench-out/.
-gpu-check: venv
-	$(PY) -m pytest -q -m gpu -p no:cacheprovider
-	$(PY) benchmarks/gpu_check.py
+# On the GPU machine, with its own python3 and CUDA torch (no venv, no installs: it has no network):
+# the GPU run (the gpu tests, CUDA parity, the ~1B model, PCIe, host threads), results in bench-out/gpu-run/.
+gpu-check:
+	PYTHON=$(PYTHON) bash benchmarks/gpu_run.sh bench-out/gpu-run
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -16,9 +17,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_version_and_help_list_every_subcommand(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--version"])
-    assert exit_info.value.code == 0 and __version__ in capsys.readouterr().out
+    assert main(["--version"]) == 0 and __version__ in capsys.readouterr().out
     assert main([]) == 0
     shown = capsys.readouterr().out
     assert all(name in shown for name in SUBCOMMANDS)
@@ -41,3 +40,184 @@ def test_a_missing_optional_package_is_named_with_its_extra(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "needs matplotlib" in proc.stderr and "offload-adamw[plot]" in proc.stderr
     assert not (tmp_path / "p.png").exists()
+
+
+# ----------------------------------------------------------------------------- one error path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "offload_adamw", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def assert_usage_error(done: subprocess.CompletedProcess, *culprits: str) -> None:
+    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    for culprit in culprits:
+        assert culprit in lines[0], lines[0]
+    assert done.stdout == ""  # refused before any work: nothing printed
+
+
+@pytest.mark.parametrize(
+    "argv, culprits",
+    [
+        (["bench", "--sizes", "1Q"], ["--sizes", "1Q"]),
+        (["bench", "--cases", "nope"], ["--cases", "nope"]),
+        (["bench", "--repeats", "0"], ["--repeats"]),
+        (["plan", "--params", "1e400"], ["--params", "1e400"]),
+        (["plan", "--preset", "llama-3-8b", "--gpus-per-node", "0"], ["gpus_per_node"]),
+        (["plan", "--preset", "nope"], ["--preset", "nope"]),
+        (["plan", "--preset", "llama-3-8b", "--json", "/nonexistent/dir/plan.json"], ["--json", "/nonexistent/dir"]),
+        (["check", "torch.optim:AdamW", "--json", "/nonexistent/dir/x.json"], ["--json", "/nonexistent/dir"]),
+        (["check", "torch.optim:AdamW", "--clauses", "x"], ["--clauses"]),
+        (["audit", "/nonexistent/opt.pt"], ["/nonexistent/opt.pt"]),
+        (["audit", "/nonexistent/opt.pt", "--steps", "-1"], ["--steps"]),
+        (["demo", "--steps", "1"], ["--steps"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in SUBCOMMANDS else "",
+)
+def test_usage_errors_exit_2_on_one_line_naming_the_culprit(argv, culprits):
+    assert_usage_error(run_cli(*argv), *culprits)
+
+
+def test_an_output_path_that_is_a_directory_or_unwritable_is_refused_first(tmp_path):
+    assert_usage_error(run_cli("plan", "--preset", "llama-3-8b", "--json", str(tmp_path)), "is a directory")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert_usage_error(run_cli("demo", "--out", str(blocker / "sub")), "--out")
+    assert_usage_error(run_cli("plan", "--preset", "llama-3-8b", "--plot", str(blocker / "p.png")), "--plot")
+
+
+def test_check_refuses_an_unwritable_json_before_the_run(tmp_path):
+    import time
+
+    started = time.perf_counter()
+    done = run_cli("check", "torch.optim:AdamW", "--json", "/nonexistent/dir/x.json")
+    assert_usage_error(done, "/nonexistent/dir")
+    assert time.perf_counter() - started < 30  # the whole check takes far longer: it did not run
+
+
+@pytest.mark.parametrize("argv", [["plan", "--preset", "llama-3-8b"], ["bench", "--quick", "--cases", "ours-fp32"]])
+def test_plot_without_matplotlib_fails_before_the_run(tmp_path, argv):
+    target = tmp_path / "p.png"
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            f"from offload_adamw.cli.main import main; sys.exit(main({[*argv, '--plot', str(target)]!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert_usage_error(done, "matplotlib", "offload-adamw[plot]")
+    assert not target.exists()
+
+
+def test_a_closed_pipe_ends_quietly():
+    done = subprocess.run(f"{sys.executable} -m offload_adamw plan --preset llama-3-70b | head -1; "
+                          "echo \"status ${PIPESTATUS[0]}\"", shell=True, executable="/bin/bash", capture_output=True,
+                          text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("llama-3-70b: 70,553,706,496 parameters")
+    assert lines[-1] == "status 141"
+    assert done.stderr == "", done.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_help_lists_the_exit_codes_and_the_json_convention(name, capsys):
+    assert main([name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "exit status:" in out and "  2 " in out and "141" in out
+    assert "--json [FILE]" in out
+    if name != "plan":
+        assert "--progress, --no-progress" in out or name == "audit"
+    assert main(["--help"]) == 0
+    assert "exit status:" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- --json means the same everywhere
+
+
+def test_json_to_stdout_or_to_a_file_is_the_same_document(tmp_path, capsys):
+    assert main(["plan", "--preset", "llama-3-8b", "--json"]) == 0
+    to_stdout = json.loads(capsys.readouterr().out)
+    target = tmp_path / "plan.json"
+    assert main(["plan", "--preset", "llama-3-8b", "--json", str(target)]) == 0
+    captured = capsys.readouterr()
+    assert "Recommendation:" in captured.out  # with a FILE the tables still go to stdout
+    assert json.loads(target.read_text()) == to_stdout
+    assert main(["plan", "--preset", "llama-3-8b", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out) == to_stdout
+    assert to_stdout["schema_version"] == 1 and to_stdout["command"] == "plan"
+
+
+def test_check_and_audit_json_carry_the_schema_version(tmp_path, capsys):
+    assert main(["check", "offload_adamw:OffloadAdamW", "--clauses", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # only the document: the table is left out
+    assert report["schema_version"] == 1 and report["command"] == "check" and report["failed"] == []
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones(3)
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    status = main(["audit", str(tmp_path / "opt.pt"), "--json", str(tmp_path / "audit.json")])
+    assert status in (0, 1)
+    audit = json.loads((tmp_path / "audit.json").read_text())
+    assert audit["schema_version"] == 1 and audit["command"] == "audit" and "findings" in audit
+
+
+def test_bench_json_carries_the_schema_version(capsys):
+    argv = ["bench", "--sizes", "64K", "--repeats", "1", "--warmup", "0", "--cases", "ours-fp32",
+            "--bandwidth-elements", "64K", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["schema_version"] == 1 and result["command"] == "bench" and len(result["sizes"]) == 1
+
+
+# ----------------------------------------------------------------------------- no torch for --help and plan
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["--version"], ["plan", "--help"], ["plan", "--preset", "llama-3-70b"],
+     ["plan", "--preset", "mixtral-8x7b", "--json"], ["plan", "--params", "7B"], ["check", "--help"], ["audit", "--help"],
+     ["demo", "--help"]],
+    ids=" ".join,
+)
+def test_help_and_plan_import_no_torch(argv):
+    code = (
+        "import sys, io, contextlib\n"
+        "from offload_adamw.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    status = main({argv!r})\n"
+        "assert status in (0, 1), status\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_plan_with_a_config_file_imports_no_torch(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "num_local_experts": 4}))
+    code = ("import sys\nfrom offload_adamw.cli.main import main\n"
+            f"main(['plan', '--config', {str(tmp_path)!r}, '--json'])\n"
+            "print('torch' in sys.modules, file=sys.stderr)\n")
+    done = run_python(code)
+    assert done.returncode == 0 and done.stderr.strip() == "False", done.stderr
+
+
+def test_help_takes_a_fraction_of_the_time_of_importing_torch():
+    import time
+
+    def fastest(argv: list[str]) -> float:
+        times = []
+        for _ in range(2):
+            started = time.perf_counter()
+            subprocess.run(argv, capture_output=True, timeout=120, check=True)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    torch_import = fastest([sys.executable, "-c", "import torch"])
+    help_time = fastest([sys.executable, "-m", "offload_adamw", "--help"])
+    assert help_time < 0.6 * torch_import, (help_time, torch_import)

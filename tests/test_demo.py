@@ -204,6 +204,7 @@ def test_demo_command_line_writes_its_files(tmp_path):
     assert "OffloadAdamW" in report and "loss_curves.png" in report
     assert f"{result['runs']['naive_bf16']['final_val_loss']:.4f}" in report
     assert json.loads(Path(files["results"]).read_text())["n_params"] == result["n_params"]
+    assert result["schema_version"] == 1 and json.loads(Path(files["results"]).read_text())["schema_version"] == 1
     conformance = result["conformance"]
     if conformance.get("available"):
         # The checker names the naive optimizer's two defects (and nothing of the update rule itself).

@@ -7,6 +7,9 @@ path is bitwise equal to:
   torch's AdamW gives, with and without ``max_grad_norm`` clipping (and clipping changes them);
 * ``optimizer_cls_and_kwargs=(OffloadAdamW, kwargs)`` gives bitwise what ``optim="adamw_torch_fused"``
   gives (same decay/no-decay groups built by the Trainer);
+* ``optimizer_cls_and_kwargs=trainer_optimizer(model, args)`` and ``OffloadAdamWTrainer`` give bitwise
+  what ``optim="adamw_torch_fused"`` gives, with the Trainer's own decay split and the parameter names
+  in the optimizer's groups and state_dict;
 * a run interrupted at a checkpoint and continued with ``resume_from_checkpoint`` ends bitwise where
   the uninterrupted run ends, for float32 and bf16 parameters (the bf16 case needs the float32
   master to travel through optimizer.pt).
@@ -146,6 +149,48 @@ def test_optimizer_cls_and_kwargs_matches_adamw_torch_fused(tmp_path):
         model=reference, args=training_args(tmp_path / "torch", optim="adamw_torch_fused"), train_dataset=TokenWindows(),
     ).train()
     assert_bitwise(params_of(model), params_of(reference))
+
+
+def test_trainer_optimizer_keeps_the_trainers_split_and_the_names(tmp_path):
+    from offload_adamw.integrations.hf import OffloadAdamWTrainer, trainer_optimizer
+
+    reference = tiny_llama()
+    Trainer(
+        model=reference, args=training_args(tmp_path / "torch", optim="adamw_torch_fused"), train_dataset=TokenWindows(),
+    ).train()
+
+    model = tiny_llama()
+    args = training_args(tmp_path / "helper")
+    trainer = Trainer(model=model, args=args, train_dataset=TokenWindows(),
+                      optimizer_cls_and_kwargs=trainer_optimizer(model, args, pin_memory=False))
+    trainer.train()
+    assert_bitwise(params_of(model), params_of(reference))
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert isinstance(inner, OffloadAdamW)
+    decay = set(trainer.get_decay_parameter_names(model))
+    by_decay = {g["weight_decay"]: set(g["param_names"]) for g in inner.param_groups}
+    assert by_decay == {WD: decay, 0.0: {n for n, _ in model.named_parameters()} - decay}
+    assert any("norm" in n for n in by_decay[0.0]) and all("norm" not in n for n in by_decay[WD])
+    saved = inner.state_dict()
+    assert [g["param_names"] for g in saved["param_groups"]] == [g["param_names"] for g in inner.param_groups]
+
+    subclassed = tiny_llama()
+    trainer = OffloadAdamWTrainer(model=subclassed, args=training_args(tmp_path / "subclass"), train_dataset=TokenWindows(),
+                                  offload_adamw_kwargs={"pin_memory": False})
+    trainer.train()
+    assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), OffloadAdamW)
+    assert_bitwise(params_of(subclassed), params_of(reference))
+
+
+def test_trainer_optimizer_takes_the_hyperparameters_of_the_arguments(tmp_path):
+    from offload_adamw.integrations.hf import trainer_optimizer
+
+    model = tiny_llama()
+    args = training_args(tmp_path, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, learning_rate=3e-3)
+    cls, kwargs = trainer_optimizer(model, args, offload_gradients=False)
+    assert cls is OffloadAdamW
+    assert (kwargs["lr"], kwargs["betas"], kwargs["eps"], kwargs["offload_gradients"]) == (3e-3, (0.8, 0.95), 1e-6, False)
+    assert sum(len(g["params"]) for g in kwargs["params"]) == len(list(model.parameters()))
 
 
 class StopAt(TrainerCallback):

@@ -201,7 +201,7 @@ def test_activations_order(seq, batch):
 
 def test_70b_on_8x80gb():
     result = plan(PRESETS["llama-3-70b"], HardwareConfig(), TrainingConfig())
-    fitting = [s for s in result.strategies if s.fits and s.name != "single-gpu"]
+    fitting = [s for s in result.strategies if s.fits and s.name != "single-gpu" and not s.comparison]
     # 16 bytes/element of 70.6e9 elements over 8 GPUs is 141 GB: GPU-resident strategies cannot fit in 80 GB
     for name in ("single-gpu", "ddp", "fsdp"):
         assert result.strategy(name).gpu_margin < 0
@@ -209,6 +209,35 @@ def test_70b_on_8x80gb():
     best = min(s.step_time_lower_bound_s for s in fitting)
     assert result.strategy(result.recommendation).step_time_lower_bound_s <= best * 1.05
     assert result.recommendation in result.reason and "fsdp (" in result.reason
+
+
+def test_70b_is_not_told_to_use_a_strategy_this_project_lacks(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough that no strategy name is wrapped
+    result = plan(PRESETS["llama-3-70b"], HardwareConfig(), TrainingConfig())
+    assert result.strategy("fsdp+streamed-state").fits  # it would be the fastest, but it is not provided
+    assert result.recommendation.startswith("fsdp+offload-adamw")
+    assert cli.main(["plan", "--preset", "llama-3-70b"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp+streamed-state (comparison)" in out and "fsdp+cpu-offload (comparison)" in out
+    assert "Recommendation: fsdp+offload-adamw" in out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    preset=st.sampled_from(sorted(PRESETS)), per_node=st.integers(1, 8), nodes=st.integers(1, 4),
+    host_gb=st.sampled_from([128, 512, 2000, 8000]), gpu_gb=st.sampled_from([24, 80, 141]),
+)
+def test_a_comparison_is_never_recommended(preset, per_node, nodes, host_gb, gpu_gb):
+    hardware = HardwareConfig(gpus_per_node=per_node, nodes=nodes, host_memory_bytes=host_gb * GB,
+                              gpu_memory_bytes=gpu_gb * GB)
+    result = plan(PRESETS[preset], hardware, TrainingConfig())
+    assert {s.name for s in result.strategies if s.comparison} == set(planner.COMPARISONS)
+    if result.recommendation is not None:
+        assert result.recommendation not in planner.COMPARISONS
+        assert result.strategy(result.recommendation).fits
+    else:
+        usable = [s for s in result.strategies if not s.comparison and (s.name != "single-gpu" or per_node * nodes == 1)]
+        assert not any(s.fits for s in usable)
 
 
 def test_small_model_stays_on_the_gpu():
@@ -302,6 +331,54 @@ def test_cli_config_file_and_bad_file(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["num_parameters"] == SMALL.num_parameters()
     assert cli.main(["plan", "--config", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+MIXTRAL_8X7B = {
+    "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "tie_word_embeddings": False,
+}
+
+
+def test_a_mixtral_config_directory_is_counted_with_its_experts(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    assert cli.main(["plan", "--config", str(tmp_path), "--json"]) in (0, 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_parameters"] == PRESETS["mixtral-8x7b"].num_parameters() == 46_702_792_704
+    assert data["schema_version"] == 1 and data["command"] == "plan"
+
+
+@pytest.mark.parametrize(
+    "fields, key",
+    [
+        ({**MIXTRAL_8X7B, "model_type": "llama"}, "num_local_experts"),  # experts in a dense type: refused
+        ({**MIXTRAL_8X7B, "model_type": ""}, "num_local_experts"),
+        ({**MIXTRAL_8X7B, "model_type": "qwen2_moe"}, "moe_intermediate_size"),  # the type's keys are required
+        ({**MIXTRAL_8X7B, "model_type": "deepseek_v3", "n_routed_experts": 8}, "n_shared_experts"),
+        ({**MIXTRAL_8X7B, "model_type": "mixtral", "num_local_experts": None}, "num_local_experts"),
+        ({**MIXTRAL_8X7B, "model_type": "olmoe"}, "olmoe"),
+    ],
+)
+def test_configs_the_planner_would_count_wrong_are_refused_naming_the_key(tmp_path, fields, key):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=key):
+        planner.model_from_hf_config(path)
+
+
+def test_an_unknown_architecture_without_transformers_is_refused_on_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL_8X7B, "model_type": "olmoe"}))
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            f"from offload_adamw.cli.main import main; sys.exit(main(['plan', '--config', {str(tmp_path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "model_type 'olmoe'" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_directory_without_config_json_is_named(tmp_path, capsys):
+    assert cli.main(["plan", "--config", str(tmp_path)]) == 2
+    assert "without config.json" in capsys.readouterr().err
 
 
 def test_cli_plot_writes_a_png(tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from offload_adamw import OffloadAdamW
 from offload_adamw.planning.planner import (
@@ -36,13 +36,30 @@ def named_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in module.named_parameters()]
 
 
+def preset_reference(model: ModelConfig) -> torch.nn.Module:
+    """The transformers model of a preset, on the meta device."""
+    with torch.device("meta"):
+        if model.is_moe:  # the only MoE preset is Mixtral's
+            config = MixtralConfig(
+                hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
+                num_hidden_layers=model.num_hidden_layers, num_attention_heads=model.num_attention_heads,
+                num_key_value_heads=model.num_key_value_heads, vocab_size=model.vocab_size,
+                num_local_experts=model.num_experts, tie_word_embeddings=False,
+            )
+            return MixtralForCausalLM(config)
+        return LlamaForCausalLM(llama_config(model))
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_matches_the_transformers_model(preset):
     model = PRESETS[preset]
-    with torch.device("meta"):
-        reference = LlamaForCausalLM(llama_config(model))
+    reference = preset_reference(model)
     assert model.num_parameters() == sum(p.numel() for p in reference.parameters())
     assert model.parameter_shapes() == named_shapes(reference)  # names, shapes and order
+
+
+def test_mixtral_8x7b_has_its_46_7b_parameters():
+    assert round(PRESETS["mixtral-8x7b"].num_parameters() / 1e9, 1) == 46.7
 
 
 SMALL_FIELDS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -57,8 +74,23 @@ SMALL_FIELDS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, n
         dict(model_type="mistral", **SMALL_FIELDS, head_dim=32),  # head_dim != hidden_size / heads
         dict(model_type="qwen2", **SMALL_FIELDS, tie_word_embeddings=False),  # q, k, v biases
         dict(model_type="qwen2", **{**SMALL_FIELDS, "num_key_value_heads": 4}, tie_word_embeddings=True),
+        dict(model_type="mixtral", **SMALL_FIELDS, num_local_experts=4, num_experts_per_tok=2),
+        dict(model_type="qwen2_moe", **SMALL_FIELDS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+             shared_expert_intermediate_size=72, decoder_sparse_step=1, mlp_only_layers=[]),
+        dict(model_type="qwen2_moe", **{**SMALL_FIELDS, "num_hidden_layers": 4}, num_experts=6, num_experts_per_tok=2,
+             moe_intermediate_size=40, shared_expert_intermediate_size=72, decoder_sparse_step=2, mlp_only_layers=[2],
+             qkv_bias=False),
+        dict(model_type="deepseek_v3", **{**SMALL_FIELDS, "num_hidden_layers": 3, "num_key_value_heads": 4},
+             n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, n_group=2, topk_group=1,
+             moe_intermediate_size=24, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+             qk_nope_head_dim=16, v_head_dim=16),
+        dict(model_type="deepseek_v3", **{**SMALL_FIELDS, "num_hidden_layers": 2, "num_key_value_heads": 4},
+             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+             moe_intermediate_size=24, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+             qk_nope_head_dim=16, v_head_dim=12, attention_bias=True),
     ],
-    ids=["llama-tied", "llama-biases", "mistral-head-dim", "qwen2", "qwen2-tied-mha"],
+    ids=["llama-tied", "llama-biases", "mistral-head-dim", "qwen2", "qwen2-tied-mha", "mixtral", "qwen2-moe",
+         "qwen2-moe-sparse-step", "deepseek-v3", "deepseek-v3-full-q-bias"],
 )
 def test_config_json_matches_the_transformers_model(tmp_path, fields):
     (tmp_path / "config.json").write_text(json.dumps(fields))
@@ -67,6 +99,8 @@ def test_config_json_matches_the_transformers_model(tmp_path, fields):
         reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
     assert model.num_parameters() == sum(p.numel() for p in reference.parameters())
     assert dict(model.parameter_shapes()) == dict(named_shapes(reference))
+    # a directory holding config.json is read the same
+    assert model_from_hf_config(tmp_path) == model
 
 
 TINY = {
@@ -122,3 +156,44 @@ def test_host_bytes_for_a_gpu_model_equal_the_plan(dtype, amsgrad):
     host = plan(config, HardwareConfig(gpus_per_node=1), TrainingConfig(param_dtype=str(dtype), amsgrad=amsgrad)).strategy(
         "fsdp+offload-adamw").host
     assert optimizer.host_state_bytes() == host.master + host.exp_avg + host.exp_avg_sq + host.max_exp_avg_sq + host.step_counts
+
+
+def test_another_architecture_is_counted_from_the_meta_device_model(tmp_path, capsys):
+    # OLMoE: experts and q/k norms, a layout the planner does not know; transformers builds it on the meta device
+    config = AutoConfig.for_model("olmoe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300, num_experts=4,
+                                  num_experts_per_tok=2)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(config)
+    from offload_adamw import cli
+
+    assert cli.main(["plan", "--config", str(tmp_path), "--gpus-per-node", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_parameters"] == sum(p.numel() for p in reference.parameters())
+    assert any("meta device" in a for a in data["assumptions"])
+
+
+def test_a_model_id_is_read_by_autoconfig_from_the_hub_cache(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # the layout huggingface_hub keeps in its cache; offline, AutoConfig reads it from there
+    repo = tmp_path / "hub" / "models--acme--tiny-moe"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    fields = dict(model_type="qwen2_moe", **SMALL_FIELDS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                  shared_expert_intermediate_size=72)
+    (repo / "snapshots" / "0123abcd" / "config.json").write_text(json.dumps(fields))
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "offload_adamw", "plan", "--config", "acme/tiny-moe", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+    assert json.loads(done.stdout)["num_parameters"] == sum(p.numel() for p in reference.parameters())
+    done = subprocess.run([sys.executable, "-m", "offload_adamw", "plan", "--config", "acme/absent"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2 and "acme/absent" in done.stderr and "Traceback" not in done.stderr

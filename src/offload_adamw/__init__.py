@@ -40,12 +40,13 @@ _EXPORTS: dict[str, str] = {
     "CheckpointCorrupt": "offload_adamw.checkpoint.store",
     "CheckpointMismatch": "offload_adamw.checkpoint.store",
     "LoadReport": "offload_adamw.checkpoint.store",
+    "trainer_optimizer": "offload_adamw.integrations.hf",
 }
 # attribute name in the defining module, where it differs from the public name
 _RENAMED = {"check_conformance": "check", "Finding": "AuditFinding", "param_groups": "named_param_groups"}
 # subpackages reachable as attributes (offload_adamw.checkpoint.save, ...)
 _SUBMODULES = ("checkpoint", "conformance", "reference", "contract", "kernels", "optim", "accel", "distributed",
-               "planning", "auditing", "demo", "cli")
+               "planning", "auditing", "integrations", "demo", "cli")
 
 __all__ = ["__version__", *_EXPORTS]
 
@@ -72,6 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from offload_adamw.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
     from offload_adamw.conformance.checker import CandidateLoadError
     from offload_adamw.conformance.checker import check as check_conformance
+    from offload_adamw.integrations.hf import trainer_optimizer
     from offload_adamw.kernels.compiled import compiled_kernel_status
     from offload_adamw.optim.loading import StateDictMismatch
     from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups

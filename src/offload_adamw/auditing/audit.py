@@ -37,8 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
-import textwrap
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -47,6 +46,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from offload_adamw._output import render_table
 from offload_adamw.optim.named_groups import named_tensors
 
 __all__ = ["AuditFinding", "GroupSummary", "AuditReport", "audit", "audit_state_dict", "shrink_factor", "KINDS"]
@@ -183,21 +183,8 @@ def _fmt(x: Optional[float]) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i]) for i in range(len(header))]
     # The last column (a message) is wrapped to the terminal instead of widening every row.
-    indent = sum(w + 2 for w in widths[:-1])
-    room = max(40, shutil.get_terminal_size((120, 24)).columns - indent)
-    widths[-1] = min(widths[-1], room)
-
-    def fmt(r: list[str]) -> list[str]:
-        head = "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths[:-1])) + "  "
-        wrapped = textwrap.wrap(r[-1], room) or [""]
-        return [head + wrapped[0]] + [" " * indent + more for more in wrapped[1:]]
-
-    out = fmt(header) + fmt(["-" * w for w in widths])
-    for r in rows:
-        out += fmt(r)
-    return out
+    return render_table(header, rows, wrap=len(header) - 1).splitlines()
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -369,7 +356,8 @@ def replay_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # order warnings about optimizer.step(): the stand-in never steps
-        for t in tqdm(range(steps), desc="replaying the lr schedule", disable=steps < 100_000, leave=False):
+        for t in tqdm(range(steps), desc="replaying the lr schedule", disable=steps < 100_000 or not sys.stderr.isatty(),
+                      leave=False):
             lrs.append([_float(g["lr"]) for g in groups])
             if t + 1 < steps:
                 shadow.step()

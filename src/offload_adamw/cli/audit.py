@@ -21,20 +21,24 @@ Contract:
   loaded with ``weights_only=True`` (no code runs), or a dict holding one as a
   top-level value (e.g. ``{"model": ..., "optimizer": ...}``).
 * ``--steps`` and ``--grad-accumulation`` override what the script returns.
-  Output: the report's tables, or with ``--json`` its JSON on stdout.
+  Output: the report's tables, or with ``--json [FILE]`` its JSON (:mod:`offload_adamw.cli.common`:
+  to FILE, or to stdout in place of the tables).
 * Exit status: 0 no fault (info findings allowed), 1 at least one error or
-  warning, 2 the input could not be loaded (the message names the file and why).
+  warning, 2 the input could not be loaded or an argument is bad (one line naming the file or
+  argument and why, before anything runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import runpy
-import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from offload_adamw.auditing.audit import AuditReport, audit, audit_state_dict
+from offload_adamw.cli import common
+
+if TYPE_CHECKING:  # imported when the command runs: --help needs no torch
+    from offload_adamw.auditing.audit import AuditReport
 
 SCRIPT_RUN_NAME = "__offload_adamw_audit__"
 DEFAULT_FUNCTION = "audit_setup"
@@ -54,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NEW or CURRENT:NEW",
         help="micro-batches per update to compare with (current defaults to 1): how updates and decay shrink change",
     )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    common.add_json_argument(parser, what="the report")
 
 
 def _parse_accumulation(text: Optional[str]) -> Any:
@@ -121,6 +125,8 @@ def _state_dict_from_checkpoint(path: Path) -> tuple[Mapping[str, Any], str]:
 
 def build_report(args: argparse.Namespace) -> AuditReport:
     """The report the command prints; raises AuditInputError when the input cannot be used."""
+    from offload_adamw.auditing.audit import AuditReport, audit, audit_state_dict
+
     path = Path(args.path)
     if not path.is_file():
         raise AuditInputError(f"{path}: no such file")
@@ -145,10 +151,13 @@ def build_report(args: argparse.Namespace) -> AuditReport:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.steps is not None and args.steps < 0:
+        raise common.UsageError(f"--steps must be a non-negative integer, got {args.steps}")
     try:
         report = build_report(args)
     except AuditInputError as exc:
-        print(f"offload-adamw audit: {exc}", file=sys.stderr)
-        return 2
-    print(report.to_json() if args.json else report.to_table())
+        raise common.UsageError(str(exc)) from None
+    if not common.json_to_stdout(args):
+        print(report.to_table())
+    common.write_json("audit", report.to_dict(), args.json)
     return 1 if report.faults else 0

@@ -13,7 +13,8 @@ shapes), the benchmark
    rotation, so that a busy machine slows the ceiling and the steps alike), peak
    RSS and the extra host memory a step allocates;
 3. prints a table, the issue's targets with met/missed, and writes JSON
-   (``--json``) and a PNG chart (``--plot``).
+   (``--json [FILE]``, :mod:`offload_adamw.cli.common`) and a PNG chart (``--plot``). Bad
+   arguments (a size, a case name) and unwritable outputs exit 2 before anything is measured.
 
 Cases (all on the same float32 state; the mixed cases take bf16 gradients and
 write a bf16 model copy):
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -53,6 +53,7 @@ from typing import Callable, Optional
 
 import torch
 
+from offload_adamw.cli import common
 from offload_adamw.planning.bandwidth import measure_host_bandwidth
 from offload_adamw.kernels.adamw import StepHyper, adamw_update_
 from offload_adamw.kernels.blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, chunk_loop_status
@@ -340,7 +341,12 @@ def measure_step(fn: Callable[[], None]) -> tuple[float, Optional[int], Optional
 # --------------------------------------------------------------------- run
 
 
+_SHOW_PROGRESS = False  # set by run() from --progress/--no-progress (default: stderr is a terminal)
+
+
 def _progress(iterable, **kw):
+    if not _SHOW_PROGRESS:
+        return iterable
     try:
         from tqdm import tqdm  # noqa: PLC0415
 
@@ -442,7 +448,7 @@ def parse_size(text: str) -> int:
     number = text[:-1] if scale != 1 else text
     try:
         value = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16M, 65536)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
@@ -540,22 +546,22 @@ def format_report(result: dict) -> str:
     for key in ("chunk_loop", "compiled_kernel", "deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
         if key in m:
             lines.append(f"{key}: {m[key]}")
-    header = f"{'case':20s} {'ms/step':>9s} {'G elem/s':>9s} {'GB/s@28B':>9s} {'of triad':>9s} {'vs ref':>7s} {'peak RSS':>9s} {'step +MiB':>9s}"
+    header = ["case", "ms/step", "G elem/s", "GB/s@28B", "of triad", "vs ref", "peak RSS", "step +MiB"]
     for size in result["sizes"]:
         lines += ["", f"{_fmt_size(size['elements'])} elements in {size['tensors']} tensors "
                       f"(state {size['state_bytes'] / MIB:.0f} MiB); in-place triad in the same rotation: "
                       f"{size['inplace_triad_gbps']:.1f} GB/s = {size['inplace_triad_gbps'] / BYTES_PER_ELEMENT:.3f} "
-                      f"G elements/s at {BYTES_PER_ELEMENT} B", header, "-" * len(header)]
+                      f"G elements/s at {BYTES_PER_ELEMENT} B"]
         cases = size["cases"]
+        rows = []
         for name, row in cases.items():
             ref = "torch-naive-bf16" if name in BF16_CASES else "torch-fused-fp32"
             vs = cases[ref]["ms_per_step"] / row["ms_per_step"] if ref in cases else float("nan")
             peak = f"{row['peak_rss_mib']:.0f}M" if row["peak_rss_mib"] is not None else "n/a"
             extra = f"{row['step_extra_mib']:.1f}" if row["step_extra_mib"] is not None else "n/a"
-            lines.append(
-                f"{name:20s} {row['ms_per_step']:9.1f} {row['elements_per_s'] / 1e9:9.3f} {row['effective_gbps']:9.2f} "
-                f"{row['fraction_of_inplace_triad']:9.2f} {vs:6.2f}x {peak:>9s} {extra:>9s}"
-            )
+            rows.append([name, f"{row['ms_per_step']:.1f}", f"{row['elements_per_s'] / 1e9:.3f}", f"{row['effective_gbps']:.2f}",
+                         f"{row['fraction_of_inplace_triad']:.2f}", f"{vs:.2f}x", peak, extra])
+        lines.append(common.render_table(header, rows, align="lrrrrrrr"))
     if result.get("chunk_sweep"):
         lines += ["", "chunk sweep (ours-bf16, first size): threads, chunk elements, ms/step, GB/s@28B"]
         for r in result["chunk_sweep"]:
@@ -612,20 +618,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="elements per array of the bandwidth probe (default 64M)")
     parser.add_argument("--chunk-sweep", action="store_true", help="also sweep chunk size and threading mode")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
-    parser.add_argument("--json", metavar="FILE", help="write all numbers as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart")
+    common.add_json_argument(parser, what="all numbers")
+    common.add_plot_argument(parser, what="a bar chart")
+    common.add_progress_argument(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
+    """The run's configuration; a bad argument raises common.UsageError (exit status 2) naming it."""
+    try:
+        sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
+    except argparse.ArgumentTypeError as exc:
+        raise common.UsageError(f"--sizes: {exc}") from None
+    if not sizes:
+        raise common.UsageError(f"--sizes: no size in {args.sizes!r}")
     cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
     unknown = [c for c in cases if c not in ALL_CASES]
-    if unknown:
-        raise SystemExit(f"offload-adamw bench: unknown case(s) {unknown}; choose from {', '.join(ALL_CASES)}")
+    if unknown or not cases:
+        raise common.UsageError(f"--cases: unknown case(s) {unknown or [args.cases]}; choose from {', '.join(ALL_CASES)}")
     if args.repeats < 1:
-        raise SystemExit("offload-adamw bench: --repeats must be at least 1")
+        raise common.UsageError(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 0:
-        raise SystemExit("offload-adamw bench: --warmup must be at least 0")
+        raise common.UsageError(f"--warmup must be at least 0, got {args.warmup}")
     config = BenchConfig(sizes=sizes, repeats=args.repeats, warmup=args.warmup, cases=cases,
                          bandwidth_elements=args.bandwidth_elements, chunk_sweep=args.chunk_sweep)
     if args.quick:
@@ -635,14 +648,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    global _SHOW_PROGRESS
     config = config_from_args(args)
+    _SHOW_PROGRESS = common.progress_wanted(args)
     result = run_benchmark(config)
-    print(format_report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"\nwrote {args.json}")
+    if not common.json_to_stdout(args):
+        print(format_report(result))
+    common.write_json("bench", result, args.json)
     if args.plot:
         write_plot(result, args.plot)
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -1,6 +1,7 @@
 """``offload-adamw check``: the conformance checker on the command line.
 
-Contract: prints the report table to stdout, writes ``--json FILE`` when asked, and
+Contract: prints the report table to stdout, or with ``--json [FILE]`` the report as JSON
+(:mod:`offload_adamw.cli.common`: to FILE, or to stdout in place of the table), and
 returns the exit status: 0 when no clause fails, 1 when any clause fails, 2 when the
 candidate cannot be loaded or the arguments are invalid (bad JSON, unknown dtype,
 unknown clause, bad mapping).
@@ -21,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from offload_adamw.cli import common
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -38,9 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the declared non-finite policy clause 13 is judged against "
                              "(default: the candidate's 'nonfinite' attribute, else reported only)")
     parser.add_argument("--device", default="cpu", help="device of the parameters (default: cpu)")
-    parser.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="also write the report as JSON to FILE")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="progress bar on stderr (default: when stderr is a terminal)")
+    common.add_json_argument(parser, what="the report", dest="json_path")
+    common.add_progress_argument(parser)
 
 
 def _json_argument(flag: str, text: str | None) -> Any:
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                 clauses = [int(part) for part in args.clauses.split(",") if part.strip()]
             except ValueError:
                 raise ValueError(f"--clauses: expected numbers separated by commas, got {args.clauses!r}") from None
-        progress = sys.stderr.isatty() if args.progress is None else args.progress
+        progress = common.progress_wanted(args)
         report = check(args.candidate, dtype=args.dtype, kwargs=kwargs, mapping=mapping, clauses=clauses,
                        nonfinite_policy=args.nonfinite, device=args.device, progress=progress)
     except CandidateLoadError as exc:
@@ -83,9 +85,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"offload-adamw check: {exc}", file=sys.stderr)
         return 2
-    print(report.to_table())
-    if args.json_path:
-        path = Path(args.json_path)
-        path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        print(f"\nwrote {path}")
+    if not common.json_to_stdout(args, "json_path"):
+        print(report.to_table())
+    common.write_json("check", report.to_json(), args.json_path)
     return 1 if report.failed else 0

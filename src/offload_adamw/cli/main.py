@@ -2,8 +2,15 @@
 
 Each subcommand lives in its own module that exposes two functions:
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status). The
-modules are imported only when their subcommand runs, so ``--help`` stays fast
-and a subcommand whose optional dependency is missing does not break the others.
+modules are imported only when their subcommand runs, so ``--help`` and ``plan``
+stay fast (no torch) and a subcommand whose optional dependency is missing does
+not break the others.
+
+One error path for all of them (:mod:`offload_adamw.cli.common`): argparse errors,
+:class:`~offload_adamw.cli.common.UsageError` and an optional package missing for
+what was asked end with exit status 2 and one line on stderr; output paths and
+the packages outputs need are checked after parsing, before ``run()``; a closed
+stdout ends the command quietly with status 141.
 """
 
 from __future__ import annotations
@@ -13,14 +20,24 @@ import importlib
 import sys
 
 from offload_adamw._version import __version__
+from offload_adamw.cli import common
 
 # name -> (module, one-line help). Order is the order shown by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("offload_adamw.demo.runs", "train a small Llama three ways and show where a naive offload drifts"),
+    "demo": ("offload_adamw.cli.demo", "train a small Llama three ways and show where a naive offload drifts"),
     "check": ("offload_adamw.cli.check", "check an optimizer against the AdamW contract, clause by clause"),
     "plan": ("offload_adamw.cli.plan", "what fits where for a model and a cluster, and how fast a step can be"),
     "bench": ("offload_adamw.cli.bench", "measure host bandwidth and the optimizer step against torch and DeepSpeed"),
     "audit": ("offload_adamw.cli.audit", "audit the optimizer set-up of a training script or checkpoint"),
+}
+
+# what exit statuses 0 and 1 mean per subcommand (2 and 141 mean the same everywhere)
+EXIT_MEANINGS: dict[str, dict[int, str]] = {
+    "demo": {0: "the demo ran and wrote its files"},
+    "check": {0: "no clause fails", 1: "at least one clause fails"},
+    "plan": {0: "a strategy this project provides fits", 1: "none fits"},
+    "bench": {0: "the benchmark ran"},
+    "audit": {0: "no error or warning (info findings allowed)", 1: "at least one error or warning"},
 }
 
 # optional package -> the extra of pyproject.toml that brings it
@@ -28,9 +45,10 @@ OPTIONAL_EXTRAS = {"matplotlib": "plot", "transformers": "hf", "accelerate": "hf
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = common.Parser(
         prog="offload-adamw",
         description="AdamW with its state in host memory, a conformance checker, a memory planner.",
+        epilog="Run 'offload-adamw COMMAND --help' for a command's options.\n\n" + common.exit_codes_text(),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -40,11 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the command line; returns the exit status (see :mod:`offload_adamw.cli.common`)."""
+    try:
+        status = _dispatch(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return common.closed_pipe()
+
+
+def _fail(name: str, message: str) -> int:
+    print(f"offload-adamw {name}: {message}", file=sys.stderr)
+    return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     if not argv or argv[0] not in SUBCOMMANDS:
         # Top-level --help/--version, or an unknown command: argparse reports it.
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:
+            return int(exc.code or 0) if not isinstance(exc.code, str) else 2
         if args.command is None:
             parser.print_help()
         return 0
@@ -53,20 +88,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        print(f"offload-adamw {name}: not available ({exc})", file=sys.stderr)
-        return 2
-    sub_parser = argparse.ArgumentParser(prog=f"offload-adamw {name}", description=help_text)
+        extra = OPTIONAL_EXTRAS.get((exc.name or "").split(".")[0])
+        hint = f"; install it with: pip install 'offload-adamw[{extra}]'" if extra else ""
+        return _fail(name, f"not available (needs {exc.name}{hint})")
+    sub_parser = common.Parser(prog=f"offload-adamw {name}", description=help_text,
+                               epilog=common.exit_codes_text(EXIT_MEANINGS.get(name)))
     module.add_arguments(sub_parser)
-    args = sub_parser.parse_args(argv[1:])
     try:
+        args = sub_parser.parse_args(argv[1:])
+    except SystemExit as exc:  # --help (0) or a usage error (2, already reported on one line)
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    try:
+        common.check_outputs(sub_parser, args)
         return int(module.run(args) or 0)
+    except (common.UsageError, argparse.ArgumentTypeError) as exc:
+        return _fail(name, str(exc))
     except ModuleNotFoundError as exc:
-        # An optional dependency that this use of the command needs (e.g. matplotlib for --plot).
+        # An optional dependency that this use of the command needs and that no check caught earlier.
         extra = OPTIONAL_EXTRAS.get((exc.name or "").split(".")[0])
         if extra is None:
             raise
-        print(f"offload-adamw {name}: needs {exc.name}; install it with: pip install 'offload-adamw[{extra}]'", file=sys.stderr)
-        return 2
+        return _fail(name, f"needs {exc.name}; install it with: pip install 'offload-adamw[{extra}]'")
 
 
 if __name__ == "__main__":  # pragma: no cover

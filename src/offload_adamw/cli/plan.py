@@ -1,24 +1,35 @@
 """``offload-adamw plan``: what each GPU and each node holds, per strategy, and which one to use.
 
-Contract: reads a model (``--preset``, ``--config config.json`` or ``--params N``),
-the cluster and the training set-up from the command line, prints tables (or
-JSON with ``--json``), optionally writes a PNG of stacked bars per strategy
-against the GPU and host capacities (``--plot FILE.png``). Exit status 0 when a
-strategy fits, 1 when none does, 2 on bad input. ``--measure`` takes the host
-memory bandwidth from ``offload_adamw.planning.bandwidth.measure_host_bandwidth()``
-(imported only then); when that module is not installed it says so and keeps
-the documented default.
+Contract: reads a model (``--preset``, ``--config`` or ``--params N``), the cluster and the
+training set-up from the command line, prints tables (or JSON with ``--json``, see
+:mod:`offload_adamw.cli.common`), optionally writes a PNG of stacked bars per strategy against
+the GPU and host capacities (``--plot FILE.png``). Exit status 0 when a strategy this project
+provides fits, 1 when none does, 2 on bad input. Only provided strategies are recommended; the
+others (``planner.COMPARISONS``) are shown marked as comparisons.
+
+``--config`` takes a ``config.json``, or a directory holding one, read without transformers
+(Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V3). With transformers installed it also
+takes whatever ``AutoConfig.from_pretrained`` reads (a model id, a cached model), and a config of
+another architecture is counted from the model built on the meta device (activations then not
+estimated). Without transformers such a config is refused, naming the model_type or key.
+
+No torch import unless ``--measure`` or the meta-device count needs it. ``--measure`` takes the
+host memory bandwidth from ``offload_adamw.planning.bandwidth.measure_host_bandwidth()``
+(imported only then); when that module is not installed it says so and keeps the default.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import importlib.util
+import math
+import os
 import re
 import sys
 from typing import Any, Optional
 
+from offload_adamw.cli import common
 from offload_adamw.planning import planner
 from offload_adamw.planning.planner import GB, HardwareConfig, Plan, TrainingConfig
 
@@ -31,6 +42,8 @@ def parse_count(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (examples: 7e9, 70B, 125M)")
     value = float(match.group(1)) * _SUFFIXES[match.group(2)]
+    if not math.isfinite(value) or value > 1e18:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} is out of range (at most 1e18)")
     if value < 1 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole positive parameter count: {text!r}")
     return int(value)
@@ -44,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw, tr = _defaults()
     model = parser.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
     model.add_argument("--preset", choices=sorted(planner.PRESETS), help="a built-in model configuration")
-    model.add_argument("--config", metavar="CONFIG_JSON", help="a Hugging Face config.json (Llama, Mistral, Qwen2-style)")
+    model.add_argument("--config", metavar="CONFIG",
+                       help="a Hugging Face config.json or a directory holding one (Llama, Mistral, Qwen2, Mixtral, "
+                            "Qwen2-MoE, DeepSeek-V3); with transformers installed, whatever AutoConfig reads")
     model.add_argument("--params", type=parse_count, metavar="N", help="only a parameter count (7e9, 70B): no activations")
 
     h = parser.add_argument_group("hardware (defaults: one DGX H100-class node)")
@@ -76,8 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--amsgrad", action="store_true")
 
     o = parser.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
-    o.add_argument("--plot", metavar="FILE.png", help="write stacked bars per strategy against the capacities")
+    common.add_json_argument(parser, what="the plan", parent=o)
+    common.add_plot_argument(parser, what="stacked bars per strategy against the capacities", parent=o)
 
 
 def measured_host_bandwidth(**probe_options: Any) -> tuple[Optional[float], str]:
@@ -109,13 +124,66 @@ _BANDWIDTH_KEYS = (
 )
 
 
+def _transformers_installed() -> bool:
+    try:
+        return importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def model_from_config_argument(text: str) -> planner.Model:
+    """The model of ``--config``: a config.json, a directory holding one, or (with transformers) what AutoConfig reads."""
+    if os.path.exists(text):
+        raw, name = planner.read_hf_config(text)
+        try:
+            return planner.model_from_hf_dict(raw, name=name, source=text)
+        except planner.UnsupportedConfig as exc:
+            if not _transformers_installed():
+                raise ValueError(f"{exc}; with transformers installed it is counted from the model itself") from None
+            from transformers import AutoConfig
+
+            config = AutoConfig.for_model(**raw) if "model_type" in raw else None
+            if config is None:
+                raise
+            return _meta_device_model(config, name)
+    if not _transformers_installed():
+        raise ValueError(f"--config {text!r}: no such file or directory (a model id needs transformers installed)")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(text)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--config {text!r}: neither a file nor a directory, and AutoConfig cannot read it: "
+                         f"{str(exc).splitlines()[0]}") from None
+    name = text.rstrip("/").split("/")[-1]
+    try:
+        return planner.model_from_hf_dict(config.to_dict(), name=name, source=text)
+    except planner.UnsupportedConfig:
+        return _meta_device_model(config, name)
+
+
+def _meta_device_model(config: Any, name: str) -> planner.ParamShapesModel:
+    """Names and shapes of the trainable tensors of the transformers model for ``config``, built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"--config: transformers cannot build a causal LM for model_type "
+                         f"{getattr(config, 'model_type', '?')!r}: {str(exc).splitlines()[0]}") from None
+    shapes = tuple((n, tuple(int(d) for d in p.shape)) for n, p in model.named_parameters() if p.requires_grad)
+    return planner.ParamShapesModel(name=name, shapes=shapes)
+
+
 def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     """The plan for parsed arguments, and messages for the user. Raises ValueError/OSError on bad input."""
     messages: list[str] = []
     if args.preset:
         model: planner.Model = planner.PRESETS[args.preset]
     elif args.config:
-        model = planner.model_from_hf_config(args.config)
+        model = model_from_config_argument(args.config)
     else:
         model = planner.ParamCountModel(name=f"--params {args.params:,}", params=args.params)
     host_bw = args.host_bandwidth_gbps * GB
@@ -142,9 +210,12 @@ def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+    """First column (the strategy) left, numbers right; wraps the strategy names when the terminal is narrow."""
+    return common.render_table(headers, rows, align="l" + "r" * (len(headers) - 1), wrap=0)
+
+
+def _label(s: planner.StrategyPlan) -> str:
+    return f"{s.name} (comparison)" if s.comparison else s.name
 
 
 def _gb(x: float) -> str:
@@ -178,21 +249,21 @@ def render(result: Plan) -> str:
 
     rows = []
     for s in result.strategies:
-        rows.append([s.name, *bill_cells(s.gpu), _gb(s.gpu.activations), _gb(s.gpu.buffers), _gb(s.gpu.reserved),
+        rows.append([_label(s), *bill_cells(s.gpu), _gb(s.gpu.activations), _gb(s.gpu.buffers), _gb(s.gpu.reserved),
                      _gb(s.gpu.total), _margin(s.gpu_margin)])
     out.append("Memory per GPU (GB)")
     out.append(_table(["strategy", "params", "grads", *state_cols, "activ.", "buffers", "reserved", "total", "margin"], rows))
     out.append("")
     rows = []
     for s in result.strategies:
-        rows.append([s.name, *bill_cells(s.host), _gb(s.host.step_counts), _gb(s.host.reserved), _gb(s.host.total),
+        rows.append([_label(s), *bill_cells(s.host), _gb(s.host.step_counts), _gb(s.host.reserved), _gb(s.host.total),
                      _margin(s.host_margin), "yes" if s.fits else "no"])
     out.append("Host memory per node (GB)")
     out.append(_table(["strategy", "params", "grads", *state_cols, "steps", "reserved", "total", "margin", "fits GPU+host"], rows))
     out.append("")
     rows = []
     for s in result.strategies:
-        rows.append([s.name, _gb(s.pcie_h2d_bytes), _gb(s.pcie_d2h_bytes), _gb(s.host_memory_traffic_bytes),
+        rows.append([_label(s), _gb(s.pcie_h2d_bytes), _gb(s.pcie_d2h_bytes), _gb(s.host_memory_traffic_bytes),
                      _gb(s.gpu_memory_traffic_bytes), f"{s.step_time_lower_bound_s:.3f}", s.bottleneck])
     out.append("Traffic per training step (GB) and the optimizer step-time lower bound")
     out.append(_table(["strategy", "PCIe h2d/GPU", "PCIe d2h/GPU", "host mem/node", "GPU mem/GPU", "bound s", "set by"], rows))
@@ -263,16 +334,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         result, messages = build(args)
     except (ValueError, OSError) as exc:
-        print(f"offload-adamw plan: {exc}", file=sys.stderr)
-        return 2
+        raise common.UsageError(str(exc)) from None
     for message in messages:
         print(message, file=sys.stderr)
-    if args.json:
-        payload = result.as_dict()
-        payload["messages"] = messages
-        print(json.dumps(payload, indent=2))
-    else:
+    if not common.json_to_stdout(args):
         print(render(result))
+    if args.json is not None:
+        common.write_json("plan", {**result.as_dict(), "messages": messages}, args.json)
     if args.plot:
         write_plot(result, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)

@@ -4,16 +4,19 @@ Contract: a :class:`Report` holds one :class:`ClauseResult` per clause run, in c
 order. ``verdict`` is one of ``pass``, ``fail``, ``n/a`` (the question cannot be asked
 of this candidate here) and ``info`` (reported, never judged). ``deviation`` is the
 measured distance that decided the verdict (relative, see each clause), or None where
-the clause measures no distance. ``to_json()`` holds only JSON types.
+the clause measures no distance. ``to_json()`` holds only JSON types: a non-finite deviation is
+``null`` there and its path is listed under ``"nonfinite"`` (:func:`offload_adamw._output.finite_json`).
+``to_table()`` fits the terminal's width (``COLUMNS``).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
+
+from offload_adamw._output import finite_json, render_table, terminal_width
 
 __all__ = ["VERDICTS", "ClauseResult", "Report"]
 
@@ -76,39 +79,24 @@ class Report:
         raise KeyError(f"clause {number} was not run")
 
     def to_json(self) -> dict[str, Any]:
-        def clean(value: Any) -> Any:
-            if isinstance(value, float) and not math.isfinite(value):
-                return str(value)  # JSON has no inf/nan
-            return value
-
-        return {
+        return finite_json({
             "candidate": self.candidate,
             "dtype": self.dtype,
             "device": self.device,
             "seconds": round(self.seconds, 3),
             "failed": [r.number for r in self.failed],
-            "results": [{k: clean(v) for k, v in asdict(r).items()} for r in self.results],
-        }
+            "results": [asdict(r) for r in self.results],
+        })
 
     def to_table(self, width: Optional[int] = None) -> str:
         """A terminal table (clause, verdict, deviation, consequence), then the details."""
-        width = width or max(100, min(160, shutil.get_terminal_size((120, 20)).columns))
-        rows = [("#", "clause", "verdict", "deviation", "consequence when broken")]
-        for r in self.results:
-            rows.append((str(r.number), r.name, r.verdict.upper() if r.verdict == "fail" else r.verdict,
-                          _format_deviation(r.deviation), r.consequence))
-        fixed = [max(len(row[i]) for row in rows) for i in range(4)]
-        last = max(30, width - sum(fixed) - 2 * 4)
+        width = width or terminal_width()
+        rows = [[str(r.number), r.name, r.verdict.upper() if r.verdict == "fail" else r.verdict,
+                 _format_deviation(r.deviation), r.consequence] for r in self.results]
         lines = [f"conformance of {self.candidate} to the AdamW contract ({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)",
                  "the section of the contract each clause checks: docs/contract.md, section Checker clauses", ""]
-        for i, row in enumerate(rows):
-            wrapped = textwrap.wrap(row[4], last) or [""]
-            head = "  ".join(cell.ljust(fixed[j]) for j, cell in enumerate(row[:4]))
-            lines.append(f"{head}  {wrapped[0]}")
-            pad = " " * (len(head) + 2)
-            lines.extend(pad + extra for extra in wrapped[1:])
-            if i == 0:
-                lines.append("-" * min(width, len(head) + 2 + last))
+        lines.append(render_table(["#", "clause", "verdict", "deviation", "consequence when broken"], rows,
+                                  align="rllrl", wrap=4, width=width))
         lines.append("")
         verdicts = {v: sum(r.verdict == v for r in self.results) for v in VERDICTS}
         lines.append("  ".join(f"{n} {v}" for v, n in verdicts.items()))
@@ -116,5 +104,5 @@ class Report:
         for r in self.results:
             lines.append(f"[{r.number}] {r.name}: {r.verdict}")
             for paragraph in r.detail.splitlines() or [""]:
-                lines.extend("    " + s for s in (textwrap.wrap(paragraph, width - 4) or [""]))
+                lines.extend("    " + s for s in (textwrap.wrap(paragraph, max(20, width - 4)) or [""]))
         return "\n".join(lines)

@@ -29,14 +29,14 @@ Contract:
   reports the clauses it fails, and includes the planner's memory bill
   (:mod:`offload_adamw.planning.planner`). Both are imported where they are used, so that an error in
   either is reported in the demo's output instead of ending the run.
-* Writes ``loss_curves.png``, ``report.md`` and ``results.json`` into ``--out`` and prints where
-  they are; ``--json`` prints the results as JSON on stdout instead of the human summary.
+* Writes ``loss_curves.png``, ``report.md`` and ``results.json`` (a JSON document with
+  ``schema_version``, :mod:`offload_adamw._output`) into the output directory. The command line
+  (``--out``, ``--json``, the printed summary) is :mod:`offload_adamw.cli.demo`.
 * The default ``--steps`` keeps the whole run under 3 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib
 import inspect
@@ -55,12 +55,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from offload_adamw._output import json_document
 from offload_adamw.optim.state import state_tensor_bytes
 from offload_adamw.demo.data import VOCAB_SIZE, CorpusConfig, load_corpus
 from offload_adamw.demo.naive import NaiveOffloadAdamW
 from offload_adamw.optim.optimizer import OffloadAdamW
 
-__all__ = ["DemoConfig", "RunResult", "run_demo", "add_arguments", "run"]
+__all__ = ["DemoConfig", "RunResult", "run_demo"]
 
 DEFAULT_STEPS = 100
 
@@ -357,7 +358,7 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
+        return value  # a non-finite one becomes null (named under "nonfinite") when the JSON is written
     if isinstance(value, Tensor):
         return _jsonable(value.item() if value.numel() == 1 else value.tolist())
     if isinstance(value, dict):
@@ -420,7 +421,7 @@ def run_demo(config: DemoConfig, out_dir: Path, *, progress: bool = True, log: C
     summary["files"] = files
     _plot(results, config, Path(files["plot"]))
     Path(files["report"]).write_text(_report_markdown(summary, results))
-    Path(files["results"]).write_text(json.dumps(summary, indent=2))
+    Path(files["results"]).write_text(json.dumps(json_document("demo", summary), indent=2, allow_nan=False))
     return summary
 
 
@@ -560,80 +561,3 @@ def _report_markdown(summary: dict[str, Any], results: list[RunResult]) -> str:
         lines.append(f"Not run: {findings['reason']}.")
     lines += ["", "![loss curves](loss_curves.png)", ""]
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"optimizer steps per run, four runs (default {DEFAULT_STEPS}: under 3 minutes on 2 cores)")
-    parser.add_argument("--out", type=Path, default=Path("offload-adamw-demo"),
-                        help="directory for loss_curves.png, report.md and results.json (default ./offload-adamw-demo)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout (progress stays on stderr)")
-    parser.add_argument("--no-check", dest="check", action="store_false",
-                        help="skip the conformance check of the naive optimizer")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.steps < 2:
-        print("offload-adamw demo: --steps must be at least 2", file=sys.stderr)
-        return 2
-    missing = []
-    for name in ("transformers", "matplotlib"):  # optional dependencies: the `demo` extra
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    if missing:
-        print(
-            f"offload-adamw demo: needs {' and '.join(missing)} (the model and the plot); "
-            "install them with: pip install 'offload-adamw[demo]'",
-            file=sys.stderr,
-        )
-        return 2
-    config = DemoConfig(steps=args.steps, check=args.check, warmup_steps=min(10, max(1, args.steps // 6)))
-    quiet = args.json
-    log = (lambda msg: print(msg, file=sys.stderr)) if quiet else print
-    summary = run_demo(config, args.out, progress=args.progress, log=log)
-    if quiet:
-        print(json.dumps(summary, indent=2))
-        return 0
-    _print_summary(summary)
-    return 0
-
-
-def _print_summary(summary: dict[str, Any]) -> None:
-    runs = summary["runs"]
-    header = f"{'run':<60} {'train':>7} {'val':>7} {'max|Δθ|':>9} {'max|Δloss|':>10} {'dist':>6} {'ms/step':>8}"
-    print()
-    print(header)
-    print("-" * len(header))
-    for info in runs.values():
-        diff = "-" if info["max_param_diff"] is None else f"{info['max_param_diff']:.3g}"
-        ldiff = "-" if info["max_loss_diff"] is None else f"{info['max_loss_diff']:.3g}"
-        dist = f"{info['param_distance'][-1]:.3f}" if info["param_distance"] else "-"
-        print(f"{info['label']:<60} {info['final_train_loss']:>7.4f} {info['final_val_loss']:>7.4f} {diff:>9} "
-              f"{ldiff:>10} {dist:>6} {info['median_step_ms']:>8.0f}")
-    bill = summary["planner"]
-    print()
-    state = ", ".join(f"{info['label'].split(',')[0]} {info['dtype']}: {info['state_bytes_per_param']:.1f} B/param"
-                      for info in runs.values())
-    print(f"optimizer state measured: {state}")
-    if bill.get("available"):
-        print(f"planner: host bytes of OffloadAdamW's state for the bf16 model {bill['predicted_host_optimizer_bytes']:,} "
-              f"predicted, {bill['measured_host_optimizer_bytes']:,} measured")
-    findings = summary["conformance"]
-    print()
-    if findings.get("available"):
-        if findings.get("table"):
-            print(f"conformance checker on the naive offload ({findings['dtype']} parameters):")
-            print(findings["table"])
-        failed = ", ".join(f"{c['number']} {c['name']}" for c in findings["failed"]) or "none"
-        print(f"clauses the naive offload fails: {failed}")
-    else:
-        print(f"conformance check: {findings['reason']}")
-    print()
-    for what, path in summary["files"].items():
-        print(f"{what:>8}: {path}")

@@ -33,7 +33,6 @@ Contract:
 from __future__ import annotations
 
 import os
-import resource
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,11 @@ import torch
 from offload_adamw.contract import bills
 from offload_adamw.distributed import local_tensor
 from offload_adamw.optim.state import dtype_name
+
+try:
+    import resource  # POSIX only: the locked-memory limit
+except ImportError:  # Windows: no such limit to report
+    resource = None  # type: ignore[assignment]
 
 __all__ = ["HostMemory", "HostMemoryError", "StateBill", "cgroup_free", "check_host_memory", "host_memory", "state_bill"]
 
@@ -225,9 +229,7 @@ def cgroup_free(*, proc_cgroup: Optional[Path] = None, root: Optional[Path] = No
 
 def _address_space_free() -> Optional[int]:
     """RLIMIT_AS minus the address space this process already maps; None when unlimited or unknown."""
-    try:
-        import resource
-    except ImportError:
+    if resource is None:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
@@ -267,8 +269,8 @@ def host_memory(*, available_bytes: Optional[int] = None) -> HostMemory:
         address_space = _address_space_free()
         if address_space is not None:
             sources["RLIMIT_AS - address space in use"] = address_space
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    soft = None if resource is None else resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    memlock = None if soft is None or soft == resource.RLIM_INFINITY else int(soft)
     available = min(sources.values()) if sources else -1
     return HostMemory(available=available, sources=sources, memlock_limit=memlock)
 

@@ -1,0 +1,229 @@
+"""What every subcommand shares: one error path, one ``--json`` convention, one progress switch.
+
+Exit status, the same for every subcommand (each ``--help`` lists it, with what 0 and 1 mean there):
+
+* 0: done, and the answer is positive;
+* 1: done, and the answer is negative (a clause fails, nothing fits, the audit has faults);
+* 2: usage error, found before any work starts: a bad argument or input file, an output path
+  that cannot be written, an optional package that the asked-for output needs. One line on
+  stderr, ``offload-adamw COMMAND: ...``, names the culprit; no traceback;
+* 141: stdout was closed before everything was written (``... | head -1``); the command ends
+  quietly, as a process killed by SIGPIPE would.
+
+Contract:
+
+* :class:`UsageError` raised by a subcommand's ``run()`` (or by :func:`check_outputs`) is
+  turned into exit status 2 by :func:`offload_adamw.cli.main.main`; so are argparse's errors
+  (:class:`Parser` writes them as one line).
+* ``--json [FILE]`` (:func:`add_json_argument`) means the same in every subcommand: the
+  result as a JSON document written to FILE; with no FILE, or ``-``, to stdout in place of
+  the tables. Messages and progress bars always go to stderr. Every document starts with
+  ``schema_version`` and ``command`` and holds only finite numbers
+  (:func:`offload_adamw._output.finite_json`: non-finite values are ``null``, listed
+  under ``"nonfinite"``).
+* Output files (``--json FILE``, ``--plot FILE.png``) are registered by
+  :func:`add_json_argument` and :func:`add_plot_argument`; :func:`check_outputs` checks
+  them after parsing and before ``run()``: the directory exists and is writable, the path is
+  not a directory, and the packages the output needs (matplotlib for ``--plot``) import.
+* ``--progress/--no-progress`` (:func:`add_progress_argument`): progress bars on stderr;
+  by default only when stderr is a terminal, never into a log file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from offload_adamw._output import (
+    SCHEMA_VERSION,
+    finite_json,
+    json_document,
+    render_table,
+    terminal_width,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "EXIT_CLOSED_PIPE",
+    "UsageError",
+    "Parser",
+    "exit_codes_text",
+    "add_json_argument",
+    "add_plot_argument",
+    "add_progress_argument",
+    "check_outputs",
+    "writable_file",
+    "writable_directory",
+    "require_package",
+    "json_to_stdout",
+    "write_json",
+    "progress_wanted",
+    "closed_pipe",
+    "render_table",
+    "terminal_width",
+    "finite_json",
+    "json_document",
+]
+
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+
+_OUTPUTS_ATTR = "_offload_adamw_outputs"  # on a parser: [(dest, flag, needs)] of its output-file arguments
+
+
+class UsageError(Exception):
+    """A bad argument or input, found before any work: exit status 2 and the message on one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2) and the help's epilog printed as written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:  # argparse's hook; never returns
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def exit_codes_text(meanings: Optional[dict[int, str]] = None) -> str:
+    """The exit-status list for a ``--help`` epilog; ``meanings`` says what 0 and 1 mean for the command."""
+    meanings = meanings or {}
+    lines = ["exit status:"]
+    lines.append(f"  0    {meanings.get(0, 'done')}")
+    if 1 in meanings:
+        lines.append(f"  1    {meanings[1]}")
+    lines.append("  2    usage error (bad argument, input, output path or missing optional package), before any work")
+    lines.append(f"  {EXIT_CLOSED_PIPE}  stdout closed early (e.g. piped into head); ends quietly")
+    return "\n".join(lines)
+
+
+def _register(parser: argparse.ArgumentParser, dest: str, flag: str, needs: Sequence[tuple[str, str]]) -> None:
+    outputs = getattr(parser, _OUTPUTS_ATTR, None)
+    if outputs is None:
+        outputs = []
+        setattr(parser, _OUTPUTS_ATTR, outputs)
+    outputs.append((dest, flag, tuple(needs)))
+
+
+def add_json_argument(parser: argparse.ArgumentParser, *, what: str = "the result", dest: str = "json",
+                      parent: Optional[Any] = None) -> None:
+    """``--json [FILE]``: ``what`` as JSON to FILE, or with no FILE (or ``-``) to stdout instead of the tables.
+
+    ``parent`` is an argument group of ``parser`` to list it in.
+    """
+    (parent or parser).add_argument("--json", dest=dest, nargs="?", const="-", default=None, metavar="FILE",
+                        help=f"write {what} as JSON to FILE; with no FILE or '-', to stdout instead of the tables")
+    _register(parser, dest, "--json", ())
+
+
+def add_plot_argument(parser: argparse.ArgumentParser, *, what: str = "a chart", dest: str = "plot",
+                      parent: Optional[Any] = None) -> None:
+    """``--plot FILE.png`` (needs matplotlib, the ``plot`` extra); ``parent`` is an argument group to add it to."""
+    (parent or parser).add_argument("--plot", dest=dest, metavar="FILE.png", default=None,
+                                    help=f"write {what} as a PNG (needs matplotlib: pip install 'offload-adamw[plot]')")
+    _register(parser, dest, "--plot", (("matplotlib", "plot"),))
+
+
+def add_progress_argument(parser: argparse.ArgumentParser) -> None:
+    """``--progress/--no-progress``: progress bars on stderr (default: only when stderr is a terminal)."""
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bars on stderr (default: only when stderr is a terminal)")
+
+
+def progress_wanted(args: argparse.Namespace) -> bool:
+    """Whether to draw progress bars: the flag when given, else whether stderr is a terminal."""
+    chosen = getattr(args, "progress", None)
+    if chosen is not None:
+        return bool(chosen)
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
+def writable_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` as a Path once it is clear that a file can be written there; else UsageError naming ``flag``."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{flag} {str(target)!r}: is a directory; give a file name")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.exists():
+        raise UsageError(f"{flag} {str(target)!r}: directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {str(target)!r}: {str(parent)!r} is not a directory")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"{flag} {str(target)!r}: the file is not writable")
+    if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {str(target)!r}: directory {str(parent)!r} is not writable")
+    return target
+
+
+def writable_directory(path: str | os.PathLike[str], flag: str) -> Path:
+    """A directory that exists and is writable, or can be created; else UsageError naming ``flag``."""
+    target = Path(path)
+    if target.exists():
+        if not target.is_dir():
+            raise UsageError(f"{flag} {str(target)!r}: exists and is not a directory")
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {str(target)!r}: the directory is not writable")
+        return target
+    ancestor = target.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {str(target)!r}: cannot be created ({str(ancestor)!r} is not a writable directory)")
+    return target
+
+
+def require_package(module: str, extra: str, why: str) -> None:
+    """UsageError unless ``module`` can be imported (found without importing it)."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules (blocked) or a broken package
+        found = False
+    if not found or sys.modules.get(module, 0) is None:
+        raise UsageError(f"{why} needs {module}; install it with: pip install 'offload-adamw[{extra}]'")
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every registered output of ``parser`` that ``args`` asks for can be written, and its packages import."""
+    for dest, flag, needs in getattr(parser, _OUTPUTS_ATTR, ()):
+        value = getattr(args, dest, None)
+        if value is None or value == "-":
+            continue
+        for module, extra in needs:
+            require_package(module, extra, f"{flag} {value}")
+        writable_file(value, flag)
+
+
+def json_to_stdout(args: argparse.Namespace, dest: str = "json") -> bool:
+    """Whether ``--json`` sends the document to stdout (and the tables are left out)."""
+    return getattr(args, dest, None) == "-"
+
+
+def write_json(command: str, body: dict[str, Any], target: Optional[str]) -> None:
+    """Write ``body`` as the JSON document of ``command`` to ``target`` ('-' is stdout; None writes nothing)."""
+    if target is None:
+        return
+    text = json.dumps(json_document(command, body), indent=2, allow_nan=False) + "\n"
+    if target == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    Path(target).write_text(text)
+    print(f"wrote {target}", file=sys.stderr)
+
+
+def closed_pipe() -> int:
+    """After a BrokenPipeError on stdout: silence further writes (also at exit) and return the exit status."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (captured): nothing to silence
+        pass
+    return EXIT_CLOSED_PIPE

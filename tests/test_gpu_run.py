@@ -1,0 +1,249 @@
+"""benchmarks/gpu_run.py, the prepared GPU run: rehearsed on the CPU so that it cannot rot unnoticed.
+
+The GPU machine is lent rarely and briefly; these tests make sure that what it will run still runs
+(the CPU rehearsal), that a hanging or crashing row loses only itself (the driver's limits), and that
+the trace analysis the overlap figures come from reads a Kineto trace as expected.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu_run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_run"] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_run = _module()
+
+
+def _run(outdir: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(outdir), *args], check=False, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def _every_row_has_a_status(result: dict) -> None:
+    sizes = gpu_run.Sizes(**{**result["sizes"], "host_threads": tuple(result["sizes"]["host_threads"])})
+    for section in gpu_run.all_sections(sizes):
+        rows = result["sections"][section.name]["rows"]
+        assert list(rows) == [r.name for r in section.rows], f"{section.name}: rows missing or out of order"
+        for name, row in rows.items():
+            assert row["status"] != "not run", f"{section.name}/{name} never ran and was not skipped"
+
+
+def test_a_hanging_row_and_a_crashing_row_lose_only_themselves(tmp_path: Path) -> None:
+    """The driver kills a row past its limit and a child that dies, and runs the rows after each."""
+    done = _run(tmp_path, "--cpu-rehearsal", "--quick", "--only", "selftest",
+                env={gpu_run.SELFTEST_ENV: "1", "GPU_RUN_SELFTEST_LIMIT": "2"}, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr  # the two lost rows are reported
+    result = json.loads((tmp_path / "gpu_run.json").read_text())
+    assert result["schema_version"] == gpu_run.SCHEMA_VERSION and result["mode"] == "cpu-rehearsal"
+    rows = result["sections"]["selftest"]["rows"]
+    assert rows["hangs"]["status"].startswith("timeout"), rows["hangs"]
+    assert rows["hangs"]["partial"] == {"measured_before_the_hang": 1}  # what it reported before hanging is kept
+    assert rows["crashes"]["status"] == "error: child exited with 3", rows["crashes"]
+    assert rows["after"]["status"] == "ok"
+    assert all(r["status"] == "skipped: not selected (--only)" for r in result["sections"]["parity"]["rows"].values())
+    assert result["sections"]["pcie"]["rows"]["pinned-peak"]["status"] == "skipped: not selected (--only)"
+    _every_row_has_a_status(result)
+    assert "rows not ok: selftest/hangs, selftest/crashes" in done.stdout
+    assert (tmp_path / "gpu_run.log").read_text().count("selftest/after: ok") == 1
+
+
+def test_quick_cpu_rehearsal_runs_every_section(tmp_path: Path) -> None:
+    """Every section has a status; what runs on the CPU runs and finds parity; the CUDA rows say why not."""
+    done = _run(tmp_path, "--cpu-rehearsal", "--quick")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "gpu_run.json").read_text())
+    assert result["schema_version"] == gpu_run.SCHEMA_VERSION
+    _every_row_has_a_status(result)
+    sections = result["sections"]
+    assert {r["status"] for r in sections["pcie"]["rows"].values()} == {"skipped: no CUDA"}
+    assert sections["gpu_tests"]["rows"]["pytest -m gpu"]["status"] == "skipped: no CUDA"
+    for name, row in sections["parity"]["rows"].items():
+        if row["status"] == "ok":
+            assert row["bitwise"] and row["first_step_gradients_bitwise"], name
+        else:
+            assert row["status"].startswith("skipped: compile rows off"), (name, row)
+    assert {k for k, r in sections["llama"]["rows"].items() if r["status"] == "ok"} == {"a", "b", "c", "d"}
+    overlap = sections["llama"]["rows"]["d"]["overlap"]  # the trace was exported and its ranges found; no device
+    assert not overlap["measured"] and overlap["why"] == "no kernels correlated with the fwd_bwd range", overlap
+    assert set(sections["host"]["rows"]["threads-1"]["cases"]) == {
+        "ours-bf16 (default kernel)", "torch-fused-fp32", "naive-bf16-preallocated"}
+    assert {t["target"].split(":")[0] for t in result["targets"]} >= {"pcie h2d", "pcie d2h"}
+    assert all(t["met"] is None for t in result["targets"])  # CPU stand-ins judge no target
+    assert "targets (reported against, not tuned to):" in done.stdout
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert pngs == ["gpu_run_host_threads.png", "gpu_run_llama.png"]
+    else:
+        assert "matplotlib is not installed" in done.stdout
+
+
+def test_without_cuda_the_gpu_run_refuses_and_says_how_to_rehearse(tmp_path: Path) -> None:
+    if gpu_run_cuda_available():
+        pytest.skip("CUDA is available")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_run.py"), str(tmp_path)],
+                          check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2 and "--cpu-rehearsal" in done.stderr
+
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    bad = _run(tmp_path, "--cpu-rehearsal", "--only", "nonsense", timeout=120)
+    assert bad.returncode == 2 and "unknown section(s) ['nonsense']" in bad.stdout + bad.stderr
+    assert not (tmp_path / "gpu_run.json").exists()
+    no_outdir = subprocess.run(["bash", str(SCRIPT)], check=False, capture_output=True, text=True)
+    assert no_outdir.returncode == 2 and "usage:" in no_outdir.stderr
+
+
+def gpu_run_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------ trace analysis
+
+
+def _trace() -> dict:
+    """Two steps as the profiler exports them: runtime launches (CPU) correlated with device events."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "fwd_bwd#0", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "step#0", "ts": 100, "dur": 60},
+        {"ph": "X", "cat": "user_annotation", "name": "fwd_bwd#1", "ts": 160, "dur": 100},
+    ]
+    launches = [  # (correlation, launch ts, category, name, device start, device duration, stream, bytes)
+        (1, 5, "kernel", "forward_gemm", 10, 40, 7, None),
+        (2, 50, "kernel", "backward_gemm", 50, 50, 7, None),  # backward ends at 100
+        (3, 60, "gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 70, 20, 20, 2000),  # entirely before
+        (4, 95, "gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 90, 30, 20, 3000),  # 10 before, 20 after
+        (5, 120, "gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 130, 40, 21, 4000),  # 150..170 over the kernel
+        (6, 165, "kernel", "next_forward", 150, 60, 7, None),
+    ]
+    for corr, launch, cat, name, start, dur, stream, nbytes in launches:
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch, "dur": 1,
+                       "args": {"correlation": corr}})
+        args = {"correlation": corr, "stream": stream, "device": 0}
+        if nbytes is not None:
+            args["bytes"] = nbytes
+        events.append({"ph": "X", "cat": cat, "name": name, "ts": start, "dur": dur, "args": args})
+    events.append({"ph": "i", "cat": "instant", "name": "ignored", "ts": 3})
+    return {"traceEvents": events}
+
+
+def test_overlap_from_a_kineto_trace() -> None:
+    out = gpu_run.overlap_from_trace(_trace())
+    assert out["measured"] and out["backward_end_us"] == 100 and out["compute_streams"] == [7]
+    assert out["d2h_copies"] == 2 and out["d2h_bytes"] == 5000 and out["d2h_busy_us"] == 50
+    assert out["d2h_busy_before_backward_end_us"] == 30
+    assert out["d2h_overlap_fraction"] == pytest.approx(0.6)
+    assert out["d2h_tail_after_backward_us"] == 20
+    assert out["d2h_GBps_while_busy"] == pytest.approx(5000 / 50e-6 / 1e9)
+    assert out["h2d_copies"] == 1 and out["h2d_bytes"] == 4000 and out["h2d_streams"] == [21]
+    assert out["h2d_overlapped_with_kernels_us"] == 20
+
+
+def test_overlap_says_why_when_the_trace_has_no_ranges() -> None:
+    assert gpu_run.overlap_from_trace({"traceEvents": []}) == {
+        "measured": False, "why": "no fwd_bwd#0/step#0 ranges in the trace"}
+    only_ranges = {"traceEvents": _trace()["traceEvents"][:3]}
+    assert gpu_run.overlap_from_trace(only_ranges)["why"] == "no kernels correlated with the fwd_bwd range"
+
+
+def test_targets_and_pytest_summary() -> None:
+    result = {"sections": {
+        "llama": {"rows": {
+            "a": {"status": "ok", "step_s_median": 1.0},
+            "d": {"status": "ok", "step_s_median": 1.1, "parameters": 1000, "optimizer_share_bytes": 10,
+                  "overlap": {"d2h_GBps_while_busy": 40.0, "h2d_GBps_while_busy": 30.0}},
+        }},
+        "pcie": {"rows": {
+            "pinned-peak": {"status": "ok", "h2d_GBps": 50.0, "d2h_GBps": 50.0},
+            "per-tensor-1b-shapes": {"status": "ok", "h2d_GBps": 45.0, "d2h_GBps": 35.0},
+        }},
+    }}
+    got = {t["target"]: (t["value"], t["met"]) for t in gpu_run.targets(result)}
+    assert got["llama (d) freed step time / (a) fp32-master torch AdamW"] == (pytest.approx(1.1), True)
+    assert got["llama (d) optimizer share of peak device memory, GiB"][1] is True  # 10 B <= 5% of 2000 B
+    assert got["pcie h2d: per-tensor copies of the 1B shapes / pinned peak"] == (pytest.approx(0.9), True)
+    assert got["pcie d2h: per-tensor copies of the 1B shapes / pinned peak"] == (pytest.approx(0.7), False)
+    assert got["pcie h2d: the pipeline's own copies in (d) (profiler, while busy) / pinned peak"][1] is False
+    assert all(met is None for _, met in (got[k] for k in got)) is False
+    assert gpu_run.targets({"sections": {}})[0]["met"] is None
+    assert gpu_run.parse_pytest_summary("....\n8 passed, 3 skipped, 1 error in 4.20s\n") == {
+        "passed": 8, "skipped": 3, "errors": 1}
+    assert gpu_run.parse_pytest_summary("no tests ran") == {}
+
+
+def _gpu_like_result() -> dict:
+    """A result shaped as the GPU run writes it, so the CUDA-only report paths run here too."""
+    memory = {"peak_allocated_bytes": 30 * 2**30, "peak_reserved_bytes": 32 * 2**30}
+    fb_memory = {"peak_allocated_bytes": 20 * 2**30, "peak_reserved_bytes": 22 * 2**30}
+    overlap = {"measured": True, "d2h_overlap_fraction": 0.9, "d2h_tail_after_backward_us": 1500.0,
+               "d2h_GBps_while_busy": 45.0, "h2d_GBps_while_busy": 48.0}
+
+    def llama(step_s: float, share: int) -> dict:
+        return {"status": "ok", "parameters": 1_003_000_000, "tokens_per_step": 4096, "step_s_median": step_s,
+                "forward_backward_s_median": 0.2, "exposed_optimizer_s": step_s - 0.2, "step_memory": memory,
+                "forward_backward_memory": fb_memory, "optimizer_share_bytes": share, "overlap": overlap}
+
+    return {
+        "schema_version": 1, "mode": "gpu", "sizes_preset": "gpu", "started_utc": "2026-12-01T10:00:00+00:00",
+        "elapsed_s": 300.0, "machine": {"gpu": "NVIDIA H200", "cpu": "Xeon", "logical_cpus": 16, "torch": "2.11.0"},
+        "sections": {
+            "pcie": {"rows": {
+                "pinned-peak": {"status": "ok", "h2d_GBps": 55.0, "d2h_GBps": 55.0, "both_GBps": 100.0, "seconds": 3.0},
+                "per-tensor-1b-shapes": {"status": "ok", "h2d_GBps": 50.0, "d2h_GBps": 52.0, "both_GBps": 90.0},
+            }},
+            "gpu_tests": {"rows": {"pytest -m gpu": {"status": "ok", "counts": {"passed": 8, "deselected": 700}}}},
+            "parity": {"rows": {"bf16-freed-amsgrad": {
+                "status": "ok", "bitwise": True, "first_step_gradients_bitwise": True, "clip_norms_bitwise": None,
+                "loss_scales_equal": None, "mismatch_count": 0, "max_abs_param_diff": 0.0}}},
+            "llama": {"rows": {"a": llama(0.5, 8 * 2**30), "d": llama(0.55, -2**30), "e": {"status": "timeout: over 110 s"}}},
+            "host": {"rows": {
+                "triad": {"status": "ok", "inplace_triad_gbps": 120.0, "triad_gbps": 90.0, "threads": 16},
+                **{f"threads-{n}": {"status": "ok", "threads": n, "elements": 2**27, "cases": {
+                    "ours-bf16 (default kernel)": {"ms_per_step": 400 / n, "GBps_at_28B": 9.0 * n},
+                    "torch-fused-fp32": {"ms_per_step": 300 / n, "GBps_at_28B": 12.0 * n}}} for n in (1, 2, 4)},
+            }},
+        },
+    }
+
+
+def test_summary_targets_and_plots_of_a_gpu_result(tmp_path: Path) -> None:
+    result = _gpu_like_result()
+    result["targets"] = gpu_run.targets(result)
+    verdicts = {t["target"]: t["met"] for t in result["targets"]}
+    assert verdicts["llama (d) freed step time / (a) fp32-master torch AdamW"] is True  # 1.1 <= 1.15
+    assert verdicts["llama (d) optimizer share of peak device memory, GiB"] is True  # below zero: freed gradients
+    table = gpu_run.summary_table(result)
+    assert "NVIDIA H200" in table and "h2d 55.0 GB/s, d2h 55.0 GB/s, both 100.0 GB/s" in table
+    assert "8 passed, 700 deselected" in table and "d2h before end of backward 90%, tail 1.5 ms" in table
+    assert "optimizer share 8.00 GiB" in table and "timeout: over 110 s" in table
+    assert gpu_run.bad_rows(result) == ["llama/e"]
+    path = tmp_path / "gpu_run.json"
+    path.write_text(json.dumps(result))
+    notes = gpu_run.plot(path)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in notes[0]
+    else:
+        assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+            "gpu_run_host_threads.png", "gpu_run_llama.png", "gpu_run_pcie.png"]
