@@ -72,3 +72,19 @@ def test_a_training_step_counts_six_or_eight_flops_per_parameter_and_token() -> 
     assert accumulated.forward_s == pytest.approx(4 * 4.0 + 3 * 8.0) and accumulated.backward_s == pytest.approx(8.0)
     with pytest.raises(ValueError, match="model_flops_utilization"):
         training_step_model(activation_checkpointing=False, **{**common, "model_flops_utilization": 0.0})
+
+
+def test_the_70b_plan_estimates_serial_and_overlapped_step_times() -> None:
+    from offload_adamw.planning.planner import PRESETS, TrainingConfig, plan
+
+    clipped = plan(PRESETS["llama-3-70b"])
+    free = plan(PRESETS["llama-3-70b"], training=TrainingConfig(clipping=False))
+    for name in ("fsdp+offload-adamw", "fsdp+offload-adamw+offload-grads"):
+        c, f = clipped.strategy(name), free.strategy(name)
+        assert c.step_time_serial_s == pytest.approx(f.step_time_serial_s)
+        # the host update (5.6 s at 400 GB/s) is longer than backward: clipped, only the copies hide
+        assert f.step_time_overlapped_s < c.step_time_overlapped_s < c.step_time_serial_s
+        assert f.step_time_serial_s - f.step_time_overlapped_s > 4.0
+    gpu_only = clipped.strategy("fsdp")
+    assert gpu_only.step_time_overlapped_s == pytest.approx(gpu_only.step_time_serial_s)
+    assert clipped.as_dict()["strategies"][0]["step_time_serial_s"] is not None

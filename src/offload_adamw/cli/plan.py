@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sustained host memory GB/s per node")
     h.add_argument("--gpu-bandwidth-gbps", type=float, default=hw.gpu_memory_bytes_per_s / GB,
                    help="GPU memory GB/s (H100 SXM)")
+    h.add_argument("--gpu-tflops", type=float, default=hw.gpu_flops_per_s / 1e12,
+                   help="peak dense 16-bit TFLOP/s of one GPU (H100 SXM), for the step-time estimate")
     h.add_argument("--measure", action="store_true",
                    help="measure this machine's host memory bandwidth (offload_adamw.planning.bandwidth) instead")
 
@@ -89,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="full activation checkpointing")
     t.add_argument("--eager-attention", action="store_true", help="attention stores the s x s scores (no flash)")
     t.add_argument("--amsgrad", action="store_true")
+    t.add_argument("--no-clipping", action="store_true", help="no gradient clipping: host updates may start during backward")
+    t.add_argument("--mfu", type=float, default=tr.model_flops_utilization, metavar="FRACTION",
+                   help="fraction of the GPU's peak that forward and backward reach (step-time estimate)")
 
     o = parser.add_argument_group("output")
     common.add_json_argument(parser, what="the plan", parent=o)
@@ -197,11 +202,13 @@ def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         gpu_reserved_bytes=args.gpu_reserved_gb * GB, host_memory_bytes=args.host_memory_gb * GB,
         host_reserved_bytes=args.host_reserved_gb * GB, pcie_bytes_per_s=args.pcie_gbps * GB,
         host_memory_bytes_per_s=host_bw, gpu_memory_bytes_per_s=args.gpu_bandwidth_gbps * GB,
+        gpu_flops_per_s=args.gpu_tflops * 1e12,
     )
     training = TrainingConfig(
         param_dtype=args.dtype, seq_len=args.seq_len, micro_batch=args.micro_batch,
         activation_checkpointing=args.checkpointing == "on", flash_attention=not args.eager_attention,
         grad_accumulation=args.grad_accum, amsgrad=args.amsgrad,
+        model_flops_utilization=args.mfu, clipping=not args.no_clipping,
     )
     return planner.plan(model, hardware, training), messages
 
@@ -268,6 +275,13 @@ def render(result: Plan) -> str:
     out.append("Traffic per training step (GB) and the optimizer step-time lower bound")
     out.append(_table(["strategy", "PCIe h2d/GPU", "PCIe d2h/GPU", "host mem/node", "GPU mem/GPU", "bound s", "set by"], rows))
     out.append("")
+    rows = [[_label(s), f"{s.step_time_serial_s:.2f}", f"{s.step_time_overlapped_s:.2f}"]
+            for s in result.strategies if s.step_time_serial_s is not None and s.step_time_overlapped_s is not None]
+    if rows:
+        out.append(f"Estimated training step (s): the optimizer after backward, and overlapped with it"
+                   f"{' (clipping: updates wait for the global norm)' if tr.clipping else ''}")
+        out.append(_table(["strategy", "serial s", "overlapped s"], rows))
+        out.append("")
     if result.recommendation:
         out.append(f"Recommendation: {result.recommendation}")
     else:

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from offload_adamw.contract import bills
+from offload_adamw.planning.overlap import step_times, training_step_model
 
 __all__ = [
     "ParamSpec",
@@ -550,6 +551,8 @@ class HardwareConfig:
     peak at 614 GB/s; about two thirds of peak is sustained). ``--measure`` replaces it by a measurement."""
     gpu_memory_bytes_per_s: float = 3350 * GB
     """Device memory bandwidth of one GPU (H100 SXM HBM3: 3.35 TB/s)."""
+    gpu_flops_per_s: float = 989e12
+    """Peak dense 16-bit matrix throughput of one GPU (H100 SXM: 989 TFLOP/s), for the step-time estimate."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -586,8 +589,14 @@ class TrainingConfig:
     """Micro-batches per optimizer step."""
     amsgrad: bool = False
     """AMSGrad keeps max_v (4 more bytes per element, read and written by every step)."""
+    model_flops_utilization: float = 0.4
+    """Fraction of the GPU's peak that forward and backward reach (the step-time estimate's one guess)."""
+    clipping: bool = True
+    """Gradient clipping by global norm (transformers' Trainer default): host updates wait for the norm."""
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.model_flops_utilization <= 1.0:
+            raise ValueError(f"training: model_flops_utilization must be in (0, 1], got {self.model_flops_utilization!r}")
         name = dtype_name(self.param_dtype)
         if name == "float64":
             raise ValueError("training: param_dtype float64 is not a GPU training dtype this planner models")
@@ -668,6 +677,10 @@ class StrategyPlan:
     """Assumptions specific to this strategy."""
     comparison: bool = False
     """Planned only to compare with (see COMPARISONS): never the recommendation."""
+    step_time_serial_s: Optional[float] = None
+    """Estimated training step with the optimizer after backward (planning/overlap.py); None without compute figures."""
+    step_time_overlapped_s: Optional[float] = None
+    """The same with each group's host update started as its gradients arrive (equal to serial where the optimizer runs on the GPU)."""
 
     @property
     def gpu_margin(self) -> float:
@@ -700,6 +713,8 @@ class StrategyPlan:
             "bottleneck": self.bottleneck,
             "gpus_used": self.gpus_used,
             "comparison": self.comparison,
+            "step_time_serial_s": self.step_time_serial_s,
+            "step_time_overlapped_s": self.step_time_overlapped_s,
             "notes": list(self.notes),
         }
 
@@ -858,9 +873,25 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
 
     results: list[StrategyPlan] = []
 
+    groups = (model.num_hidden_layers + 2) if isinstance(model, ModelConfig) else 1
+    tokens = training.seq_len * training.micro_batch
+
+    def times(host_traffic: int, gpu_traffic: int, h2d: int, d2h: int, gpus_used: int) -> tuple[float, float]:
+        step = training_step_model(
+            num_parameters=n, tokens_per_gpu=tokens, gpu_flops_per_s=hardware.gpu_flops_per_s,
+            model_flops_utilization=training.model_flops_utilization,
+            activation_checkpointing=training.activation_checkpointing, grad_accumulation=accum,
+            host_update_s=host_traffic / hardware.host_memory_bytes_per_s + gpu_traffic / hardware.gpu_memory_bytes_per_s,
+            d2h_s=d2h / hardware.pcie_bytes_per_s, h2d_s=h2d / hardware.pcie_bytes_per_s,
+            groups=groups if host_traffic else 1, clipping=training.clipping,
+        )
+        t = step_times(step)
+        return t.serial_s, t.overlapped_s
+
     def add(name: str, *, gpu: MemoryBill, host: MemoryBill, h2d: int, d2h: int, host_traffic: int,
             gpu_traffic: int, gpus_used: int, notes: Sequence[str] = ()) -> None:
         bound, bottleneck = _bound(hardware, h2d=h2d, d2h=d2h, host=host_traffic, gpu=gpu_traffic)
+        serial, overlapped = times(host_traffic, gpu_traffic, h2d, d2h, gpus_used)
         results.append(
             StrategyPlan(
                 name=name, description=STRATEGIES[name], gpu=gpu, host=host,
@@ -868,6 +899,7 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
                 pcie_h2d_bytes=h2d, pcie_d2h_bytes=d2h, host_memory_traffic_bytes=host_traffic,
                 gpu_memory_traffic_bytes=gpu_traffic, step_time_lower_bound_s=bound, bottleneck=bottleneck,
                 gpus_used=gpus_used, notes=tuple(notes), comparison=name in COMPARISONS,
+                step_time_serial_s=serial, step_time_overlapped_s=overlapped,
             )
         )
 
@@ -947,6 +979,12 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
         "step-time bound: max over links of bytes/bandwidth (perfect overlap, no compute); "
         "collectives over NVLink/network are not counted",
         "FSDP units: one per decoder layer, the embedding and the output projection; shards padded on dim 0",
+        f"step time: 2 FLOPs per parameter and token forward, 4 backward (+2 recomputed under checkpointing) at "
+        f"{training.model_flops_utilization:.0%} of {hardware.gpu_flops_per_s / 1e12:.0f} TFLOP/s; the host update at the "
+        "host-memory bandwidth, one group at a time; 'overlapped' starts each group's update as its gradient "
+        "arrives" + (", but with clipping not before the last group's norm (end of backward), so only the copies "
+                     "are hidden" if training.clipping else "") + " (planning/overlap.py). OffloadAdamW overlaps on "
+        "one device (update_in_backward=True); under FSDP2 and DDP it updates after backward",
     ]
     if isinstance(model, ParamCountModel):
         assumptions.append("--params gives no architecture: activations and FSDP gather buffers are not estimated (0)")
