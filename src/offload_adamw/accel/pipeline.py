@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -54,6 +55,8 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor
 
+from offload_adamw.accel import ddp as _ddp
+from offload_adamw.accel.freed import HostResidentGradient, is_host_resident
 from offload_adamw.accel.host_memory import HostArena
 
 __all__ = ["PipelineConfig", "GradientPipeline", "UpdateTarget"]
@@ -108,7 +111,7 @@ class _Slot:
 
     __slots__ = (
         "param", "host_grad", "incoming", "staging", "has_grad", "pending_add",
-        "d2h_event", "h2d_event", "source", "source_version", "arrival", "hook",
+        "d2h_event", "h2d_event", "source", "source_version", "arrival", "hook", "prehook", "ddp", "ddp_written",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -124,6 +127,9 @@ class _Slot:
         self.source_version = -1
         self.arrival = math.inf  # order in the latest backward, for bucketing
         self.hook: Any = None
+        self.prehook: Any = None  # freed mode: runs before autograd accumulates into p.grad
+        self.ddp = False  # reduced by an attached DDP model: its communication hook brings the gradient
+        self.ddp_written = False  # the communication hook wrote host_grad in the current backward
 
     @property
     def on_device(self) -> bool:
@@ -133,12 +139,26 @@ class _Slot:
 def _hook_for(pipeline: "GradientPipeline"):
     ref = weakref.ref(pipeline)
 
+    @torch._dynamo.disable
     def hook(param: Tensor) -> None:
         owner = ref()
         if owner is not None:
             owner._on_gradient(param)
 
     return hook
+
+
+def _prehook_for(pipeline: "GradientPipeline", param: Tensor):
+    ref = weakref.ref(pipeline)
+    param_ref = weakref.ref(param)
+
+    @torch._dynamo.disable
+    def prehook(grad: Tensor) -> None:
+        owner, p = ref(), param_ref()
+        if owner is not None and p is not None:
+            owner._before_accumulate(p)
+
+    return prehook
 
 
 class GradientPipeline:
@@ -156,7 +176,11 @@ class GradientPipeline:
         # With parameters on several devices, autograd runs the hooks on one thread per device; the GIL
         # is released inside cudaHostRegister and event waits, so two hooks could otherwise interleave
         # (two accumulation arenas, one overwriting the other's buffer after a copy into it was issued).
-        self._hook_lock = threading.Lock()
+        self._hook_lock = threading.RLock()
+        self._ddp_models: list[weakref.ref] = []
+        self._ddp_callback_queued = False
+        self._wrappers_checked = False
+        self._refetch_at_step = False  # kept gradients under an unattached DDP model: fetch every gradient at the step
         self.refresh()
 
     # ----------------------------------------------------------------- set-up
@@ -178,6 +202,8 @@ class GradientPipeline:
         for slot in self._unhooked:
             if slot.param.requires_grad:
                 slot.hook = slot.param.register_post_accumulate_grad_hook(_hook_for(self))
+                if self.offload_gradients:
+                    slot.prehook = slot.param.register_hook(_prehook_for(self, slot.param))
             else:
                 still.append(slot)
         self._unhooked = still
@@ -197,6 +223,9 @@ class GradientPipeline:
             if slot.hook is not None:
                 slot.hook.remove()
                 slot.hook = None
+            if slot.prehook is not None:
+                slot.prehook.remove()
+                slot.prehook = None
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes held by the pipeline (exact: no allocator rounding unless the fallback ran)."""
@@ -275,21 +304,159 @@ class GradientPipeline:
             self._on_gradient_locked(param)
 
     def _on_gradient_locked(self, param: Tensor) -> None:
+        if not self._wrappers_checked:
+            self._check_wrappers()
         if self._unhooked:
             # A parameter unfrozen since the last step gets its hook now, in time for this backward
             # unless its gradient was already accumulated (step() then picks that one up).
             self._hook_trainable()
         slot = self._slots.get(param)
         grad = param.grad
-        if slot is None or grad is None or grad.is_sparse or grad.shape != param.shape or grad.dtype != param.dtype:
+        if slot is None or slot.ddp or grad is None or is_host_resident(grad):
+            return  # an attached DDP model's communication hook brings this gradient, reduced
+        if grad.is_sparse or grad.shape != param.shape or grad.dtype != param.dtype:
             return  # left on the parameter: step() validates it and names the culprit
         self._arrival += 1
         slot.arrival = self._arrival
         if self.offload_gradients:
             self._absorb(slot, grad)
-            param.grad = None
+            self._stand_in(slot)
         else:
             self._copy_out(slot, grad)
+
+    # ------------------------------------------- freed gradients: what p.grad says
+
+    def _stand_in(self, slot: _Slot) -> None:
+        """Freed mode: ``p.grad`` becomes the storage-less stand-in of the host gradient (accel/freed.py)."""
+        where = self._where().get(slot.param)
+        describe = (lambda: self.optimizer.describe_param(*where)) if where is not None else (lambda: "a parameter")
+        slot.param.grad = HostResidentGradient(slot.param, lambda: self._complete(slot), describe)
+
+    def _complete(self, slot: _Slot) -> Tensor:
+        with self._hook_lock:
+            self._finish(slot)
+        return slot.host_grad
+
+    def _drop_host_gradient(self, slot: _Slot) -> None:
+        """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it."""
+        if slot.d2h_event is not None:
+            slot.d2h_event.synchronize()
+        slot.pending_add = False
+        slot.has_grad = False
+
+    def _before_accumulate(self, param: Tensor) -> None:
+        """Freed mode, before autograd accumulates into ``p.grad``: read what the user did to it since."""
+        with self._hook_lock:
+            slot = self._slots.get(param)
+            if slot is None:
+                return
+            grad = param.grad
+            if is_host_resident(grad):
+                if slot.ddp and slot.has_grad:
+                    raise RuntimeError(
+                        f"{self._name(slot)}: with offload_gradients=True under DistributedDataParallel, gradients are "
+                        "accumulated on the device by DDP: accumulate micro-batches inside ddp_model.no_sync() and "
+                        "let only the last backward synchronise, and clear the gradients after each step "
+                        "(opt.zero_grad() or model.zero_grad())"
+                    )
+                param.grad = None  # autograd stores the new gradient; the hook adds it to the host's
+            elif grad is None and slot.has_grad:
+                self._drop_host_gradient(slot)
+            elif grad is not None and slot.has_grad:
+                self._drop_host_gradient(slot)  # a gradient assigned by the user replaces the host's
+
+    def _name(self, slot: _Slot) -> str:
+        where = self._where().get(slot.param)
+        return self.optimizer.describe_param(*where) if where is not None else "a parameter"
+
+    # ------------------------------------------------------------ wrappers
+
+    def _check_wrappers(self) -> None:
+        """Once: a DDP model over these parameters that was not attached is refused (freed) or re-fetched (kept)."""
+        self._wrappers_checked = True
+        attached = [m for m in (r() for r in self._ddp_models) if m is not None]
+        ddp = _ddp.unattached_ddp(set(self._slots), attached)
+        if ddp is None:
+            return
+        if self.offload_gradients:
+            raise RuntimeError(
+                "this OffloadAdamW (offload_gradients=True) optimizes parameters of a DistributedDataParallel model "
+                "that was not attached: backward's hook would free each gradient before DDP reduces it. "
+                "Call opt.attach(ddp_model) once, before the first backward"
+            )
+        self._refetch_at_step = True
+        warnings.warn(
+            "OffloadAdamW: a DistributedDataParallel model over this optimizer's parameters was not attached; "
+            "every gradient is fetched from p.grad at the step (correct, without overlap). "
+            "Call opt.attach(ddp_model) so that reduced gradients reach the host during backward",
+            stacklevel=3,
+        )
+
+    def attach_ddp(self, ddp: Any) -> None:
+        """Take DDP's parameters off the post-accumulate hooks; its communication hook brings them reduced (accel/ddp.py)."""
+        self.refresh()
+        params = _ddp.ddp_parameters(ddp)
+        missing = [p for p in params if p not in self._slots]
+        if len(missing) == len(params):
+            raise ValueError("opt.attach(ddp_model): none of the model's parameters is a parameter of this optimizer")
+        if any(s.has_grad or s.param.grad is not None for s in self._slots.values()):
+            raise RuntimeError("opt.attach(ddp_model) must be called before the first backward (gradients exist already)")
+        _ddp.attach(ddp, self._ddp_bucket_launched, self._ddp_bucket_reduced)
+        for p in params:
+            if p in self._slots:
+                self._slots[p].ddp = True
+        self._ddp_models.append(weakref.ref(ddp))
+
+    def _ddp_bucket_launched(self, params: list[Tensor]) -> None:
+        """In backward, as DDP hands a bucket to the communication hook: queue the end-of-backward bookkeeping."""
+        with self._hook_lock:
+            for p in params:
+                slot = self._slots.get(p)
+                if slot is not None:
+                    self._arrival += 1
+                    slot.arrival = self._arrival
+            if not self._ddp_callback_queued:
+                self._ddp_callback_queued = True
+                # Queued now, before DDP queues its own final callback (when its last bucket is ready), so the
+                # callback queued from this one runs after DDP has written p.grad.
+                engine = torch.autograd.Variable._execution_engine
+                engine.queue_callback(lambda: engine.queue_callback(self._ddp_after_backward))
+
+    def _ddp_bucket_reduced(self, params: list[Tensor], reduced: Tensor) -> None:
+        """The all-reduce of a bucket completed: its averaged gradients go to the host buffers."""
+        with self._hook_lock:
+            for p, grad in _ddp.bucket_views(params, reduced):
+                slot = self._slots.get(p)
+                if slot is None:
+                    continue
+                self._ensure_grad_buffer(slot)
+                if self.offload_gradients and slot.pending_add:
+                    self._finish(slot)
+                self._transfer(slot, grad, slot.host_grad)
+                slot.source = None
+                slot.ddp_written = True
+
+    def _ddp_after_backward(self) -> None:
+        """After DDP's final callback: p.grad holds the reduced gradient (or None for a parameter DDP found unused)."""
+        with self._hook_lock:
+            self._ddp_callback_queued = False
+            written = [s for s in self._slots.values() if s.ddp_written]
+            for slot in written:
+                slot.ddp_written = False
+                grad = slot.param.grad
+                if grad is None or is_host_resident(grad):
+                    slot.has_grad = False
+                    continue
+                if self.offload_gradients:
+                    slot.has_grad = True
+                    slot.pending_add = False
+                else:
+                    slot.source = weakref.ref(grad)
+                    slot.source_version = grad._version
+        if self.offload_gradients:
+            for slot in written:
+                if slot.has_grad:
+                    self._stand_in(slot)
 
     # ------------------------------------------------------------ gradients
 
@@ -316,10 +483,17 @@ class GradientPipeline:
         """The host gradient of ``slot``, complete and current, or None when it has none."""
         p = slot.param
         if self.offload_gradients:
-            if p.grad is not None:  # set outside backward's hooks, or produced before the hook existed
-                self._validate(slot, p.grad, where)
-                self._absorb(slot, p.grad)
-                p.grad = None
+            grad = p.grad
+            if grad is None:
+                if slot.has_grad:
+                    self._drop_host_gradient(slot)  # cleared by the user (model.zero_grad())
+                return None
+            if not is_host_resident(grad):  # set outside backward's hooks, or produced before the hook existed
+                self._validate(slot, grad, where)
+                if slot.has_grad:
+                    self._drop_host_gradient(slot)  # an assigned gradient replaces the host's
+                self._absorb(slot, grad)
+                self._stand_in(slot)
             if not slot.has_grad:
                 return None
             self._finish(slot)
@@ -399,6 +573,8 @@ class GradientPipeline:
         """One AdamW update of every parameter with a gradient, bucket by bucket (see the module contract)."""
         opt = self.optimizer
         self.refresh()
+        if not self._wrappers_checked:
+            self._check_wrappers()
         where = self._where()
         if called_by_scaler and not isinstance(found_inf, Tensor) and self.offload_gradients:
             if any(s.has_grad or s.param.grad is not None for s in self._slots.values()):
@@ -416,17 +592,20 @@ class GradientPipeline:
                 slot.source = None
         # Buckets are updated one after another: check every gradient first, so that an
         # error names its parameter before any bucket has changed.
+        if self._refetch_at_step and not self.offload_gradients:
+            for slot in self._slots.values():
+                slot.source = None
         for p, w in where.items():
             slot = self._slots[p]
-            if p.grad is not None:
+            if p.grad is not None and not is_host_resident(p.grad):
                 self._validate(slot, p.grad, w)
-            elif slot.has_grad:
+            elif slot.has_grad and p.grad is not None:
                 opt.check_gradient(w[0], w[1], slot.host_grad)
         if opt.nonfinite != "propagate":
             present = [(w[0], w[1], self._ready(self._slots[p], w)) for p, w in where.items()]
             if opt.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None]):
                 return
-        opt.preflight([w for p, w in where.items() if (self._slots[p].has_grad or p.grad is not None) and not opt.state.get(p)])
+        opt.preflight([w for p, w in where.items() if p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
+from offload_adamw.accel import ddp as _ddp
 from offload_adamw.accel.amp import HostGradientHolder
 from offload_adamw.accel.clipping import clip_grad_norm_ as _clip_grad_norm_
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
@@ -89,6 +90,15 @@ class OffloadAdamW(torch.optim.Optimizer):
       Needs a C++ compiler; the first step compiles (a few seconds per variant,
       cached on disk by torch); where anything fails the default kernel runs,
       after one warning.
+    * ``max_grad_norm`` (default None): clip the gradients to this total 2-norm
+      inside ``step``, before the update (like DeepSpeed's ``gradient_clipping``),
+      with torch's ``clip_grad_norm_`` arithmetic over the gradients in this
+      optimizer's order; ``last_grad_norm`` holds the norm before clipping. With
+      GradScaler, unscale first (``scaler.unscale_(opt)``).
+
+    Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
+    before the first backward (the pipeline then receives the reduced gradients
+    from DDP's communication hook).
     """
 
     def __init__(
@@ -111,6 +121,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         transfer_pipeline: Optional[bool] = None,
         bucket_bytes: int = 32 << 20,
         compiled_kernel: bool = False,
+        max_grad_norm: Optional[float] = None,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
         if isinstance(lr, Tensor):
@@ -143,6 +154,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if differentiable:
             raise ValueError("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
 
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: Optional[Tensor] = None
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -279,6 +294,19 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._pipeline.zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
+    def attach(self, model: torch.nn.Module) -> None:
+        """Attach a DistributedDataParallel model (also one compiled by torch.compile), once, before the first backward.
+
+        With the transfer pipeline DDP's reduced gradients reach the host through a DDP communication
+        hook (accel/ddp.py). Without the pipeline the step reads ``p.grad``, which DDP has reduced:
+        nothing to do.
+        """
+        ddp = _ddp.unwrap(model)
+        if not _ddp.is_ddp(ddp):
+            raise TypeError(f"opt.attach takes a DistributedDataParallel model, got {type(model).__name__}")
+        if self._pipeline is not None:
+            self._pipeline.attach_ddp(ddp)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
         """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
         return _clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
@@ -349,6 +377,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             # DCP's get/set_optimizer_state_dict call step() with zero grads and lr 0 only to allocate state: not an update.
             self._create_missing_state()
             return loss
+        if self.max_grad_norm is not None:
+            if getattr(self, "grad_scale", None) is not None:
+                raise RuntimeError(
+                    "OffloadAdamW(max_grad_norm=...) clips unscaled gradients: call scaler.unscale_(opt) before scaler.step(opt)"
+                )
+            found_inf = getattr(self, "found_inf", None)
+            if not (isinstance(found_inf, Tensor) and bool(found_inf.item() != 0)):
+                self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
         if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
             self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
             return loss
