@@ -59,7 +59,7 @@ class _HookState:
         self.reduced = reduced
 
 
-def _comm_hook(state: _HookState, bucket: Any) -> "torch.futures.Future[Tensor]":
+def _comm_hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket, and they are strings here
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     params = list(bucket.parameters())
