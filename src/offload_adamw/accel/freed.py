@@ -12,6 +12,8 @@ Contract:
   - the in-place scaling of ``clip_grads_with_norm_`` (``mul_``, ``_foreach_mul_``) scales the host
     buffer; GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` unscales and checks it;
   - ``zero_`` / ``_foreach_zero_`` (``zero_grad(set_to_none=False)``) zero it;
+  - an in-place ``add_`` of a gradient into it (autograd's accumulation as compiled autograd traces it)
+    adds onto the host buffer, in the gradient's dtype, as autograd's accumulation does;
   - ``p.grad = None`` (``model.zero_grad()``, what HF Trainer calls) is seen by the pipeline at the
     next backward or step, which then clears the host gradient as well.
 
@@ -81,6 +83,11 @@ class HostResidentGradient(Tensor):
         if func in _SCALES or func in _ZEROES:
             func(*host(args), **{k: host(v) for k, v in kwargs.items()})
             return None if func.__name__.startswith("_foreach") else args[0]
+        if func is _aten.add_.Tensor and isinstance(args[0], HostResidentGradient) and not isinstance(args[1], HostResidentGradient):
+            # Accumulation into p.grad that did not pass the pipeline's pre-accumulation hook (compiled
+            # autograd traces it as an in-place add): the same add, old + new in the gradient's dtype, on the host.
+            args[0]._resolve().add_(args[1].detach().to("cpu"), **kwargs)
+            return args[0]
         if func is _UNSCALE:
             grads, found_inf, inv_scale = args
             host_found = torch.zeros((), dtype=torch.float32)

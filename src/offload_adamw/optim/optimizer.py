@@ -366,6 +366,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -------------------------------------------------------------------- step
 
+    # torch.compile(opt.step) runs the step eager: host state, pinned buffers and streams are no graph's business.
+    @torch._dynamo.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdamW update of every parameter that has a gradient (docs/contract.md, section 3)."""
