@@ -46,6 +46,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import warnings
 import weakref
@@ -68,7 +69,8 @@ class UpdateTarget(Protocol):
     Parameters are named by ``(group_index, index)`` in ``param_groups``. The pipeline checks every
     gradient with ``check_gradient`` before the first update of a step, asks ``skip_for_nonfinite``
     (only when ``nonfinite`` is not ``"propagate"``, since it needs every gradient complete), runs
-    ``preflight`` for parameters that have no state yet, then calls ``update_group`` once per group
+    ``preflight`` for parameters that have no state yet (and ``check_host_buffers`` before it allocates
+    host buffers of its own), then calls ``update_group`` once per group
     and bucket with (parameter, host gradient, staging buffer): a device parameter's staging buffer
     receives round(master), which the pipeline sends back; for a host parameter it is None and the
     optimizer writes the parameter itself.
@@ -85,6 +87,8 @@ class UpdateTarget(Protocol):
     def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]]) -> bool: ...
 
     def preflight(self, fresh: list[tuple[int, int]]) -> None: ...
+
+    def check_host_buffers(self, nbytes: int, label: str) -> None: ...
 
     def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None: ...
 
@@ -112,6 +116,7 @@ class _Slot:
     __slots__ = (
         "param", "host_grad", "incoming", "staging", "has_grad", "pending_add",
         "d2h_event", "h2d_event", "source", "source_version", "arrival", "hook", "prehook", "ddp", "ddp_written",
+        "add_done", "layout",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -120,7 +125,9 @@ class _Slot:
         self.incoming: Optional[Tensor] = None  # second buffer for accumulation with freed device grads
         self.staging: Optional[Tensor] = None  # param-dtype host copy sent back to a device parameter
         self.has_grad = False  # freed mode: host_grad holds this parameter's gradient
-        self.pending_add = False  # freed mode: incoming must still be added into host_grad
+        self.pending_add = False  # freed mode: an add of incoming into host_grad is queued on the accumulator
+        self.add_done: Optional[threading.Event] = None  # set by the accumulator when that add has run
+        self.layout: dict[str, tuple[torch.device, torch.dtype]] = {}  # buffer field -> (device, dtype) it was laid out for
         self.d2h_event: Any = None
         self.h2d_event: Any = None
         self.source: Optional[weakref.ref] = None  # kept mode: the device gradient that host_grad copies
@@ -161,6 +168,50 @@ def _prehook_for(pipeline: "GradientPipeline", param: Tensor):
     return prehook
 
 
+class _Accumulator:
+    """Adds accumulation copies into their host gradients on a worker thread, never on autograd's.
+
+    With freed device gradients a parameter's second, third, ... micro-batch gradient is copied into
+    its ``incoming`` buffer; the wait for that copy and the host ``add_`` run here, so backward's hook
+    only issues copies. A hook that needs ``incoming`` again waits for the previous add, which has
+    normally ended a whole forward and backward earlier.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    def submit(self, event: Any, dst: Tensor, src: Tensor) -> threading.Event:
+        done = threading.Event()
+        if self._thread is None:
+            self._thread = threading.Thread(target=_accumulate_forever, args=(self._jobs, self), name="offload-adamw-accumulate", daemon=True)
+            self._thread.start()
+        self._jobs.put((event, dst, src, done))
+        return done
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+
+def _accumulate_forever(jobs: "queue.SimpleQueue[Any]", owner: _Accumulator) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        event, dst, src, done = job
+        try:
+            if event is not None:
+                event.synchronize()
+            with torch.no_grad():
+                dst.add_(src)  # old + new, rounded once to the gradient's dtype: what autograd's accumulation computes
+        except BaseException as error:  # noqa: BLE001 - re-raised by the step that needs this gradient
+            owner.error = error
+        finally:
+            done.set()
+
+
 class GradientPipeline:
     """Hooks, host buffers, streams and the bucketed step of one OffloadAdamW."""
 
@@ -181,20 +232,46 @@ class GradientPipeline:
         self._ddp_callback_queued = False
         self._wrappers_checked = False
         self._refetch_at_step = False  # kept gradients under an unattached DDP model: fetch every gradient at the step
+        self._accumulator = _Accumulator()
+        weakref.finalize(self, self._accumulator.stop)
         self.refresh()
 
     # ----------------------------------------------------------------- set-up
 
     def refresh(self) -> None:
-        """Slots and buffers for parameters seen for the first time; hooks for newly trainable ones."""
-        new = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._slots]
-        for p in new:
-            self._slots[p] = _Slot(p)
-        trainable = [self._slots[p] for p in new if p.requires_grad]
-        self._allocate("host_grad", trainable, "gradients")
-        self._allocate("staging", [self._slots[p] for p in new if self._slots[p].on_device], "parameter staging")
+        """Slots for new parameters; buffers for what has none or was laid out for another device or dtype; hooks.
+
+        Runs at construction and at every step, outside backward. A parameter on the meta device gets
+        no buffer until it is materialised; one moved to another device or cast to another dtype after
+        construction (``model.cuda()``, ``model.half()``) gets buffers laid out anew, pinned where it now
+        needs them. A buffer that holds a gradient not consumed yet is left as it is.
+        """
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                if p not in self._slots:
+                    self._slots[p] = _Slot(p)
+        self._relayout(defer_pin=False)
         self._unhooked = [s for s in self._slots.values() if s.hook is None]
         self._hook_trainable()
+
+    def _relayout(self, *, defer_pin: bool) -> None:
+        slots = list(self._slots.values())
+        grads = [s for s in slots if s.param.requires_grad and not s.has_grad and not s.pending_add and self._stale(s, "host_grad")]
+        for s in grads:
+            s.incoming = None  # laid out again with the next accumulation
+        self._allocate("host_grad", grads, "gradients", defer_pin=defer_pin)
+        self._allocate("staging", [s for s in slots if s.on_device and self._stale(s, "staging")], "parameter staging", defer_pin=defer_pin)
+
+    @staticmethod
+    def _stale(slot: _Slot, field: str) -> bool:
+        """``field`` of ``slot`` must be laid out (again): missing, or made for another device or dtype (same shape)."""
+        p = slot.param
+        if p.device.type == "meta":
+            return False  # holds no data; buffers come when it is materialised
+        buffer = getattr(slot, field)
+        if buffer is None:
+            return True
+        return buffer.shape == p.shape and slot.layout.get(field) != (p.device, p.dtype)
 
     def _hook_trainable(self) -> None:
         """Hooks for parameters that require a gradient now (a frozen tensor cannot take a hook)."""
@@ -208,14 +285,35 @@ class GradientPipeline:
                 still.append(slot)
         self._unhooked = still
 
-    def _allocate(self, field: str, slots: list[_Slot], label: str) -> None:
+    def _allocate(self, field: str, slots: list[_Slot], label: str, *, defer_pin: bool = False) -> None:
         if not slots:
             return
-        pin = any(s.on_device and s.param.device.type == "cuda" for s in slots)
-        arena = HostArena(((id(s), s.param.shape, s.param.dtype) for s in slots), pin=pin, label=label)
-        self._arenas.append(arena)
+        nbytes = sum(s.param.numel() * s.param.element_size() for s in slots)
+        check = getattr(self.optimizer, "check_host_buffers", None)
+        if check is not None:
+            check(nbytes, label)  # the host-memory pre-flight, before anything is allocated
+        pin = any(s.param.device.type == "cuda" for s in slots)
+        arena = HostArena(
+            ((id(s), s.param.shape, s.param.dtype) for s in slots), pin=pin, label=label, streams=self._streams, defer_pin=defer_pin,
+        )
+        arena.field = field  # type: ignore[attr-defined]
         for s in slots:
             setattr(s, field, arena.views[id(s)])
+            s.layout[field] = (s.param.device, s.param.dtype)
+        # Arenas none of whose views is in use any more (every slot laid out anew) are released.
+        in_use = {id(getattr(s, getattr(a, "field", field))) for s in self._slots.values() for a in self._arenas}
+        self._arenas = [a for a in self._arenas if any(id(v) in in_use for v in a.views.values())]
+        self._arenas.append(arena)
+
+    def _pin_deferred(self) -> None:
+        """Page-lock buffers allocated inside backward (accumulation), now that no copy is in flight into them."""
+        pending = [a for a in self._arenas if a.pin_pending]
+        if not pending:
+            return
+        for slot in self._slots.values():
+            self._finish(slot)
+        for arena in pending:
+            arena.pin_now()
 
     def close(self) -> None:
         """Remove the hooks (the optimizer no longer sees gradients as they arrive)."""
@@ -262,13 +360,18 @@ class GradientPipeline:
             dst.copy_(src)
 
     def _ensure_grad_buffer(self, slot: _Slot) -> None:
-        if slot.host_grad is None:  # a parameter that was frozen when the buffers were laid out
-            self._allocate("host_grad", [slot], "gradients")
+        if slot.host_grad is None:  # a parameter unfrozen (or materialised) since the last step
+            self._allocate("host_grad", [slot], "gradients", defer_pin=True)
 
     def _ensure_incoming(self, slot: _Slot) -> None:
         if slot.incoming is None:
-            # First accumulation: one buffer for every slot that has a gradient buffer, in one go.
-            self._allocate("incoming", [s for s in self._slots.values() if s.host_grad is not None and s.incoming is None], "accumulation")
+            # First accumulation: one buffer for every slot that has a gradient buffer, in one go. Inside
+            # backward: page-locking gigabytes (cudaHostRegister) waits until the step; until then the
+            # copies into it are synchronous.
+            self._allocate(
+                "incoming", [s for s in self._slots.values() if s.host_grad is not None and s.incoming is None], "accumulation",
+                defer_pin=True,
+            )
 
     def _absorb(self, slot: _Slot, grad: Tensor) -> None:
         """Freed mode: take ``grad`` into host memory (copy, or accumulate onto what is there)."""
@@ -278,9 +381,10 @@ class GradientPipeline:
             slot.has_grad = True
             return
         if slot.pending_add:
-            self._finish(slot)  # the incoming buffer is about to be overwritten
+            self._wait_add(slot)  # the incoming buffer is about to be overwritten
         self._ensure_incoming(slot)
         self._transfer(slot, grad, slot.incoming)
+        slot.add_done = self._accumulator.submit(slot.d2h_event, slot.host_grad, slot.incoming)
         slot.pending_add = True
 
     def _copy_out(self, slot: _Slot, grad: Tensor) -> None:
@@ -290,13 +394,21 @@ class GradientPipeline:
         slot.source = weakref.ref(grad)
         slot.source_version = grad._version
 
+    def _wait_add(self, slot: _Slot) -> None:
+        """Wait for the accumulator's add into this slot's host gradient; raise what it raised."""
+        if slot.pending_add:
+            slot.add_done.wait()
+            slot.pending_add = False
+            slot.add_done = None
+            if self._accumulator.error is not None:
+                error, self._accumulator.error = self._accumulator.error, None
+                raise RuntimeError(f"accumulating the gradient of {self._name(slot)} in host memory failed") from error
+
     def _finish(self, slot: _Slot) -> None:
-        """Wait for this slot's copies (only this slot's) and apply a pending accumulation."""
+        """Wait for this slot's copies and accumulation (only this slot's): its host gradient is then complete."""
+        self._wait_add(slot)
         if slot.d2h_event is not None:
             slot.d2h_event.synchronize()
-        if slot.pending_add:
-            slot.host_grad.add_(slot.incoming)
-            slot.pending_add = False
 
     def _on_gradient(self, param: Tensor) -> None:
         """The post-accumulate-grad hook: runs during backward, must not block the host."""
@@ -314,6 +426,10 @@ class GradientPipeline:
         grad = param.grad
         if slot is None or slot.ddp or grad is None or is_host_resident(grad):
             return  # an attached DDP model's communication hook brings this gradient, reduced
+        if param.device.type == "meta":
+            return  # no data to copy: step() refuses it by name
+        if not slot.has_grad and not slot.pending_add and self._stale(slot, "host_grad"):
+            self._relayout(defer_pin=True)  # cast or moved since the last step (model.half(), model.cuda())
         if grad.is_sparse or grad.shape != param.shape or grad.dtype != param.dtype:
             return  # left on the parameter: step() validates it and names the culprit
         self._arrival += 1
@@ -328,9 +444,7 @@ class GradientPipeline:
 
     def _stand_in(self, slot: _Slot) -> None:
         """Freed mode: ``p.grad`` becomes the storage-less stand-in of the host gradient (accel/freed.py)."""
-        where = self._where().get(slot.param)
-        describe = (lambda: self.optimizer.describe_param(*where)) if where is not None else (lambda: "a parameter")
-        slot.param.grad = HostResidentGradient(slot.param, lambda: self._complete(slot), describe)
+        slot.param.grad = HostResidentGradient(slot.param, lambda: self._complete(slot), lambda: self._name(slot))
 
     def _complete(self, slot: _Slot) -> Tensor:
         with self._hook_lock:
@@ -339,9 +453,7 @@ class GradientPipeline:
 
     def _drop_host_gradient(self, slot: _Slot) -> None:
         """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it."""
-        if slot.d2h_event is not None:
-            slot.d2h_event.synchronize()
-        slot.pending_add = False
+        self._finish(slot)  # no copy or add may land in the buffer after it was cleared
         slot.has_grad = False
 
     def _before_accumulate(self, param: Tensor) -> None:
@@ -431,7 +543,7 @@ class GradientPipeline:
                     continue
                 self._ensure_grad_buffer(slot)
                 if self.offload_gradients and slot.pending_add:
-                    self._finish(slot)
+                    self._wait_add(slot)
                 self._transfer(slot, grad, slot.host_grad)
                 slot.source = None
                 slot.ddp_written = True
@@ -449,7 +561,6 @@ class GradientPipeline:
                     continue
                 if self.offload_gradients:
                     slot.has_grad = True
-                    slot.pending_add = False
                 else:
                     slot.source = weakref.ref(grad)
                     slot.source_version = grad._version
@@ -541,9 +652,7 @@ class GradientPipeline:
     def zero_grad(self, set_to_none: bool) -> None:
         """Clear the host gradients as torch's zero_grad clears ``p.grad`` (device grads: the optimizer's job)."""
         for slot in self._slots.values():
-            if slot.d2h_event is not None:
-                slot.d2h_event.synchronize()  # no copy may land in host memory after it was cleared
-            slot.pending_add = False
+            self._finish(slot)  # no copy or add may land in host memory after it was cleared
             slot.source = None
             if self.offload_gradients:
                 if set_to_none:
@@ -628,6 +737,7 @@ class GradientPipeline:
         # The next forward waits for the parameters on the device, the host does not wait at all.
         for device, event in events:
             torch.cuda.current_stream(device).wait_event(event)
+        self._pin_deferred()
 
     def _update_bucket(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Optional[Tensor]) -> list:
         opt = self.optimizer

@@ -20,6 +20,7 @@ Contract (docs/contract.md):
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -241,7 +242,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         sharded = any(_distributed.is_dtensor(p) for p in params)
         if transfer_pipeline is None:
-            transfer_pipeline = offload_gradients or any(p.device.type != "cpu" for p in params)
+            # Meta parameters hold no data and say nothing about where they will live: they do not switch it on.
+            transfer_pipeline = offload_gradients or any(p.device.type not in ("cpu", "meta") for p in params)
             transfer_pipeline = transfer_pipeline and not sharded
         if offload_gradients and not transfer_pipeline:
             raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
@@ -341,6 +343,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Fail early, with the figures, when the state about to be created cannot fit in host memory."""
         if fresh:
             _preflight.check_host_memory([(self.param_groups[gi], i) for gi, i in fresh], pin_memory=self._pin_memory)
+
+    def check_host_buffers(self, nbytes: int, label: str) -> None:
+        """Fail early, with the figures, when the pipeline's host buffers (``label``) cannot fit in host memory."""
+        if os.environ.get(_preflight.ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
+            return
+        memory = _preflight.host_memory()
+        if memory.sources and nbytes > memory.available:
+            where = ", ".join(f"{name}: {value:,} bytes" for name, value in memory.sources.items())
+            raise MemoryError(
+                f"OffloadAdamW's transfer pipeline would allocate {nbytes:,} bytes of host {label} buffers but only "
+                f"{memory.available:,} bytes of host memory are available ({where}). Nothing was allocated. "
+                "Shard the model over more processes, or use transfer_pipeline=False"
+            )
 
     def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None:
         """One update of each (parameter, host gradient, staging) in group ``group_index``.
