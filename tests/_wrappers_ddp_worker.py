@@ -46,7 +46,10 @@ CASES = [
     if not (static and (clip or acc > 1))
 ]
 #: The cases CI runs (the whole matrix is the slow test): every mode, bucket setting and accumulation at least once.
-QUICK = {"kept-copies-acc1", "kept-views-acc4", "freed-copies-acc4-clip", "freed-views-acc1", "freed-views-acc4", "freed-copies-acc1-static"}
+QUICK = {
+    "kept-copies-acc1", "kept-views-acc4", "freed-copies-acc4-clip",
+    "freed-views-acc1", "freed-views-acc4", "freed-copies-acc1-static",
+}
 
 
 def case_name(c: dict) -> str:
@@ -61,7 +64,9 @@ def train(case: dict, ours: bool, group) -> tuple[dict, dict]:
         TinyCausalLM(0), process_group=group, gradient_as_bucket_view=case["bucket_view"], static_graph=case["static_graph"],
     )
     if ours:
-        opt = OffloadAdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, transfer_pipeline=True, offload_gradients=case["freed"])
+        opt = OffloadAdamW(
+            ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, transfer_pipeline=True, offload_gradients=case["freed"]
+        )
         opt.attach(ddp)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)

@@ -191,7 +191,8 @@ def run_case(case: Case) -> None:
                         loss = loss * math.inf
                 loss.backward()
         if case.freed:
-            assert all(p.grad is None or is_host_resident(p.grad) for p in net_a.parameters()), "offload_gradients left a device gradient"
+            freed = all(p.grad is None or is_host_resident(p.grad) for p in net_a.parameters())
+            assert freed, "offload_gradients left a device gradient"
         if case.scaler == "unscale":
             scaler_a.unscale_(opt_a)
             scaler_b.unscale_(ref.opt)

@@ -15,8 +15,6 @@ compilation); one inductor run is ``slow``.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn

@@ -53,7 +53,9 @@ def _trainer_run(tmp_path, mode, accumulation):
     model = tiny_llama()
     optimizer = _factory(mode)(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    args = training_args(tmp_path / f"{mode}-{accumulation}", max_steps=3, max_grad_norm=0.05, gradient_accumulation_steps=accumulation)
+    args = training_args(
+        tmp_path / f"{mode}-{accumulation}", max_steps=3, max_grad_norm=0.05, gradient_accumulation_steps=accumulation
+    )
     trainer = Trainer(model=model, args=args, train_dataset=TokenWindows(), optimizers=(optimizer, scheduler))
     trainer.train()
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]

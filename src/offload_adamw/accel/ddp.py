@@ -53,7 +53,9 @@ def ddp_parameters(ddp: Any) -> list[Tensor]:
 class _HookState:
     """What the communication hook needs: the process group and the receiver of reduced buckets."""
 
-    def __init__(self, process_group: Any, launched: Callable[[list[Tensor]], None], reduced: Callable[[list[Tensor], Tensor], None]):
+    def __init__(
+        self, process_group: Any, launched: Callable[[list[Tensor]], None], reduced: Callable[[list[Tensor], Tensor], None]
+    ) -> None:
         self.process_group = process_group
         self.launched = launched
         self.reduced = reduced

@@ -83,11 +83,12 @@ class HostResidentGradient(Tensor):
         if func in _SCALES or func in _ZEROES:
             func(*host(args), **{k: host(v) for k, v in kwargs.items()})
             return None if func.__name__.startswith("_foreach") else args[0]
-        if func is _aten.add_.Tensor and isinstance(args[0], HostResidentGradient) and not isinstance(args[1], HostResidentGradient):
+        into, other = (args[0], args[1]) if func is _aten.add_.Tensor else (None, None)
+        if isinstance(into, HostResidentGradient) and not isinstance(other, HostResidentGradient):
             # Accumulation into p.grad that did not pass the pipeline's pre-accumulation hook (compiled
             # autograd traces it as an in-place add): the same add, old + new in the gradient's dtype, on the host.
-            args[0]._resolve().add_(args[1].detach().to("cpu"), **kwargs)
-            return args[0]
+            into._resolve().add_(other.detach().to("cpu"), **kwargs)
+            return into
         if func is _UNSCALE:
             grads, found_inf, inv_scale = args
             host_found = torch.zeros((), dtype=torch.float32)

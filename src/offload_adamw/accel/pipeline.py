@@ -185,7 +185,9 @@ class _Accumulator:
     def submit(self, event: Any, dst: Tensor, src: Tensor) -> threading.Event:
         done = threading.Event()
         if self._thread is None:
-            self._thread = threading.Thread(target=_accumulate_forever, args=(self._jobs, self), name="offload-adamw-accumulate", daemon=True)
+            self._thread = threading.Thread(
+                target=_accumulate_forever, args=(self._jobs, self), name="offload-adamw-accumulate", daemon=True
+            )
             self._thread.start()
         self._jobs.put((event, dst, src, done))
         return done
@@ -256,11 +258,13 @@ class GradientPipeline:
 
     def _relayout(self, *, defer_pin: bool) -> None:
         slots = list(self._slots.values())
-        grads = [s for s in slots if s.param.requires_grad and not s.has_grad and not s.pending_add and self._stale(s, "host_grad")]
+        idle = [s for s in slots if not s.has_grad and not s.pending_add]
+        grads = [s for s in idle if s.param.requires_grad and self._stale(s, "host_grad")]
         for s in grads:
             s.incoming = None  # laid out again with the next accumulation
         self._allocate("host_grad", grads, "gradients", defer_pin=defer_pin)
-        self._allocate("staging", [s for s in slots if s.on_device and self._stale(s, "staging")], "parameter staging", defer_pin=defer_pin)
+        staging = [s for s in slots if s.on_device and self._stale(s, "staging")]
+        self._allocate("staging", staging, "parameter staging", defer_pin=defer_pin)
 
     @staticmethod
     def _stale(slot: _Slot, field: str) -> bool:
@@ -294,7 +298,8 @@ class GradientPipeline:
             check(nbytes, label)  # the host-memory pre-flight, before anything is allocated
         pin = any(s.param.device.type == "cuda" for s in slots)
         arena = HostArena(
-            ((id(s), s.param.shape, s.param.dtype) for s in slots), pin=pin, label=label, streams=self._streams, defer_pin=defer_pin,
+            ((id(s), s.param.shape, s.param.dtype) for s in slots),
+            pin=pin, label=label, streams=self._streams, defer_pin=defer_pin,
         )
         arena.field = field  # type: ignore[attr-defined]
         for s in slots:

@@ -6,7 +6,8 @@ Contract (docs/contract.md, section 6):
   position, as torch does). Names are compared in canonical form, the wrappers' prefixes removed as
   torch.distributed.checkpoint removes them (:func:`canonical_name`), so that a state moves between a
   model and the same model wrapped by DDP, torch.compile, activation checkpointing or FSDP. Every
-  mismatch (missing, unexpected, wrong group, wrong shape, a state without its moments) is collected into one :class:`StateDictMismatch` that names each parameter.
+  mismatch (missing, unexpected, wrong group, wrong shape, a state without its moments) is collected
+  into one :class:`StateDictMismatch` that names each parameter.
 * :func:`prepare_load` computes the new groups and states without touching the optimizer or the
   parameters; the optimizer commits them only when nothing was found wrong.
 * Moments and masters land in host memory in float32 (float64 for float64 parameters), also for
