@@ -134,7 +134,7 @@ def _lightning_run(mode, accumulation):
     return params(module)
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("accumulation", [1, 4])
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_lightning_gradient_clip_val(mode, accumulation):
     pytest.importorskip("lightning")
