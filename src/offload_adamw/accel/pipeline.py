@@ -110,6 +110,12 @@ class PipelineConfig:
 # --------------------------------------------------------------------------- per-parameter slots
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's tensor of a DTensor (an FSDP2 shard, or its gradient), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 class _Slot:
     """Everything the pipeline keeps for one parameter (none of it is optimizer state)."""
 
@@ -141,6 +147,11 @@ class _Slot:
     @property
     def on_device(self) -> bool:
         return self.param.device.type != "cpu"
+
+    @property
+    def local(self) -> Tensor:
+        """The tensor the buffers are laid out for: this rank's shard of a DTensor parameter, else the parameter."""
+        return _local(self.param)
 
 
 def _hook_for(pipeline: "GradientPipeline"):
@@ -269,7 +280,7 @@ class GradientPipeline:
     @staticmethod
     def _stale(slot: _Slot, field: str) -> bool:
         """``field`` of ``slot`` must be laid out (again): missing, or made for another device or dtype (same shape)."""
-        p = slot.param
+        p = slot.local
         if p.device.type == "meta":
             return False  # holds no data; buffers come when it is materialised
         buffer = getattr(slot, field)
@@ -292,19 +303,19 @@ class GradientPipeline:
     def _allocate(self, field: str, slots: list[_Slot], label: str, *, defer_pin: bool = False) -> None:
         if not slots:
             return
-        nbytes = sum(s.param.numel() * s.param.element_size() for s in slots)
+        nbytes = sum(s.local.numel() * s.local.element_size() for s in slots)
         check = getattr(self.optimizer, "check_host_buffers", None)
         if check is not None:
             check(nbytes, label)  # the host-memory pre-flight, before anything is allocated
         pin = any(s.param.device.type == "cuda" for s in slots)
         arena = HostArena(
-            ((id(s), s.param.shape, s.param.dtype) for s in slots),
+            ((id(s), s.local.shape, s.local.dtype) for s in slots),
             pin=pin, label=label, streams=self._streams, defer_pin=defer_pin,
         )
         arena.field = field  # type: ignore[attr-defined]
         for s in slots:
             setattr(s, field, arena.views[id(s)])
-            s.layout[field] = (s.param.device, s.param.dtype)
+            s.layout[field] = (s.local.device, s.local.dtype)
         # Arenas none of whose views is in use any more (every slot laid out anew) are released.
         in_use = {id(getattr(s, getattr(a, "field", field))) for s in self._slots.values() for a in self._arenas}
         self._arenas = [a for a in self._arenas if any(id(v) in in_use for v in a.views.values())]
@@ -351,6 +362,7 @@ class GradientPipeline:
 
     def _transfer(self, slot: _Slot, src: Tensor, dst: Tensor) -> None:
         """dst (host) <- src (a gradient where it lives), ordered after the work that produced src."""
+        src = _local(src)
         if src.device.type == "cuda":
             stream = self._stream(src.device, "d2h")
             stream.wait_stream(torch.cuda.current_stream(src.device))
@@ -397,7 +409,7 @@ class GradientPipeline:
         self._ensure_grad_buffer(slot)
         self._transfer(slot, grad, slot.host_grad)
         slot.source = weakref.ref(grad)
-        slot.source_version = grad._version
+        slot.source_version = _local(grad)._version
 
     def _wait_add(self, slot: _Slot) -> None:
         """Wait for the accumulator's add into this slot's host gradient; raise what it raised."""
@@ -439,6 +451,11 @@ class GradientPipeline:
             return  # left on the parameter: step() validates it and names the culprit
         self._arrival += 1
         slot.arrival = self._arrival
+        if _local(grad) is not grad:
+            # A DTensor gradient (FSDP2 calls this hook after the shard's reduce-scatter): in-place edits
+            # through DTensor (clipping) move no version counter, so a copy taken now could not be known
+            # current at the step. The step fetches it (correct; the overlap needs another signal).
+            return
         if self.offload_gradients:
             self._absorb(slot, grad)
             self._stand_in(slot)
@@ -568,7 +585,7 @@ class GradientPipeline:
                     slot.has_grad = True
                 else:
                     slot.source = weakref.ref(grad)
-                    slot.source_version = grad._version
+                    slot.source_version = _local(grad)._version
         if self.offload_gradients:
             for slot in written:
                 if slot.has_grad:
@@ -589,10 +606,10 @@ class GradientPipeline:
                 "with offload_gradients=True gradients are accumulated in host buffers of the parameter's dtype; "
                 "produce gradients in the parameter's dtype, or use offload_gradients=False"
             )
-        if slot.host_grad is not None and slot.host_grad.shape != slot.param.shape:
+        if slot.host_grad is not None and slot.host_grad.shape != slot.local.shape:
             raise RuntimeError(
                 f"{opt.describe_param(*where)} changed shape under the optimizer: its host gradient buffer "
-                f"has {tuple(slot.host_grad.shape)}, the parameter is {tuple(slot.param.shape)}"
+                f"has {tuple(slot.host_grad.shape)}, the parameter is {tuple(slot.local.shape)}"
             )
 
     def _ready(self, slot: _Slot, where: tuple[int, int]) -> Optional[Tensor]:
@@ -620,8 +637,11 @@ class GradientPipeline:
         self._validate(slot, grad, where)
         if grad.dtype != slot.param.dtype:
             # Not the dtype of the host buffer (the hook left it alone): taken as it is, as the plain step does.
-            return grad.detach().to("cpu")
-        fresh = slot.source is not None and slot.source() is grad and slot.source_version == grad._version
+            return _local(grad).detach().to("cpu")
+        fresh = (
+            slot.source is not None and slot.source() is grad and slot.source_version == _local(grad)._version
+            and _local(grad) is grad  # never for a DTensor gradient: see _on_gradient_locked
+        )
         if not fresh:
             self._copy_out(slot, grad)
         self._finish(slot)
@@ -733,7 +753,7 @@ class GradientPipeline:
         events = []
         for p in ordered:
             bucket.append(p)
-            bucket_bytes += p.numel() * p.element_size()
+            bucket_bytes += _local(p).numel() * p.element_size()
             if bucket_bytes >= self.config.bucket_bytes:
                 events += self._update_bucket(bucket, where, scale)
                 bucket, bucket_bytes = [], 0
@@ -778,12 +798,12 @@ class GradientPipeline:
         for device, members in by_device.items():
             if device.type != "cuda":
                 for s in members:  # another accelerator without streams here: a plain copy
-                    s.param.copy_(s.staging)
+                    s.local.copy_(s.staging)
                 continue
             stream = self._stream(device, "h2d")
             with torch.cuda.stream(stream), torch.no_grad():
                 for s in members:
-                    s.param.copy_(s.staging, non_blocking=True)
+                    s.local.copy_(s.staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
             for s in members:

@@ -77,7 +77,8 @@ class OffloadAdamW(torch.optim.Optimizer):
       over micro-batches then happens in host memory. ``p.grad`` stays None: use
       ``gradient(p)``, ``clip_grad_norm_`` and :class:`OffloadGradScaler`.
     * ``transfer_pipeline`` (default: on when a parameter lives on an
-      accelerator, or with ``offload_gradients``; never for DTensor parameters):
+      accelerator, or with ``offload_gradients``; for DTensor (FSDP2) parameters only when asked, with
+      kept gradients: FSDP2 calls the hooks of each shard after its reduce-scatter):
       gradients go to exactly-sized pinned host buffers during backward, the step
       runs bucket by bucket (``bucket_bytes`` of gradient each) and parameters
       return non-blocking (accel/pipeline.py). ``True`` with CPU parameters runs the
@@ -247,8 +248,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             transfer_pipeline = transfer_pipeline and not sharded
         if offload_gradients and not transfer_pipeline:
             raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
-        if transfer_pipeline and sharded:
-            raise ValueError("the transfer pipeline does not handle DTensor (FSDP2) parameters; FSDP2 owns their gradients")
+        if offload_gradients and sharded:
+            raise ValueError(
+                "offload_gradients=True does not take DTensor (FSDP2) parameters: clipping must see every rank's "
+                "shard of the gradients, which FSDP2 keeps on the device; use offload_gradients=False "
+                "(transfer_pipeline=True then copies each reduced shard to the host as FSDP2 produces it)"
+            )
         if not transfer_pipeline:
             return
         if pin_memory is None:

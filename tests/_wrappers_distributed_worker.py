@@ -1,14 +1,16 @@
-"""The 2-process half of test_wrappers_ddp.py: OffloadAdamW's transfer pipeline under real DDP (gloo, CPU).
+"""The 2-process half of test_wrappers_distributed.py: OffloadAdamW's transfer pipeline under real DDP and FSDP2 (gloo, CPU).
 
-Run as ``python tests/_wrappers_ddp_worker.py --out DIR [--quick]``: two ranks, one process group, every case in
-turn; each rank writes ``DIR/ddp_rank{r}.json`` = ``{case: {"ok": bool, "error": str}}``.
+Run as ``python tests/_wrappers_distributed_worker.py --out DIR [--quick]``: two ranks, one process group, every
+case in turn; each rank writes ``DIR/ddp_rank{r}.json`` = ``{case: {"ok": bool, "error": str}}``.
 
 A case trains DDP + OffloadAdamW (pipeline with the CPU as device) and DDP + torch.optim.AdamW(fused=True)
 on the same batches with the same calls and requires bitwise equal parameters and states, and equal
 replicas on both ranks. Cases: gradients kept / freed x bucket views off / on x accumulation 1 / 4
 (``no_sync`` for all micro-batches but the last) x static_graph, plus clipping with
 ``torch.nn.utils.clip_grad_norm_`` on the model and ``model.zero_grad()``; and the refusals: freed
-gradients with an unattached DDP model, freed accumulation without ``no_sync``.
+gradients with an unattached DDP model, freed accumulation without ``no_sync``. FSDP2: the pipeline with
+kept gradients (the hooks FSDP2 calls on each shard after its reduce-scatter) against FSDP2 + torch's AdamW,
+accumulation 1 and 4, clipping on the model (the global norm).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -148,6 +152,49 @@ def check_freed_accumulation_without_no_sync_refused(group) -> None:
     assert not opt.state
 
 
+def _fsdp_train(ours: bool, accumulation: int, clip: bool, mesh) -> dict:
+    model = TinyCausalLM(0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if ours:
+        opt = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, transfer_pipeline=True)
+        assert opt.transfer_pipeline is not None
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    rank = dist.get_rank()
+    for step in range(STEPS):
+        for micro in range(accumulation):
+            loss_of(model, batch(step * 8 + micro, rank)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    states = {}
+    for i, p in enumerate(model.parameters()):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            value = opt.state[p][key]
+            states[f"{i}.{key}"] = (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
+    return {**full_params(model), **states}
+
+
+def check_fsdp(accumulation: int, clip: bool, mesh) -> None:
+    ours, ref = _fsdp_train(True, accumulation, clip, mesh), _fsdp_train(False, accumulation, clip, mesh)
+    bad = [k for k in ref if not torch.equal(ours[k], ref[k])]
+    assert not bad, f"FSDP2 + pipeline differs from FSDP2 + torch AdamW(fused=True): {bad[:4]}"
+
+
+def check_fsdp_freed_refused(mesh) -> None:
+    model = TinyCausalLM(0)
+    fully_shard(model, mesh=mesh)
+    try:
+        OffloadAdamW(model.parameters(), transfer_pipeline=True, offload_gradients=True)
+    except ValueError as e:
+        assert "offload_gradients=False" in str(e), str(e)
+    else:
+        raise AssertionError("freed gradients with DTensor parameters were not refused")
+
+
 def worker(rank: int, port: int, out: str, quick: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -170,6 +217,10 @@ def worker(rank: int, port: int, out: str, quick: bool) -> None:
     run("unattached_kept_refetches", check_unattached_kept_refetches, group)
     run("unattached_freed_refused", check_unattached_freed_refused, group)
     run("freed_accumulation_without_no_sync_refused", check_freed_accumulation_without_no_sync_refused, group)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for accumulation, clip in ((1, True), (4, False)) if quick else ((1, False), (1, True), (4, False), (4, True)):
+        run(f"fsdp-kept-acc{accumulation}{'-clip' if clip else ''}", check_fsdp, accumulation, clip, mesh)
+    run("fsdp_freed_refused", check_fsdp_freed_refused, mesh)
     (Path(out) / f"ddp_rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
