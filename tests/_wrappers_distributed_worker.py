@@ -49,10 +49,12 @@ CASES = [
     # torch's DDP itself fails an internal assert with static_graph and no_sync in the first iteration
     if not (static and (clip or acc > 1))
 ]
+# torch.amp.GradScaler (unscale_, clip, step, update; one step with inf skipped), both modes
+CASES += [dict(freed=freed, bucket_view=True, accumulate=2, static_graph=False, clip=True, scaler=True) for freed in (False, True)]
 #: The cases CI runs (the whole matrix is the slow test): every mode, bucket setting and accumulation at least once.
 QUICK = {
     "kept-copies-acc1", "kept-views-acc4", "freed-copies-acc4-clip",
-    "freed-views-acc1", "freed-views-acc4", "freed-copies-acc1-static",
+    "freed-views-acc1", "freed-views-acc4", "freed-copies-acc1-static", "freed-views-acc2-clip-scaler",
 }
 
 
@@ -60,7 +62,7 @@ def case_name(c: dict) -> str:
     return "{}-{}-acc{}{}{}".format(
         "freed" if c["freed"] else "kept", "views" if c["bucket_view"] else "copies", c["accumulate"],
         "-static" if c["static_graph"] else "", "-clip" if c["clip"] else "",
-    )
+    ) + ("-scaler" if c.get("scaler") else "")
 
 
 def train(case: dict, ours: bool, group) -> tuple[dict, dict]:
@@ -75,14 +77,24 @@ def train(case: dict, ours: bool, group) -> tuple[dict, dict]:
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     rank = dist.get_rank()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if case.get("scaler") else None
     for step in range(STEPS):
         for micro in range(case["accumulate"]):
             last = micro == case["accumulate"] - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
-                loss_of(ddp, batch(step * 8 + micro, rank)).backward()
+                loss = loss_of(ddp, batch(step * 8 + micro, rank))
+                if scaler is not None and step == 2:
+                    loss = loss * float("inf")  # a step GradScaler must skip, on both ranks
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
         if case["clip"]:
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         ddp.zero_grad()  # the model's zero_grad, as HF Trainer calls it
     names = [n.removeprefix("module.") for n, _ in ddp.named_parameters()]
     states = {}

@@ -10,13 +10,26 @@ Contract:
 * **Two modes.** ``offload_gradients=False`` keeps ``p.grad`` on the device as
   the truth; the host copy is a cache that is re-fetched when the device
   gradient changed after the copy (its version counter moved: clipping,
-  unscaling, a user's in-place edit). ``offload_gradients=True`` frees the device
+  unscaling, a user's in-place edit), and always for DTensor gradients, whose
+  in-place edits move no counter. ``offload_gradients=True`` frees the device
   gradient right after its copy is issued (``record_stream`` keeps the memory
   from being reused before the copy ends): the host buffer is then the
-  gradient. Gradient accumulation over micro-batches works in both modes; with
+  gradient, and ``p.grad`` its storage-less stand-in (accel/freed.py), through
+  which torch's clipping, GradScaler and ``model.zero_grad()`` reach the host
+  buffer. Gradient accumulation over micro-batches works in both modes; with
   freed device gradients it happens in host memory, in the gradient's dtype,
   which is bitwise what autograd's accumulation on the device computes
-  (``old + new`` rounded once to the gradient dtype).
+  (``old + new`` rounded once to the gradient dtype), on a worker thread: the
+  hook only issues copies, the waits and adds run off the thread of backward.
+* **DDP.** Parameters of a DDP model attached with ``attach_ddp`` are left alone
+  by the hooks; DDP's communication hook brings their reduced gradients
+  (accel/ddp.py). An unattached DDP model over these parameters is refused with
+  freed gradients and makes the step fetch every kept gradient.
+* **Buffers follow the parameters.** At construction and at each step (and in
+  the hook when a parameter changed since), a parameter cast or moved gets
+  buffers laid out for its dtype and device; meta parameters get none. Every
+  allocation passes the optimizer's host-memory check first. Buffers first
+  needed inside backward are page-locked after it, at the end of the step.
 * **Pinned memory in a few exactly-sized buffers.** Host gradient buffers (and
   the host staging copies of device parameters) are carved out of one flat
   allocation per dtype and purpose. On CUDA each allocation is page-locked with
