@@ -387,7 +387,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------------- step
 
     # torch.compile(opt.step) runs the step eager: host state, pinned buffers and streams are no graph's business.
-    @torch._dynamo.disable
+    @torch._disable_dynamo  # imports torch._dynamo at the first step, not at import (torch's optimizers do the same)
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdamW update of every parameter that has a gradient (docs/contract.md, section 3)."""
