@@ -74,8 +74,10 @@ class OffloadAdamW(torch.optim.Optimizer):
       one extra read of the gradients.
     * ``offload_gradients`` (default False): free each device gradient right
       after backward's hook has started its copy to host memory; accumulation
-      over micro-batches then happens in host memory. ``p.grad`` stays None: use
-      ``gradient(p)``, ``clip_grad_norm_`` and :class:`OffloadGradScaler`.
+      over micro-batches then happens in host memory. ``p.grad`` is then a
+      storage-less stand-in of the host gradient (accel/freed.py): torch's
+      ``clip_grad_norm_``, ``GradScaler`` and ``model.zero_grad()`` act on the host
+      gradient through it, anything else is refused; ``gradient(p)`` reads it.
     * ``transfer_pipeline`` (default: on when a parameter lives on an
       accelerator, or with ``offload_gradients``; for DTensor (FSDP2) parameters only when asked, with
       kept gradients: FSDP2 calls the hooks of each shard after its reduce-scatter):
