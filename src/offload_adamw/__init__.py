@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "ParamGroupError": "offload_adamw.optim.named_groups",
     "OffloadGradScaler": "offload_adamw.accel.amp",
     "clip_grad_norm_": "offload_adamw.accel.clipping",
+    "HostResidentGradient": "offload_adamw.accel.freed",
+    "is_host_resident": "offload_adamw.accel.freed",
     "compiled_kernel_status": "offload_adamw.kernels.compiled",
     "plan": "offload_adamw.planning.planner",
     "predict_host_optimizer_bytes": "offload_adamw.planning.planner",
@@ -68,6 +70,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from offload_adamw.accel.amp import OffloadGradScaler
     from offload_adamw.accel.clipping import clip_grad_norm_
+    from offload_adamw.accel.freed import HostResidentGradient, is_host_resident
     from offload_adamw.auditing.audit import AuditFinding, AuditReport, audit, audit_state_dict
     from offload_adamw.auditing.audit import AuditFinding as Finding
     from offload_adamw.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport

@@ -20,12 +20,14 @@ Contract (docs/contract.md):
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
+from offload_adamw.accel import ddp as _ddp
 from offload_adamw.accel.amp import HostGradientHolder
 from offload_adamw.accel.clipping import clip_grad_norm_ as _clip_grad_norm_
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
@@ -72,10 +74,13 @@ class OffloadAdamW(torch.optim.Optimizer):
       one extra read of the gradients.
     * ``offload_gradients`` (default False): free each device gradient right
       after backward's hook has started its copy to host memory; accumulation
-      over micro-batches then happens in host memory. ``p.grad`` stays None: use
-      ``gradient(p)``, ``clip_grad_norm_`` and :class:`OffloadGradScaler`.
+      over micro-batches then happens in host memory. ``p.grad`` is then a
+      storage-less stand-in of the host gradient (accel/freed.py): torch's
+      ``clip_grad_norm_``, ``GradScaler`` and ``model.zero_grad()`` act on the host
+      gradient through it, anything else is refused; ``gradient(p)`` reads it.
     * ``transfer_pipeline`` (default: on when a parameter lives on an
-      accelerator, or with ``offload_gradients``; never for DTensor parameters):
+      accelerator, or with ``offload_gradients``; for DTensor (FSDP2) parameters only when asked, with
+      kept gradients: FSDP2 calls the hooks of each shard after its reduce-scatter):
       gradients go to exactly-sized pinned host buffers during backward, the step
       runs bucket by bucket (``bucket_bytes`` of gradient each) and parameters
       return non-blocking (accel/pipeline.py). ``True`` with CPU parameters runs the
@@ -89,6 +94,15 @@ class OffloadAdamW(torch.optim.Optimizer):
       Needs a C++ compiler; the first step compiles (a few seconds per variant,
       cached on disk by torch); where anything fails the default kernel runs,
       after one warning.
+    * ``max_grad_norm`` (default None): clip the gradients to this total 2-norm
+      inside ``step``, before the update (like DeepSpeed's ``gradient_clipping``),
+      with torch's ``clip_grad_norm_`` arithmetic over the gradients in this
+      optimizer's order; ``last_grad_norm`` holds the norm before clipping. With
+      GradScaler, unscale first (``scaler.unscale_(opt)``).
+
+    Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
+    before the first backward (the pipeline then receives the reduced gradients
+    from DDP's communication hook).
     """
 
     def __init__(
@@ -111,6 +125,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         transfer_pipeline: Optional[bool] = None,
         bucket_bytes: int = 32 << 20,
         compiled_kernel: bool = False,
+        max_grad_norm: Optional[float] = None,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
         if isinstance(lr, Tensor):
@@ -143,6 +158,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if differentiable:
             raise ValueError("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
 
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: Optional[Tensor] = None
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -233,12 +252,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         sharded = any(_distributed.is_dtensor(p) for p in params)
         if transfer_pipeline is None:
-            transfer_pipeline = offload_gradients or any(p.device.type != "cpu" for p in params)
+            # Meta parameters hold no data and say nothing about where they will live: they do not switch it on.
+            transfer_pipeline = offload_gradients or any(p.device.type not in ("cpu", "meta") for p in params)
             transfer_pipeline = transfer_pipeline and not sharded
         if offload_gradients and not transfer_pipeline:
             raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
-        if transfer_pipeline and sharded:
-            raise ValueError("the transfer pipeline does not handle DTensor (FSDP2) parameters; FSDP2 owns their gradients")
+        if offload_gradients and sharded:
+            raise ValueError(
+                "offload_gradients=True does not take DTensor (FSDP2) parameters: clipping must see every rank's "
+                "shard of the gradients, which FSDP2 keeps on the device; use offload_gradients=False "
+                "(transfer_pipeline=True then copies each reduced shard to the host as FSDP2 produces it)"
+            )
         if not transfer_pipeline:
             return
         if pin_memory is None:
@@ -285,6 +309,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.zero_grad(set_to_none)
         super().zero_grad(set_to_none)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Attach a DistributedDataParallel model (also one compiled by torch.compile), once, before the first backward.
+
+        With the transfer pipeline DDP's reduced gradients reach the host through a DDP communication
+        hook (accel/ddp.py). Without the pipeline the step reads ``p.grad``, which DDP has reduced:
+        nothing to do.
+        """
+        ddp = _ddp.unwrap(model)
+        if not _ddp.is_ddp(ddp):
+            raise TypeError(f"opt.attach takes a DistributedDataParallel model, got {type(model).__name__}")
+        if self._pipeline is not None:
+            self._pipeline.attach_ddp(ddp)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
         """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
@@ -345,6 +382,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         for p, state in created.items():
             self.state[p].update(state)
 
+    def check_host_buffers(self, nbytes: int, label: str) -> None:
+        """Fail early, with the figures, when the pipeline's host buffers (``label``) cannot fit in host memory."""
+        if os.environ.get(_preflight.ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
+            return
+        memory = _preflight.host_memory()
+        if memory.sources and nbytes > memory.available:
+            where = ", ".join(f"{name}: {value:,} bytes" for name, value in memory.sources.items())
+            raise MemoryError(
+                f"OffloadAdamW's transfer pipeline would allocate {nbytes:,} bytes of host {label} buffers but only "
+                f"{memory.available:,} bytes of host memory are available ({where}). Nothing was allocated. "
+                "Shard the model over more processes, or use transfer_pipeline=False"
+            )
+
     def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None:
         """One update of each (parameter, host gradient, staging) in group ``group_index``.
 
@@ -369,6 +419,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -------------------------------------------------------------------- step
 
+    # torch.compile(opt.step) runs the step eager: host state, pinned buffers and streams are no graph's business.
+    @torch._disable_dynamo  # imports torch._dynamo at the first step, not at import (torch's optimizers do the same)
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdamW update of every parameter that has a gradient (docs/contract.md#what-each-input-does)."""
@@ -380,6 +432,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             # DCP's get/set_optimizer_state_dict call step() with zero grads and lr 0 only to allocate state: not an update.
             self._create_missing_state()
             return loss
+        if self.max_grad_norm is not None:
+            if getattr(self, "grad_scale", None) is not None:
+                raise RuntimeError(
+                    "OffloadAdamW(max_grad_norm=...) clips unscaled gradients: call scaler.unscale_(opt) before scaler.step(opt)"
+                )
+            found_inf = getattr(self, "found_inf", None)
+            if not (isinstance(found_inf, Tensor) and bool(found_inf.item() != 0)):
+                self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
         if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
             self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
             return loss
