@@ -76,6 +76,7 @@ setting is restored right after.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -88,6 +89,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw.kernels import compiled as kernel_compiled
+from offload_adamw.kernels import numba_loop
 
 __all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 
@@ -118,6 +120,11 @@ class BlockConfig:
     """-1: as many Python worker threads as ``torch.get_num_threads()`` (read at each call),
     each running whole chunks with torch single-threaded; 0: no workers, torch's intra-op
     threads split each chunk's three operations; N >= 1: N Python worker threads."""
+    numba_loop: bool = True
+    """Run the first ``n - n % 64`` elements of each mixed tensor through the one loop compiled
+    by numba (numba_loop.py): the same bits, checked by a self-test before first use, one pass
+    over memory with the casts inside the loop. Where numba is missing or a variant fails its
+    self-test, the chunk loop runs instead (one warning); False: always the chunk loop."""
     compiled: bool = False
     """Opt-in: run mixed tensors of at least ``compiled_min_elements`` elements through the
     single loop compiled by torch.compile (kernel_compiled.py): the same bits, checked by a
@@ -410,17 +417,22 @@ def blocked_adamw_(
 
     if not blocked:
         return
-    # Opt-in compiled loop: it updates each large tensor up to a multiple of 64 elements
-    # and says where it stopped; the chunk loop below does the rest (the same bits).
+    threads = torch.get_num_threads() if config.threads < 0 else config.threads
+    # The numba loop (default) or the opt-in compiled loop updates each tensor up to a multiple
+    # of 64 elements and says where it stopped; the chunk loop below does the rest (the same bits).
     start_at: dict[int, int] = {}
+    jobs: list = []
+    if config.numba_loop and not config.compiled:
+        start_at, jobs = numba_loop.plan(
+            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked, workers=threads,
+        )
+        blocked = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]
     if config.compiled:
         start_at = kernel_compiled.compiled_adamw_(
             masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked,
             min_elements=config.compiled_min_elements,
         )
         blocked = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]
-        if not blocked:
-            return
     if isinstance(hp.lr, Tensor):
         # The compiled loop takes a float lr; a tensor lr keeps the Python loop, which passes
         # it to the fused op unchanged (torch's own overload for it).
@@ -452,28 +464,30 @@ def blocked_adamw_(
         buffer = _chunk_buffer(dtype, chunk)
         loop(*flat, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
 
-    threads = torch.get_num_threads() if config.threads < 0 else config.threads
     if threads == 0 or (threads == 1 and torch.get_num_threads() == 1):
+        for job in jobs:
+            job()
         for dtype, work in by_dtype.items():
             run(dtype, work)
         return
 
-    # Workers pull batches of consecutive chunks from one shared iterator (next() on a
-    # list iterator is atomic under the GIL), so a worker that the OS deschedules simply
-    # does fewer batches; a few batches per worker keep that balance while each loop
-    # call covers many chunks.
-    batches = []
+    # Workers pull jobs (numba batches first, then batches of consecutive chunks) from one
+    # shared iterator (next() on a list iterator is atomic under the GIL), so a worker that
+    # the OS deschedules simply does fewer of them; a few batches per worker keep that
+    # balance while each loop call covers many chunks.
     for dtype, work in by_dtype.items():
         size = max(1, min(_MAX_BATCH_CHUNKS, len(work) // (_BATCHES_PER_WORKER * threads)))
-        batches.extend((dtype, work[k : k + size]) for k in range(0, len(work), size))
-    pending = iter(batches)
+        jobs.extend(functools.partial(run, dtype, work[k : k + size]) for k in range(0, len(work), size))
+    if not jobs:
+        return
+    pending = iter(jobs)
 
     def drain():
-        for dtype, batch in pending:
-            run(dtype, batch)
+        for job in pending:
+            job()
 
     pool = _get_pool(threads)
-    for f in [pool.submit(drain) for _ in range(min(threads, len(batches)))]:
+    for f in [pool.submit(drain) for _ in range(min(threads, len(jobs)))]:
         f.result()
 
 
