@@ -70,7 +70,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ALIGN", "numba_kernel_status", "plan", "variant_key"]
+__all__ = ["ALIGN", "compiled_kernel_status", "numba_kernel_status", "plan", "variant_key"]
 
 #: The loop covers each tensor's first ``n - n % ALIGN`` elements: whole vectors for every
 #: SIMD width up to 512 bits, so torch's fused op would also have run them in its vector
@@ -533,6 +533,14 @@ def numba_kernel_status() -> list[dict]:
                  cpu_capability=capability)
             for v, e in _variants.items()
         ]
+
+
+def compiled_kernel_status() -> list[dict]:
+    """Deprecated name of :func:`numba_kernel_status` (the torch.compile loop it reported on is gone:
+    the numba loop is the default and as fast)."""
+    warnings.warn("offload_adamw.compiled_kernel_status() is deprecated; use numba_kernel_status()",
+                  DeprecationWarning, stacklevel=2)
+    return numba_kernel_status()
 
 
 def available() -> Optional[str]:
