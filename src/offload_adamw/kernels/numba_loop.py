@@ -596,8 +596,12 @@ def plan(
         step = steps[i].item()
         row = scalar_rows.get(step)
         if row is None:
+            try:
+                values = _scalars(float(step), *hyper)
+            except ArithmeticError:  # a step count of 0 (1 - beta1**0 == 0): torch's op says what that gives
+                continue
             row = scalar_rows[step] = len(scalars)
-            scalars.append(_scalars(float(step), *hyper))
+            scalars.append(values)
         pieces.setdefault(dtypes, []).append((i, stop, row))
         done[i] = stop
     if not done:
