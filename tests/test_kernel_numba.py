@@ -35,7 +35,7 @@ from hypothesis import given, settings, strategies as st
 from offload_adamw import OffloadAdamW, numba_kernel_status
 from offload_adamw.kernels import numba_loop
 from offload_adamw.kernels.adamw import StepHyper
-from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_
+from offload_adamw.kernels.blocked import blocked_adamw_
 from test_kernel import OPTIONS, Layout, _assert_bitwise, _run_ours, _run_torch
 
 pytest.importorskip("numba")
