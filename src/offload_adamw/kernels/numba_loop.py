@@ -94,16 +94,31 @@ _SCALAR_COLUMNS = 7  # decay, lerp coefficient, 1 - beta2, beta2, sqrt(bias corr
 
 # --------------------------------------------------------------- numba pieces
 
-_numba_error: Optional[str] = None
-try:
+_numba_state: dict = {}
+_numba_lock = threading.Lock()
+
+
+def _load_numba() -> Optional[str]:
+    """Import numba and define the loop's LLVM pieces, once, at the first mixed step (importing
+    numba takes about 0.3 s, which a process that never steps a mixed tensor does not pay).
+    Returns None, or why numba is unavailable."""
+    with _numba_lock:
+        if "error" not in _numba_state:
+            try:
+                _define_numba_pieces()
+                _numba_state["error"] = None
+            except Exception as exc:  # not installed, or an install that does not import
+                _numba_state["error"] = f"numba is not available ({type(exc).__name__}: {exc})".splitlines()[0][:300]
+        return _numba_state["error"]
+
+
+def _define_numba_pieces() -> None:
+    global np, carray, njit, _f32_at, _u16_at, _fma, _bf16_to_f32, _f32_to_bf16, _stream_line, _store_fence
+    global _f16_to_f32, _f32_to_f16
     import numpy as np
     from llvmlite import ir as llvm_ir
     from numba import carray, njit, types
     from numba.extending import intrinsic
-except Exception as exc:  # not installed, or an install that does not import
-    _numba_error = f"numba is not available ({type(exc).__name__}: {exc})".splitlines()[0][:300]
-
-if _numba_error is None:
 
     def _pointer_intrinsic(element):
         @intrinsic
@@ -395,9 +410,9 @@ class _Entry:
     def __init__(self, variant: _Variant):
         self.variant = variant
         self.kernel = None
-        self.reason: Optional[str] = _numba_error
+        self.reason: Optional[str] = _load_numba()
         self.seconds = 0.0
-        if _numba_error is not None:
+        if self.reason is not None:
             return
         start = time.perf_counter()
         try:
@@ -488,8 +503,8 @@ _warned: set = set()
 
 def _forget_lock_after_fork() -> None:
     # A child forked while another thread compiled a variant would inherit the lock held forever.
-    global _lock
-    _lock = threading.Lock()
+    global _lock, _numba_lock
+    _lock, _numba_lock = threading.Lock(), threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -545,7 +560,7 @@ def compiled_kernel_status() -> list[dict]:
 
 def available() -> Optional[str]:
     """None where numba imports, else why not."""
-    return _numba_error
+    return _load_numba()
 
 
 def plan(
