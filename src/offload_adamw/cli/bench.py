@@ -671,8 +671,12 @@ def write_plot(result: dict, path: str) -> None:
     ax.legend(fontsize=7, ncol=3, loc="upper left")
     if scaling:
         sax = axes[1]
-        for i, (name, rows) in enumerate(scaling["cases"].items()):
-            sax.plot(scaling["threads"], [r["elements_per_s"] / 1e9 for r in rows], marker="o", label=name)
+        for name, rows in scaling["cases"].items():
+            # the triad as the step-equivalent ceiling: its bandwidth over a step's 28 bytes per element
+            scale = TRIAD_BYTES_PER_ELEMENT / BYTES_PER_ELEMENT if name == TRIAD_CASE else 1.0
+            label = "in-place triad / 28 B" if name == TRIAD_CASE else name
+            sax.plot(scaling["threads"], [r["elements_per_s"] * scale / 1e9 for r in rows], marker="o", label=label,
+                     linestyle="--" if name == TRIAD_CASE else "-", color="black" if name == TRIAD_CASE else None)
         sax.set_xlabel("torch threads")
         sax.set_xticks(scaling["threads"])
         sax.set_ylabel("G elements / s")
