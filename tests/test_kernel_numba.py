@@ -35,7 +35,7 @@ from hypothesis import given, settings, strategies as st
 from offload_adamw import OffloadAdamW, numba_kernel_status
 from offload_adamw.kernels import numba_loop
 from offload_adamw.kernels.adamw import StepHyper
-from offload_adamw.kernels.blocked import blocked_adamw_
+from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_
 from test_kernel import OPTIONS, Layout, _assert_bitwise, _run_ours, _run_torch
 
 pytest.importorskip("numba")
@@ -136,6 +136,19 @@ def test_model_copy_at_an_unaligned_address_is_exact():
     _reference_step(ref, HP)
     assert _same_state(t, ref)
     assert torch.equal(t["out"].view(torch.int16), ref["master"].bfloat16().view(torch.int16))
+
+
+def test_autograd_sees_the_parameter_change_as_after_an_in_place_op():
+    """A graph that saved a parameter before the step must refuse backward afterwards, as with torch's
+    AdamW (the loop writes through raw addresses, so it bumps the version counters itself)."""
+    for config in (None, BlockConfig(numba_loop=False)):
+        p = torch.nn.Parameter(torch.randn(4096).to(torch.bfloat16))
+        loss = (p * p).float().sum()  # saves p itself for backward
+        t = _tensors(4096, torch.bfloat16, None)
+        kwargs = {} if config is None else dict(config=config)
+        blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [p.detach()], HP, **kwargs)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
 
 
 def test_self_test_refuses_a_loop_that_rounds_v_twice():

@@ -423,6 +423,14 @@ def blocked_adamw_(
             masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked, workers=threads,
         )
         blocked = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]
+        # The loop writes through raw addresses: tell autograd, as an in-place torch op would, so that
+        # a graph that saved a parameter before the step refuses to run backward on the new values.
+        written = [t for i in start_at for t in (masters[i], exp_avgs[i], exp_avg_sqs[i],
+                                                   max_exp_avg_sqs[i] if hp.amsgrad else None,
+                                                   model_params[i] if model_params is not None else None)
+                   if t is not None]
+        if written:
+            torch.autograd.graph.increment_version(written)
     if isinstance(hp.lr, Tensor):
         # TorchScript's loop takes a float lr; a tensor lr keeps the Python loop, which passes
         # it to the fused op unchanged (torch's own overload for it).

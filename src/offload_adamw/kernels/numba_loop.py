@@ -86,7 +86,7 @@ _CPU = torch.device("cpu")
 # dtype -> the kind code the kernels are specialised on
 _KIND = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 #: Streaming (non-temporal) stores of the model copy: x86-64 only (an sfence orders them).
-_STREAMING = platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("OFFLOAD_ADAMW_STREAMING_STORES", "1") != "0"
+_STREAMING = platform.machine().lower() in ("x86_64", "amd64")
 _BLOCK = 1024  # elements per block: the model copy of a block is buffered (2 or 4 KiB, in L1) and then streamed
 _WORK_COLUMNS = 8  # master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, model copy (addresses), elements, scalar row
 _SCALAR_COLUMNS = 7  # decay, lerp coefficient, 1 - beta2, beta2, sqrt(bias correction 2), eps, -step size
