@@ -24,7 +24,8 @@ _EXPORTS: dict[str, str] = {
     "clip_grad_norm_": "offload_adamw.accel.clipping",
     "HostResidentGradient": "offload_adamw.accel.freed",
     "is_host_resident": "offload_adamw.accel.freed",
-    "compiled_kernel_status": "offload_adamw.kernels.compiled",
+    "numba_kernel_status": "offload_adamw.kernels.numba_loop",
+    "compiled_kernel_status": "offload_adamw.kernels.numba_loop",
     "plan": "offload_adamw.planning.planner",
     "predict_host_optimizer_bytes": "offload_adamw.planning.planner",
     "ModelConfig": "offload_adamw.planning.planner",
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from offload_adamw.conformance.checker import CandidateLoadError
     from offload_adamw.conformance.checker import check as check_conformance
     from offload_adamw.integrations.hf import trainer_optimizer
-    from offload_adamw.kernels.compiled import compiled_kernel_status
+    from offload_adamw.kernels.numba_loop import compiled_kernel_status, numba_kernel_status
     from offload_adamw.optim.loading import StateDictMismatch
     from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups
     from offload_adamw.optim.named_groups import named_param_groups as param_groups

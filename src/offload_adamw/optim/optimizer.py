@@ -21,6 +21,7 @@ Contract (docs/contract.md):
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -86,14 +87,9 @@ class OffloadAdamW(torch.optim.Optimizer):
       return non-blocking (accel/pipeline.py). ``True`` with CPU parameters runs the
       same pipeline with the CPU as device. With the pipeline the state is not
       pinned unless ``pin_memory=True``: the pipeline's buffers carry the transfers.
-    * ``compiled_kernel`` (default False): update large mixed-precision tensors
-      (bf16/fp16 parameters or gradients, float32 masters) in one loop compiled by
-      torch.compile (kernels/compiled.py), 1.1 to 1.5x faster than the default
-      blocked kernel here (the benchmark in the README). The same bits: each
-      compiled variant is checked against torch's fused op before its first use.
-      Needs a C++ compiler; the first step compiles (a few seconds per variant,
-      cached on disk by torch); where anything fails the default kernel runs,
-      after one warning.
+    * ``compiled_kernel``: deprecated and without effect (accepted with a
+      DeprecationWarning): the default host step is the one loop it used to
+      opt into, now compiled by numba without a C++ compiler (kernels/numba_loop.py).
     * ``max_grad_norm`` (default None): clip the gradients to this total 2-norm
       inside ``step``, before the update (like DeepSpeed's ``gradient_clipping``),
       with torch's ``clip_grad_norm_`` arithmetic over the gradients in this
@@ -167,7 +163,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self.compiled_kernel = bool(compiled_kernel)
+        if compiled_kernel:
+            warnings.warn(
+                "OffloadAdamW(compiled_kernel=True) is deprecated and has no effect: the default host step "
+                "is the single loop it used to opt into (compiled by numba, no C++ compiler needed)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -330,8 +332,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------- the update path (UpdateTarget)
 
     def kernel_impl(self, group: dict[str, Any]) -> str:
-        """The kernel that updates ``group``: "for_loop" with fused=False, else "blocked" or "compiled"."""
-        return _update.kernel_impl(group, compiled=self.compiled_kernel)
+        """The kernel that updates ``group``: "for_loop" with fused=False, else "blocked"."""
+        return _update.kernel_impl(group)
 
     def check_gradient(self, group_index: int, index: int, grad: Tensor) -> None:
         """Refuse, naming the parameter, a gradient no update may consume (optim/update.py)."""

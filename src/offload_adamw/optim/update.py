@@ -68,11 +68,11 @@ def step_hyper(group: dict[str, Any]) -> StepHyper:
     )
 
 
-def kernel_impl(group: dict[str, Any], *, compiled: bool) -> str:
-    """``fused=False`` picks the readable for-loop kernel; else the blocked one, or the compiled loop where asked."""
+def kernel_impl(group: dict[str, Any]) -> str:
+    """``fused=False`` picks the readable for-loop kernel; else the fused one ("blocked")."""
     if group.get("fused") is False:
         return "for_loop"
-    return "compiled" if compiled else "blocked"
+    return "blocked"
 
 
 def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
