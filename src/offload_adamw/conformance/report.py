@@ -1,10 +1,15 @@
 """The result of a conformance check: one verdict per clause, as a table and as JSON.
 
 Contract: a :class:`Report` holds one :class:`ClauseResult` per clause run, in clause
-order. ``verdict`` is one of ``pass``, ``fail``, ``n/a`` (the question cannot be asked
-of this candidate here) and ``info`` (reported, never judged). ``deviation`` is the
-measured distance that decided the verdict (relative, see each clause), or None where
-the clause measures no distance. ``to_json()`` holds only JSON types.
+order. ``verdict`` is one of ``pass``, ``fail`` (the property was measured and is broken),
+``error`` (the candidate raised, hung past the time limit, or ended the process: the
+property could not be measured, which never counts as a pass), ``n/a`` (the property
+cannot apply to this candidate) and ``info`` (reported, never judged). ``deviation`` is
+the measured distance that decided the verdict (relative, see each clause), or None
+where the clause measures no distance. A report is *conforming* when no clause fails or
+errs and the update rule (clause 1), where it was run, passed: a candidate whose update
+rule cannot be compared (no eps, no betas) is not shown to be AdamW. ``to_json()`` holds
+only JSON types, with ``schema_version`` 1.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["VERDICTS", "ClauseResult", "Report"]
+__all__ = ["VERDICTS", "SCHEMA_VERSION", "ClauseResult", "Report"]
 
-VERDICTS = ("pass", "fail", "n/a", "info")
+VERDICTS = ("pass", "fail", "error", "n/a", "info")
+SCHEMA_VERSION = 1
+UPDATE_RULE_CLAUSE = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +36,7 @@ class ClauseResult:
     name: str
     """What the clause checks, in a few words."""
     verdict: str
-    """``pass``, ``fail``, ``n/a`` or ``info``."""
+    """``pass``, ``fail``, ``error``, ``n/a`` or ``info``."""
     deviation: Optional[float]
     """The measured deviation that decided the verdict (None when nothing is measured)."""
     consequence: str
@@ -64,10 +71,25 @@ class Report:
     """One result per clause run, in clause order."""
     seconds: float = 0.0
     """Wall time of the whole check."""
+    timeout: Optional[float] = None
+    """The time limit of each clause in seconds (None: the clauses ran in this process, unlimited)."""
 
     @property
     def failed(self) -> list[ClauseResult]:
-        return [r for r in self.results if r.verdict == "fail"]
+        """Clauses that fail or err (the candidate raised, hung or exited)."""
+        return [r for r in self.results if r.verdict in ("fail", "error")]
+
+    @property
+    def unproven(self) -> Optional[str]:
+        """Why a report without failures still does not show AdamW (None when it does, or when nothing failed to show it)."""
+        for r in self.results:
+            if r.number == UPDATE_RULE_CLAUSE and r.verdict == "n/a":
+                return f"the update rule (clause {UPDATE_RULE_CLAUSE}) could not be compared with AdamW's: {r.detail.splitlines()[0]}"
+        return None
+
+    @property
+    def conforming(self) -> bool:
+        return not self.failed and self.unproven is None
 
     def result(self, number: int) -> ClauseResult:
         for r in self.results:
@@ -82,10 +104,14 @@ class Report:
             return value
 
         return {
+            "schema_version": SCHEMA_VERSION,
             "candidate": self.candidate,
             "dtype": self.dtype,
             "device": self.device,
             "seconds": round(self.seconds, 3),
+            "timeout": self.timeout,
+            "conforming": self.conforming,
+            "unproven": self.unproven,
             "failed": [r.number for r in self.failed],
             "results": [{k: clean(v) for k, v in asdict(r).items()} for r in self.results],
         }
@@ -95,7 +121,7 @@ class Report:
         width = width or max(100, min(160, shutil.get_terminal_size((120, 20)).columns))
         rows = [("#", "clause", "verdict", "deviation", "consequence when broken")]
         for r in self.results:
-            rows.append((str(r.number), r.name, r.verdict.upper() if r.verdict == "fail" else r.verdict,
+            rows.append((str(r.number), r.name, r.verdict.upper() if r.verdict in ("fail", "error") else r.verdict,
                           _format_deviation(r.deviation), r.consequence))
         fixed = [max(len(row[i]) for row in rows) for i in range(4)]
         last = max(30, width - sum(fixed) - 2 * 4)
@@ -111,6 +137,8 @@ class Report:
         lines.append("")
         verdicts = {v: sum(r.verdict == v for r in self.results) for v in VERDICTS}
         lines.append("  ".join(f"{n} {v}" for v, n in verdicts.items()))
+        if self.unproven:
+            lines.append(f"not shown to be AdamW: {self.unproven}")
         lines.append("")
         for r in self.results:
             lines.append(f"[{r.number}] {r.name}: {r.verdict}")
