@@ -1,9 +1,13 @@
 """``offload-adamw check``: the conformance checker on the command line.
 
-Contract: prints the report table to stdout, writes ``--json FILE`` when asked, and
-returns the exit status: 0 when no clause fails, 1 when any clause fails, 2 when the
-candidate cannot be loaded or the arguments are invalid (bad JSON, unknown dtype,
-unknown clause, bad mapping).
+Contract: prints the report table to stdout, writes ``--json FILE`` when asked (with a
+top-level ``schema_version``), and returns the exit status: 0 when the candidate conforms
+(no clause fails or errs, and the update rule could be compared), 1 when it does not, 2
+on a usage error, reported in one line that names the culprit before any clause runs: a
+candidate that cannot be loaded, invalid arguments (bad JSON, unknown dtype, unknown
+clause, bad mapping, a non-positive ``--timeout``), a device that is not there, a
+``--json`` path that cannot be written, a ``--setup`` method the optimizer lacks, or a
+constructor that does not take the canonical keywords (with the ``--map`` that fits).
 
 Examples::
 
@@ -17,16 +21,46 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "CLAUSE_HELP"]
+
+CLAUSE_HELP = """
+
+Clauses (--dtype D sets the parameter dtype of every clause except where said):
+   1  update rule vs. the reference, step 1 and 2-6, plain, amsgrad, maximize; in float64 and in D,
+      at the precision of the candidate's state; gradients orthogonal to one weight (projections)
+   2  decoupled weight decay (wd 0 vs. wd > 0 on the same gradients), in D
+   3  decay applied to the pre-update value, in D
+   4  per-tensor step count, grad None leaves a tensor alone, in D
+   5  an explicit zero gradient is an update (vs. a tiny one), in D
+   6  lr = 0: moments absorb the gradient, theta unchanged, in D
+   7  parameter groups keep their hyperparameters; an lr change takes effect at its step, in D
+   8  state precision: float64, float32, bfloat16 and float16 parameters (whatever D), 64x64 over
+      1051 steps, each against the candidate's own widest run; state narrower than the parameter
+      (or than float32), the master copy and its round-to-nearest-even narrowing
+   9  where the state lives between steps (info; n/a without an accelerator)
+  10  state_dict round trip: bitwise continuation, dtypes kept, in D and in bfloat16
+  11  resume into another parameter order matches state by name (or refuses), in D
+  12  NaN/negative lr, eps, weight_decay, beta = 1 rejected at construction
+  13  non-finite gradients: propagate, skip or raise (judged only against a declared policy), in D
+  14  torch.amp.GradScaler's found_inf step leaves no trace, in float32 (float64 for D = fp64)
+  15  cost of one step vs. torch.optim.AdamW(fused=True) on 262,144 elements of D (info)
+
+Each clause runs in a child process with a time limit. Exit status: 0 conforming, 1 not
+(a clause fails or errs, or the update rule could not be compared), 2 usage error.
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (parser.description or "") + CLAUSE_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("candidate", help="the optimizer: 'package.module:Class' or 'path/to/file.py:Class'")
-    parser.add_argument("--dtype", default="fp32", help="parameter dtype of the checked run: fp32 (default), bf16, fp16, fp64")
+    parser.add_argument("--dtype", default="fp32", help="parameter dtype of the checked run: fp32 (default), bf16, fp16, fp64 "
+                                                        "(what it changes per clause: see above)")
     parser.add_argument("--kwargs", default=None, metavar="JSON",
                         help="fixed constructor keyword arguments, e.g. '{\"correct_bias\": true}' (or @file.json)")
     parser.add_argument("--map", dest="mapping", default=None, metavar="JSON",
@@ -38,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the declared non-finite policy clause 13 is judged against "
                              "(default: the candidate's 'nonfinite' attribute, else reported only)")
     parser.add_argument("--device", default="cpu", help="device of the parameters (default: cpu)")
+    parser.add_argument("--setup", action="append", default=[], metavar="METHOD",
+                        help="a method to call on every optimizer built, before it steps (repeatable), e.g. 'train' "
+                             "for schedule-free optimizers")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="time limit of each clause (default: 120 s); a clause that runs longer is that "
+                             "clause's error")
     parser.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: when stderr is a terminal)")
@@ -62,10 +102,27 @@ def _json_argument(flag: str, text: str | None) -> Any:
     return value
 
 
+def _check_writable(path_text: str) -> Path:
+    """The ``--json`` path, refused before any clause runs when it cannot be written."""
+    path = Path(path_text)
+    if path.is_dir():
+        raise ValueError(f"--json: {str(path)!r} is a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"--json: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--json: {str(path)!r} is not writable")
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
-    from offload_adamw.conformance.checker import CandidateLoadError, check
+    from offload_adamw.conformance.checker import DEFAULT_TIMEOUT, CandidateLoadError, UsageError, check
 
     try:
+        json_path = _check_writable(args.json_path) if args.json_path else None
+        timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
+        if not timeout > 0:  # written so that NaN fails too
+            raise ValueError(f"--timeout: expected a positive number of seconds, got {args.timeout!r}")
         kwargs = _json_argument("--kwargs", args.kwargs)
         mapping = _json_argument("--map", args.mapping)
         clauses = None
@@ -76,16 +133,23 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--clauses: expected numbers separated by commas, got {args.clauses!r}") from None
         progress = sys.stderr.isatty() if args.progress is None else args.progress
         report = check(args.candidate, dtype=args.dtype, kwargs=kwargs, mapping=mapping, clauses=clauses,
-                       nonfinite_policy=args.nonfinite, device=args.device, progress=progress)
+                       nonfinite_policy=args.nonfinite, device=args.device, progress=progress, setup=args.setup,
+                       timeout=timeout)
     except CandidateLoadError as exc:
         print(f"offload-adamw check: cannot load the candidate: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"offload-adamw check: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"offload-adamw check: {exc}", file=sys.stderr)
         return 2
     print(report.to_table())
-    if args.json_path:
-        path = Path(args.json_path)
-        path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        print(f"\nwrote {path}")
-    return 1 if report.failed else 0
+    if json_path is not None:
+        try:
+            json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        except OSError as exc:
+            print(f"offload-adamw check: --json: cannot write {str(json_path)!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"\nwrote {json_path}")
+    return 0 if report.conforming else 1
