@@ -6,9 +6,10 @@ from offload_adamw.conformance.checker import (
     ClauseResult,
     HyperMapping,
     Report,
+    UsageError,
     check,
     load_candidate,
     parse_dtype,
 )
 
-__all__ = ["CLAUSES", "CandidateLoadError", "ClauseResult", "HyperMapping", "Report", "check", "load_candidate", "parse_dtype"]
+__all__ = ["CLAUSES", "CandidateLoadError", "ClauseResult", "HyperMapping", "Report", "UsageError", "check", "load_candidate", "parse_dtype"]
