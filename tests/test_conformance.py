@@ -116,13 +116,12 @@ def test_a_declared_policy_the_candidate_does_not_keep_fails():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp64"])
 def test_other_parameter_dtypes(dtype):
-    # Clause 8 runs bf16 and fp16 itself whatever the dtype; it is left out here to save time.
-    clauses = [n for n in JUDGED if n != 8]
-    offload = check(OffloadAdamW, dtype=dtype, clauses=clauses)
-    assert offload.failed == [], offload.to_table()
+    # What the README states as measured: OffloadAdamW fails nothing, torch's AdamW clauses 8 and 11.
+    offload = check(OffloadAdamW, dtype=dtype, clauses=JUDGED)
+    assert offload.failed == [] and offload.conforming, offload.to_table()
     assert offload.dtype == {"bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}[dtype]
-    torch_report = check(torch.optim.AdamW, dtype=dtype, clauses=clauses)
-    assert [r.number for r in torch_report.failed] == [11], torch_report.to_table()
+    torch_report = check(torch.optim.AdamW, dtype=dtype, clauses=JUDGED)
+    assert [r.number for r in torch_report.failed] == [8, 11], torch_report.to_table()
 
 
 def plain_tensors_only(params, **hyper):
@@ -155,7 +154,8 @@ def test_each_broken_optimizer_is_flagged_by_its_clause_only(broken_reports, cls
     for clause in clauses:
         flagged = report.result(clause)
         assert flagged.verdict == "fail"  # flagged by a measurement, not by a crash
-        assert flagged.deviation is None or flagged.deviation > 1e-4
+        # float32 state on float64 parameters costs ~7e-5 over 1051 steps, against ~1e-14 for float64 state
+        assert flagged.deviation is None or flagged.deviation > 1e-5
 
 
 def test_precision_findings_name_the_property_and_the_dtype(broken_reports):

@@ -644,13 +644,11 @@ def clause_precision(ctx: Context) -> ClauseFinding:
         state = moment_dtypes(opt, p)
         required = _required_state(dtype)
         narrow = {k: d for k, d in state.items() if dtype_bits(d) < dtype_bits(required)}
-        if narrow:
-            findings.append(f"state narrower than {_dtype_name(required)}: "
-                            + ", ".join(f"{k} {_dtype_name(d)}" for k, d in narrow.items()))
         master = h.master(opt, p)
         raw = p.detach().to("cpu", torch.float64)
         if dtype == base_dtype:
-            dev, ok = 0.0, True
+            # Nothing wider to compare with: what the narrow state costs shows as the distance to the reference.
+            dev, ok = (compare(seen, ref, EXACT)[1] if narrow else 0.0), True
         elif master is not None or dtype in (torch.float32, torch.float64):
             ok, dev = compare(seen, base, tolerance_for(torch.float32, steps=len(grads)))
         else:  # only the rounded parameter is visible: within one ulp of the rounded wide result
@@ -658,6 +656,10 @@ def clause_precision(ctx: Context) -> ClauseFinding:
             diff = torch.nan_to_num((raw - expected).abs(), nan=math.inf)
             ok = bool((diff <= 1.01 * _ulp(expected, dtype) + 1e-5 * expected.abs()).all())
             dev = compare(raw, expected, EXACT)[1]
+        if narrow:
+            findings.append(f"state narrower than {_dtype_name(required)}: "
+                            + ", ".join(f"{k} {_dtype_name(d)}" for k, d in narrow.items())
+                            + (f" (the run ends {_fmt(dev)} from the reference)" if dtype == base_dtype else ""))
         if not ok:
             part_dev = {n: compare(a, b, EXACT)[1] for (n, a), b in zip(_parts(seen if master is not None else raw).items(),
                                                                     _parts(base).values())}
@@ -667,6 +669,7 @@ def clause_precision(ctx: Context) -> ClauseFinding:
             nearest = master.detach().to("cpu").to(p.dtype)
             if not torch.equal(p.detach().cpu(), nearest):
                 differ = int((p.detach().cpu() != nearest).sum())
+                dev = max(dev, compare(raw, nearest.to(torch.float64), EXACT)[1])
                 how = ("it is the master truncated toward zero" if torch.equal(p.detach().cpu(), _truncated(master.detach().cpu(), p.dtype))
                        else "another rounding")
                 findings.append(f"the parameter is not the round-to-nearest-even copy of its master: {differ} of "
