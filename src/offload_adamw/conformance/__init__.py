@@ -12,4 +12,5 @@ from offload_adamw.conformance.checker import (
     parse_dtype,
 )
 
-__all__ = ["CLAUSES", "CandidateLoadError", "ClauseResult", "HyperMapping", "Report", "UsageError", "check", "load_candidate", "parse_dtype"]
+__all__ = ["CLAUSES", "CandidateLoadError", "ClauseResult", "HyperMapping", "Report", "UsageError", "check", "load_candidate",
+           "parse_dtype"]

@@ -52,24 +52,24 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import Tensor
 
-from offload_adamw.contract import reference
-from offload_adamw.contract.rules import NONFINITE_POLICIES
 from offload_adamw.conformance.harness import (
     Harness,
     NotApplicable,
     Tolerance,
     as_reference,
     compare,
-    hyper,
-    random_values,
     dtype_bits,
+    hyper,
     load_bytes,
     moment_dtypes,
+    random_values,
     save_bytes,
     snap,
     state_dtypes,
     tolerance_for,
 )
+from offload_adamw.contract import reference
+from offload_adamw.contract.rules import NONFINITE_POLICIES
 
 __all__ = ["Context", "ClauseFinding", "Clause", "CLAUSES", "NONFINITE_POLICIES", "prepare_references"]
 
@@ -615,10 +615,11 @@ def clause_precision(ctx: Context) -> ClauseFinding:
             h.step(opt, params, g)
         return opt, params["w"], h.observe(opt, params["w"])
 
-    lines = [f"one {LONG_SHAPE[0]}x{LONG_SHAPE[1]} tensor, {len(grads)} steps (lr 1e-2, weight_decay {wd}): 'decay_only' gets zero "
-             f"gradients throughout, 'second_moment' one gradient, {LONG_ZERO_STEPS} zeros, then small ones, 'small_updates' "
-             f"|theta| 8-16 with updates ~1e-2, 'steady' ordinary gradients; each parameter dtype is compared with the "
-             f"candidate's own run in the widest dtype it takes (so a formula error cancels out: that is clause 1's finding)"]
+    lines = [f"one {LONG_SHAPE[0]}x{LONG_SHAPE[1]} tensor, {len(grads)} steps (lr 1e-2, weight_decay {wd}): "
+             f"'decay_only' gets zero gradients throughout, 'second_moment' one gradient, {LONG_ZERO_STEPS} zeros, then "
+             f"small ones, 'small_updates' |theta| 8-16 with updates ~1e-2, 'steady' ordinary gradients; each parameter "
+             f"dtype is compared with the candidate's own run in the widest dtype it takes (so a formula error cancels out: "
+             f"that is clause 1's finding)"]
     runs: dict[torch.dtype, tuple[Any, Tensor, Tensor]] = {}
     refused = []
     for dtype in LONG_DTYPES:
@@ -670,14 +671,15 @@ def clause_precision(ctx: Context) -> ClauseFinding:
             if not torch.equal(p.detach().cpu(), nearest):
                 differ = int((p.detach().cpu() != nearest).sum())
                 dev = max(dev, compare(raw, nearest.to(torch.float64), EXACT)[1])
-                how = ("it is the master truncated toward zero" if torch.equal(p.detach().cpu(), _truncated(master.detach().cpu(), p.dtype))
-                       else "another rounding")
+                truncated = torch.equal(p.detach().cpu(), _truncated(master.detach().cpu(), p.dtype))
+                how = "it is the master truncated toward zero" if truncated else "another rounding"
                 findings.append(f"the parameter is not the round-to-nearest-even copy of its master: {differ} of "
                                 f"{p.numel()} elements differ ({how})")
                 ok = False
         worst = max(worst, dev)
         kinds = ", ".join(f"{k} {_dtype_name(d)}" for k, d in state.items()) or "none found"
-        lines.append(f"{label}: vs. {_dtype_name(base_dtype)} run {_fmt(dev)}, vs. reference {_fmt(compare(seen, ref, EXACT)[1])}; "
+        lines.append(f"{label}: vs. {_dtype_name(base_dtype)} run {_fmt(dev)}, "
+                     f"vs. reference {_fmt(compare(seen, ref, EXACT)[1])}; "
                      f"state {kinds}; master copy: {'yes' if master is not None else 'no'}")
         problems.extend(f"{label} parameters: {f}" for f in findings)
     if problems:
@@ -999,7 +1001,8 @@ CLAUSES: tuple[Clause, ...] = (
     Clause(5, "an explicit zero gradient is an update", "where gradients are exactly zero (masked rows, unused tokens) moments and decay stop", clause_zero_grad),
     Clause(6, "lr = 0: moments absorb the gradient, theta unchanged", "warm-up from lr 0 starts from empty moments and a shifted step count", clause_lr_zero),
     Clause(7, "parameter groups and LR schedules", "no-decay groups are decayed, per-group lr or the scheduler is ignored", clause_groups),
-    Clause(8, "state precision for every parameter dtype (long horizon)", "v stops decaying, weight decay and small updates vanish: slow drift over long runs", clause_precision),
+    Clause(8, "state precision for every parameter dtype (long horizon)",
+           "v stops decaying, weight decay and small updates vanish: slow drift over long runs", clause_precision),
     Clause(9, "where the state lives between steps (info)", "placement changes speed and memory, never results", clause_placement),
     Clause(10, "state_dict round trip: bitwise continuation, dtypes kept", "resuming from a checkpoint starts a different trajectory (a loss jump after resume)", clause_round_trip),
     Clause(11, "resume matches state by name, not position", "after a refactor one tensor's moments silently drive another tensor", clause_name_mapping),

@@ -84,7 +84,8 @@ class Report:
         """Why a report without failures still does not show AdamW (None when it does, or when nothing failed to show it)."""
         for r in self.results:
             if r.number == UPDATE_RULE_CLAUSE and r.verdict == "n/a":
-                return f"the update rule (clause {UPDATE_RULE_CLAUSE}) could not be compared with AdamW's: {r.detail.splitlines()[0]}"
+                first_line = r.detail.splitlines()[0] if r.detail else ""
+                return f"the update rule (clause {UPDATE_RULE_CLAUSE}) could not be compared with AdamW's: {first_line}"
         return None
 
     @property
