@@ -74,6 +74,21 @@ PEERS = {
     "pytorch_optimizer.Lion": (
         pytorch_optimizer.Lion, {"mapping": {"amsgrad": None, "eps": None}},
         expect(c1="n/a", c2="pass", c3="pass", c4="pass", c5="pass", c6="pass", c7="pass")),
+    # pytorch_optimizer/optimizer/lamb.py: `p.add_(update, alpha=-step_size * trust_ratio)` with trust_ratio =
+    # |p| / |update|: the step depends on theta itself, so it is not AdamW's (1), and a run with weight decay
+    # takes another step, whatever the decay (a decoupled `p.mul_(1 - lr*wd)` before the update here):
+    # clauses 2 and 3 cannot separate decay from update (n/a, with the reason). `group['step']` is the
+    # group's count (4).
+    "pytorch_optimizer.Lamb": (
+        pytorch_optimizer.Lamb, {"mapping": {"amsgrad": None}},
+        expect(c1="fail", c2="n/a", c3="n/a", c4="fail", c5="pass", c6="pass", c7="pass")),
+    # pytorch_optimizer/optimizer/laprop.py: the momentum averages lr-scaled normalized gradients
+    # (`exp_avg.mul_(beta1).addcdiv_(grad, de_nom, value=(1 - beta1) * lr)`), not AdamW's rule (1);
+    # `apply_weight_decay` comes after `p.add_(update, ...)`: decoupled (2) but applied to the updated
+    # value (3); `group['step']` drives the bias correction (4).
+    "pytorch_optimizer.LaProp": (
+        pytorch_optimizer.LaProp, {"mapping": {"amsgrad": None}},
+        expect(c1="fail", c2="pass", c3="fail", c4="fail", c5="pass", c6="pass", c7="pass")),
     # schedulefree/adamw_schedulefree.py (needs .train() before stepping: --setup train): the parameter is
     # y = lerp(z, x) with averaging weights ckp1 = weight/weight_sum, not AdamW's theta (1; step 1 agrees,
     # ckp1 = 1 there); weight decay is `grad_normalized.add_(y, alpha=decay)`, added to the normalized
@@ -109,6 +124,9 @@ def test_peer_findings_name_what_broke(peer_reports):
     assert "differs from stepping it alone" in adamp.result(4).detail
     qhadam = peer_reports["torch_optimizer.QHAdam"]
     assert "L2 coupled into the gradient" in qhadam.result(2).detail
+    lamb = peer_reports["pytorch_optimizer.Lamb"]
+    assert "the step itself depends on theta" in lamb.result(3).detail
+    assert "decay is applied after the update" in peer_reports["pytorch_optimizer.LaProp"].result(3).detail
     schedule_free = peer_reports["schedulefree.AdamWScheduleFree"]
     assert "does not scale with lr alone" in schedule_free.result(7).detail
     assert "accepted at construction: lr = nan" in schedule_free.result(12).detail

@@ -273,6 +273,32 @@ def _decay_forms(seen_a: list, seen_b: list, shrink: float, tol: Tolerance) -> d
     return out
 
 
+def _step_scales_with_theta(ctx: Context, *, lr: float) -> Optional[float]:
+    """How far the weight_decay-0 first step taken from 2*theta0 is from the one taken from theta0, where they differ
+    (AdamW's step does not depend on theta; a trust ratio's or a weight norm's does); None where they agree.
+
+    Where the step depends on theta, a run with weight decay moves theta and so changes the step itself: the
+    comparisons of clauses 2 and 3 (the same step with and without decay) do not hold, whatever the decay is."""
+    h = ctx.harness
+    theta0 = {n: random_values(20 + i, s, 1.0, 3.0) for i, (n, s) in enumerate({"w": (6,), "v": (4,)}.items())}
+    grads = [{n: random_values(200 + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())}]
+    steps = []
+    for scale in (1.0, 2.0):
+        start = {n: scale * t for n, t in theta0.items()}
+        params = h.params(start, ctx.dtype)
+        opt = h.build(params, hyper(lr=lr, eps=1e-8, weight_decay=0.0))
+        after = h.run(opt, params, grads)[0]
+        steps.append(({n: after[n] - start[n] for n in start}, _tol(ctx, opt, params)))
+    (one, tol), (two, _) = steps
+    results = [compare(two[n], one[n], tol) for n in one]
+    return None if all(ok for ok, _ in results) else max(dev for _, dev in results)
+
+
+_THETA_DEPENDENT = ("the step itself depends on theta (doubling theta changes the weight_decay-0 step by {dev}: a trust "
+                    "ratio or a weight norm), so a run with weight decay takes another step, and the decay cannot be "
+                    "separated from the update: that is the update rule's finding (clause 1)")
+
+
 def clause_decoupled(ctx: Context) -> ClauseFinding:
     if not ctx.harness.mapping.accepts("weight_decay"):
         raise NotApplicable("the candidate takes no weight decay")
@@ -284,6 +310,9 @@ def clause_decoupled(ctx: Context) -> ClauseFinding:
               f"fit as decoupled decay before the update: {_fmt(forms['before'][1])}, after the update: {_fmt(forms['after'][1])}")
     if forms["before"][0] or forms["after"][0]:
         return ClauseFinding("pass", deviation, "the update direction does not depend on weight_decay (decoupled). " + detail)
+    scaled = _step_scales_with_theta(ctx, lr=lr)
+    if scaled is not None:
+        raise NotApplicable(_THETA_DEPENDENT.format(dev=_fmt(scaled)))
     return ClauseFinding("fail", deviation, "weight_decay changes the update direction: it reaches the moments "
                    "(L2 coupled into the gradient) or is not lr*wd*theta. " + detail)
 
@@ -298,6 +327,9 @@ def clause_decay_order(ctx: Context) -> ClauseFinding:
               f"s*theta0 - u (decay first): {_fmt(forms['before'][1])}; to s*(theta0 - u) (decay after): {_fmt(forms['after'][1])}")
     if forms["before"][0]:
         return ClauseFinding("pass", forms["before"][1], "decay acts on the pre-update value. " + detail)
+    scaled = _step_scales_with_theta(ctx, lr=lr)
+    if scaled is not None:
+        raise NotApplicable(_THETA_DEPENDENT.format(dev=_fmt(scaled)))
     if all(compare(seen_b[1][n], seen_a[1][n], info["tol"])[0] for n in seen_b[1]):
         raise NotApplicable("weight_decay has no effect on the first step (not decoupled: clause 2), "
                             "so the order of decay and update cannot be seen")
