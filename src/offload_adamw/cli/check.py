@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fixed constructor keyword arguments, e.g. '{\"correct_bias\": true}' (or @file.json)")
     parser.add_argument("--map", dest="mapping", default=None, metavar="JSON",
                         help="canonical hyperparameter -> the candidate's name: lr, betas (one name or two), eps, "
-                             "weight_decay, amsgrad, maximize; null = no such argument. "
+                             "weight_decay, amsgrad, maximize; null = no such argument (eps null: the candidate's own eps, "
+                             "clause 1 then n/a and the check not conforming). "
                              "E.g. '{\"betas\": [\"beta1\", \"beta2\"], \"eps\": \"epsilon\"}' (or @file.json)")
     parser.add_argument("--clauses", default=None, metavar="N,N,...", help="run only these clauses (default: all 15)")
     parser.add_argument("--nonfinite", choices=("propagate", "skip", "raise"), default=None,

@@ -1,25 +1,39 @@
 """Check any optimizer against the AdamW contract (../shared/CONTRACT.md), clause by clause.
 
-``check(factory) -> Report`` runs each clause on small tensors and reports pass, fail,
-n/a or info, with the measured deviation and what a failure does to training. The
-candidate never crashes the checker: an exception inside a clause fails that clause and
-the report shows it.
+``check(factory) -> Report`` runs each clause and reports pass, fail, error, n/a or info,
+with the measured deviation and what a failure does to training. Each clause judges one
+property only (how: :mod:`offload_adamw.conformance.clauses`), so a wrong formula fails
+clause 1 and a state kept below the contract's precision fails clause 8, and neither
+fails anything else.
 
-Clauses (how each is isolated from the others: :mod:`offload_adamw.conformance.clauses`):
+The candidate never takes the checker down and never passes by accident: each clause
+runs in a forked child process (where fork exists and CUDA is not initialized in this
+process) with a time limit (``timeout``, :data:`DEFAULT_TIMEOUT` by default); an
+exception, a hang past the limit, ``sys.exit`` or the death of the child is that
+clause's *error*. Forking costs about 0.02 s a clause; torch's lazily imported optimizer
+modules and the reference trajectories are loaded here first, so that no child repeats
+them. Before any clause, one child checks that the device is there and that the
+constructor takes the canonical keywords; otherwise :class:`UsageError` (naming the
+``mapping`` that fits the constructor's signature, where its parameter names tell).
+
+Clauses:
 
 1. the update on step 1 and later steps against :mod:`offload_adamw.reference` (bias
    correction, eps outside the square root, eps moved with the bias correction in
-   rearranged forms; amsgrad and maximize where the candidate takes them), in float64
-   when the candidate takes float64 parameters and in the checked dtype;
+   rearranged forms; amsgrad and maximize where the candidate takes them; gradients
+   orthogonal to one weight, where projections act), in float64 and in the checked
+   dtype, at the precision of the candidate's state; n/a without eps or betas, and a
+   report whose clause 1 is n/a is not conforming;
 2. decoupled weight decay versus L2 coupled into the gradient;
 3. decay applied to the pre-update value;
 4. per-tensor step counts with grad None at some step calls;
 5. an explicit zero gradient is an update;
-6. lr = 0: moments absorb the gradient, theta unchanged;
-7. parameter groups keep their own hyperparameters; LR scheduler changes are honoured;
-8. bf16 and fp16 parameters over 1051 steps (v decay over 1000 zero-gradient steps,
-   weight decay, small updates) against the candidate's own float32 run, and each run's
-   distance to the reference;
+6. lr = 0 (set in the group after construction): moments absorb the gradient, theta unchanged;
+7. parameter groups keep their own hyperparameters; an lr change takes effect at its step;
+8. state precision over 1051 steps on a 64x64 tensor, for float64, float32, bfloat16
+   and float16 parameters: state narrower than the parameter (or than float32), the
+   master copy and its round-to-nearest-even narrowing, against the candidate's own
+   widest run;
 9. where the state lives between steps (info; n/a without an accelerator);
 10. state_dict round trip into a fresh instance: bitwise continuation, state dtypes kept
     (in the checked dtype and in bfloat16);
@@ -39,10 +53,12 @@ Clauses (how each is isolated from the others: :mod:`offload_adamw.conformance.c
 Candidates: a factory ``factory(params, **hyperparameters) -> optimizer`` (a class
 works), or a string ``"package.module:Class"`` / ``"path/to/file.py:Class"``. Other
 signatures are driven through ``mapping`` (canonical name -> the candidate's name, e.g.
-``{"betas": ["beta1", "beta2"], "eps": "epsilon", "weight_decay": null}``) and fixed
-``kwargs`` (e.g. ``{"correct_bias": true}``); see
-:class:`~offload_adamw.conformance.harness.HyperMapping`. Parameters are given with their
-names where the candidate accepts ``[(name, tensor), ...]``, else as plain tensors.
+``{"betas": ["beta1", "beta2"], "eps": "epsilon", "weight_decay": null}``; ``eps: null``
+lets the candidate use its own) and fixed ``kwargs`` (e.g. ``{"correct_bias": true}``);
+see :class:`~offload_adamw.conformance.harness.HyperMapping`. ``setup`` names methods
+called on every optimizer before it steps (``["train"]`` for schedule-free ones).
+Parameters are given with their names where the candidate accepts ``[(name, tensor),
+...]``, else as plain tensors.
 """
 
 from __future__ import annotations

@@ -8,11 +8,15 @@ caller turns it into a failed clause that shows the error).
 
 How the clauses isolate one property each. Clause 1 compares the candidate with
 :mod:`offload_adamw.reference` step by step (float64 reference; the candidate in
-float64 where it accepts float64 parameters, and in the checked dtype). Every other
-property is checked *metamorphically*: the candidate is run twice under a change whose
-effect the contract fixes exactly, and the two runs are compared with each other. A
-wrong update formula then fails clause 1 only, instead of failing every clause that
-happens to take a step. The pairs:
+float64 where it accepts float64 parameters, and in the checked dtype), with the
+tolerance of the narrowest of the observed value and the parameter-sized state (float32
+moments on float64 parameters round as float32 does: clause 8's finding, not a wrong
+formula). Its inputs make the usual departures visible: eps comparable with sqrt(v_hat),
+shrinking gradients (amsgrad), and gradients orthogonal to one weight (projections).
+Every other property is checked *metamorphically*: the candidate is run twice under a
+change whose effect the contract fixes exactly, and the two runs are compared with each
+other. A wrong update formula then fails clause 1 only, instead of failing every clause
+that happens to take a step. The pairs:
 
 2. weight_decay 0 vs. weight_decay > 0 on the same gradients: with decoupled decay the
    update direction is the same, so theta_B(k) = s*theta_B(k-1) - (theta_A(k-1) - theta_A(k))
@@ -20,21 +24,30 @@ happens to take a step. The pairs:
    that ordering is clause 3's business).
 3. The same pair for one step, with gradients of the sign of theta and a tiny eps: then
    L2 coupling cannot change the first update (it is sign(g) either way), and only the
-   place of the decay decides between s*theta0 - u and s*(theta0 - u).
+   place of the decay decides between s*theta0 - u and s*(theta0 - u). Where the step
+   itself depends on theta (a trust ratio: doubling theta changes the weight_decay-0
+   step), clauses 2 and 3 cannot separate decay from update and are n/a with that reason.
 4. Tensors with grad None at some step calls vs. the same tensors stepped alone with only
    their real gradients.
 5. Explicit zero gradients vs. gradients of 1e-30 (the contract is continuous there;
    float16 uses 2**-24 and eps 1e-2, so that the tiny gradient stays far below eps).
-6. lr = 0 vs. lr = 1e-20 for one step, then the same lr for both.
-7. Two parameter groups vs. two optimizers with one group each; and an LR schedule vs.
-   a constant lr (with weight_decay 0 the displacement is proportional to lr).
-8. bfloat16 and float16 parameters vs. the same candidate on float32 parameters over
-   1051 steps (a bf16 parameter must be the rounded copy of a float32 computation); the
-   distance of each run to the reference is reported as well.
+   Without an eps argument only a tensor with warm moments is asked.
+6. lr = 0 vs. lr = 1e-20 for one step, written into the groups of optimizers built with
+   the real lr (a constructor may refuse lr = 0 or record its base lr), then the same lr
+   for both; through the constructor only where the groups' lr is not read.
+7. Two parameter groups vs. two optimizers with one group each; and lr changes: runs that
+   share every step up to k and differ only in step k's lr, so the step must scale exactly
+   (or at least change, where the rule scales its step otherwise, which is reported).
+8. Each parameter dtype vs. the same candidate in the widest dtype it takes, over 1051
+   steps on 4096 elements (a bf16 parameter must be the rounded copy of a float32
+   computation), plus the state dtypes (read inside nested containers) and how the master
+   is narrowed; the distance of each run to the reference is reported as well.
 10. Save at step 3 (through torch.save/torch.load), load into a fresh instance over
     fresh parameters, continue: bitwise equal to the uninterrupted run, state dtypes kept.
-11. Load the same checkpoint into an optimizer built over the parameters in another
-    order, and into one built in the saved order: same continuation per name, or an error.
+11. Load the same checkpoint (a fresh copy for each load) into an optimizer built over the
+    parameters in another order, and into one built in the saved order: same continuation
+    per name, or an error. The saved moments are of opposite signs and the later
+    gradients a thousand times smaller, so that a swap shows at any momentum.
 13. A step with an inf/NaN gradient vs. a run that never saw it (skip), whether it
     raises, whether theta turns non-finite (propagate).
 14. torch.amp.GradScaler with an overflow at step 2 vs. a run without step 2.
