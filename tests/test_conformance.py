@@ -310,6 +310,20 @@ def test_a_hang_an_exit_or_a_dead_process_is_that_clauses_error_never_a_pass():
     assert "ended the process (exit status 3)" in report.result(1).detail
 
 
+class HangsInConstructor(torch.optim.AdamW):
+    def __init__(self, params, **hyper):
+        while True:
+            time.sleep(0.01)
+
+
+def test_a_constructor_that_hangs_costs_one_time_limit_not_one_per_clause():
+    started = time.perf_counter()
+    report = check(HangsInConstructor, clauses=JUDGED, timeout=2)
+    assert time.perf_counter() - started < 20
+    assert {r.verdict for r in report.results} == {"error"}
+    assert "building one optimizer: it did not finish within 2 s" in report.result(1).detail
+
+
 def test_without_isolation_the_clauses_run_here_without_a_time_limit():
     report = check(ExitsInStep, clauses=[1], isolate=False)
     assert report.result(1).verdict == "error" and report.timeout is None

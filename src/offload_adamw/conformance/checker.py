@@ -382,10 +382,12 @@ def check(
         raise ValueError("isolate=True needs fork and a process that has not initialized CUDA")
 
     start = time.perf_counter()
+    preflight_failed = None
     if use_fork:
         _import_lazily_loaded_modules()
         ran, found = isolated(lambda: _preflight(harness, torch_dtype), timeout)
-        found = found if ran else {}
+        if not ran:  # building one optimizer hangs or ends the process: every clause would, one time limit each
+            preflight_failed, found = "building one optimizer: " + found.replace("the clause", "it", 1), {}
     else:
         found = _preflight(harness, torch_dtype)
     if "device" in found:
@@ -409,7 +411,9 @@ def check(
         iterator = tqdm(selected, desc=f"checking {name}", unit="clause", leave=False)
     for clause in iterator:
         run = functools.partial(_outcome, functools.partial(clause.run, ctx))
-        if use_fork:
+        if preflight_failed is not None:
+            verdict, deviation, detail = "error", None, preflight_failed
+        elif use_fork:
             ran, outcome = isolated(run, timeout)
             verdict, deviation, detail = outcome if ran else ("error", None, outcome)
         else:
