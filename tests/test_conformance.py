@@ -472,3 +472,13 @@ def test_state_dtypes_are_read_inside_nested_containers():
     assert report.result(1).verdict == "pass", report.to_table()  # right formula, judged at bf16 precision
     assert report.result(8).verdict == "fail"
     assert "float32 parameters: state narrower than float32: moments.m bfloat16, moments.v bfloat16" in report.result(8).detail
+
+
+def test_a_rounded_parameter_does_not_pass_for_a_step_that_depends_on_theta():
+    # bf16 parameters without a master round each step to their own ulp, which grows with theta; only a
+    # step that really depends on theta (a trust ratio) makes clauses 2 and 3 n/a.
+    from offload_adamw.demo.naive import NaiveOffloadAdamW
+
+    report = check(NaiveOffloadAdamW, dtype="bf16", clauses=[2, 3])
+    assert verdicts(report) == {2: "pass", 3: "fail"}, report.to_table()
+    assert "decay is applied after the update" in report.result(3).detail
