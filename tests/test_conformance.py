@@ -489,3 +489,55 @@ def test_a_rounded_parameter_does_not_pass_for_a_step_that_depends_on_theta():
     report = check(NaiveOffloadAdamW, dtype="bf16", clauses=[2, 3])
     assert verdicts(report) == {2: "pass", 3: "fail"}, report.to_table()
     assert "decay is applied after the update" in report.result(3).detail
+
+
+class EightBitStateAdamW(torch.optim.Optimizer):
+    """AdamW whose moments are kept as uint8 codes with one float32 scale for tensors of 4096 elements or more
+    (as 8-bit optimizers do), and in float32 for smaller ones."""
+
+    THRESHOLD = 4096
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    @staticmethod
+    def _store(x):
+        scale = x.abs().max().clamp(min=1e-30)
+        return {"codes": ((x / scale) * 127 + 128).round().clamp(0, 255).to(torch.uint8), "scale": scale}
+
+    @staticmethod
+    def _load(entry):
+        return (entry["codes"].float() - 128) / 127 * entry["scale"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state, g = self.state[p], p.grad.float()
+                quantized = p.numel() >= self.THRESHOLD
+                if not state:
+                    zeros = torch.zeros_like(p, dtype=torch.float32)
+                    state.update({"step": 0, "exp_avg": self._store(zeros) if quantized else zeros,
+                                  "exp_avg_sq": self._store(zeros) if quantized else zeros.clone()})
+                state["step"] += 1
+                t = state["step"]
+                m = self._load(state["exp_avg"]) if quantized else state["exp_avg"]
+                v = self._load(state["exp_avg_sq"]) if quantized else state["exp_avg_sq"]
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                if quantized:
+                    state["exp_avg"], state["exp_avg_sq"] = self._store(m), self._store(v)
+                theta = p.float().mul_(1 - group["lr"] * group["weight_decay"])
+                theta.addcdiv_(m, (v / (1 - b2**t)).sqrt_().add_(group["eps"]), value=-group["lr"] / (1 - b1**t))
+                p.copy_(theta)
+
+
+def test_quantized_state_is_seen_on_a_tensor_large_enough_to_be_quantized():
+    report = check(EightBitStateAdamW, clauses=[1, 8], mapping={"amsgrad": None, "maximize": None})
+    assert report.result(1).verdict == "pass", report.to_table()  # small tensors stay float32: the formula is right
+    assert report.result(8).verdict == "fail"
+    detail = report.result(8).detail
+    assert "float32 parameters: state narrower than float32: exp_avg.codes uint8, exp_avg_sq.codes uint8" in detail

@@ -397,4 +397,4 @@ def moment_dtypes(opt: Any, p: Tensor) -> dict[str, torch.dtype]:
     its size), leaving out scalars such as the step count and per-block scales."""
     size = p.numel()
     return {k: v.dtype for k, v in state_tensors(_state_entry(opt, p)).items()
-            if size > 1 and v.numel() * 2 >= size and v.numel() > 1}
+            if size > 1 and v.numel() * 2 >= size and v.numel() > 1 and v.dtype != torch.bool}  # a mask is no moment
