@@ -108,7 +108,7 @@ def test_usage_errors_exit_2_before_any_clause_with_one_line(tmp_path, candidate
     cases = [
         (["torch.optim:AdamW", "--device", "cuda"], "device 'cuda' is not usable here"),
         (["torch.optim:AdamW", "--device", "tpu9"], "device 'tpu9'"),
-        (["torch.optim:AdamW", "--json", str(tmp_path / "no_such_dir" / "r.json")], "--json: the directory"),
+        (["torch.optim:AdamW", "--json", str(tmp_path / "no_such_dir" / "r.json")], "no_such_dir' does not exist"),
         (["torch.optim:AdamW", "--json", str(tmp_path)], "is a directory"),
         (["torch.optim:AdamW", "--setup", "train"], "has no method 'train'"),
         (["torch.optim:AdamW", "--timeout", "0"], "--timeout"),

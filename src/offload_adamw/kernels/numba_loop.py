@@ -7,7 +7,7 @@ Contract:
   the staging copy of a float32 parameter on an accelerator) and returns, for
   each tensor it takes, the first element it leaves to the caller (a multiple
   of 64), plus the batches of work that update everything before it with exactly
-  the bits of the parity definition (CONTRACT.md section 5: torch's fused CPU
+  the bits of the parity definition (docs/contract.md#state-precision: torch's fused CPU
   AdamW on the float32 master fed the widened gradient, then the
   round-to-nearest cast). The caller (blocked.py) runs those batches on its
   worker threads and the last ``n % 64`` elements of each tensor, and every
