@@ -1,8 +1,8 @@
-"""The host AdamW step benchmark (issue #4); the same as `offload-adamw bench`.
+"""The host AdamW step benchmark; the same command as `offload-adamw bench`.
 
-    python benchmarks/step_bench.py --sizes 16M,64M,256M --repeats 5 --json step.json --plot step.png
+    python benchmarks/step_bench.py --sizes 16M,64M,256M --repeats 7 --json step.json --plot step.png
 
-See offload_adamw/bench_cli.py for what is measured and how.
+See offload_adamw/cli/bench.py for what is measured and how.
 """
 
 import argparse

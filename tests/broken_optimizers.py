@@ -3,8 +3,10 @@
 ``TextbookAdamW`` is a correct AdamW written out per tensor (float32 moments, a float32
 master for low-precision parameters, name-matched loading inherited from OffloadAdamW),
 with one overridable method per part of the rule. Each broken class overrides one of
-them the way a hand edit might. ``BROKEN`` maps each class to the clause that must flag
-it; the conformance tests check that clause fails and no other one does.
+them the way a hand edit might. ``BROKEN`` maps each class to the clauses that must flag
+it (one, except where two defects are combined on purpose); the conformance tests check
+that those clauses fail and no other one does. ``CORRECT`` lists optimizers written
+differently from ``TextbookAdamW`` that keep the whole contract: no clause may flag them.
 
 ``SplitBetaAdamW`` is not broken: it is a correct AdamW with another signature
 (``beta1``/``beta2``, ``epsilon``, ``wd``, ``correct_bias=False`` by default as some
@@ -137,8 +139,12 @@ class TextbookAdamW(OffloadAdamW):
                     theta.copy_(wide)
                 self.decay_after(theta, hp)
                 if theta is not p:
-                    p.copy_(theta)
+                    self.write_parameter(p, theta)
         return loss
+
+    def write_parameter(self, p: Tensor, master: Tensor) -> None:
+        """The model parameter from its master: round to nearest even (copy_ rounds so)."""
+        p.copy_(master)
 
 
 # ----------------------------------------------------------------------------- clause 1
@@ -343,6 +349,91 @@ class AmpClaimIgnoresFoundInf(TextbookAdamW):
     _step_supports_amp_scaling = True
 
 
+class AmpUnscalesIgnoresFoundInf(TextbookAdamW):
+    """AMP-aware the modern way: unscales by the ``grad_scale`` GradScaler hands over, never looks at ``found_inf``."""
+
+    _step_supports_amp_scaling = True
+
+    def gradient_of(self, p):
+        scale = getattr(self, "grad_scale", None)
+        if p.grad is None or scale is None:
+            return p.grad
+        return p.grad / scale.to(p.grad.device, p.grad.dtype)
+
+
+# ----------------------------------------------------------------------------- precision (clause 8) without a formula error
+
+class Float32State(TextbookAdamW):
+    """A correct formula with float32 state for every parameter: float64 parameters are computed in float32."""
+
+    def state_dtype(self, p):
+        return torch.float32
+
+
+def _toward_zero(master: Tensor, dtype: torch.dtype) -> Tensor:
+    nearest = master.to(dtype)
+    toward_zero = torch.nextafter(nearest, torch.zeros_like(nearest))
+    return torch.where(nearest.to(master.dtype).abs() > master.abs(), toward_zero, nearest)
+
+
+class TruncatedMaster(TextbookAdamW):
+    """A float32 master narrowed to the bf16/fp16 parameter by truncation instead of round-to-nearest-even."""
+
+    def write_parameter(self, p, master):
+        p.copy_(_toward_zero(master, p.dtype))
+
+
+# ----------------------------------------------------------------------------- one defect on float32 state
+
+class Float32StateSharedStepCounter(Float32State, SharedStepCounter):
+    """float32 state (clause 8 at float64) and one step count for all tensors (clause 4)."""
+
+
+class Float32StateLrFixed(Float32State, LrFixedAtConstruction):
+    """float32 state (clause 8 at float64) and the constructor's lr forever (clause 7)."""
+
+
+class Float32StateZeroGradSkipped(Float32State, ZeroGradSkipped):
+    """float32 state (clause 8 at float64) and zero gradients skipped (clause 5)."""
+
+
+class Float32StateAmpIgnoresFoundInf(Float32State, AmpUnscalesIgnoresFoundInf):
+    """float32 state (clause 8 at float64) and GradScaler's found_inf ignored (clause 14)."""
+
+
+# ----------------------------------------------------------------------------- schedules
+
+class LrReadOnce(TextbookAdamW):
+    """Reads each group's lr at its first step and keeps it (a schedule set afterwards is ignored)."""
+
+    def group_hyper(self, group):
+        hp = super().group_hyper(group)
+        cache = self.__dict__.setdefault("_first_lr", {})
+        lr = cache.setdefault(id(group), hp.lr)
+        return GroupHyper(lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.amsgrad, hp.maximize)
+
+
+# ----------------------------------------------------------------------------- correct, written otherwise
+
+class ReorderedAdamW(TextbookAdamW):
+    """The same rule in torch's fused order: lr*sqrt(c2)/c1 * m / (sqrt(v) + eps*sqrt(c2)), decay as a separate add."""
+
+    def decay_before(self, theta, hp):
+        theta.add_(theta, alpha=-hp.lr * hp.weight_decay)
+
+    def move(self, theta, m, v, t, hp):
+        c1, c2 = self.bias_corrections(t, hp)
+        denom = v.sqrt().add_(hp.eps * math.sqrt(c2))
+        theta.addcdiv_(m, denom, value=-hp.lr * math.sqrt(c2) / c1)
+
+
+class SwallowsKeywords(TextbookAdamW):
+    """Correct AdamW without amsgrad whose constructor takes any keyword and ignores what it does not know."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, maximize=False, **_: Any):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+
+
 # ----------------------------------------------------------------------------- another signature
 
 class SplitBetaAdamW(TextbookAdamW):
@@ -370,26 +461,37 @@ class SplitBetaAdamW(TextbookAdamW):
 
 SPLIT_BETA_MAPPING = {"betas": ["beta1", "beta2"], "eps": "epsilon", "weight_decay": "wd", "amsgrad": None, "maximize": None}
 
-#: broken class -> the one clause that must fail
-BROKEN: dict[type, int] = {
-    EpsInsideRoot: 1,
-    NoBiasCorrection: 1,
-    EpsNotRescaled: 1,
-    AmsgradIgnored: 1,
-    L2InGradient: 2,
-    DecayAfterUpdate: 3,
-    SharedStepCounter: 4,
-    NoneGradAsZero: 4,
-    ZeroGradSkipped: 5,
-    LrZeroSkipsStep: 6,
-    FirstGroupHyperparameters: 7,
-    LrFixedAtConstruction: 7,
-    MomentsInParamDtype: 8,
-    NoMasterCopy: 8,
-    StateResetOnLoad: 10,
-    StateCastOnLoad: 10,
-    PositionalLoad: 11,
-    NoValidation: 12,
-    DeclaresSkipButPropagates: 13,
-    AmpClaimIgnoresFoundInf: 14,
+#: broken class -> the clauses that must fail (and no other)
+BROKEN: dict[type, tuple[int, ...]] = {
+    EpsInsideRoot: (1,),
+    NoBiasCorrection: (1,),
+    EpsNotRescaled: (1,),
+    AmsgradIgnored: (1,),
+    L2InGradient: (2,),
+    DecayAfterUpdate: (3,),
+    SharedStepCounter: (4,),
+    NoneGradAsZero: (4,),
+    ZeroGradSkipped: (5,),
+    LrZeroSkipsStep: (6,),
+    FirstGroupHyperparameters: (7,),
+    LrFixedAtConstruction: (7,),
+    LrReadOnce: (7,),
+    MomentsInParamDtype: (8,),
+    NoMasterCopy: (8,),
+    Float32State: (8,),
+    TruncatedMaster: (8,),
+    StateResetOnLoad: (10,),
+    StateCastOnLoad: (10,),
+    PositionalLoad: (11,),
+    NoValidation: (12,),
+    DeclaresSkipButPropagates: (13,),
+    AmpClaimIgnoresFoundInf: (14,),
+    AmpUnscalesIgnoresFoundInf: (14,),
+    Float32StateSharedStepCounter: (4, 8),
+    Float32StateLrFixed: (7, 8),
+    Float32StateZeroGradSkipped: (5, 8),
+    Float32StateAmpIgnoresFoundInf: (8, 14),
 }
+
+#: optimizers that keep the whole contract although written differently
+CORRECT: tuple[type, ...] = (TextbookAdamW, ReorderedAdamW)

@@ -74,5 +74,81 @@ def test_real_subprocess_exit_status_table_and_json(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "FAIL" in proc.stdout and "resume matches state by name" in proc.stdout
     data = json.loads(out.read_text())
-    assert data["candidate"] == "torch.optim:AdamW" and data["failed"] == [11]
+    assert data["candidate"] == "torch.optim:AdamW" and data["failed"] == [11] and data["schema_version"] == 1
     assert {r["number"]: r["verdict"] for r in data["results"]} == {1: "pass", 11: "fail", 12: "pass"}
+
+
+CANDIDATES = '''
+import os, sys, time, torch
+
+class Hangs(torch.optim.AdamW):
+    def step(self, closure=None):
+        while True:
+            time.sleep(0.01)
+
+class Exits(torch.optim.AdamW):
+    def step(self, closure=None):
+        sys.exit(0)
+
+class Renamed(torch.optim.AdamW):
+    def __init__(self, params, lr=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0):
+        super().__init__(params, lr=lr, betas=(beta1, beta2), eps=epsilon, weight_decay=wd)
+'''
+
+
+@pytest.fixture()
+def candidates(tmp_path):
+    path = tmp_path / "candidates.py"
+    path.write_text(CANDIDATES)
+    return path
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_usage_errors_exit_2_before_any_clause_with_one_line(tmp_path, candidates, capsys):
+    cases = [
+        (["torch.optim:AdamW", "--device", "cuda"], "device 'cuda' is not usable here"),
+        (["torch.optim:AdamW", "--device", "tpu9"], "device 'tpu9'"),
+        (["torch.optim:AdamW", "--json", str(tmp_path / "no_such_dir" / "r.json")], "no_such_dir' does not exist"),
+        (["torch.optim:AdamW", "--json", str(tmp_path)], "is a directory"),
+        (["torch.optim:AdamW", "--setup", "train"], "has no method 'train'"),
+        (["torch.optim:AdamW", "--timeout", "0"], "--timeout"),
+        (["torch.optim:AdamW", "--timeout", "nan"], "--timeout"),
+        ([f"{candidates}:Renamed"], "does not take the canonical AdamW keywords"),
+    ]
+    for argv, message in cases:
+        assert main(["check", *argv, "--no-progress"]) == 2, argv
+        captured = capsys.readouterr()
+        assert message in captured.err and "Traceback" not in captured.err, captured.err
+        assert len(captured.err.strip().splitlines()) == 1 and captured.out == ""
+
+
+def test_a_signature_mismatch_suggests_the_map_that_fits(candidates, capsys):
+    assert main(["check", f"{candidates}:Renamed", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    suggested = err.split("--map '")[1].rsplit("'", 1)[0]
+    assert json.loads(suggested) == {"betas": ["beta1", "beta2"], "eps": "epsilon", "weight_decay": "wd",
+                                     "amsgrad": None, "maximize": None}
+    assert main(["check", f"{candidates}:Renamed", "--map", suggested, "--clauses", "1,2", "--no-progress"]) == 0
+    capsys.readouterr()
+
+
+def test_a_hang_or_an_exit_in_the_candidate_is_exit_1_with_the_clause_named(tmp_path, candidates):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "offload_adamw", "check", f"{candidates}:Hangs", "--clauses", "1,12",
+                           "--timeout", "3", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == 1 and data["timeout"] == 3.0 and data["conforming"] is False
+    assert {r["number"]: r["verdict"] for r in data["results"]} == {1: "error", 12: "pass"}
+    assert "did not finish within 3 s" in data["results"][0]["detail"]
+    proc = subprocess.run([sys.executable, "-m", "offload_adamw", "check", f"{candidates}:Exits", "--clauses", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "ERROR" in proc.stdout and "sys.exit(0)" in proc.stdout
+
+
+def test_an_optimizer_without_eps_is_not_reported_conforming(capsys):
+    # torch's AdamW driven as if it had no eps: the update rule cannot be compared, the other clauses run.
+    status = main(["check", "torch.optim:AdamW", "--map", '{"eps": null}', "--clauses", "1,2,5", "--no-progress"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "not shown to be AdamW" in out and "2 pass" in out

@@ -3,10 +3,11 @@
 Table: tensor layouts (0-dim, 0-element, odd sizes, sizes around the 64-element
 alignment and around the chunk size, non-contiguous) x dtypes (float32, float64,
 bf16/fp16 mixed) x options (amsgrad, maximize, tensor lr, no weight decay) x
-kernel variants (the default fast path, small chunks, Python worker threads,
-the readable loop). Property: the result equals the parity definition exactly.
+kernel variants (the default fast path: the numba loop and the chunk loop for
+tails; the chunk loop alone with small chunks, Python worker threads; the
+readable loop). Property: the result equals the parity definition exactly.
 
-Parity definitions (kernel.py):
+Parity definitions (kernels/adamw.py):
 * fast path, float32/float64: ``torch.optim.AdamW(fused=True)`` on the same tensors;
 * fast path, bf16/fp16 model: that optimizer on float32 copies fed the widened
   gradients, then the round-to-nearest cast;
@@ -44,15 +45,18 @@ LAYOUTS = [
     Layout("mixed-list", ((), (0,), (130,), (33, 7), (1000,))),
 ]
 
-# Variants of the fast path; the small chunks make every layout above cross chunk
+# Variants of the fast path: the default (the numba loop up to each tensor's last multiple of
+# 64 elements, the chunk loop for the rest), the numba loop on two worker threads, and the
+# chunk loop alone (the fallback), whose small chunks make every layout above cross chunk
 # boundaries (including chunks that are not a power of two and a ragged last chunk).
 VARIANTS = {
     "default": None,
-    "chunk64": BlockConfig(chunk_elements=64),
-    "chunk192": BlockConfig(chunk_elements=192),
-    "chunk100->64": BlockConfig(chunk_elements=100),
-    "threads2-chunk128": BlockConfig(chunk_elements=128, threads=2),
-    "python-loop-threads2-chunk128": BlockConfig(chunk_elements=128, threads=2, scripted=False),
+    "numba-threads2": BlockConfig(threads=2),
+    "chunk64": BlockConfig(chunk_elements=64, numba_loop=False),
+    "chunk192": BlockConfig(chunk_elements=192, numba_loop=False),
+    "chunk100->64": BlockConfig(chunk_elements=100, numba_loop=False),
+    "threads2-chunk128": BlockConfig(chunk_elements=128, threads=2, numba_loop=False),
+    "python-loop-threads2-chunk128": BlockConfig(chunk_elements=128, threads=2, scripted=False, numba_loop=False),
 }
 
 OPTIONS = {
@@ -172,7 +176,7 @@ def test_fast_path_bitwise_equals_torch_fused(layout, dtype, variant):
 
 @pytest.mark.parametrize("option", OPTIONS, ids=str)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("variant", ["default", "chunk64", "threads2-chunk128", "python-loop-threads2-chunk128"])
+@pytest.mark.parametrize("variant", ["default", "numba-threads2", "chunk64", "threads2-chunk128", "python-loop-threads2-chunk128"])
 def test_fast_path_options_bitwise(option, dtype, variant):
     """Every option x dtype on layouts that cross chunk boundaries and include a non-contiguous tensor."""
     layout = Layout("mixed-list", ((), (0,), (130,), (33, 7), (1000,), (9, 11)), transpose=True)
@@ -189,7 +193,8 @@ def test_default_chunking_on_tensors_larger_than_a_chunk():
     c = DEFAULT_CONFIG.chunk_elements
     layout = Layout("big", ((c + 1,), (2 * c + 77,), (3, c // 3 + 5)))
     for dtype in (torch.bfloat16, torch.float16):
-        _assert_bitwise(_run_ours(layout, dtype, {}, "blocked", None), _run_torch(layout, dtype, {}, dict(fused=True)))
+        for config in (None, BlockConfig(numba_loop=False)):
+            _assert_bitwise(_run_ours(layout, dtype, {}, "blocked", config), _run_torch(layout, dtype, {}, dict(fused=True)))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
@@ -213,7 +218,7 @@ def test_blocked_equals_unblocked_for_any_aligned_chunk(sizes, chunk_units, thre
     """Law: for every chunk size that is a multiple of 64, blocking changes no bit."""
     layout = Layout("prop", tuple((n,) for n in sizes))
     opts = dict(amsgrad=amsgrad)
-    config = BlockConfig(chunk_elements=chunk_units * CHUNK_ALIGN, threads=threads)
+    config = BlockConfig(chunk_elements=chunk_units * CHUNK_ALIGN, threads=threads, numba_loop=False)
     ours = _run_ours(layout, dtype, opts, "blocked", config, seed=seed)
     ref = _run_torch(layout, dtype, opts, dict(fused=True), seed=seed)
     _assert_bitwise(ours, ref)
@@ -239,6 +244,8 @@ def test_naive_baseline_is_the_same_arithmetic():
 def test_worker_threads_leave_the_process_thread_count_alone():
     before = torch.get_num_threads()
     _run_ours(Layout("t", ((1000,),)), torch.bfloat16, {}, "blocked", BlockConfig(chunk_elements=128, threads=3))
+    _run_ours(Layout("t", ((1000,),)), torch.bfloat16, {}, "blocked", BlockConfig(chunk_elements=128, threads=3,
+                                                                                   numba_loop=False))
     assert torch.get_num_threads() == before
 
 
@@ -248,7 +255,7 @@ def test_worker_pool_survives_fork():
     import os
 
     layout = Layout("f", ((1000,),))
-    config = BlockConfig(chunk_elements=128, threads=2)
+    config = BlockConfig(chunk_elements=128, threads=2, numba_loop=False)
     _run_ours(layout, torch.bfloat16, {}, "blocked", config)  # the parent's pool exists now
     ref = _run_torch(layout, torch.bfloat16, {}, dict(fused=True))
     pid = os.fork()
@@ -295,7 +302,7 @@ def test_chunk_loop_is_compiled_here_and_falls_back_where_torchscript_is_off():
         "m = [torch.randn(1000)]; g = [torch.randn(1000).bfloat16()]; out = [torch.empty(1000, dtype=torch.bfloat16)]\n"
         "hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)\n"
         "blocked_adamw_(m, g, [torch.zeros(1000)], [torch.zeros(1000)], [], [torch.zeros(())], out, hp,\n"
-        "               config=BlockConfig(chunk_elements=128, threads=2))\n"
+        "               config=BlockConfig(chunk_elements=128, threads=2, numba_loop=False))\n"
         "print(json.dumps(dict(status=chunk_loop_status(), out=out[0].float().tolist())))\n"
     )
     env = dict(os.environ, PYTORCH_JIT="0")
@@ -309,5 +316,5 @@ def test_chunk_loop_is_compiled_here_and_falls_back_where_torchscript_is_off():
     out = [torch.empty(1000, dtype=torch.bfloat16)]
     hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
     blocked_adamw_(m, g, [torch.zeros(1000)], [torch.zeros(1000)], [], [torch.zeros(())], out, hp,
-                   config=BlockConfig(chunk_elements=128, threads=2))
+                   config=BlockConfig(chunk_elements=128, threads=2, numba_loop=False))
     assert torch.equal(torch.tensor(child["out"]), out[0].float())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from offload_adamw import cli
 from offload_adamw.planning.bandwidth import measure_host_bandwidth
-from offload_adamw.cli.bench import ALL_CASES, parse_size, transformer_shapes
+from offload_adamw.cli.bench import ALL_CASES, parse_size, rotations, transformer_shapes
 
 
 @settings(max_examples=60, deadline=None)
@@ -61,20 +62,53 @@ def test_bandwidth_probe_restores_thread_count():
 def test_bench_cli_end_to_end(tmp_path, capsys):
     """The `offload-adamw bench` entry point, in process (a subprocess would spend its time importing torch)."""
     json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    cases = "ours-fp32,ours-bf16,torch-fused-fp32,torch-naive-bf16"
-    status = cli.main(["bench", "--sizes", "64K", "--repeats", "2", "--cases", cases,
-                       "--bandwidth-elements", "1M", "--json", str(json_path), "--plot", str(png_path)])
+    cases = "ours-bf16,ours-fp32,torch-fused-fp32,torch-naive-bf16"
+    status = cli.main(["bench", "--sizes", "64K", "--repeats", "3", "--warmup", "1", "--cases", cases,
+                       "--bandwidth-elements", "1M", "--scaling-size", "64K", "--scaling-threads", "1,2",
+                       "--json", str(json_path), "--plot", str(png_path)])
     out = capsys.readouterr().out
     assert status == 0
-    assert "targets (issue #4)" in out and "in-place triad" in out
+    assert "targets:" in out and "in-place triad" in out and "thread scaling" in out
+    assert not re.search(r"#\d", out), "no issue numbers in the output"
     result = json.loads(json_path.read_text())
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (size,) = result["sizes"]
     assert size["elements"] == 65536 and set(size["cases"]) == set(cases.split(","))
     for row in size["cases"].values():
-        assert len(row["ms_all"]) == 2 and row["ms_per_step"] > 0
+        assert len(row["ms_all"]) == 3 and row["ms_min"] <= row["ms_per_step"] <= row["ms_max"]
         assert row["effective_gbps"] == pytest.approx(28 * 65536 / (row["ms_per_step"] / 1e3) / 1e9)
-    assert {t["target"].split(" ")[0] for t in result["targets"]} == {"ours-bf16", "ours-fp32"}
+        assert row["step_extra_mib"] is None or row["step_extra_mib"] >= 0
+    scaling = result["thread_scaling"]
+    assert scaling["threads"] == [1, 2]
+    assert set(scaling["cases"]) == {"ours-bf16", "torch-fused-fp32", "torch-naive-bf16", "inplace-triad"}
+    assert result["parity"]["bitwise_equal"], result["parity"]
+    targets = {t["target"] for t in result["targets"]}
+    assert any("torch fused float32" in t for t in targets) and any("naive" in t for t in targets)
+
+
+def test_rotations_give_every_case_every_position():
+    orders = rotations(["a", "b", "c"], 6)
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    for position in range(3):
+        assert {order[position] for order in orders} == {"a", "b", "c"}
+
+
+def test_the_naive_path_is_preallocated_and_deepspeed_is_skipped_with_a_reason():
+    """The naive case allocates no full-size gradient per step (its peak extra memory is small), and
+    a DeepSpeed case that cannot run here is absent with its reason, not silently dropped."""
+    import torch
+
+    from offload_adamw.cli.bench import build_cases, make_workload, measure_step
+
+    w = make_workload(4 * 2**20)
+    info = {"deepspeed_unavailable": "ModuleNotFoundError: No module named 'deepspeed'"}
+    cases = build_cases(w, ("torch-naive-bf16", "deepspeed-fp32"), info)
+    assert "deepspeed-fp32" not in cases and "deepspeed" in info["skipped"]["deepspeed-fp32"]
+    cases["torch-naive-bf16"]()
+    _, extra = measure_step(cases["torch-naive-bf16"])
+    if extra is not None:
+        assert extra < 4 * w.elements / 4  # a fresh float32 gradient would be 4 bytes per element
+    assert torch.get_num_threads() >= 1
 
 
 def test_bench_cli_rejects_an_unknown_case(capsys):

@@ -1,13 +1,14 @@
-"""Host memory of a step: no temporary beyond one chunk per thread (issue #4).
+"""Host memory of a step: no temporary beyond one chunk per thread.
 
 Measured, not assumed: a fresh Python process builds a bf16 model's parameters
 and gradients, runs OffloadAdamW steps, and reads the kernel's high-water mark
 of its resident memory (/proc/self/status VmHWM, reset through
 /proc/self/clear_refs) around each step. Bounds:
 
-* first step (allocates the state): peak - RSS before <= host_state_bytes + 64 MiB;
-* later steps: peak - RSS before <= 64 MiB, and in fact <= the chunk buffers + 8 MiB;
-* the opt-in compiled loop, after its first (compiling) call: <= 8 MiB;
+* first step (allocates the state): peak - RSS before <= host_state_bytes + 64 MiB
+  (after a first step of a tiny model: numba's one-off runtime is not the step's);
+* later steps (the default: the numba loop, the chunk loop for tails): <= 8 MiB;
+* the chunk loop alone (the fallback): <= 64 MiB, and in fact <= the chunk buffers + 8 MiB;
 * the naive three-pass path, measured the same way, shows its full-size float32
   gradient temporary, so the measurement is able to fail.
 """
@@ -44,6 +45,12 @@ SCRIPT = textwrap.dedent(
         return kib("VmHWM") - before
 
     torch.manual_seed(0)
+    # A process's first mixed step also compiles the numba loop (or loads it from numba's cache):
+    # a one-off of numba's runtime (about 70 MiB here) that does not grow with the model, kept out
+    # of the bounds below by a first step on a tiny model.
+    tiny = torch.nn.Parameter(torch.randn(256).to(torch.bfloat16))
+    tiny.grad = torch.randn(256).to(torch.bfloat16)
+    runtime = measured(OffloadAdamW([tiny], lr=1e-3, pin_memory=False).step)
     shapes = [(2048, 2048), (1536, 2048), (1001,), (1024, 1024 + 13)]
     params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in shapes]
     for p in params:
@@ -61,15 +68,14 @@ SCRIPT = textwrap.dedent(
     hp = StepHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     naive = measured(lambda: naive_mixed_adamw_(masters, [p.grad for p in params], m, v, [], steps,
                                                  [p.data for p in params], hp))
-    # The opt-in compiled loop (the first call compiles and self-tests; then it allocates nothing).
-    compiled = BlockConfig(compiled=True)
+    # The chunk loop alone (the fallback where numba is unavailable): one buffer per worker thread.
+    chunked = BlockConfig(numba_loop=False)
     grads = [p.grad for p in params]
     outs = [p.data for p in params]
-    blocked_adamw_(masters, grads, m, v, [], steps, outs, hp, config=compiled)
-    compiled_later = max(measured(lambda: blocked_adamw_(masters, grads, m, v, [], steps, outs, hp, config=compiled))
-                         for _ in range(3))
+    chunk_later = max(measured(lambda: blocked_adamw_(masters, grads, m, v, [], steps, outs, hp, config=chunked))
+                      for _ in range(3))
     print(json.dumps(dict(first=first, later=later, naive=naive, state=state, elements=elements,
-                          compiled_later=compiled_later,
+                          chunk_later=chunk_later, runtime=runtime,
                           threads=torch.get_num_threads(), chunk=DEFAULT_CONFIG.chunk_elements)))
     """
 )
@@ -90,15 +96,15 @@ def test_first_step_allocates_only_the_state_plus_64_mib(measurement):
     assert measurement["first"] <= measurement["state"] + 64 * MIB, measurement
 
 
-def test_later_steps_allocate_at_most_one_chunk_per_thread(measurement):
+def test_later_steps_allocate_nothing(measurement):
+    # the numba loop reads and writes the tensors in place (8 MiB: allocator noise, the tails' chunk buffers)
+    assert measurement["later"] <= 8 * MIB, measurement
+
+
+def test_the_chunk_loop_allocates_at_most_one_chunk_per_thread(measurement):
     buffers = measurement["threads"] * measurement["chunk"] * 4
-    assert measurement["later"] <= 64 * MIB, measurement
-    assert measurement["later"] <= buffers + 8 * MIB, measurement
-
-
-def test_the_compiled_loop_allocates_nothing_per_step(measurement):
-    # no buffers at all: the loop reads and writes the tensors in place (8 MiB: allocator noise)
-    assert measurement["compiled_later"] <= 8 * MIB, measurement
+    assert measurement["chunk_later"] <= 64 * MIB, measurement
+    assert measurement["chunk_later"] <= buffers + 8 * MIB, measurement
 
 
 def test_the_measurement_sees_the_naive_paths_temporary(measurement):

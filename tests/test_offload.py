@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from offload_adamw import OffloadAdamW, OffloadGradScaler
+from offload_adamw import OffloadAdamW, OffloadGradScaler, is_host_resident
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -86,7 +86,7 @@ def test_host_accumulation_equals_autograd_accumulation(dtype, freed, plan, seed
         model(x, use).backward()
         ref(x, use).backward()
         if freed:
-            assert all(p.grad is None for p in model.parameters())
+            assert all(p.grad is None or is_host_resident(p.grad) for p in model.parameters())
     got = dict(opt._pipeline.host_gradients())
     for (name, p), q in zip(_named(model), ref.parameters()):
         assert (p in got) == (q.grad is not None), f"{name}: gradient presence differs"
@@ -172,15 +172,28 @@ def test_found_inf_skip_is_exact_with_freed_gradients() -> None:
         assert torch.equal(p, q)
 
 
-def test_plain_grad_scaler_with_freed_gradients_is_refused() -> None:
-    model = Mixed()
-    opt = OffloadAdamW(model.parameters(), transfer_pipeline=True, offload_gradients=True)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(model(_x(0))).backward()
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="OffloadGradScaler"):
-        scaler.step(opt)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not opt.state
+@pytest.mark.parametrize("unscale", [True, False], ids=["unscale_then_clip", "step_only"])
+def test_plain_grad_scaler_with_freed_gradients_matches_torch(unscale: bool) -> None:
+    # p.grad stands for the host gradient, so torch's own GradScaler unscales and checks the real values.
+    torch.manual_seed(0)
+    ref = Mixed()
+    model = copy.deepcopy(ref)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, transfer_pipeline=True, offload_gradients=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
+    for step in range(4):
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            loss = m(_x(step)) * (float("inf") if step == 2 else 1.0)
+            scaler.scale(loss).backward()
+            if unscale:
+                scaler.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            scaler.step(o)
+            scaler.update()
+            m.zero_grad()
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 2.0**8, "the inf step must be skipped by both"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
 
 
 # ------------------------------------------------------------------- zero_grad
@@ -245,7 +258,7 @@ def test_gradient_set_by_hand_is_taken_in_freed_mode() -> None:
     q.grad = p.grad.clone()
     opt.step()
     ref.step()
-    assert p.grad is None and torch.equal(opt.gradient(p), q.grad)
+    assert is_host_resident(p.grad) and torch.equal(opt.gradient(p), q.grad)
     assert torch.equal(p, q)
 
 
@@ -293,7 +306,7 @@ def test_cuda_pipeline_matches_reference(dtype: torch.dtype, freed: bool) -> Non
             model(x).float().square().mean().backward()
             ref(x).float().square().mean().backward()
             if freed:
-                assert all(p.grad is None for p in model.parameters())
+                assert all(p.grad is None or is_host_resident(p.grad) for p in model.parameters())
         for c, q in zip(copies, ref.parameters()):
             c.grad = q.grad.float().cpu()
         opt.step()

@@ -22,7 +22,10 @@ _EXPORTS: dict[str, str] = {
     "ParamGroupError": "offload_adamw.optim.named_groups",
     "OffloadGradScaler": "offload_adamw.accel.amp",
     "clip_grad_norm_": "offload_adamw.accel.clipping",
-    "compiled_kernel_status": "offload_adamw.kernels.compiled",
+    "HostResidentGradient": "offload_adamw.accel.freed",
+    "is_host_resident": "offload_adamw.accel.freed",
+    "numba_kernel_status": "offload_adamw.kernels.numba_loop",
+    "compiled_kernel_status": "offload_adamw.kernels.numba_loop",
     "plan": "offload_adamw.planning.planner",
     "predict_host_optimizer_bytes": "offload_adamw.planning.planner",
     "ModelConfig": "offload_adamw.planning.planner",
@@ -68,13 +71,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from offload_adamw.accel.amp import OffloadGradScaler
     from offload_adamw.accel.clipping import clip_grad_norm_
+    from offload_adamw.accel.freed import HostResidentGradient, is_host_resident
     from offload_adamw.auditing.audit import AuditFinding, AuditReport, audit, audit_state_dict
     from offload_adamw.auditing.audit import AuditFinding as Finding
     from offload_adamw.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
     from offload_adamw.conformance.checker import CandidateLoadError
     from offload_adamw.conformance.checker import check as check_conformance
     from offload_adamw.integrations.hf import trainer_optimizer
-    from offload_adamw.kernels.compiled import compiled_kernel_status
+    from offload_adamw.kernels.numba_loop import compiled_kernel_status, numba_kernel_status
     from offload_adamw.optim.loading import StateDictMismatch
     from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups
     from offload_adamw.optim.named_groups import named_param_groups as param_groups

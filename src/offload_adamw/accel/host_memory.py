@@ -5,6 +5,12 @@ their staging copies) out of one flat allocation per dtype, each exactly the sum
 sizes. On CUDA each allocation is page-locked with ``cudaHostRegister`` on an exactly-sized pageable
 buffer, because torch's pinned allocator rounds every allocation up to a power of two; where the
 registration fails, torch's pinned allocator is the fallback (``rounded_bytes`` counts it).
+
+With ``defer_pin`` the exactly-sized buffers are allocated pageable and page-locked later by
+:meth:`HostArena.pin_now` (the pipeline does it outside backward: ``cudaHostRegister`` of gigabytes
+takes long). Before a registration is undone, only the streams that copy into or out of these pages
+(those given as ``streams``) are synchronised, not whole devices: no CUDA context is created on a
+device the arena never served, and nothing else waits.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -22,12 +28,13 @@ __all__ = ["HostArena"]
 _PAGE = mmap.PAGESIZE
 
 
-def _unregister(ptr: int) -> None:
+def _unregister(ptr: int, streams: dict) -> None:
     try:
         # A copy still in flight into or out of these pages (an optimizer dropped between backward
         # and step) would otherwise DMA into memory that is unpinned here and freed right after.
-        for index in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(index)
+        # Those copies run on the pipeline's own streams only.
+        for stream in list(streams.values()):
+            stream.synchronize()
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # pragma: no cover - interpreter shutdown
         pass
@@ -54,8 +61,19 @@ class HostArena:
     to torch's pinned allocator (which rounds up to a power of two) if that fails.
     """
 
-    def __init__(self, shapes: Iterable[tuple[Any, torch.Size, torch.dtype]], *, pin: bool, label: str) -> None:
+    def __init__(
+        self,
+        shapes: Iterable[tuple[Any, torch.Size, torch.dtype]],
+        *,
+        pin: bool,
+        label: str,
+        streams: Optional[dict] = None,
+        defer_pin: bool = False,
+    ) -> None:
         self.label = label
+        self._streams = {} if streams is None else streams  # the copies that may touch these pages run here
+        self._defer = pin and defer_pin
+        self._unpinned: list[tuple[Tensor, int, int, int]] = []  # deferred registrations: (raw, start, span, nbytes)
         self.views: dict[Any, Tensor] = {}
         self.buffers: list[Tensor] = []
         self.pinned_bytes = 0
@@ -83,14 +101,13 @@ class HostArena:
         raw = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
         start = (-raw.data_ptr()) % _PAGE
         span = -(-nbytes // _PAGE) * _PAGE
-        try:
-            error = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, span, 0))
-        except Exception:
-            error = -1
-        if error > 0:
-            _clear_cuda_error()
-        if error == 0:
-            weakref.finalize(raw, _unregister, raw.data_ptr() + start)
+        if self._defer:
+            buffer = raw[start : start + nbytes].view(dtype)
+            self._unpinned.append((raw, start, span, nbytes))
+            self._raw.append(raw)
+            self.buffers.append(buffer)
+            return buffer
+        if self._register(raw, start, span):
             self._raw.append(raw)
             buffer = raw[start : start + nbytes].view(dtype)
         else:
@@ -99,6 +116,32 @@ class HostArena:
         self.pinned_bytes += nbytes
         self.buffers.append(buffer)
         return buffer
+
+    def _register(self, raw: Tensor, start: int, span: int) -> bool:
+        try:
+            error = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, span, 0))
+        except Exception:
+            error = -1
+        if error > 0:
+            _clear_cuda_error()
+        if error == 0:
+            weakref.finalize(raw, _unregister, raw.data_ptr() + start, self._streams)
+        return error == 0
+
+    @property
+    def pin_pending(self) -> bool:
+        """Buffers allocated with ``defer_pin`` that are not page-locked yet."""
+        return bool(self._unpinned)
+
+    def pin_now(self) -> None:
+        """Page-lock the deferred buffers in place (no copy lands in them while this runs: the caller's guarantee).
+
+        A buffer whose registration fails stays pageable: copies into it are then synchronous, still correct.
+        """
+        pending, self._unpinned = self._unpinned, []
+        for raw, start, span, nbytes in pending:
+            if self._register(raw, start, span):
+                self.pinned_bytes += nbytes
 
     @property
     def nbytes(self) -> int:

@@ -10,13 +10,26 @@ Contract:
 * **Two modes.** ``offload_gradients=False`` keeps ``p.grad`` on the device as
   the truth; the host copy is a cache that is re-fetched when the device
   gradient changed after the copy (its version counter moved: clipping,
-  unscaling, a user's in-place edit). ``offload_gradients=True`` frees the device
+  unscaling, a user's in-place edit), and always for DTensor gradients, whose
+  in-place edits move no counter. ``offload_gradients=True`` frees the device
   gradient right after its copy is issued (``record_stream`` keeps the memory
   from being reused before the copy ends): the host buffer is then the
-  gradient. Gradient accumulation over micro-batches works in both modes; with
+  gradient, and ``p.grad`` its storage-less stand-in (accel/freed.py), through
+  which torch's clipping, GradScaler and ``model.zero_grad()`` reach the host
+  buffer. Gradient accumulation over micro-batches works in both modes; with
   freed device gradients it happens in host memory, in the gradient's dtype,
   which is bitwise what autograd's accumulation on the device computes
-  (``old + new`` rounded once to the gradient dtype).
+  (``old + new`` rounded once to the gradient dtype), on a worker thread: the
+  hook only issues copies, the waits and adds run off the thread of backward.
+* **DDP.** Parameters of a DDP model attached with ``attach_ddp`` are left alone
+  by the hooks; DDP's communication hook brings their reduced gradients
+  (accel/ddp.py). An unattached DDP model over these parameters is refused with
+  freed gradients and makes the step fetch every kept gradient.
+* **Buffers follow the parameters.** At construction and at each step (and in
+  the hook when a parameter changed since), a parameter cast or moved gets
+  buffers laid out for its dtype and device; meta parameters get none. Every
+  allocation passes the optimizer's host-memory check first. Buffers first
+  needed inside backward are page-locked after it, at the end of the step.
 * **Pinned memory in a few exactly-sized buffers.** Host gradient buffers (and
   the host staging copies of device parameters) are carved out of one flat
   allocation per dtype and purpose. On CUDA each allocation is page-locked with
@@ -46,8 +59,10 @@ Contract:
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -55,6 +70,8 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor
 
+from offload_adamw.accel import ddp as _ddp
+from offload_adamw.accel.freed import HostResidentGradient, is_host_resident
 from offload_adamw.accel.host_memory import HostArena
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
 from offload_adamw.accel.timeline import BucketTimes, StepTimeline
@@ -68,7 +85,8 @@ class UpdateTarget(Protocol):
     Parameters are named by ``(group_index, index)`` in ``param_groups``. The pipeline checks every
     gradient with ``check_gradient`` before the first update of a step, asks ``skip_for_nonfinite``
     (only when ``nonfinite`` is not ``"propagate"``, since it needs every gradient complete), runs
-    ``preflight`` for parameters that have no state yet, then calls ``update_group`` once per group
+    ``preflight`` for parameters that have no state yet (and ``check_host_buffers`` before it allocates
+    host buffers of its own), then calls ``update_group`` once per group
     and bucket with (parameter, host gradient, staging buffer): a device parameter's staging buffer
     receives round(master), which the pipeline sends back; for a host parameter it is None and the
     optimizer writes the parameter itself.
@@ -85,6 +103,8 @@ class UpdateTarget(Protocol):
     def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]]) -> bool: ...
 
     def preflight(self, fresh: list[tuple[int, int]]) -> None: ...
+
+    def check_host_buffers(self, nbytes: int, label: str) -> None: ...
 
     def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None: ...
 
@@ -115,12 +135,19 @@ class PipelineConfig:
 # --------------------------------------------------------------------------- per-parameter slots
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's tensor of a DTensor (an FSDP2 shard, or its gradient), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 class _Slot:
     """Everything the pipeline keeps for one parameter (none of it is optimizer state)."""
 
     __slots__ = (
         "param", "host_grad", "incoming", "staging", "has_grad", "pending_add",
-        "d2h_event", "h2d_event", "source", "source_version", "arrival", "hook",
+        "d2h_event", "h2d_event", "source", "source_version", "arrival", "hook", "prehook", "ddp", "ddp_written",
+        "add_done", "layout",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -129,28 +156,98 @@ class _Slot:
         self.incoming: Optional[Tensor] = None  # second buffer for accumulation with freed device grads
         self.staging: Optional[Tensor] = None  # param-dtype host copy sent back to a device parameter
         self.has_grad = False  # freed mode: host_grad holds this parameter's gradient
-        self.pending_add = False  # freed mode: incoming must still be added into host_grad
+        self.pending_add = False  # freed mode: an add of incoming into host_grad is queued on the accumulator
+        self.add_done: Optional[threading.Event] = None  # set by the accumulator when that add has run
+        self.layout: dict[str, tuple[torch.device, torch.dtype]] = {}  # buffer field -> (device, dtype) it was laid out for
         self.d2h_event: Any = None
         self.h2d_event: Any = None
         self.source: Optional[weakref.ref] = None  # kept mode: the device gradient that host_grad copies
         self.source_version = -1
         self.arrival = math.inf  # order in the latest backward, for bucketing
         self.hook: Any = None
+        self.prehook: Any = None  # freed mode: runs before autograd accumulates into p.grad
+        self.ddp = False  # reduced by an attached DDP model: its communication hook brings the gradient
+        self.ddp_written = False  # the communication hook wrote host_grad in the current backward
 
     @property
     def on_device(self) -> bool:
         return self.param.device.type != "cpu"
 
+    @property
+    def local(self) -> Tensor:
+        """The tensor the buffers are laid out for: this rank's shard of a DTensor parameter, else the parameter."""
+        return _local(self.param)
+
 
 def _hook_for(pipeline: "GradientPipeline"):
     ref = weakref.ref(pipeline)
 
+    @torch._dynamo.disable
     def hook(param: Tensor) -> None:
         owner = ref()
         if owner is not None:
             owner._on_gradient(param)
 
     return hook
+
+
+def _prehook_for(pipeline: "GradientPipeline", param: Tensor):
+    ref = weakref.ref(pipeline)
+    param_ref = weakref.ref(param)
+
+    @torch._dynamo.disable
+    def prehook(grad: Tensor) -> None:
+        owner, p = ref(), param_ref()
+        if owner is not None and p is not None:
+            owner._before_accumulate(p)
+
+    return prehook
+
+
+class _Accumulator:
+    """Adds accumulation copies into their host gradients on a worker thread, never on autograd's.
+
+    With freed device gradients a parameter's second, third, ... micro-batch gradient is copied into
+    its ``incoming`` buffer; the wait for that copy and the host ``add_`` run here, so backward's hook
+    only issues copies. A hook that needs ``incoming`` again waits for the previous add, which has
+    normally ended a whole forward and backward earlier.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    def submit(self, event: Any, dst: Tensor, src: Tensor) -> threading.Event:
+        done = threading.Event()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_accumulate_forever, args=(self._jobs, self), name="offload-adamw-accumulate", daemon=True
+            )
+            self._thread.start()
+        self._jobs.put((event, dst, src, done))
+        return done
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+
+def _accumulate_forever(jobs: "queue.SimpleQueue[Any]", owner: _Accumulator) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        event, dst, src, done = job
+        try:
+            if event is not None:
+                event.synchronize()
+            with torch.no_grad():
+                dst.add_(src)  # old + new, rounded once to the gradient's dtype: what autograd's accumulation computes
+        except BaseException as error:  # noqa: BLE001 - re-raised by the step that needs this gradient
+            owner.error = error
+        finally:
+            done.set()
 
 
 class GradientPipeline:
@@ -176,21 +273,53 @@ class GradientPipeline:
         # With parameters on several devices, autograd runs the hooks on one thread per device; the GIL
         # is released inside cudaHostRegister and event waits, so two hooks could otherwise interleave
         # (two accumulation arenas, one overwriting the other's buffer after a copy into it was issued).
-        self._hook_lock = threading.Lock()
+        self._hook_lock = threading.RLock()
+        self._ddp_models: list[weakref.ref] = []
+        self._ddp_callback_queued = False
+        self._wrappers_checked = False
+        self._refetch_at_step = False  # kept gradients under an unattached DDP model: fetch every gradient at the step
+        self._accumulator = _Accumulator()
+        weakref.finalize(self, self._accumulator.stop)
         self.refresh()
 
     # ----------------------------------------------------------------- set-up
 
     def refresh(self) -> None:
-        """Slots and buffers for parameters seen for the first time; hooks for newly trainable ones."""
-        new = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._slots]
-        for p in new:
-            self._slots[p] = _Slot(p)
-        trainable = [self._slots[p] for p in new if p.requires_grad]
-        self._allocate("host_grad", trainable, "gradients")
-        self._allocate("staging", [self._slots[p] for p in new if self._slots[p].on_device], "parameter staging")
+        """Slots for new parameters; buffers for what has none or was laid out for another device or dtype; hooks.
+
+        Runs at construction and at every step, outside backward. A parameter on the meta device gets
+        no buffer until it is materialised; one moved to another device or cast to another dtype after
+        construction (``model.cuda()``, ``model.half()``) gets buffers laid out anew, pinned where it now
+        needs them. A buffer that holds a gradient not consumed yet is left as it is.
+        """
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                if p not in self._slots:
+                    self._slots[p] = _Slot(p)
+        self._relayout(defer_pin=False)
         self._unhooked = [s for s in self._slots.values() if s.hook is None]
         self._hook_trainable()
+
+    def _relayout(self, *, defer_pin: bool) -> None:
+        slots = list(self._slots.values())
+        idle = [s for s in slots if not s.has_grad and not s.pending_add]
+        grads = [s for s in idle if s.param.requires_grad and self._stale(s, "host_grad")]
+        for s in grads:
+            s.incoming = None  # laid out again with the next accumulation
+        self._allocate("host_grad", grads, "gradients", defer_pin=defer_pin)
+        staging = [s for s in slots if s.on_device and self._stale(s, "staging")]
+        self._allocate("staging", staging, "parameter staging", defer_pin=defer_pin)
+
+    @staticmethod
+    def _stale(slot: _Slot, field: str) -> bool:
+        """``field`` of ``slot`` must be laid out (again): missing, or made for another device or dtype (same shape)."""
+        p = slot.local
+        if p.device.type == "meta":
+            return False  # holds no data; buffers come when it is materialised
+        buffer = getattr(slot, field)
+        if buffer is None:
+            return True
+        return buffer.shape == p.shape and slot.layout.get(field) != (p.device, p.dtype)
 
     def _hook_trainable(self) -> None:
         """Hooks for parameters that require a gradient now (a frozen tensor cannot take a hook)."""
@@ -198,18 +327,42 @@ class GradientPipeline:
         for slot in self._unhooked:
             if slot.param.requires_grad:
                 slot.hook = slot.param.register_post_accumulate_grad_hook(_hook_for(self))
+                if self.offload_gradients:
+                    slot.prehook = slot.param.register_hook(_prehook_for(self, slot.param))
             else:
                 still.append(slot)
         self._unhooked = still
 
-    def _allocate(self, field: str, slots: list[_Slot], label: str) -> None:
+    def _allocate(self, field: str, slots: list[_Slot], label: str, *, defer_pin: bool = False) -> None:
         if not slots:
             return
-        pin = any(s.on_device and s.param.device.type == "cuda" for s in slots)
-        arena = HostArena(((id(s), s.param.shape, s.param.dtype) for s in slots), pin=pin, label=label)
-        self._arenas.append(arena)
+        nbytes = sum(s.local.numel() * s.local.element_size() for s in slots)
+        check = getattr(self.optimizer, "check_host_buffers", None)
+        if check is not None:
+            check(nbytes, label)  # the host-memory pre-flight, before anything is allocated
+        pin = any(s.param.device.type == "cuda" for s in slots)
+        arena = HostArena(
+            ((id(s), s.local.shape, s.local.dtype) for s in slots),
+            pin=pin, label=label, streams=self._streams, defer_pin=defer_pin,
+        )
+        arena.field = field  # type: ignore[attr-defined]
         for s in slots:
             setattr(s, field, arena.views[id(s)])
+            s.layout[field] = (s.local.device, s.local.dtype)
+        # Arenas none of whose views is in use any more (every slot laid out anew) are released.
+        in_use = {id(getattr(s, getattr(a, "field", field))) for s in self._slots.values() for a in self._arenas}
+        self._arenas = [a for a in self._arenas if any(id(v) in in_use for v in a.views.values())]
+        self._arenas.append(arena)
+
+    def _pin_deferred(self) -> None:
+        """Page-lock buffers allocated inside backward (accumulation), now that no copy is in flight into them."""
+        pending = [a for a in self._arenas if a.pin_pending]
+        if not pending:
+            return
+        for slot in self._slots.values():
+            self._finish(slot)
+        for arena in pending:
+            arena.pin_now()
 
     def close(self) -> None:
         """Remove the hooks (the optimizer no longer sees gradients as they arrive)."""
@@ -217,6 +370,9 @@ class GradientPipeline:
             if slot.hook is not None:
                 slot.hook.remove()
                 slot.hook = None
+            if slot.prehook is not None:
+                slot.prehook.remove()
+                slot.prehook = None
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes held by the pipeline (exact: no allocator rounding unless the fallback ran)."""
@@ -239,6 +395,7 @@ class GradientPipeline:
 
     def _transfer(self, slot: _Slot, src: Tensor, dst: Tensor) -> None:
         """dst (host) <- src (a gradient where it lives), ordered after the work that produced src."""
+        src = _local(src)
         if src.device.type == "cuda":
             stream = self._stream(src.device, "d2h")
             stream.wait_stream(torch.cuda.current_stream(src.device))
@@ -253,13 +410,18 @@ class GradientPipeline:
             dst.copy_(src)
 
     def _ensure_grad_buffer(self, slot: _Slot) -> None:
-        if slot.host_grad is None:  # a parameter that was frozen when the buffers were laid out
-            self._allocate("host_grad", [slot], "gradients")
+        if slot.host_grad is None:  # a parameter unfrozen (or materialised) since the last step
+            self._allocate("host_grad", [slot], "gradients", defer_pin=True)
 
     def _ensure_incoming(self, slot: _Slot) -> None:
         if slot.incoming is None:
-            # First accumulation: one buffer for every slot that has a gradient buffer, in one go.
-            self._allocate("incoming", [s for s in self._slots.values() if s.host_grad is not None and s.incoming is None], "accumulation")
+            # First accumulation: one buffer for every slot that has a gradient buffer, in one go. Inside
+            # backward: page-locking gigabytes (cudaHostRegister) waits until the step; until then the
+            # copies into it are synchronous.
+            self._allocate(
+                "incoming", [s for s in self._slots.values() if s.host_grad is not None and s.incoming is None], "accumulation",
+                defer_pin=True,
+            )
 
     def _absorb(self, slot: _Slot, grad: Tensor) -> None:
         """Freed mode: take ``grad`` into host memory (copy, or accumulate onto what is there)."""
@@ -269,9 +431,10 @@ class GradientPipeline:
             slot.has_grad = True
             return
         if slot.pending_add:
-            self._finish(slot)  # the incoming buffer is about to be overwritten
+            self._wait_add(slot)  # the incoming buffer is about to be overwritten
         self._ensure_incoming(slot)
         self._transfer(slot, grad, slot.incoming)
+        slot.add_done = self._accumulator.submit(slot.d2h_event, slot.host_grad, slot.incoming)
         slot.pending_add = True
 
     def _copy_out(self, slot: _Slot, grad: Tensor) -> None:
@@ -279,15 +442,23 @@ class GradientPipeline:
         self._ensure_grad_buffer(slot)
         self._transfer(slot, grad, slot.host_grad)
         slot.source = weakref.ref(grad)
-        slot.source_version = grad._version
+        slot.source_version = _local(grad)._version
+
+    def _wait_add(self, slot: _Slot) -> None:
+        """Wait for the accumulator's add into this slot's host gradient; raise what it raised."""
+        if slot.pending_add:
+            slot.add_done.wait()
+            slot.pending_add = False
+            slot.add_done = None
+            if self._accumulator.error is not None:
+                error, self._accumulator.error = self._accumulator.error, None
+                raise RuntimeError(f"accumulating the gradient of {self._name(slot)} in host memory failed") from error
 
     def _finish(self, slot: _Slot) -> None:
-        """Wait for this slot's copies (only this slot's) and apply a pending accumulation."""
+        """Wait for this slot's copies and accumulation (only this slot's): its host gradient is then complete."""
+        self._wait_add(slot)
         if slot.d2h_event is not None:
             slot.d2h_event.synchronize()
-        if slot.pending_add:
-            slot.host_grad.add_(slot.incoming)
-            slot.pending_add = False
 
     def _on_gradient(self, param: Tensor) -> None:
         """The post-accumulate-grad hook: runs during backward, must not block the host."""
@@ -295,6 +466,8 @@ class GradientPipeline:
             self._on_gradient_locked(param)
 
     def _on_gradient_locked(self, param: Tensor) -> None:
+        if not self._wrappers_checked:
+            self._check_wrappers()
         if self._unhooked:
             # A parameter unfrozen since the last step gets its hook now, in time for this backward
             # unless its gradient was already accumulated (step() then picks that one up).
@@ -303,18 +476,166 @@ class GradientPipeline:
             return  # inside no_sync(): the gradient accumulates where autograd put it, copied once at the last micro-batch
         slot = self._slots.get(param)
         grad = param.grad
-        if slot is None or grad is None or grad.is_sparse or grad.shape != param.shape or grad.dtype != param.dtype:
+        if slot is None or slot.ddp or grad is None or is_host_resident(grad):
+            return  # an attached DDP model's communication hook brings this gradient, reduced
+        if param.device.type == "meta":
+            return  # no data to copy: step() refuses it by name
+        if not slot.has_grad and not slot.pending_add and self._stale(slot, "host_grad"):
+            self._relayout(defer_pin=True)  # cast or moved since the last step (model.half(), model.cuda())
+        if grad.is_sparse or grad.shape != param.shape or grad.dtype != param.dtype:
             return  # left on the parameter: step() validates it and names the culprit
         self._arrival += 1
         slot.arrival = self._arrival
         self._landed_at[param] = time.monotonic()
+        if _local(grad) is not grad:
+            # A DTensor gradient (FSDP2 calls this hook after the shard's reduce-scatter): in-place edits
+            # through DTensor (clipping) move no version counter, so a copy taken now could not be known
+            # current at the step. The step fetches it (correct; the overlap needs another signal).
+            return
         if self.offload_gradients:
             self._absorb(slot, grad)
-            param.grad = None
+            self._stand_in(slot)
         else:
             self._copy_out(slot, grad)
         if self._updater is not None and self._syncing:
             self._updater.landed(param)
+
+    # ------------------------------------------- freed gradients: what p.grad says
+
+    def _stand_in(self, slot: _Slot) -> None:
+        """Freed mode: ``p.grad`` becomes the storage-less stand-in of the host gradient (accel/freed.py)."""
+        slot.param.grad = HostResidentGradient(slot.param, lambda: self._complete(slot), lambda: self._name(slot))
+
+    def _complete(self, slot: _Slot) -> Tensor:
+        if self.config.update_in_backward:
+            # The update may already have consumed this gradient during backward: clipping or unscaling it now
+            # would change nothing the optimizer computes.
+            raise RuntimeError(
+                f"{self._name(slot)}: with update_in_backward=True the host updates run during backward, so its "
+                "gradient cannot be clipped, unscaled or read through p.grad afterwards; use update_in_backward=False "
+                "for clipping or loss scaling"
+            )
+        with self._hook_lock:
+            self._finish(slot)
+        return slot.host_grad
+
+    def _drop_host_gradient(self, slot: _Slot) -> None:
+        """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it."""
+        self._finish(slot)  # no copy or add may land in the buffer after it was cleared
+        slot.has_grad = False
+
+    def _before_accumulate(self, param: Tensor) -> None:
+        """Freed mode, before autograd accumulates into ``p.grad``: read what the user did to it since."""
+        with self._hook_lock:
+            slot = self._slots.get(param)
+            if slot is None:
+                return
+            grad = param.grad
+            if is_host_resident(grad):
+                if slot.ddp and slot.has_grad:
+                    raise RuntimeError(
+                        f"{self._name(slot)}: with offload_gradients=True under DistributedDataParallel, gradients are "
+                        "accumulated on the device by DDP: accumulate micro-batches inside ddp_model.no_sync() and "
+                        "let only the last backward synchronise, and clear the gradients after each step "
+                        "(opt.zero_grad() or model.zero_grad())"
+                    )
+                param.grad = None  # autograd stores the new gradient; the hook adds it to the host's
+            elif grad is None and slot.has_grad:
+                self._drop_host_gradient(slot)
+            elif grad is not None and slot.has_grad:
+                self._drop_host_gradient(slot)  # a gradient assigned by the user replaces the host's
+
+    def _name(self, slot: _Slot) -> str:
+        where = self._where().get(slot.param)
+        return self.optimizer.describe_param(*where) if where is not None else "a parameter"
+
+    # ------------------------------------------------------------ wrappers
+
+    def _check_wrappers(self) -> None:
+        """Once: a DDP model over these parameters that was not attached is refused (freed) or re-fetched (kept)."""
+        self._wrappers_checked = True
+        attached = [m for m in (r() for r in self._ddp_models) if m is not None]
+        ddp = _ddp.unattached_ddp(set(self._slots), attached)
+        if ddp is None:
+            return
+        if self.offload_gradients:
+            raise RuntimeError(
+                "this OffloadAdamW (offload_gradients=True) optimizes parameters of a DistributedDataParallel model "
+                "that was not attached: backward's hook would free each gradient before DDP reduces it. "
+                "Call opt.attach(ddp_model) once, before the first backward"
+            )
+        self._refetch_at_step = True
+        warnings.warn(
+            "OffloadAdamW: a DistributedDataParallel model over this optimizer's parameters was not attached; "
+            "every gradient is fetched from p.grad at the step (correct, without overlap). "
+            "Call opt.attach(ddp_model) so that reduced gradients reach the host during backward",
+            stacklevel=3,
+        )
+
+    def attach_ddp(self, ddp: Any) -> None:
+        """Take DDP's parameters off the post-accumulate hooks; its communication hook brings them reduced (accel/ddp.py)."""
+        self.refresh()
+        params = _ddp.ddp_parameters(ddp)
+        missing = [p for p in params if p not in self._slots]
+        if len(missing) == len(params):
+            raise ValueError("opt.attach(ddp_model): none of the model's parameters is a parameter of this optimizer")
+        if any(s.has_grad or s.param.grad is not None for s in self._slots.values()):
+            raise RuntimeError("opt.attach(ddp_model) must be called before the first backward (gradients exist already)")
+        _ddp.attach(ddp, self._ddp_bucket_launched, self._ddp_bucket_reduced)
+        for p in params:
+            if p in self._slots:
+                self._slots[p].ddp = True
+        self._ddp_models.append(weakref.ref(ddp))
+
+    def _ddp_bucket_launched(self, params: list[Tensor]) -> None:
+        """In backward, as DDP hands a bucket to the communication hook: queue the end-of-backward bookkeeping."""
+        with self._hook_lock:
+            for p in params:
+                slot = self._slots.get(p)
+                if slot is not None:
+                    self._arrival += 1
+                    slot.arrival = self._arrival
+            if not self._ddp_callback_queued:
+                self._ddp_callback_queued = True
+                # Queued now, before DDP queues its own final callback (when its last bucket is ready), so the
+                # callback queued from this one runs after DDP has written p.grad.
+                engine = torch.autograd.Variable._execution_engine
+                engine.queue_callback(lambda: engine.queue_callback(self._ddp_after_backward))
+
+    def _ddp_bucket_reduced(self, params: list[Tensor], reduced: Tensor) -> None:
+        """The all-reduce of a bucket completed: its averaged gradients go to the host buffers."""
+        with self._hook_lock:
+            for p, grad in _ddp.bucket_views(params, reduced):
+                slot = self._slots.get(p)
+                if slot is None:
+                    continue
+                self._ensure_grad_buffer(slot)
+                if self.offload_gradients and slot.pending_add:
+                    self._wait_add(slot)
+                self._transfer(slot, grad, slot.host_grad)
+                slot.source = None
+                slot.ddp_written = True
+
+    def _ddp_after_backward(self) -> None:
+        """After DDP's final callback: p.grad holds the reduced gradient (or None for a parameter DDP found unused)."""
+        with self._hook_lock:
+            self._ddp_callback_queued = False
+            written = [s for s in self._slots.values() if s.ddp_written]
+            for slot in written:
+                slot.ddp_written = False
+                grad = slot.param.grad
+                if grad is None or is_host_resident(grad):
+                    slot.has_grad = False
+                    continue
+                if self.offload_gradients:
+                    slot.has_grad = True
+                else:
+                    slot.source = weakref.ref(grad)
+                    slot.source_version = _local(grad)._version
+        if self.offload_gradients:
+            for slot in written:
+                if slot.has_grad:
+                    self._stand_in(slot)
 
     # ------------------------------------------------------------ gradients
 
@@ -331,20 +652,27 @@ class GradientPipeline:
                 "with offload_gradients=True gradients are accumulated in host buffers of the parameter's dtype; "
                 "produce gradients in the parameter's dtype, or use offload_gradients=False"
             )
-        if slot.host_grad is not None and slot.host_grad.shape != slot.param.shape:
+        if slot.host_grad is not None and slot.host_grad.shape != slot.local.shape:
             raise RuntimeError(
                 f"{opt.describe_param(*where)} changed shape under the optimizer: its host gradient buffer "
-                f"has {tuple(slot.host_grad.shape)}, the parameter is {tuple(slot.param.shape)}"
+                f"has {tuple(slot.host_grad.shape)}, the parameter is {tuple(slot.local.shape)}"
             )
 
     def _ready(self, slot: _Slot, where: tuple[int, int]) -> Optional[Tensor]:
         """The host gradient of ``slot``, complete and current, or None when it has none."""
         p = slot.param
         if self.offload_gradients:
-            if p.grad is not None:  # set outside backward's hooks, or produced before the hook existed
-                self._validate(slot, p.grad, where)
-                self._absorb(slot, p.grad)
-                p.grad = None
+            grad = p.grad
+            if grad is None:
+                if slot.has_grad:
+                    self._drop_host_gradient(slot)  # cleared by the user (model.zero_grad())
+                return None
+            if not is_host_resident(grad):  # set outside backward's hooks, or produced before the hook existed
+                self._validate(slot, grad, where)
+                if slot.has_grad:
+                    self._drop_host_gradient(slot)  # an assigned gradient replaces the host's
+                self._absorb(slot, grad)
+                self._stand_in(slot)
             if not slot.has_grad:
                 return None
             self._finish(slot)
@@ -355,8 +683,11 @@ class GradientPipeline:
         self._validate(slot, grad, where)
         if grad.dtype != slot.param.dtype:
             # Not the dtype of the host buffer (the hook left it alone): taken as it is, as the plain step does.
-            return grad.detach().to("cpu")
-        fresh = slot.source is not None and slot.source() is grad and slot.source_version == grad._version
+            return _local(grad).detach().to("cpu")
+        fresh = (
+            slot.source is not None and slot.source() is grad and slot.source_version == _local(grad)._version
+            and _local(grad) is grad  # never for a DTensor gradient: see _on_gradient_locked
+        )
         if not fresh:
             self._copy_out(slot, grad)
         self._finish(slot)
@@ -392,9 +723,7 @@ class GradientPipeline:
     def zero_grad(self, set_to_none: bool) -> None:
         """Clear the host gradients as torch's zero_grad clears ``p.grad`` (device grads: the optimizer's job)."""
         for slot in self._slots.values():
-            if slot.d2h_event is not None:
-                slot.d2h_event.synchronize()  # no copy may land in host memory after it was cleared
-            slot.pending_add = False
+            self._finish(slot)  # no copy or add may land in host memory after it was cleared
             slot.source = None
             if self.offload_gradients:
                 if set_to_none:
@@ -431,6 +760,8 @@ class GradientPipeline:
                 "before GradScaler knows whether to skip the step; use bf16, or update_in_backward=False"
             )
         self.refresh()
+        if not self._wrappers_checked:
+            self._check_wrappers()
         where = self._where()
         if called_by_scaler and not isinstance(found_inf, Tensor) and self.offload_gradients:
             if any(s.has_grad or s.param.grad is not None for s in self._slots.values()):
@@ -448,24 +779,27 @@ class GradientPipeline:
                 slot.source = None
         # Buckets are updated one after another: check every gradient first, so that an
         # error names its parameter before any bucket has changed.
+        if self._refetch_at_step and not self.offload_gradients:
+            for slot in self._slots.values():
+                slot.source = None
         for p, w in where.items():
             slot = self._slots[p]
             if p in early:
-                if p.grad is not None:
+                if p.grad is not None and not is_host_resident(p.grad):
                     raise RuntimeError(
                         f"{opt.describe_param(*w)} was given a gradient after backward, but with update_in_backward=True "
                         "its update already ran during backward; set gradients only through backward"
                     )
                 continue
-            if p.grad is not None:
+            if p.grad is not None and not is_host_resident(p.grad):
                 self._validate(slot, p.grad, w)
-            elif slot.has_grad:
+            elif slot.has_grad and p.grad is not None:
                 opt.check_gradient(w[0], w[1], slot.host_grad)
         if opt.nonfinite != "propagate":
             present = [(w[0], w[1], self._ready(self._slots[p], w)) for p, w in where.items()]
             if opt.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None]):
                 return
-        opt.preflight([w for p, w in where.items() if p not in early and (self._slots[p].has_grad or p.grad is not None) and not opt.state.get(p)])
+        opt.preflight([w for p, w in where.items() if p not in early and p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
@@ -489,6 +823,7 @@ class GradientPipeline:
         # The next forward waits for the parameters on the device, the host does not wait at all.
         for device, event in events:
             torch.cuda.current_stream(device).wait_event(event)
+        self._pin_deferred()
         self._record_timeline(records, step_called)
         self._prepare_early_updates(buckets)
 
@@ -502,7 +837,7 @@ class GradientPipeline:
         nbytes = 0
         for p in ordered:
             bucket.append(p)
-            nbytes += p.numel() * p.element_size()
+            nbytes += _local(p).numel() * p.element_size()
             if nbytes >= self.config.bucket_bytes:
                 buckets.append(bucket)
                 bucket, nbytes = [], 0
@@ -617,12 +952,12 @@ class GradientPipeline:
         for device, members in by_device.items():
             if device.type != "cuda":
                 for s in members:  # another accelerator without streams here: a plain copy
-                    s.param.copy_(s.staging)
+                    s.local.copy_(s.staging)
                 continue
             stream = self._stream(device, "h2d")
             with torch.cuda.stream(stream), torch.no_grad():
                 for s in members:
-                    s.param.copy_(s.staging, non_blocking=True)
+                    s.local.copy_(s.staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
             for s in members:

@@ -1,40 +1,57 @@
-"""`offload-adamw bench`: host memory bandwidth and the AdamW step, side by side.
+"""`offload-adamw bench`: the host AdamW step against the baselines a careful engineer would write.
 
-Contract: in one run, per size (elements in a transformer's mix of tensor
-shapes), the benchmark
+Contract: in one run the benchmark
 
 1. measures the machine's memory bandwidth (STREAM triad and in-place triad,
    :mod:`offload_adamw.planning.bandwidth`) once, before the sizes;
-2. times one optimizer step of each case below, repetitions interleaved
-   (A B C .. A B C ..) so that machine noise hits every case alike, and reports
-   medians: ms/step, elements/s, effective GB/s at 28 bytes/element (the ideal
-   traffic of a step, docs/contract.md#traffic-bill), the fraction of the in-place
-   triad bandwidth (an in-place triad over the same arrays is timed in the same
-   rotation, so that a busy machine slows the ceiling and the steps alike), peak
-   RSS and the extra host memory a step allocates;
-3. prints a table, the issue's targets with met/missed, and writes JSON
-   (``--json [FILE]``, :mod:`offload_adamw.cli.common`) and a PNG chart (``--plot``). Bad
-   arguments (a size, a case name) and unwritable outputs exit 2 before anything is measured.
+2. checks, on a 1 Mi-element workload, that the default mixed step gives
+   bitwise the same master, moments and bf16 copy as the naive path (the
+   parity definition), and reports the result;
+3. per size (elements in a transformer's mix of tensor shapes), times one
+   optimizer step of each case below after ``warmup`` untimed steps;
+   repetitions are interleaved and the case order is rotated by one at each
+   repetition (A B C, B C A, C A B, ...), so that machine noise and the cache
+   state a case inherits from its predecessor hit every case alike; reports
+   per case the median ms/step with its spread (min, max), elements/s,
+   effective GB/s at 28 bytes/element (the ideal traffic of a step,
+   docs/contract.md#traffic-bill), the fraction of an in-place triad over the same
+   arrays timed in the same rotation (the bandwidth ceiling under the same
+   conditions), and the case's own peak extra host memory during a step
+   (kernel high-water mark reset before the step, minus the resident memory
+   before it: what the step allocates, not what the process holds);
+4. measures thread scaling at one size: the default mixed step, torch's fused
+   float32 step, the naive path and the in-place triad at 1, 2, ... all CPUs
+   (``torch.set_num_threads``), rotated the same way;
+5. prints a table and the targets with met/missed, and writes JSON (``--json [FILE]``, :mod:`offload_adamw.cli.common`)
+   and a PNG chart (``--plot``).
 
-Cases (all on the same float32 state; the mixed cases take bf16 gradients and
-write a bf16 model copy):
+Cases (all on the same float32 master, m and v; the mixed cases read bf16
+gradients and write a bf16 model copy):
 
-* ``ours-fp32``, ``ours-bf16``: this project's kernel (``kernel.adamw_update_``);
-  ``ours-bf16-intraop``: the same with torch's intra-op threads instead of Python
-  worker threads (the threading choice, measured); ``ours-bf16-compiled``: the
-  opt-in loop compiled by torch.compile (kernel_compiled.py; its compilation and
-  self-test happen in the warm-up steps and are reported as ``compiled_kernel``);
-* ``torch-forloop-fp32``, ``torch-foreach-fp32``, ``torch-fused-fp32``:
-  ``torch.optim.AdamW`` with each implementation;
-* ``torch-naive-bf16``: the naive mixed path, the same fused arithmetic done as
-  three passes (widen every gradient, ``AdamW(fused=True).step()``, narrow every
-  parameter);
-* ``deepspeed-fp32``, ``deepspeed-bf16``: ``DeepSpeedCPUAdam`` (when importable
-  and its JIT build works; the build time is reported), and its fp32 step plus
-  the same casts.
+* ``ours-bf16``: the default mixed path (``kernels.adamw.adamw_update_``: the
+  numba loop, the chunk loop for tails); ``ours-bf16-chunk-loop``: the chunk
+  loop alone (the fallback where numba is unavailable); ``ours-fp32``: float32
+  gradients and parameters (torch's fused op, as torch.optim.AdamW runs it);
+* ``torch-fused-fp32``: ``torch.optim.AdamW(fused=True)`` on float32 parameters
+  of the same size: the practical ceiling, the same arithmetic on the same 28
+  bytes per element without casts; ``torch-foreach-fp32``,
+  ``torch-forloop-fp32``: its other implementations;
+* ``torch-naive-bf16``: the naive mixed path as a careful engineer writes it:
+  float32 gradient buffers allocated once, each step copies the bf16 gradients
+  into them, runs ``AdamW(fused=True).step()`` on the float32 masters and copies
+  the masters back into the bf16 parameters (bitwise the parity definition);
+* ``deepspeed-fp32``: ``DeepSpeedCPUAdam`` on float32 parameters;
+  ``deepspeed-fp32+casts``: the same with the naive path's preallocated casts
+  (the same algorithm as ours-bf16); ``deepspeed-bf16-native``: DeepSpeedCPUAdam
+  updating bf16 parameters in place with float32 moments
+  (``fp32_optimizer_states=True``) and no float32 master: a different, lossy
+  algorithm (updates smaller than half a bf16 ulp are lost), reported apart and
+  never used as a baseline for a target. DeepSpeed cases run where DeepSpeed
+  imports and its CPU Adam builds (the load time, including a JIT build, is
+  reported); elsewhere they are skipped with the reason.
 
-To keep memory at about 20 bytes per element for all cases together, every case
-works on the same arrays (master, m, v, gradients, bf16 copy); values drift from
+Every case works on the same arrays (master, m, v, float32 and bf16 gradients,
+bf16 copy), about 20 bytes per element for all cases together; values drift from
 case to case, which does not change the work done.
 """
 
@@ -48,35 +65,45 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
 
 from offload_adamw.cli import common
-from offload_adamw.planning.bandwidth import measure_host_bandwidth
 from offload_adamw.kernels.adamw import StepHyper, adamw_update_
-from offload_adamw.kernels.blocked import DEFAULT_CONFIG, BlockConfig, blocked_adamw_, chunk_loop_status
+from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_, chunk_loop_status
+from offload_adamw.kernels.numba_loop import numba_kernel_status
+from offload_adamw.planning.bandwidth import measure_host_bandwidth
 
 BYTES_PER_ELEMENT = 28  # docs/contract.md#traffic-bill: the ideal traffic of one host step
 MIB = 2**20
-MEMORY_ALLOWANCE = 64 * MIB  # the issue's bound on what a step may allocate beyond its state
+MEMORY_ALLOWANCE = 64 * MIB  # what a step may allocate beyond its state
 
 TRIAD_CASE = "inplace-triad"  # timed in the same rotation: the ceiling under the same conditions
 TRIAD_BYTES_PER_ELEMENT = 12
-INTRAOP_CHUNK_ELEMENTS = 1024 * 1024
-BF16_CASES = ("ours-bf16", "ours-bf16-compiled", "ours-bf16-intraop", "torch-naive-bf16", "deepspeed-bf16")
+DEFAULT_MIXED = "ours-bf16"
+NAIVE = "torch-naive-bf16"
+CEILING = "torch-fused-fp32"
+LOSSY_CASES = ("deepspeed-bf16-native",)
+BF16_CASES = (DEFAULT_MIXED, "ours-bf16-chunk-loop", NAIVE, "deepspeed-fp32+casts", "deepspeed-bf16-native")
 ALL_CASES = (
+    DEFAULT_MIXED,
+    "ours-bf16-chunk-loop",
     "ours-fp32",
-    "ours-bf16",
-    "ours-bf16-compiled",
-    "ours-bf16-intraop",
-    "torch-forloop-fp32",
+    CEILING,
     "torch-foreach-fp32",
-    "torch-fused-fp32",
-    "torch-naive-bf16",
+    "torch-forloop-fp32",
+    NAIVE,
     "deepspeed-fp32",
-    "deepspeed-bf16",
+    "deepspeed-fp32+casts",
+    "deepspeed-bf16-native",
+)
+SCALING_CASES = (DEFAULT_MIXED, CEILING, NAIVE)
+#: The targets of the default mixed path: (label, case it is compared with, speed ratio at least).
+TARGETS = (
+    ("speed vs torch fused float32 (the ceiling)", CEILING, 0.95),
+    ("speed vs the preallocated naive path", NAIVE, 1.4),
 )
 
 
@@ -86,18 +113,22 @@ class BenchConfig:
 
     sizes: tuple[int, ...] = (16 * MIB, 64 * MIB, 256 * MIB)
     """Total trainable elements per size (each split into a transformer's tensor shapes)."""
-    repeats: int = 5
-    """Timed repetitions per case (after ``warmup`` untimed steps)."""
+    repeats: int = 7
+    """Timed repetitions per case (after ``warmup`` untimed steps), in rotated order."""
     warmup: int = 3
-    """Untimed steps per case first: thread pools, chunk buffers, DeepSpeed's first call, and
-    TorchScript's profiling runs of the chunk loop (its first calls are slower; a training run
-    pays that once). The timed figures are the steady state."""
+    """Untimed steps per case first: thread pools, numba's compilation and self-test of each
+    variant, chunk buffers, DeepSpeed's first call, TorchScript's profiling runs of the chunk
+    loop. The timed figures are the steady state."""
     cases: tuple[str, ...] = ALL_CASES
     """Which cases to time."""
     bandwidth_elements: int = 64 * MIB
     """Elements per array of the bandwidth probe."""
-    chunk_sweep: bool = False
-    """Also time ours-bf16 over chunk sizes and both threading modes at the first size."""
+    scaling_size: Optional[int] = 16 * MIB
+    """Elements of the thread-scaling measurement (None: skip it)."""
+    scaling_threads: Optional[tuple[int, ...]] = None
+    """Thread counts of the scaling measurement (None: 1, 2, ... all CPUs this process may use)."""
+    parity_elements: int = MIB
+    """Elements of the bitwise check of the default mixed step against the naive path (0: skip)."""
 
 
 # ---------------------------------------------------------------- workload
@@ -191,30 +222,32 @@ def _torch_optimizer(w: Workload, **impl) -> tuple[torch.optim.Optimizer, list[t
     return opt, params
 
 
-def _deepspeed_optimizer(w: Workload, info: dict):
-    """DeepSpeedCPUAdam on the shared arrays, or None (the reason goes into ``info``)."""
+def _deepspeed_class(info: dict):
+    """DeepSpeedCPUAdam, or None (the reason goes into ``info``)."""
+    if "deepspeed_unavailable" in info:
+        return None
     try:
         start = time.perf_counter()
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 (optional dependency)
 
-        params = [torch.nn.Parameter(m) for m in w.master]
-        opt = DeepSpeedCPUAdam(params, adamw_mode=True, **HYPER)
-        info["deepspeed_load_s"] = round(time.perf_counter() - start, 2)  # includes the JIT build when not cached
+        # the first construction JIT-builds (or loads) the CPU Adam extension: timed here, once
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(64))], adamw_mode=True, **HYPER)
+        info.setdefault("deepspeed_load_s", round(time.perf_counter() - start, 2))
         import deepspeed  # noqa: PLC0415
 
         info["deepspeed_version"] = deepspeed.__version__
+        return DeepSpeedCPUAdam
     except Exception as exc:  # ImportError, or the JIT build failing: report, do not crash
         info["deepspeed_unavailable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         return None
-    for p, m, v in zip(params, w.exp_avg, w.exp_avg_sq):
-        opt.state[p] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
-    return opt, params
 
 
 def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Callable[[], None]]:
-    """name -> a function doing one step of that case on the shared arrays."""
+    """name -> a function doing one step of that case on the shared arrays (cases that cannot
+    run here are absent; ``info["skipped"]`` says why)."""
     hp = _hp()
     cases: dict[str, Callable[[], None]] = {}
+    skipped = info.setdefault("skipped", {})
 
     def ours(grads, outs, config: Optional[BlockConfig] = None):
         steps = [torch.zeros((), dtype=torch.float32) for _ in w.master]
@@ -224,50 +257,46 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
 
     def torch_step(**impl):
         opt, params = _torch_optimizer(w, **impl)
+        for p, g in zip(params, w.grad32):
+            p.grad = g
+
+        return opt.step
+
+    def naive_mixed(step_fn, params):
+        # float32 gradient buffers allocated once (the float32 gradients of the workload serve as
+        # them); each step: widen into them, the float32 step, narrow into the bf16 copy.
+        for p, g in zip(params, w.grad32):
+            p.grad = g
 
         def step():
-            for p, g in zip(params, w.grad32):
-                p.grad = g
-            opt.step()
+            torch._foreach_copy_(w.grad32, w.grad16)
+            step_fn()
+            torch._foreach_copy_(w.model16, w.master)
 
         return step
 
-    def torch_naive_mixed():
-        opt, params = _torch_optimizer(w, fused=True)
+    ds_class = _deepspeed_class(info) if any(n.startswith("deepspeed") for n in names) else None
 
-        def step():
-            for p, g in zip(params, w.grad16):
-                p.grad = g.to(torch.float32)  # pass 1: widen (a full-size temporary)
-            opt.step()  # pass 2
-            for out, p in zip(w.model16, params):
-                out.copy_(p.detach())  # pass 3: narrow
-            for p in params:
-                p.grad = None
+    def deepspeed_fp32():
+        params = [torch.nn.Parameter(m) for m in w.master]
+        opt = ds_class(params, adamw_mode=True, **HYPER)
+        for p, m, v in zip(params, w.exp_avg, w.exp_avg_sq):
+            opt.state[p] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
+        for p, g in zip(params, w.grad32):
+            p.grad = g
+        return opt, params
 
-        return step
+    def deepspeed_native_bf16():
+        # bf16 parameters updated in place, float32 moments, no master: the model copy is the state
+        params = [torch.nn.Parameter(m) for m in w.model16]
+        opt = ds_class(params, adamw_mode=True, fp32_optimizer_states=True, **HYPER)
+        for p, m, v in zip(params, w.exp_avg, w.exp_avg_sq):
+            opt.state[p] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
+        for p, g in zip(params, w.grad16):
+            p.grad = g
+        return opt.step
 
-    ds = None
-    if any(n.startswith("deepspeed") for n in names):
-        ds = _deepspeed_optimizer(w, info)
-
-    def deepspeed_step(mixed: bool):
-        opt, params = ds
-
-        def step():
-            for p, g16, g32 in zip(params, w.grad16, w.grad32):
-                p.grad = g16.to(torch.float32) if mixed else g32
-            opt.step()
-            if mixed:
-                for out, p in zip(w.model16, params):
-                    out.copy_(p.detach())
-                for p in params:
-                    p.grad = None
-
-        return step
-
-    sign = [1.0]
-
-    def inplace_triad():
+    def inplace_triad(sign=[1.0]):  # noqa: B006 (state across calls)
         # a += s*b over the same arrays (12 bytes/element, no write-allocate), alternating
         # the sign so the moments come back to where they were (up to rounding).
         torch._foreach_add_(w.exp_avg, w.grad32, alpha=sign[0] * 1e-12)
@@ -275,27 +304,35 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
 
     cases[TRIAD_CASE] = inplace_triad
     for name in names:
-        if name == "ours-fp32":
-            cases[name] = ours(w.grad32, None)
-        elif name == "ours-bf16":
+        if name == DEFAULT_MIXED:
             cases[name] = ours(w.grad16, w.model16)
-        elif name == "ours-bf16-compiled":
-            cases[name] = ours(w.grad16, w.model16, BlockConfig(compiled=True))
-        elif name == "ours-bf16-intraop":
-            # Intra-op threads pay a fork/join per operation, so they get their own best chunk
-            # size (1 Mi elements, measured), not the worker threads' default.
-            cases[name] = ours(w.grad16, w.model16, BlockConfig(chunk_elements=INTRAOP_CHUNK_ELEMENTS, threads=0))
+        elif name == "ours-bf16-chunk-loop":
+            cases[name] = ours(w.grad16, w.model16, BlockConfig(numba_loop=False))
+        elif name == "ours-fp32":
+            cases[name] = ours(w.grad32, None)
         elif name == "torch-forloop-fp32":
             cases[name] = torch_step(foreach=False, fused=False)
         elif name == "torch-foreach-fp32":
             cases[name] = torch_step(foreach=True, fused=False)
-        elif name == "torch-fused-fp32":
+        elif name == CEILING:
             cases[name] = torch_step(fused=True)
-        elif name == "torch-naive-bf16":
-            cases[name] = torch_naive_mixed()
-        elif name in ("deepspeed-fp32", "deepspeed-bf16"):
-            if ds is not None:
-                cases[name] = deepspeed_step(mixed=name == "deepspeed-bf16")
+        elif name == NAIVE:
+            opt, params = _torch_optimizer(w, fused=True)
+            cases[name] = naive_mixed(opt.step, params)
+        elif name.startswith("deepspeed"):
+            if ds_class is None:
+                skipped[name] = info["deepspeed_unavailable"]
+                continue
+            try:
+                if name == "deepspeed-fp32":
+                    cases[name] = deepspeed_fp32()[0].step
+                elif name == "deepspeed-fp32+casts":
+                    opt, params = deepspeed_fp32()
+                    cases[name] = naive_mixed(opt.step, params)
+                else:
+                    cases[name] = deepspeed_native_bf16()
+            except Exception as exc:  # a DeepSpeed version without this mode: said, not hidden
+                skipped[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         else:
             raise ValueError(f"unknown benchmark case {name!r}; choose from {', '.join(ALL_CASES)}")
     return cases
@@ -325,8 +362,8 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def measure_step(fn: Callable[[], None]) -> tuple[float, Optional[int], Optional[int]]:
-    """(seconds, peak RSS bytes during the step, bytes above the RSS before the step)."""
+def measure_step(fn: Callable[[], None]) -> tuple[float, Optional[int]]:
+    """(seconds, bytes the step's peak resident memory rose above the resident memory before it)."""
     can_reset = _reset_peak_rss()
     before = _status_kib("VmRSS")
     start = time.perf_counter()
@@ -334,8 +371,8 @@ def measure_step(fn: Callable[[], None]) -> tuple[float, Optional[int], Optional
     seconds = time.perf_counter() - start
     peak = _status_kib("VmHWM")
     if peak is None or before is None or not can_reset:
-        return seconds, None, None
-    return seconds, peak * 1024, max(0, peak - before) * 1024
+        return seconds, None
+    return seconds, max(0, peak - before) * 1024
 
 
 # --------------------------------------------------------------------- run
@@ -355,44 +392,54 @@ def _progress(iterable, **kw):
         return iterable
 
 
-def run_size(total: int, config: BenchConfig, bandwidth: dict, info: dict) -> dict:
-    w = make_workload(total)
-    cases = build_cases(w, config.cases, info)
+def rotations(names: list[str], repeats: int) -> list[list[str]]:
+    """The case order of each repetition: rotated by one each time (A B C, B C A, C A B, ...)."""
+    k = len(names)
+    return [names[r % k:] + names[: r % k] for r in range(repeats)] if k else [[] for _ in range(repeats)]
+
+
+def _time_rotated(cases: dict[str, Callable[[], None]], warmup: int, repeats: int, desc: str):
     samples: dict[str, list[float]] = {n: [] for n in cases}
-    peaks: dict[str, list[int]] = {n: [] for n in cases}
     extras: dict[str, list[int]] = {n: [] for n in cases}
-    for _ in range(config.warmup):
+    for _ in range(warmup):
         for fn in cases.values():
             fn()
-    for _ in _progress(range(config.repeats), desc=f"{_fmt_size(total)} elements"):
-        for name, fn in cases.items():  # interleaved: A B C .. A B C ..
-            seconds, peak, extra = measure_step(fn)
+    for order in _progress(rotations(list(cases), repeats), desc=desc):
+        for name in order:
+            seconds, extra = measure_step(cases[name])
             samples[name].append(seconds)
-            if peak is not None:
-                peaks[name].append(peak)
+            if extra is not None:
                 extras[name].append(extra)
-    peaks.pop(TRIAD_CASE, None)
-    extras.pop(TRIAD_CASE, None)
+    return samples, extras
+
+
+def _summary(times: list[float], elements: int) -> dict:
+    med = statistics.median(times)
+    return {
+        "ms_per_step": med * 1e3,
+        "ms_min": min(times) * 1e3,
+        "ms_max": max(times) * 1e3,
+        "spread": (max(times) - min(times)) / med,
+        "ms_all": [t * 1e3 for t in times],
+        "elements_per_s": elements / med,
+        "effective_gbps": BYTES_PER_ELEMENT * elements / med / 1e9,
+    }
+
+
+def run_size(total: int, config: BenchConfig, info: dict) -> dict:
+    w = make_workload(total)
+    cases = build_cases(w, config.cases, info)
+    samples, extras = _time_rotated(cases, config.warmup, config.repeats, f"{_fmt_size(total)} elements")
     n = w.elements
     state_bytes = sum(t.numel() * t.element_size() for t in w.master + w.exp_avg + w.exp_avg_sq)
-    triad_median = statistics.median(samples.pop(TRIAD_CASE))
-    triad_gbps = TRIAD_BYTES_PER_ELEMENT * n / triad_median / 1e9
-    # The ceiling: the in-place triad timed in the same rotation as the steps (so a busy
-    # machine slows both alike); the probe at the start is reported beside it.
-    ceiling = triad_gbps
+    triad = _summary(samples.pop(TRIAD_CASE), n)
+    triad_gbps = TRIAD_BYTES_PER_ELEMENT * n / (triad["ms_per_step"] / 1e3) / 1e9
     rows = {}
     for name, times in samples.items():
-        med = statistics.median(times)
-        gbps = BYTES_PER_ELEMENT * n / med / 1e9
-        rows[name] = {
-            "ms_per_step": med * 1e3,
-            "ms_all": [t * 1e3 for t in times],
-            "elements_per_s": n / med,
-            "effective_gbps": gbps,
-            "fraction_of_inplace_triad": gbps / ceiling,
-            "peak_rss_mib": max(peaks[name]) / MIB if peaks[name] else None,
-            "step_extra_mib": max(extras[name]) / MIB if extras[name] else None,
-        }
+        row = _summary(times, n)
+        row["fraction_of_inplace_triad"] = row["effective_gbps"] / triad_gbps
+        row["step_extra_mib"] = max(extras[name]) / MIB if extras[name] else None
+        rows[name] = row
     del cases, w
     gc.collect()  # optimizers hold reference cycles; free this size's arrays before the next
     return {
@@ -400,38 +447,60 @@ def run_size(total: int, config: BenchConfig, bandwidth: dict, info: dict) -> di
         "tensors": len(transformer_shapes(total)),
         "state_bytes": state_bytes,
         "inplace_triad_gbps": triad_gbps,
-        "inplace_triad_ms": triad_median * 1e3,
+        "inplace_triad_ms": triad["ms_per_step"],
         "cases": rows,
     }
 
 
-def chunk_sweep(total: int, repeats: int) -> list[dict]:
-    """ours-bf16 over chunk sizes x threading modes, interleaved."""
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (not Linux)
+        return os.cpu_count() or 1
+
+
+def thread_scaling(total: int, config: BenchConfig, info: dict) -> dict:
+    """The scaling cases at each thread count, interleaved and rotated; ms/step medians."""
+    counts = config.scaling_threads or tuple(range(1, _usable_cpus() + 1))
     w = make_workload(total)
-    hp = _hp()
-    steps = [torch.zeros(()) for _ in w.master]
-    variants = {}
-    for threads in (-1, 0):
-        for chunk in (16 * 1024, 64 * 1024, 128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024, 4 * MIB):
-            variants[(threads, chunk)] = BlockConfig(chunk_elements=chunk, threads=threads)
-    samples = {k: [] for k in variants}
-    for cfg in variants.values():
-        blocked_adamw_(w.master, w.grad16, w.exp_avg, w.exp_avg_sq, [], steps, w.model16, hp, config=cfg)
-    for _ in _progress(range(repeats), desc="chunk sweep"):
-        for k, cfg in variants.items():
-            start = time.perf_counter()
-            blocked_adamw_(w.master, w.grad16, w.exp_avg, w.exp_avg_sq, [], steps, w.model16, hp, config=cfg)
-            samples[k].append(time.perf_counter() - start)
-    out = []
-    for (threads, chunk), times in samples.items():
-        med = statistics.median(times)
-        out.append({
-            "threads": "python" if threads < 0 else "intra-op",
-            "chunk_elements": chunk,
-            "ms_per_step": med * 1e3,
-            "effective_gbps": BYTES_PER_ELEMENT * w.elements / med / 1e9,
-        })
+    cases = build_cases(w, tuple(c for c in SCALING_CASES if c in config.cases), info)
+    before = torch.get_num_threads()
+    out: dict = {"elements": w.elements, "threads": list(counts), "cases": {name: [] for name in cases}}
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            samples, _ = _time_rotated(cases, max(1, config.warmup), config.repeats, f"{threads} thread(s)")
+            for name, times in samples.items():
+                out["cases"][name].append(_summary(times, w.elements))
+    finally:
+        torch.set_num_threads(before)
+    del cases, w
+    gc.collect()
     return out
+
+
+def parity_check(elements: int) -> dict:
+    """One step of the default mixed path and of the naive path from the same state: equal bits?"""
+    hp = _hp()
+    results = []
+    for path in ("ours", "naive"):
+        w = make_workload(elements, seed=1)
+        steps = [torch.zeros((), dtype=torch.float32) for _ in w.master]
+        if path == "ours":
+            adamw_update_(w.master, w.grad16, w.exp_avg, w.exp_avg_sq, [], steps, hp, model_params=w.model16)
+        else:
+            opt, params = _torch_optimizer(w, fused=True)
+            for p, g in zip(params, w.grad16):
+                p.grad = g.float()
+            opt.step()
+            torch._foreach_copy_(w.model16, w.master)
+        results.append(w)
+    differ = 0
+    for key in ("master", "exp_avg", "exp_avg_sq", "model16"):
+        for a, b in zip(getattr(results[0], key), getattr(results[1], key)):
+            view = torch.int16 if a.element_size() == 2 else torch.int32
+            differ += int((a.view(view) != b.view(view)).sum())
+    return {"elements": results[0].elements, "differing_elements": differ, "bitwise_equal": differ == 0}
 
 
 def _fmt_size(n: int) -> str:
@@ -477,39 +546,23 @@ def machine_info() -> dict:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's targets per size: ratio, required, met."""
+    """The default mixed path's targets per size: ratio, required, met (None: not measured)."""
     out = []
     for size in result["sizes"]:
         c = size["cases"]
-
-        def ratio(a, b):
-            return c[b]["ms_per_step"] / c[a]["ms_per_step"] if a in c and b in c else None
-
-        def mixed(name):  # the issue's three targets for a bf16 mixed path
-            return [
-                (f"{name} vs torch-naive-bf16 (speedup)", ratio(name, "torch-naive-bf16"), 1.4),
-                (f"{name} vs deepspeed-bf16 (speedup)", ratio(name, "deepspeed-bf16"), 1.0),
-                (f"{name} fraction of in-place triad", c.get(name, {}).get("fraction_of_inplace_triad"), 0.8),
-            ]
-
-        checks = mixed("ours-bf16") + [
-            # the same fused op as torch's (parity by construction): expect 1.0 within noise
-            ("ours-fp32 vs torch-fused-fp32 (speedup)", ratio("ours-fp32", "torch-fused-fp32"), 1.0),
-        ]
-        if "ours-bf16-compiled" in c:
-            checks += mixed("ours-bf16-compiled")
-        for name in ("ours-bf16", "ours-bf16-compiled"):
-            extra = c.get(name, {}).get("step_extra_mib")
-            if extra is not None:
-                checks.append((f"{name} extra memory in a step (MiB, at most)", extra, MEMORY_ALLOWANCE / MIB))
-        for label, value, need in checks:
-            if value is None:
-                met = None
-            elif "at most" in label:
-                met = value <= need
-            else:
-                met = value >= need
+        checks = []
+        for label, other, need in TARGETS:
+            value = c[other]["ms_per_step"] / c[DEFAULT_MIXED]["ms_per_step"] if DEFAULT_MIXED in c and other in c else None
+            checks.append((f"{DEFAULT_MIXED} {label}", value, need, False))
+        extra = c.get(DEFAULT_MIXED, {}).get("step_extra_mib")
+        checks.append((f"{DEFAULT_MIXED} extra memory in a step (MiB, at most)", extra, MEMORY_ALLOWANCE / MIB, True))
+        for label, value, need, at_most in checks:
+            met = None if value is None else (value <= need if at_most else value >= need)
             out.append({"size": size["elements"], "target": label, "value": value, "required": need, "met": met})
+    parity = result.get("parity")
+    if parity is not None:
+        out.append({"size": parity["elements"], "target": f"{DEFAULT_MIXED} bitwise equal to the naive path",
+                    "value": parity["differing_elements"], "required": 0, "met": parity["bitwise_equal"]})
     return out
 
 
@@ -518,15 +571,14 @@ def run_benchmark(config: BenchConfig) -> dict:
     bandwidth = measure_host_bandwidth(elements=config.bandwidth_elements, repeats=5)
     info["chunk_loop"] = chunk_loop_status()  # TorchScript or plain Python, compile time, fallback reason
     result = {"machine": info, "config": asdict(config), "bandwidth": bandwidth, "sizes": []}
+    if config.parity_elements:
+        result["parity"] = parity_check(config.parity_elements)
     for total in config.sizes:
-        result["sizes"].append(run_size(total, config, bandwidth, info))
-    if config.chunk_sweep:
-        result["chunk_sweep"] = chunk_sweep(config.sizes[0], config.repeats)
+        result["sizes"].append(run_size(total, config, info))
+    if config.scaling_size:
+        result["thread_scaling"] = thread_scaling(config.scaling_size, config, info)
     info["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-    if "ours-bf16-compiled" in config.cases:
-        from offload_adamw.kernels.compiled import compiled_kernel_status  # noqa: PLC0415
-
-        info["compiled_kernel"] = compiled_kernel_status()  # per variant: usable, compile seconds, reason
+    info["numba_loop"] = numba_kernel_status()  # per variant: usable, compile and self-test seconds, reason
     result["targets"] = targets(result)
     return result
 
@@ -541,36 +593,50 @@ def format_report(result: dict) -> str:
         f"load average {m.get('load_average_at_start')} -> {m.get('load_average_at_end')}",
         f"bandwidth ({bw['elements'] * 4 // MIB} MiB arrays, best of {bw['repeats']}): "
         f"triad {bw['triad_gbps']:.1f} GB/s, in-place triad {bw['inplace_triad_gbps']:.1f} GB/s "
-        f"-> ceiling {bw['inplace_triad_gbps'] * 1e9 / BYTES_PER_ELEMENT / 1e9:.2f} G elements/s at {BYTES_PER_ELEMENT} B/element",
+        f"-> ceiling {bw['inplace_triad_gbps'] / BYTES_PER_ELEMENT:.2f} G elements/s at {BYTES_PER_ELEMENT} B/element",
     ]
-    for key in ("chunk_loop", "compiled_kernel", "deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
+    for key in ("chunk_loop", "numba_loop", "deepspeed_version", "deepspeed_load_s", "deepspeed_unavailable"):
         if key in m:
             lines.append(f"{key}: {m[key]}")
-    header = ["case", "ms/step", "G elem/s", "GB/s@28B", "of triad", "vs ref", "peak RSS", "step +MiB"]
+    for name, why in m.get("skipped", {}).items():
+        lines.append(f"skipped {name}: {why}")
+    parity = result.get("parity")
+    if parity is not None:
+        lines.append(f"parity ({_fmt_size(parity['elements'])} elements, one step): {DEFAULT_MIXED} vs {NAIVE}: "
+                     f"{parity['differing_elements']} differing elements")
+    header = (f"{'case':22s} {'ms/step':>9s} {'min-max':>15s} {'G elem/s':>9s} {'GB/s@28B':>9s} {'of triad':>9s} "
+              f"{'vs ref':>7s} {'step +MiB':>9s}")
     for size in result["sizes"]:
         lines += ["", f"{_fmt_size(size['elements'])} elements in {size['tensors']} tensors "
                       f"(state {size['state_bytes'] / MIB:.0f} MiB); in-place triad in the same rotation: "
                       f"{size['inplace_triad_gbps']:.1f} GB/s = {size['inplace_triad_gbps'] / BYTES_PER_ELEMENT:.3f} "
-                      f"G elements/s at {BYTES_PER_ELEMENT} B"]
+                      f"G elements/s at {BYTES_PER_ELEMENT} B", header, "-" * len(header)]
         cases = size["cases"]
-        rows = []
-        for name, row in cases.items():
-            ref = "torch-naive-bf16" if name in BF16_CASES else "torch-fused-fp32"
+        ordered = [n for n in cases if n not in LOSSY_CASES] + [n for n in cases if n in LOSSY_CASES]
+        for name in ordered:
+            row = cases[name]
+            if name in LOSSY_CASES and name == next(n for n in ordered if n in LOSSY_CASES):
+                lines.append("  a different algorithm, without a float32 master (bf16 parameters updated in place):")
+            ref = NAIVE if name in BF16_CASES else CEILING
             vs = cases[ref]["ms_per_step"] / row["ms_per_step"] if ref in cases else float("nan")
-            peak = f"{row['peak_rss_mib']:.0f}M" if row["peak_rss_mib"] is not None else "n/a"
             extra = f"{row['step_extra_mib']:.1f}" if row["step_extra_mib"] is not None else "n/a"
-            rows.append([name, f"{row['ms_per_step']:.1f}", f"{row['elements_per_s'] / 1e9:.3f}", f"{row['effective_gbps']:.2f}",
-                         f"{row['fraction_of_inplace_triad']:.2f}", f"{vs:.2f}x", peak, extra])
-        lines.append(common.render_table(header, rows, align="lrrrrrrr"))
-    if result.get("chunk_sweep"):
-        lines += ["", "chunk sweep (ours-bf16, first size): threads, chunk elements, ms/step, GB/s@28B"]
-        for r in result["chunk_sweep"]:
-            lines.append(f"  {r['threads']:9s} {r['chunk_elements']:>9d} {r['ms_per_step']:9.1f} {r['effective_gbps']:7.2f}")
-    lines += ["", "targets (issue #4):"]
+            spread = f"{row['ms_min']:.1f}-{row['ms_max']:.1f}"
+            lines.append(
+                f"{name:22s} {row['ms_per_step']:9.1f} {spread:>15s} {row['elements_per_s'] / 1e9:9.3f} "
+                f"{row['effective_gbps']:9.2f} {row['fraction_of_inplace_triad']:9.2f} {vs:6.2f}x {extra:>9s}"
+            )
+        lines.append(f"(vs ref: speed relative to {NAIVE} for bf16 cases, to {CEILING} for float32 cases)")
+    scaling = result.get("thread_scaling")
+    if scaling:
+        lines += ["", f"thread scaling, {_fmt_size(scaling['elements'])} elements, ms/step (median):",
+                  f"  {'threads':22s}" + "".join(f"{t:>9d}" for t in scaling["threads"])]
+        for name, rows in scaling["cases"].items():
+            lines.append(f"  {name:22s}" + "".join(f"{r['ms_per_step']:9.1f}" for r in rows))
+    lines += ["", "targets:"]
     for t in result["targets"]:
         value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-        lines.append(f"  {_fmt_size(t['size']):>5s}  {t['target']:57s} {value:>7s} (need {t['required']:g}): {verdict}")
+        lines.append(f"  {_fmt_size(t['size']):>5s}  {t['target']:62s} {value:>7s} (need {t['required']:g}): {verdict}")
     return "\n".join(lines)
 
 
@@ -582,24 +648,46 @@ def write_plot(result: dict, path: str) -> None:
 
     sizes = result["sizes"]
     names = list(sizes[0]["cases"])
-    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(names) * len(sizes) / 2), 4.5))
+    scaling = result.get("thread_scaling")
+    fig, axes = plt.subplots(1, 2 if scaling else 1, figsize=(13 if scaling else 9, 4.8),
+                             gridspec_kw={"width_ratios": [3, 1]} if scaling else None)
+    ax = axes[0] if scaling else axes
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [k + i * width for k in range(len(sizes))]
-        ys = [s["cases"].get(name, {}).get("elements_per_s", 0) / 1e9 for s in sizes]
-        ax.bar(xs, ys, width, label=name, color=plt.cm.tab10(i % 10), hatch="//" if "bf16" in name else None)
+        rows = [s["cases"].get(name) for s in sizes]
+        ys = [r["elements_per_s"] / 1e9 if r else 0 for r in rows]
+        # error bars: the elements/s of the slowest and the fastest repetition
+        lo = [y - (s["elements"] / (r["ms_max"] / 1e3) / 1e9) if r else 0 for y, r, s in zip(ys, rows, sizes)]
+        hi = [(s["elements"] / (r["ms_min"] / 1e3) / 1e9) - y if r else 0 for y, r, s in zip(ys, rows, sizes)]
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name + (" (lossy)" if name in LOSSY_CASES else ""),
+               color=plt.cm.tab10(i % 10), hatch="//" if "bf16" in name else None)
     for k, s in enumerate(sizes):
         ceiling = s["inplace_triad_gbps"] / BYTES_PER_ELEMENT
         ax.hlines(ceiling, k - width, k + 0.8, colors="black", linestyles="--", linewidth=1,
                   label="in-place triad / 28 B (same rotation)" if k == 0 else None)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(sizes))])
     ax.set_xticklabels([f"{_fmt_size(s['elements'])} elements" for s in sizes])
-    ax.set_ylabel("G elements / s (median)")
+    ax.set_ylabel("G elements / s (median; bars: fastest and slowest repetition)")
     ax.set_title(f"AdamW host step, {result['machine']['cpu']}, {result['machine']['torch_threads']} threads", fontsize=9)
     top = max([s["inplace_triad_gbps"] / BYTES_PER_ELEMENT for s in sizes]
-              + [r["elements_per_s"] / 1e9 for s in sizes for r in s["cases"].values()])
-    ax.set_ylim(0, top * 1.45)  # room for the legend above the bars and the ceiling
+              + [s["elements"] / (r["ms_min"] / 1e3) / 1e9 for s in sizes for r in s["cases"].values()])
+    ax.set_ylim(0, top * 1.5)  # room for the legend above the bars and the ceiling
     ax.legend(fontsize=7, ncol=3, loc="upper left")
+    if scaling:
+        sax = axes[1]
+        for name, rows in scaling["cases"].items():
+            # the triad as the step-equivalent ceiling: its bandwidth over a step's 28 bytes per element
+            scale = TRIAD_BYTES_PER_ELEMENT / BYTES_PER_ELEMENT if name == TRIAD_CASE else 1.0
+            label = "in-place triad / 28 B" if name == TRIAD_CASE else name
+            sax.plot(scaling["threads"], [r["elements_per_s"] * scale / 1e9 for r in rows], marker="o", label=label,
+                     linestyle="--" if name == TRIAD_CASE else "-", color="black" if name == TRIAD_CASE else None)
+        sax.set_xlabel("torch threads")
+        sax.set_xticks(scaling["threads"])
+        sax.set_ylabel("G elements / s")
+        sax.set_title(f"thread scaling, {_fmt_size(scaling['elements'])} elements", fontsize=9)
+        sax.set_ylim(bottom=0)
+        sax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -611,40 +699,55 @@ def write_plot(result: dict, path: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="16M,64M,256M",
                         help="comma-separated element counts, K/M/G = 2**10/20/30 (default 16M,64M,256M)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed interleaved repetitions per case (default 5)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per case before timing (default 3)")
+    parser.add_argument("--repeats", type=int, default=BenchConfig.repeats,
+                        help=f"timed repetitions per case, in rotated order (default {BenchConfig.repeats})")
+    parser.add_argument("--warmup", type=int, default=BenchConfig.warmup,
+                        help=f"untimed steps per case before timing (default {BenchConfig.warmup})")
     parser.add_argument("--cases", default=",".join(ALL_CASES), help="comma-separated cases (default: all)")
     parser.add_argument("--bandwidth-elements", type=parse_size, default=64 * MIB,
                         help="elements per array of the bandwidth probe (default 64M)")
-    parser.add_argument("--chunk-sweep", action="store_true", help="also sweep chunk size and threading mode")
+    parser.add_argument("--scaling-size", default="16M",
+                        help="elements of the thread-scaling measurement, or 'none' to skip it (default 16M)")
+    parser.add_argument("--scaling-threads", default=None,
+                        help="comma-separated thread counts for the scaling measurement (default 1..all CPUs)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
     common.add_json_argument(parser, what="all numbers")
-    common.add_plot_argument(parser, what="a bar chart")
+    common.add_plot_argument(parser, what="a bar chart and the thread scaling")
     common.add_progress_argument(parser)
+
+
+def _usage(message: str) -> common.UsageError:
+    return common.UsageError(message)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration; a bad argument raises common.UsageError (exit status 2) naming it."""
     try:
         sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
-    except argparse.ArgumentTypeError as exc:
-        raise common.UsageError(f"--sizes: {exc}") from None
-    if not sizes:
-        raise common.UsageError(f"--sizes: no size in {args.sizes!r}")
+        scaling_size = None if args.scaling_size.strip().lower() == "none" else parse_size(args.scaling_size)
+        scaling_threads = (tuple(int(t) for t in args.scaling_threads.split(",") if t.strip())
+                           if args.scaling_threads else None)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise _usage(f"--sizes / --scaling-size / --scaling-threads: {exc}") from None
     cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
     unknown = [c for c in cases if c not in ALL_CASES]
     if unknown or not cases:
-        raise common.UsageError(f"--cases: unknown case(s) {unknown or [args.cases]}; choose from {', '.join(ALL_CASES)}")
+        raise _usage(f"--cases: unknown case(s) {unknown or [args.cases]}; choose from {', '.join(ALL_CASES)}")
+    if not sizes:
+        raise _usage(f"--sizes: no size in {args.sizes!r}")
     if args.repeats < 1:
-        raise common.UsageError(f"--repeats must be at least 1, got {args.repeats}")
+        raise _usage("--repeats must be at least 1")
     if args.warmup < 0:
-        raise common.UsageError(f"--warmup must be at least 0, got {args.warmup}")
-    config = BenchConfig(sizes=sizes, repeats=args.repeats, warmup=args.warmup, cases=cases,
-                         bandwidth_elements=args.bandwidth_elements, chunk_sweep=args.chunk_sweep)
+        raise _usage("--warmup must be at least 0")
+    if scaling_threads is not None and (not scaling_threads or min(scaling_threads) < 1):
+        raise _usage("--scaling-threads must be positive thread counts")
     if args.quick:
-        config = BenchConfig(sizes=(MIB, 4 * MIB), repeats=3, warmup=1, cases=cases, bandwidth_elements=16 * MIB,
-                             chunk_sweep=args.chunk_sweep)
-    return config
+        return BenchConfig(sizes=(MIB, 4 * MIB), repeats=3, warmup=1, cases=cases, bandwidth_elements=16 * MIB,
+                           scaling_size=MIB if scaling_size else None, scaling_threads=scaling_threads,
+                           parity_elements=256 * 1024)
+    return BenchConfig(sizes=sizes, repeats=args.repeats, warmup=args.warmup, cases=cases,
+                       bandwidth_elements=args.bandwidth_elements, scaling_size=scaling_size,
+                       scaling_threads=scaling_threads)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,10 +1,14 @@
 """``offload-adamw check``: the conformance checker on the command line.
 
 Contract: prints the report table to stdout, or with ``--json [FILE]`` the report as JSON
-(:mod:`offload_adamw.cli.common`: to FILE, or to stdout in place of the table), and
-returns the exit status: 0 when no clause fails, 1 when any clause fails, 2 when the
-candidate cannot be loaded or the arguments are invalid (bad JSON, unknown dtype,
-unknown clause, bad mapping).
+(:mod:`offload_adamw.cli.common`: to FILE, or to stdout in place of the table; a top-level
+``schema_version``), and returns the exit status: 0 when the candidate conforms
+(no clause fails or errs, and the update rule could be compared), 1 when it does not, 2
+on a usage error, reported in one line that names the culprit before any clause runs: a
+candidate that cannot be loaded, invalid arguments (bad JSON, unknown dtype, unknown
+clause, bad mapping, a non-positive ``--timeout``), a device that is not there, a
+``--json`` path that cannot be written, a ``--setup`` method the optimizer lacks, or a
+constructor that does not take the canonical keywords (with the ``--map`` that fits).
 
 Examples::
 
@@ -24,23 +28,59 @@ from typing import Any
 
 from offload_adamw.cli import common
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "CLAUSE_HELP"]
+
+CLAUSE_HELP = """
+
+Clauses (--dtype D sets the parameter dtype of every clause except where said):
+   1  update rule vs. the reference, step 1 and 2-6, plain, amsgrad, maximize; in float64 and in D,
+      at the precision of the candidate's state; gradients orthogonal to one weight (projections)
+   2  decoupled weight decay (wd 0 vs. wd > 0 on the same gradients), in D
+   3  decay applied to the pre-update value, in D
+   4  per-tensor step count, grad None leaves a tensor alone, in D
+   5  an explicit zero gradient is an update (vs. a tiny one), in D
+   6  lr = 0: moments absorb the gradient, theta unchanged, in D
+   7  parameter groups keep their hyperparameters; an lr change takes effect at its step, in D
+   8  state precision: float64, float32, bfloat16 and float16 parameters (whatever D), 64x64 over
+      1051 steps, each against the candidate's own widest run; state narrower than the parameter
+      (or than float32), the master copy and its round-to-nearest-even narrowing
+   9  where the state lives between steps (info; n/a without an accelerator)
+  10  state_dict round trip: bitwise continuation, dtypes kept, in D and in bfloat16
+  11  resume into another parameter order matches state by name (or refuses), in D
+  12  NaN/negative lr, eps, weight_decay, beta = 1 rejected at construction
+  13  non-finite gradients: propagate, skip or raise (judged only against a declared policy), in D
+  14  torch.amp.GradScaler's found_inf step leaves no trace, in float32 (float64 for D = fp64)
+  15  cost of one step vs. torch.optim.AdamW(fused=True) on 262,144 elements of D (info)
+
+Each clause runs in a child process with a time limit. Exit status: 0 conforming, 1 not
+(a clause fails or errs, or the update rule could not be compared), 2 usage error.
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (parser.description or "") + CLAUSE_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("candidate", help="the optimizer: 'package.module:Class' or 'path/to/file.py:Class'")
-    parser.add_argument("--dtype", default="fp32", help="parameter dtype of the checked run: fp32 (default), bf16, fp16, fp64")
+    parser.add_argument("--dtype", default="fp32", help="parameter dtype of the checked run: fp32 (default), bf16, fp16, fp64 "
+                                                        "(what it changes per clause: see above)")
     parser.add_argument("--kwargs", default=None, metavar="JSON",
                         help="fixed constructor keyword arguments, e.g. '{\"correct_bias\": true}' (or @file.json)")
     parser.add_argument("--map", dest="mapping", default=None, metavar="JSON",
                         help="canonical hyperparameter -> the candidate's name: lr, betas (one name or two), eps, "
-                             "weight_decay, amsgrad, maximize; null = no such argument. "
+                             "weight_decay, amsgrad, maximize; null = no such argument (eps null: the candidate's own eps, "
+                             "clause 1 then n/a and the check not conforming). "
                              "E.g. '{\"betas\": [\"beta1\", \"beta2\"], \"eps\": \"epsilon\"}' (or @file.json)")
     parser.add_argument("--clauses", default=None, metavar="N,N,...", help="run only these clauses (default: all 15)")
     parser.add_argument("--nonfinite", choices=("propagate", "skip", "raise"), default=None,
                         help="the declared non-finite policy clause 13 is judged against "
                              "(default: the candidate's 'nonfinite' attribute, else reported only)")
     parser.add_argument("--device", default="cpu", help="device of the parameters (default: cpu)")
+    parser.add_argument("--setup", action="append", default=[], metavar="METHOD",
+                        help="a method to call on every optimizer built, before it steps (repeatable), e.g. 'train' "
+                             "for schedule-free optimizers")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="time limit of each clause (default: 120 s); a clause that runs longer is that "
+                             "clause's error")
     common.add_json_argument(parser, what="the report", dest="json_path")
     common.add_progress_argument(parser)
 
@@ -65,9 +105,12 @@ def _json_argument(flag: str, text: str | None) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from offload_adamw.conformance.checker import CandidateLoadError, check
+    from offload_adamw.conformance.checker import DEFAULT_TIMEOUT, CandidateLoadError, UsageError, check
 
     try:
+        timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
+        if not timeout > 0:  # written so that NaN fails too
+            raise ValueError(f"--timeout: expected a positive number of seconds, got {args.timeout!r}")
         kwargs = _json_argument("--kwargs", args.kwargs)
         mapping = _json_argument("--map", args.mapping)
         clauses = None
@@ -78,9 +121,13 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--clauses: expected numbers separated by commas, got {args.clauses!r}") from None
         progress = common.progress_wanted(args)
         report = check(args.candidate, dtype=args.dtype, kwargs=kwargs, mapping=mapping, clauses=clauses,
-                       nonfinite_policy=args.nonfinite, device=args.device, progress=progress)
+                       nonfinite_policy=args.nonfinite, device=args.device, progress=progress, setup=args.setup,
+                       timeout=timeout)
     except CandidateLoadError as exc:
         print(f"offload-adamw check: cannot load the candidate: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"offload-adamw check: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"offload-adamw check: {exc}", file=sys.stderr)
@@ -88,4 +135,4 @@ def run(args: argparse.Namespace) -> int:
     if not common.json_to_stdout(args, "json_path"):
         print(report.to_table())
     common.write_json("check", report.to_json(), args.json_path)
-    return 1 if report.failed else 0
+    return 0 if report.conforming else 1

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["CLAUSES", "CandidateLoadError", "ClauseResult", "HyperMapping", "Report", "check", "load_candidate", "parse_dtype"]
+__all__ = ["CLAUSES", "CandidateLoadError", "ClauseResult", "HyperMapping", "Report", "UsageError", "check", "load_candidate",
+           "parse_dtype"]
 
 
 def __getattr__(name: str) -> Any:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         ClauseResult,
         HyperMapping,
         Report,
+        UsageError,
         check,
         load_candidate,
         parse_dtype,

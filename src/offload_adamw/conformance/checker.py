@@ -1,25 +1,39 @@
 """Check any optimizer against the AdamW contract (docs/contract.md), clause by clause.
 
-``check(factory) -> Report`` runs each clause on small tensors and reports pass, fail,
-n/a or info, with the measured deviation and what a failure does to training. The
-candidate never crashes the checker: an exception inside a clause fails that clause and
-the report shows it.
+``check(factory) -> Report`` runs each clause and reports pass, fail, error, n/a or info,
+with the measured deviation and what a failure does to training. Each clause judges one
+property only (how: :mod:`offload_adamw.conformance.clauses`), so a wrong formula fails
+clause 1 and a state kept below the contract's precision fails clause 8, and neither
+fails anything else.
 
-Clauses (how each is isolated from the others: :mod:`offload_adamw.conformance.clauses`):
+The candidate never takes the checker down and never passes by accident: each clause
+runs in a forked child process (where fork exists and CUDA is not initialized in this
+process) with a time limit (``timeout``, :data:`DEFAULT_TIMEOUT` by default); an
+exception, a hang past the limit, ``sys.exit`` or the death of the child is that
+clause's *error*. Forking costs about 0.02 s a clause; torch's lazily imported optimizer
+modules and the reference trajectories are loaded here first, so that no child repeats
+them. Before any clause, one child checks that the device is there and that the
+constructor takes the canonical keywords; otherwise :class:`UsageError` (naming the
+``mapping`` that fits the constructor's signature, where its parameter names tell).
+
+Clauses:
 
 1. the update on step 1 and later steps against :mod:`offload_adamw.reference` (bias
    correction, eps outside the square root, eps moved with the bias correction in
-   rearranged forms; amsgrad and maximize where the candidate takes them), in float64
-   when the candidate takes float64 parameters and in the checked dtype;
+   rearranged forms; amsgrad and maximize where the candidate takes them; gradients
+   orthogonal to one weight, where projections act), in float64 and in the checked
+   dtype, at the precision of the candidate's state; n/a without eps or betas, and a
+   report whose clause 1 is n/a is not conforming;
 2. decoupled weight decay versus L2 coupled into the gradient;
 3. decay applied to the pre-update value;
 4. per-tensor step counts with grad None at some step calls;
 5. an explicit zero gradient is an update;
-6. lr = 0: moments absorb the gradient, theta unchanged;
-7. parameter groups keep their own hyperparameters; LR scheduler changes are honoured;
-8. bf16 and fp16 parameters over 1051 steps (v decay over 1000 zero-gradient steps,
-   weight decay, small updates) against the candidate's own float32 run, and each run's
-   distance to the reference;
+6. lr = 0 (set in the group after construction): moments absorb the gradient, theta unchanged;
+7. parameter groups keep their own hyperparameters; an lr change takes effect at its step;
+8. state precision over 1051 steps on a 64x64 tensor, for float64, float32, bfloat16
+   and float16 parameters: state narrower than the parameter (or than float32), the
+   master copy and its round-to-nearest-even narrowing, against the candidate's own
+   widest run;
 9. where the state lives between steps (info; n/a without an accelerator);
 10. state_dict round trip into a fresh instance: bitwise continuation, state dtypes kept
     (in the checked dtype and in bfloat16);
@@ -39,30 +53,40 @@ Clauses (how each is isolated from the others: :mod:`offload_adamw.conformance.c
 Candidates: a factory ``factory(params, **hyperparameters) -> optimizer`` (a class
 works), or a string ``"package.module:Class"`` / ``"path/to/file.py:Class"``. Other
 signatures are driven through ``mapping`` (canonical name -> the candidate's name, e.g.
-``{"betas": ["beta1", "beta2"], "eps": "epsilon", "weight_decay": null}``) and fixed
-``kwargs`` (e.g. ``{"correct_bias": true}``); see
-:class:`~offload_adamw.conformance.harness.HyperMapping`. Parameters are given with their
-names where the candidate accepts ``[(name, tensor), ...]``, else as plain tensors.
+``{"betas": ["beta1", "beta2"], "eps": "epsilon", "weight_decay": null}``; ``eps: null``
+lets the candidate use its own) and fixed ``kwargs`` (e.g. ``{"correct_bias": true}``);
+see :class:`~offload_adamw.conformance.harness.HyperMapping`. ``setup`` names methods
+called on every optimizer before it steps (``["train"]`` for schedule-free ones).
+Parameters are given with their names where the candidate accepts ``[(name, tensor),
+...]``, else as plain tensors.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
+import json
+import math
+import multiprocessing
+import os
+import signal
 import sys
 import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from offload_adamw.conformance.clauses import CLAUSES, NONFINITE_POLICIES, Context
-from offload_adamw.conformance.harness import Harness, HyperMapping, NotApplicable
+from offload_adamw.conformance.clauses import CLAUSES, NONFINITE_POLICIES, Context, prepare_references
+from offload_adamw.conformance.harness import Harness, HyperMapping, NotApplicable, SetupError, hyper, random_values
 from offload_adamw.conformance.report import ClauseResult, Report
 
-__all__ = ["check", "load_candidate", "parse_dtype", "CandidateLoadError", "Report", "ClauseResult", "HyperMapping", "CLAUSES"]
+__all__ = ["check", "load_candidate", "parse_dtype", "CandidateLoadError", "UsageError", "Report", "ClauseResult", "HyperMapping",
+           "CLAUSES", "DEFAULT_TIMEOUT"]
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -136,6 +160,157 @@ def _describe_error(exc: BaseException) -> str:
     return text
 
 
+class UsageError(ValueError):
+    """The check cannot start: a device that is not there, or a candidate whose signature needs ``mapping``."""
+
+
+DEFAULT_TIMEOUT = 120.0
+"""Seconds one clause may take before it is stopped and reported as an error."""
+
+
+def _outcome(run: Callable[[], Any]) -> tuple[str, Optional[float], str]:
+    """(verdict, deviation, detail) of one clause, whatever the candidate does (except ending the process)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # candidates and schedulers warn about what the clauses do on purpose
+        try:
+            finding = run()
+            return finding.verdict, finding.deviation, finding.detail
+        except NotApplicable as exc:
+            return "n/a", None, str(exc)
+        except SystemExit as exc:
+            return "error", None, f"the candidate called sys.exit({exc.code!r})" + _where(exc)
+        except Exception as exc:
+            return "error", None, "the candidate raised: " + _describe_error(exc)
+        except BaseException as exc:  # KeyboardInterrupt raised by the candidate, GeneratorExit, ...
+            return "error", None, f"the candidate raised {type(exc).__name__}" + _where(exc)
+
+
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"\n  at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+
+
+def _child(run: Callable[[], Any], conn: Any) -> None:
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork: a second one would deadlock
+    try:
+        conn.send(run())
+    finally:
+        conn.close()
+        os._exit(0)  # no atexit handlers, no flushing of the parent's buffers a second time
+
+
+def _exit_text(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def isolated(run: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
+    """Run ``run()`` in a forked child; (True, its result) or (False, why it gave none: a timeout, an exit, a signal)."""
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_child, args=(run, sender), daemon=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    process.start()
+    sender.close()
+    try:
+        if not receiver.poll(timeout):
+            process.kill()
+            process.join()
+            return False, f"the clause did not finish within {timeout:g} s (the candidate hangs or is too slow; see --timeout)"
+        try:
+            result = receiver.recv()
+        except (EOFError, OSError):
+            process.join(5)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+            return False, f"the candidate ended the process ({_exit_text(process.exitcode)}) before the clause finished"
+        process.join(5)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+        return True, result
+    finally:
+        receiver.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _import_lazily_loaded_modules() -> None:
+    """Step torch's own AdamW once here: its first step imports modules (about 2 s) that every
+    forked child would otherwise import again."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    for options in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+        try:
+            torch.optim.AdamW([p], **options).step()
+        except Exception:  # an implementation this build lacks
+            pass
+
+
+def can_isolate(device: torch.device) -> bool:
+    """Clauses run in forked children where fork exists and CUDA is not yet initialized here (a forked child cannot use it)."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    return not (torch.cuda.is_initialized() if hasattr(torch.cuda, "is_initialized") else False)
+
+
+def _signature_hint(factory: Any, mapping: HyperMapping) -> str:
+    """The ``--map`` that fits the candidate's signature, as far as its parameter names tell ("" when they tell nothing)."""
+    try:
+        names = set(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return ""
+    spellings = {
+        "lr": ("lr", "learning_rate"),
+        "eps": ("eps", "epsilon"),
+        "weight_decay": ("weight_decay", "wd", "decay", "weight_decay_rate"),
+        "amsgrad": ("amsgrad",),
+        "maximize": ("maximize",),
+    }
+    suggestion: dict[str, Any] = dict(mapping.names)
+    for canonical, options in spellings.items():
+        if canonical in mapping.names:
+            continue
+        found = next((o for o in options if o in names), None)
+        if found is None and canonical != "lr":
+            suggestion[canonical] = None
+        elif found is not None and found != canonical:
+            suggestion[canonical] = found
+    if "betas" not in mapping.names and "betas" not in names:
+        pair = next((list(pp) for pp in (("beta1", "beta2"), ("b1", "b2"), ("beta_1", "beta_2")) if set(pp) <= names), None)
+        if pair is not None:
+            suggestion["betas"] = pair
+    if suggestion == dict(mapping.names):
+        return ""
+    return "; try --map '" + json.dumps(suggestion) + "'"
+
+
+def _preflight(harness: Harness, dtype: torch.dtype) -> dict[str, Any]:
+    """Before any clause: is the device there, and does the candidate take the canonical keywords?"""
+    try:
+        torch.empty(1, device=harness.device)
+    except Exception as exc:
+        return {"device": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+    values = hyper(lr=1e-3, weight_decay=0.01 if harness.mapping.accepts("weight_decay") else 0.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            harness.build(harness.params({"w": random_values(1, (4,), 0.5, 2.0)}, dtype), values)
+    except SetupError as exc:
+        return {"setup": str(exc)}
+    except TypeError as exc:
+        if "keyword argument" in str(exc):
+            return {"signature": str(exc).strip().splitlines()[0], "named": harness.named}
+    except BaseException:  # the clauses show the candidate's error where it matters
+        pass
+    return {"named": harness.named}
+
+
 def _name_of(factory: Any) -> str:
     module = getattr(factory, "__module__", None)
     qualname = getattr(factory, "__qualname__", None) or type(factory).__qualname__
@@ -152,11 +327,23 @@ def check(
     nonfinite_policy: Optional[str] = None,
     device: Union[str, torch.device] = "cpu",
     progress: bool = False,
+    setup: Sequence[str] = (),
+    timeout: float = DEFAULT_TIMEOUT,
+    isolate: Optional[bool] = None,
 ) -> Report:
     """Check a candidate optimizer against every clause (or ``clauses``) and return the Report.
 
-    Raises :class:`CandidateLoadError` when a spec string cannot be loaded, ValueError for
-    invalid arguments; never because of what the candidate does once loaded.
+    ``setup`` names methods called on every optimizer the checker builds, before it steps
+    (``["train"]`` for schedule-free optimizers). Each clause runs in a forked child process
+    (``isolate``; default: wherever fork exists and CUDA is not initialized in this process)
+    and is stopped after ``timeout`` seconds: a hang, a crash or ``sys.exit`` in the
+    candidate is that clause's error, never a pass. Without isolation the clauses run here,
+    with no time limit.
+
+    Raises :class:`CandidateLoadError` when a spec string cannot be loaded, :class:`UsageError`
+    when the device is not there or the candidate's signature does not take the canonical
+    keywords (the message suggests the ``mapping``), ValueError for other invalid arguments;
+    never because of what the candidate does once loaded.
     """
     name = factory if isinstance(factory, str) else _name_of(factory)
     if isinstance(factory, str):
@@ -177,25 +364,60 @@ def check(
     if wanted - known:
         raise ValueError(f"unknown clause number(s) {sorted(wanted - known)}; clauses are 1-{max(known)}")
 
-    ctx = Context(harness=Harness(factory, hyper_mapping, device=device), dtype=torch_dtype, nonfinite_policy=nonfinite_policy)
-    report = Report(candidate=name, dtype=str(torch_dtype).replace("torch.", ""), device=str(torch.device(device)))
+    if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    setup = [setup] if isinstance(setup, str) else list(setup)
+    for method in setup:
+        if not (isinstance(method, str) and method.isidentifier()):
+            raise ValueError(f"setup: {method!r} is not a method name")
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"device {device!r}: {exc}") from None
+
+    harness = Harness(factory, hyper_mapping, device=torch_device, setup=setup)
+    ctx = Context(harness=harness, dtype=torch_dtype, nonfinite_policy=nonfinite_policy)
+    use_fork = can_isolate(torch_device) if isolate is None else bool(isolate)
+    if use_fork and not can_isolate(torch_device):
+        raise ValueError("isolate=True needs fork and a process that has not initialized CUDA")
+
+    start = time.perf_counter()
+    preflight_failed = None
+    if use_fork:
+        _import_lazily_loaded_modules()
+        ran, found = isolated(lambda: _preflight(harness, torch_dtype), timeout)
+        if not ran:  # building one optimizer hangs or ends the process: every clause would, one time limit each
+            preflight_failed, found = "building one optimizer: " + found.replace("the clause", "it", 1), {}
+    else:
+        found = _preflight(harness, torch_dtype)
+    if "device" in found:
+        raise UsageError(f"device {str(torch_device)!r} is not usable here: {found['device']}")
+    if "setup" in found:
+        raise UsageError(found["setup"])
+    if "signature" in found:
+        raise UsageError(f"the candidate does not take the canonical AdamW keywords ({found['signature']})"
+                         + _signature_hint(factory, hyper_mapping))
+    if found.get("named") is not None:
+        harness.named = found["named"]
+
+    report = Report(candidate=name, dtype=str(torch_dtype).replace("torch.", ""), device=str(torch_device),
+                    timeout=timeout if use_fork else None)
     selected = [c for c in CLAUSES if c.number in wanted]
+    prepare_references([c.number for c in selected], mapping_accepts=hyper_mapping.accepts)  # computed once, inherited
     iterator: Iterable[Any] = selected
     if progress:
         from tqdm.auto import tqdm
 
         iterator = tqdm(selected, desc=f"checking {name}", unit="clause", leave=False)
-    start = time.perf_counter()
     for clause in iterator:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # candidates and schedulers warn about what the clauses do on purpose
-            try:
-                finding = clause.run(ctx)
-                verdict, deviation, detail = finding.verdict, finding.deviation, finding.detail
-            except NotApplicable as exc:
-                verdict, deviation, detail = "n/a", None, str(exc)
-            except Exception as exc:
-                verdict, deviation, detail = "fail", None, "the candidate raised: " + _describe_error(exc)
+        run = functools.partial(_outcome, functools.partial(clause.run, ctx))
+        if preflight_failed is not None:
+            verdict, deviation, detail = "error", None, preflight_failed
+        elif use_fork:
+            ran, outcome = isolated(run, timeout)
+            verdict, deviation, detail = outcome if ran else ("error", None, outcome)
+        else:
+            verdict, deviation, detail = run()
         report.results.append(ClauseResult(number=clause.number, name=clause.name, verdict=verdict,
                                            deviation=deviation, consequence=clause.consequence, detail=detail))
     report.seconds = time.perf_counter() - start

@@ -39,6 +39,11 @@ __all__ = [
     "snap",
     "random_values",
     "hyper",
+    "state_dtypes",
+    "moment_dtypes",
+    "state_tensors",
+    "save_bytes",
+    "load_bytes",
 ]
 
 Grads = Mapping[str, Optional[Tensor]]
@@ -48,9 +53,16 @@ class NotApplicable(Exception):
     """Raised inside a clause when the candidate cannot be asked the clause's question."""
 
 
+class SetupError(AttributeError):
+    """A set-up method named by the caller does not exist on the candidate's optimizer."""
+
+
 CANONICAL_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 # Values that may be left out when the candidate has no such argument (mapped to None).
 NEUTRAL = {"weight_decay": 0.0, "amsgrad": False, "maximize": False}
+# Left out whatever their value when mapped to None: the candidate uses its own (clauses whose
+# question depends on the exact value ask ``accepts`` first).
+OWN_VALUE = ("eps",)
 # Flags passed only when switched on, so that candidates without them need no mapping.
 FLAGS = ("amsgrad", "maximize")
 
@@ -90,7 +102,7 @@ class HyperMapping:
                 continue
             target = self.names.get(key, key)
             if target is None:
-                if NEUTRAL.get(key, object()) == value:
+                if key in OWN_VALUE or NEUTRAL.get(key, object()) == value:
                     continue
                 raise NotApplicable(f"the candidate has no {key} argument (mapped to null)")
             if isinstance(target, (list, tuple)):
@@ -178,10 +190,12 @@ def compare(actual: Tensor, expected: Tensor, tol: Tolerance) -> tuple[bool, flo
 class Harness:
     """Builds, steps and observes optimizers made by one candidate factory."""
 
-    def __init__(self, factory: Callable[..., Any], mapping: HyperMapping, *, device: str | torch.device = "cpu"):
+    def __init__(self, factory: Callable[..., Any], mapping: HyperMapping, *, device: str | torch.device = "cpu",
+                 setup: Sequence[str] = ()):
         self.factory = factory
         self.mapping = mapping
         self.device = torch.device(device)
+        self.setup = tuple(setup)
         self.named: Optional[bool] = None  # decided by the first successful construction
 
     # -- construction
@@ -209,7 +223,7 @@ class Harness:
             return out
 
         if self.named is False:
-            return self.factory(argument(False), **kwargs)
+            return self.prepare(self.factory(argument(False), **kwargs))
         try:
             opt = self.factory(argument(True), **kwargs)
         except Exception:
@@ -217,8 +231,17 @@ class Harness:
                 raise
             opt = self.factory(argument(False), **kwargs)  # the plain-tensor error, if any, is the one shown
             self.named = False
-            return opt
+            return self.prepare(opt)
         self.named = True
+        return self.prepare(opt)
+
+    def prepare(self, opt: Any) -> Any:
+        """Call the candidate's set-up methods (``setup``, e.g. ``train`` for schedule-free optimizers)."""
+        for name in self.setup:
+            method = getattr(opt, name, None)
+            if not callable(method):
+                raise SetupError(f"setup {name!r}: the candidate's optimizer has no method {name!r}")
+            method()
         return opt
 
     # -- stepping
@@ -275,35 +298,103 @@ class Harness:
         return {name: self.observe(opt, p) for name, p in params.items()}
 
     def observed_dtype(self, opt: Any, params: Mapping[str, Tensor]) -> torch.dtype:
-        """The narrowest dtype among the observed tensors (the tolerance follows it)."""
-        order = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+        """The narrowest dtype among the observed tensors and the parameter-sized state (the tolerance follows it).
+
+        A formula clause compares at the precision the candidate computes in: float32 moments
+        on float64 parameters give float32 roundings, which are the precision clause's finding,
+        not a wrong formula. Integer (quantized) state counts as bfloat16.
+        """
         dtypes = []
         for p in params.values():
             m = self.master(opt, p)
             dtypes.append((p if m is None else m).dtype)
-        return min(dtypes, key=lambda d: order.index(d) if d in order else 2)
+            dtypes.extend(d if d.is_floating_point else torch.bfloat16 for d in moment_dtypes(opt, p).values())
+        return narrowest(dtypes)
 
     # -- lr
 
     def set_lr(self, opt: Any, lr: float, group: Optional[int] = None) -> None:
+        """Write ``lr`` into the param groups; a tensor lr is filled in place (it stays a tensor)."""
         key = self.mapping.lr_key()
         groups = opt.param_groups if group is None else [opt.param_groups[group]]
         for g in groups:
-            g[key] = lr
+            if isinstance(g.get(key), Tensor):
+                g[key].fill_(lr)
+            else:
+                g[key] = lr
+
+
+def save_bytes(state_dict: Any) -> bytes:
+    """A state_dict serialized by torch.save (what a checkpoint holds)."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    return buffer.getvalue()
+
+
+def load_bytes(data: bytes) -> Any:
+    """A fresh state_dict from :func:`save_bytes` output: every load gets tensors of its own.
+
+    torch's ``load_state_dict`` keeps tensors of matching dtype and device as they are, so
+    two optimizers loaded from one state_dict object would share m, v and step.
+    """
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def save_and_load(state_dict: Any) -> Any:
     """A state_dict after a trip through torch.save/torch.load (what a checkpoint does to it)."""
-    buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
+    return load_bytes(save_bytes(state_dict))
+
+
+_FLOAT_ORDER = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def narrowest(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The narrowest floating dtype (float16 < bfloat16 < float32 < float64); others count as float32."""
+    return min(dtypes, key=lambda d: _FLOAT_ORDER.index(d) if d in _FLOAT_ORDER else 2)
+
+
+def dtype_bits(dtype: torch.dtype) -> int:
+    """Bits of precision a state dtype keeps per element (its mantissa for floats, its width for integers)."""
+    if dtype.is_floating_point:
+        return round(-math.log2(torch.finfo(dtype).eps)) + 1
+    return torch.iinfo(dtype).bits if dtype != torch.bool else 1
+
+
+def state_tensors(entry: Any, prefix: str = "", depth: int = 0) -> dict[str, Tensor]:
+    """Every tensor in one parameter's state, found inside nested dicts, lists, tuples and objects."""
+    out: dict[str, Tensor] = {}
+    if depth > 5:
+        return out
+    if isinstance(entry, Tensor):
+        out[prefix or "<state>"] = entry
+    elif isinstance(entry, Mapping):
+        for k, v in entry.items():
+            out.update(state_tensors(v, f"{prefix}.{k}" if prefix else str(k), depth + 1))
+    elif isinstance(entry, (list, tuple)):
+        for i, v in enumerate(entry):
+            out.update(state_tensors(v, f"{prefix}[{i}]", depth + 1))
+    elif hasattr(entry, "__dict__") and not callable(entry):
+        for k, v in vars(entry).items():
+            out.update(state_tensors(v, f"{prefix}.{k}" if prefix else k, depth + 1))
+    return out
+
+
+def _state_entry(opt: Any, p: Tensor) -> Any:
+    state = getattr(opt, "state", None)
+    try:
+        return state.get(p, {}) if state is not None else {}
+    except Exception:
+        return {}
 
 
 def state_dtypes(opt: Any, params: Mapping[str, Tensor]) -> dict[str, dict[str, torch.dtype]]:
-    """name -> {state key -> dtype} for the tensor entries of each parameter's state."""
-    out: dict[str, dict[str, torch.dtype]] = {}
-    for name, p in params.items():
-        entry = opt.state.get(p, {}) if hasattr(opt, "state") else {}
-        out[name] = {k: v.dtype for k, v in entry.items() if isinstance(v, Tensor)}
-    return out
+    """name -> {state key (dotted for nested containers) -> dtype} for the tensors of each parameter's state."""
+    return {name: {k: v.dtype for k, v in state_tensors(_state_entry(opt, p)).items()} for name, p in params.items()}
+
+
+def moment_dtypes(opt: Any, p: Tensor) -> dict[str, torch.dtype]:
+    """key -> dtype of the parameter-sized state tensors of ``p`` (moments, master; quantized codes at least half
+    its size), leaving out scalars such as the step count and per-block scales."""
+    size = p.numel()
+    return {k: v.dtype for k, v in state_tensors(_state_entry(opt, p)).items()
+            if size > 1 and v.numel() * 2 >= size and v.numel() > 1 and v.dtype != torch.bool}  # a mask is no moment

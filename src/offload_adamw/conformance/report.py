@@ -1,12 +1,17 @@
 """The result of a conformance check: one verdict per clause, as a table and as JSON.
 
 Contract: a :class:`Report` holds one :class:`ClauseResult` per clause run, in clause
-order. ``verdict`` is one of ``pass``, ``fail``, ``n/a`` (the question cannot be asked
-of this candidate here) and ``info`` (reported, never judged). ``deviation`` is the
-measured distance that decided the verdict (relative, see each clause), or None where
-the clause measures no distance. ``to_json()`` holds only JSON types: a non-finite deviation is
-``null`` there and its path is listed under ``"nonfinite"`` (:func:`offload_adamw._output.finite_json`).
-``to_table()`` fits the terminal's width (``COLUMNS``).
+order. ``verdict`` is one of ``pass``, ``fail`` (the property was measured and is broken),
+``error`` (the candidate raised, hung past the time limit, or ended the process: the
+property could not be measured, which never counts as a pass), ``n/a`` (the property
+cannot apply to this candidate) and ``info`` (reported, never judged). ``deviation`` is
+the measured distance that decided the verdict (relative, see each clause), or None
+where the clause measures no distance. A report is *conforming* when no clause fails or
+errs and the update rule (clause 1), where it was run, passed: a candidate whose update
+rule cannot be compared (no eps, no betas) is not shown to be AdamW. ``to_json()`` holds
+only JSON types, with ``schema_version`` 1: a non-finite deviation is ``null`` there and its path
+is listed under ``"nonfinite"`` (:func:`offload_adamw._output.finite_json`). ``to_table()`` fits the
+terminal's width (``COLUMNS``).
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from typing import Any, Optional
 
 from offload_adamw._output import finite_json, render_table, terminal_width
 
-__all__ = ["VERDICTS", "ClauseResult", "Report"]
+__all__ = ["VERDICTS", "SCHEMA_VERSION", "ClauseResult", "Report"]
 
-VERDICTS = ("pass", "fail", "n/a", "info")
+VERDICTS = ("pass", "fail", "error", "n/a", "info")
+SCHEMA_VERSION = 1
+UPDATE_RULE_CLAUSE = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +39,7 @@ class ClauseResult:
     name: str
     """What the clause checks, in a few words."""
     verdict: str
-    """``pass``, ``fail``, ``n/a`` or ``info``."""
+    """``pass``, ``fail``, ``error``, ``n/a`` or ``info``."""
     deviation: Optional[float]
     """The measured deviation that decided the verdict (None when nothing is measured)."""
     consequence: str
@@ -67,10 +74,26 @@ class Report:
     """One result per clause run, in clause order."""
     seconds: float = 0.0
     """Wall time of the whole check."""
+    timeout: Optional[float] = None
+    """The time limit of each clause in seconds (None: the clauses ran in this process, unlimited)."""
 
     @property
     def failed(self) -> list[ClauseResult]:
-        return [r for r in self.results if r.verdict == "fail"]
+        """Clauses that fail or err (the candidate raised, hung or exited)."""
+        return [r for r in self.results if r.verdict in ("fail", "error")]
+
+    @property
+    def unproven(self) -> Optional[str]:
+        """Why a report without failures still does not show AdamW (None when it does, or when nothing failed to show it)."""
+        for r in self.results:
+            if r.number == UPDATE_RULE_CLAUSE and r.verdict == "n/a":
+                first_line = r.detail.splitlines()[0] if r.detail else ""
+                return f"the update rule (clause {UPDATE_RULE_CLAUSE}) could not be compared with AdamW's: {first_line}"
+        return None
+
+    @property
+    def conforming(self) -> bool:
+        return not self.failed and self.unproven is None
 
     def result(self, number: int) -> ClauseResult:
         for r in self.results:
@@ -80,10 +103,14 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         return finite_json({
+            "schema_version": SCHEMA_VERSION,
             "candidate": self.candidate,
             "dtype": self.dtype,
             "device": self.device,
             "seconds": round(self.seconds, 3),
+            "timeout": self.timeout,
+            "conforming": self.conforming,
+            "unproven": self.unproven,
             "failed": [r.number for r in self.failed],
             "results": [asdict(r) for r in self.results],
         })
@@ -91,7 +118,7 @@ class Report:
     def to_table(self, width: Optional[int] = None) -> str:
         """A terminal table (clause, verdict, deviation, consequence), then the details."""
         width = width or terminal_width()
-        rows = [[str(r.number), r.name, r.verdict.upper() if r.verdict == "fail" else r.verdict,
+        rows = [[str(r.number), r.name, r.verdict.upper() if r.verdict in ("fail", "error") else r.verdict,
                  _format_deviation(r.deviation), r.consequence] for r in self.results]
         lines = [f"conformance of {self.candidate} to the AdamW contract ({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)",
                  "the section of the contract each clause checks: docs/contract.md, section Checker clauses", ""]
@@ -100,6 +127,8 @@ class Report:
         lines.append("")
         verdicts = {v: sum(r.verdict == v for r in self.results) for v in VERDICTS}
         lines.append("  ".join(f"{n} {v}" for v, n in verdicts.items()))
+        if self.unproven:
+            lines.append(f"not shown to be AdamW: {self.unproven}")
         lines.append("")
         for r in self.results:
             lines.append(f"[{r.number}] {r.name}: {r.verdict}")

@@ -12,19 +12,17 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
   nothing of parameter groups, devices or transfers. The optimizer class calls
   them; a faster body can replace ``_blocked_impl`` without touching it.
 
-Three implementations, picked by :func:`adamw_update_`'s ``impl`` flag (the way
+Two implementations, picked by :func:`adamw_update_`'s ``impl`` flag (the way
 torch/optim/adam.py dispatches):
 
 * ``"blocked"`` (default): torch's fused CPU AdamW arithmetic. Bitwise equal to
   ``torch.optim.AdamW(fused=True)`` on float32 masters (the parity definition of
   the project), and for low-precision models bitwise equal to that optimizer run
   on float32 copies fed the upcast gradients, followed by a round-to-nearest cast.
-  The mixed case runs cache-blocked in one memory pass (``kernel_blocked.py``):
-  the same arithmetic, hence the same bits, chunk by chunk (128 Ki-element
-  chunks, a TorchScript chunk loop per worker thread where TorchScript works).
-* ``"compiled"`` (opt-in): ``"blocked"`` with large mixed tensors in one loop compiled
-  by torch.compile (``kernel_compiled.py``): the same bits, checked by a self-test
-  before first use; needs a C++ compiler at run time, else ``"blocked"`` runs.
+  The mixed case runs in one memory pass (``blocked.py``): one loop compiled by
+  numba with the casts inside it (``numba_loop.py``, self-tested before use), and
+  the chunk loop (TorchScript, 128 Ki-element chunks) for the rest and wherever
+  numba is unavailable: the same arithmetic, hence the same bits.
 * ``"for_loop"``: a readable per-tensor loop that spells out the contract, with
   the operation order of torch's single-tensor AdamW (``fused=False,
   foreach=False``), bitwise equal to it. It is the ground truth the fast path is
@@ -39,7 +37,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_
+from offload_adamw.kernels.blocked import blocked_adamw_
 
 __all__ = ["StepHyper", "adamw_update_", "IMPLEMENTATIONS"]
 
@@ -124,22 +122,12 @@ def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
 
 def _blocked_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
     # float32/float64 tensors without casts: torch's fused op over the whole list, exactly
-    # as torch.optim.AdamW(fused=True). Mixed-dtype tensors: the same op chunk by chunk,
-    # with the widening of the gradient and the narrowing into the model dtype done while
-    # the chunk is in cache (kernel_blocked.py; bitwise the same results, one memory pass).
+    # as torch.optim.AdamW(fused=True). Mixed-dtype tensors: the same arithmetic in one
+    # memory pass (blocked.py: the numba loop, the chunk loop for the rest).
     blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp)
 
 
-_COMPILED = BlockConfig(compiled=True)
-
-
-def _compiled_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
-    # The fused path with large mixed tensors in the loop compiled by torch.compile
-    # (kernel_compiled.py): the same bits, self-checked; falls back to the blocked loop.
-    blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, config=_COMPILED)
-
-
-IMPLEMENTATIONS = {"blocked": _blocked_impl, "compiled": _compiled_impl, "for_loop": _for_loop_impl}
+IMPLEMENTATIONS = {"blocked": _blocked_impl, "for_loop": _for_loop_impl}
 
 
 def adamw_update_(

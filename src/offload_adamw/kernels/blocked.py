@@ -1,4 +1,4 @@
-"""The cache-blocked host AdamW step: one pass over memory per element.
+"""The mixed-precision host AdamW step: one pass over memory per element.
 
 Contract:
 
@@ -7,15 +7,22 @@ Contract:
   on the float32 (float64) masters fed the exactly widened gradients, then the
   round-to-nearest cast into the model dtype. Results are bitwise equal to that
   definition; only the order in which memory is visited changes.
-* For a tensor whose gradient or model copy has another dtype than its master
-  (the mixed bf16/fp16 case) the tensor is processed in chunks of
-  ``chunk_elements`` elements: the gradient chunk is widened into a reusable
-  float32 buffer, the fused op runs on chunk views of master/m/v, and the
-  chunk of the model copy is written, all while the chunk is still in cache.
-  The naive way (widen the whole gradient, step, narrow the whole master) reads
-  and writes every array a second time and allocates a full-size temporary.
+* Tensors without a cast (float32 or float64 gradient and master, no model
+  copy) go to torch's fused op unchanged, one call per dtype.
+* A contiguous mixed tensor (bf16/fp16 gradient or model copy, float32 master)
+  is updated up to its last multiple of 64 elements by the numba loop
+  (numba_loop.py, the default: casts and update in one loop, self-tested bit for
+  bit before first use). The rest of it, and every mixed tensor that loop
+  declines (numba missing, a failed self-test, float64 masters), goes through
+  the chunk loop, the portable fallback: in chunks of ``chunk_elements``
+  elements the gradient chunk is widened into a reusable float32 buffer, the
+  fused op runs on chunk views of master/m/v, and the chunk of the model copy is
+  written, all while the chunk is still in cache. The naive way (widen the whole
+  gradient, step, narrow the whole master) reads and writes every array a second
+  time and allocates a full-size temporary.
 * No temporary larger than one chunk per worker thread; buffers are cached per
-  (thread, dtype) and reused across calls.
+  (thread, dtype) and reused across calls. Both loops run on the same worker
+  threads, ``torch.get_num_threads()`` of them (read at each call).
 
 Why chunk boundaries are multiples of 64 elements: torch's fused CPU kernel
 splits each call into cache-line units (16 float32 or 8 float64 elements) over
@@ -31,8 +38,8 @@ bias corrections), so it is incremented once per tensor before the first chunk
 and every chunk of that tensor sees the same count.
 
 Threading and the chunk loop: by default ``torch.get_num_threads()`` Python
-worker threads each take batches of consecutive chunks from a shared queue and
-run torch single-threaded in them. Each batch runs through one call of
+worker threads each take jobs (batches of the numba loop, then batches of
+consecutive chunks) from a shared queue and run torch single-threaded in them. Each batch runs through one call of
 :func:`_chunk_loop`, compiled once per process with TorchScript, whose
 interpreter holds no GIL: the two workers never wait for each other between a
 chunk's three operations. Run as Python, every operation releases and retakes
@@ -43,7 +50,7 @@ deprecated upstream, so any failure falls back to the same loop in Python
 (:func:`chunk_loop_status` says which runs, why, and the one-off compile time:
 0.04 to 0.07 s measured).
 
-Measured on a quiet 2-core Ice Lake Xeon VM (AVX-512, no avx512_bf16),
+Measured for the chunk loop on a quiet 2-core Ice Lake Xeon VM (AVX-512, no avx512_bf16),
 64 Mi bf16 elements in a transformer's shapes, medians of 7 to 11 interleaved
 steps, an in-place triad over the same arrays at 20.6 to 23 ms:
 
@@ -76,6 +83,7 @@ setting is restored right after.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -87,7 +95,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from offload_adamw.kernels import compiled as kernel_compiled
+from offload_adamw.kernels import numba_loop
 
 __all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 
@@ -118,15 +126,11 @@ class BlockConfig:
     """-1: as many Python worker threads as ``torch.get_num_threads()`` (read at each call),
     each running whole chunks with torch single-threaded; 0: no workers, torch's intra-op
     threads split each chunk's three operations; N >= 1: N Python worker threads."""
-    compiled: bool = False
-    """Opt-in: run mixed tensors of at least ``compiled_min_elements`` elements through the
-    single loop compiled by torch.compile (kernel_compiled.py): the same bits, checked by a
-    self-test before first use, one pass over memory without the casts' extra cache traffic.
-    Needs a C++ compiler at run time; where it is unavailable this kernel runs instead."""
-    compiled_min_elements: int = kernel_compiled.DEFAULT_MIN_ELEMENTS
-    """Smaller tensors stay on the chunk loop: a compiled call has a fixed cost of about
-    0.1 ms (measured per tensor, the two break even between 512 Ki and 1 Mi elements;
-    kernel_compiled.py)."""
+    numba_loop: bool = True
+    """Run the first ``n - n % 64`` elements of each mixed tensor through the one loop compiled
+    by numba (numba_loop.py): the same bits, checked by a self-test before first use, one pass
+    over memory with the casts inside the loop. Where numba is missing or a variant fails its
+    self-test, the chunk loop runs instead (one warning); False: always the chunk loop."""
 
 
 DEFAULT_CONFIG = BlockConfig()
@@ -304,20 +308,19 @@ def chunk_loop_status() -> dict:
     }
 
 
-_pool: Optional[ThreadPoolExecutor] = None
-_pool_size = 0
+_pools: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
-def _forget_pool_after_fork() -> None:
-    # A forked child (e.g. a DataLoader worker) inherits the pool object but not its
-    # threads: submitting to it would wait forever. The child builds its own on demand.
-    global _pool, _pool_size, _pool_lock
-    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+def _forget_pools_after_fork() -> None:
+    # A forked child (e.g. a DataLoader worker) inherits the pool objects but not their
+    # threads: submitting to one would wait forever. The child builds its own on demand.
+    global _pools, _pool_lock
+    _pools, _pool_lock = {}, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+    os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
 def _single_threaded_worker_init() -> None:
@@ -327,24 +330,24 @@ def _single_threaded_worker_init() -> None:
 
 
 def _get_pool(size: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+    """The pool of ``size`` workers, made once per size and kept: two optimizers stepping from two
+    threads under different thread counts never shut down a pool the other is using."""
     with _pool_lock:
-        if _pool is None or _pool_size != size:
-            if _pool is not None:
-                _pool.shutdown(wait=True)
+        pool = _pools.get(size)
+        if pool is None:
             before = torch.get_num_threads()
-            _pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="offload-adamw")
-            _pool_size = size
+            pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="offload-adamw")
             barrier = threading.Barrier(size)
 
             def init():
                 _single_threaded_worker_init()
                 barrier.wait()  # every worker runs init exactly once
 
-            for f in [_pool.submit(init) for _ in range(size)]:
+            for f in [pool.submit(init) for _ in range(size)]:
                 f.result()
             torch.set_num_threads(before)  # workers keep 1, the process keeps its setting
-        return _pool
+            _pools[size] = pool
+        return pool
 
 
 def blocked_adamw_(
@@ -410,19 +413,26 @@ def blocked_adamw_(
 
     if not blocked:
         return
-    # Opt-in compiled loop: it updates each large tensor up to a multiple of 64 elements
-    # and says where it stopped; the chunk loop below does the rest (the same bits).
+    threads = torch.get_num_threads() if config.threads < 0 else config.threads
+    # The numba loop updates each tensor up to a multiple of 64 elements and says where it
+    # stopped; the chunk loop below does the rest (the same bits) and whatever it declines.
     start_at: dict[int, int] = {}
-    if config.compiled:
-        start_at = kernel_compiled.compiled_adamw_(
-            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked,
-            min_elements=config.compiled_min_elements,
+    jobs: list = []
+    if config.numba_loop:
+        start_at, jobs = numba_loop.plan(
+            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked, workers=threads,
         )
         blocked = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]
-        if not blocked:
-            return
+        # The loop writes through raw addresses: tell autograd, as an in-place torch op would, so that
+        # a graph that saved a parameter before the step refuses to run backward on the new values.
+        written = [t for i in start_at for t in (masters[i], exp_avgs[i], exp_avg_sqs[i],
+                                                   max_exp_avg_sqs[i] if hp.amsgrad else None,
+                                                   model_params[i] if model_params is not None else None)
+                   if t is not None]
+        if written:
+            torch.autograd.graph.increment_version(written)
     if isinstance(hp.lr, Tensor):
-        # The compiled loop takes a float lr; a tensor lr keeps the Python loop, which passes
+        # TorchScript's loop takes a float lr; a tensor lr keeps the Python loop, which passes
         # it to the fused op unchanged (torch's own overload for it).
         loop, lr = _chunk_loop, hp.lr
     else:
@@ -452,28 +462,30 @@ def blocked_adamw_(
         buffer = _chunk_buffer(dtype, chunk)
         loop(*flat, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
 
-    threads = torch.get_num_threads() if config.threads < 0 else config.threads
     if threads == 0 or (threads == 1 and torch.get_num_threads() == 1):
+        for job in jobs:
+            job()
         for dtype, work in by_dtype.items():
             run(dtype, work)
         return
 
-    # Workers pull batches of consecutive chunks from one shared iterator (next() on a
-    # list iterator is atomic under the GIL), so a worker that the OS deschedules simply
-    # does fewer batches; a few batches per worker keep that balance while each loop
-    # call covers many chunks.
-    batches = []
+    # Workers pull jobs (numba batches first, then batches of consecutive chunks) from one
+    # shared iterator (next() on a list iterator is atomic under the GIL), so a worker that
+    # the OS deschedules simply does fewer of them; a few batches per worker keep that
+    # balance while each loop call covers many chunks.
     for dtype, work in by_dtype.items():
         size = max(1, min(_MAX_BATCH_CHUNKS, len(work) // (_BATCHES_PER_WORKER * threads)))
-        batches.extend((dtype, work[k : k + size]) for k in range(0, len(work), size))
-    pending = iter(batches)
+        jobs.extend(functools.partial(run, dtype, work[k : k + size]) for k in range(0, len(work), size))
+    if not jobs:
+        return
+    pending = iter(jobs)
 
     def drain():
-        for dtype, batch in pending:
-            run(dtype, batch)
+        for job in pending:
+            job()
 
     pool = _get_pool(threads)
-    for f in [pool.submit(drain) for _ in range(min(threads, len(batches)))]:
+    for f in [pool.submit(drain) for _ in range(min(threads, len(jobs)))]:
         f.result()
 
 

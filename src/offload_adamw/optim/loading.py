@@ -3,8 +3,11 @@
 Contract (docs/contract.md#resume):
 
 * Saved states are matched to parameters by name when both sides carry ``param_names`` (else by
-  position, as torch does). Every mismatch (missing, unexpected, wrong group, wrong shape, a state
-  without its moments) is collected into one :class:`StateDictMismatch` that names each parameter.
+  position, as torch does). Names are compared in canonical form, the wrappers' prefixes removed as
+  torch.distributed.checkpoint removes them (:func:`canonical_name`), so that a state moves between a
+  model and the same model wrapped by DDP, torch.compile, activation checkpointing or FSDP. Every
+  mismatch (missing, unexpected, wrong group, wrong shape, a state without its moments) is collected
+  into one :class:`StateDictMismatch` that names each parameter.
 * :func:`prepare_load` computes the new groups and states without touching the optimizer or the
   parameters; the optimizer commits them only when nothing was found wrong.
 * Moments and masters land in host memory in float32 (float64 for float64 parameters), also for
@@ -32,7 +35,30 @@ from offload_adamw.contract.rules import MASTER_KEY, MOMENT_KEYS, check_hyperpar
 from offload_adamw.distributed import local_shard_of, local_tensor
 from offload_adamw.optim import state as host_state
 
-__all__ = ["StateDictMismatch", "prepare_load"]
+__all__ = ["StateDictMismatch", "canonical_name", "prepare_load"]
+
+#: Module names that wrappers insert into parameter names: torch.compile, activation checkpointing, FSDP.
+_WRAPPER_COMPONENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without wrapper prefixes: DDP's leading ``module.`` and every wrapper component.
+
+    ``module._orig_mod.layers.0._checkpoint_wrapped_module.weight`` -> ``layers.0.weight``. A leading
+    ``module.`` is removed only at the root, where DDP puts it (a submodule may be called "module").
+    """
+    parts = name.split(".")
+    while parts and parts[0] in ("module", *_WRAPPER_COMPONENTS) and len(parts) > 1:
+        parts = parts[1:]
+    return ".".join(p for p in parts if p not in _WRAPPER_COMPONENTS)
+
+
+def _canonical(names: list[str]) -> dict[str, str]:
+    """name -> canonical name, or the identity where two names would become one (then names match exactly)."""
+    mapped = {n: canonical_name(n) for n in names}
+    if len(set(mapped.values())) != len(mapped):
+        return {n: n for n in names}
+    return mapped
 
 
 class StateDictMismatch(ValueError):
@@ -61,25 +87,30 @@ def _match_params(target: LoadTarget, saved_groups: list[dict[str, Any]], proble
         return mapping
     by_name = all("param_names" in g for g in saved_groups) and all("param_names" in g for g in own_groups)
     if by_name:
+        saved_canon = _canonical([n for g in saved_groups for n in g["param_names"]])
+        own_canon = _canonical([n for g in own_groups for n in g["param_names"]])
         saved_where: dict[str, tuple[int, Any]] = {}
+        saved_label: dict[str, str] = {}
         for gi, g in enumerate(saved_groups):
             for name, pid in zip(g["param_names"], g["params"]):
-                saved_where[name] = (gi, pid)
+                saved_where[saved_canon[name]] = (gi, pid)
+                saved_label[saved_canon[name]] = name
         own_names: set[str] = set()
         for gi, group in enumerate(own_groups):
-            for index, (name, p) in enumerate(zip(group["param_names"], group["params"])):
+            for index, (own_name, p) in enumerate(zip(group["param_names"], group["params"])):
+                name = own_canon[own_name]
                 own_names.add(name)
                 if name not in saved_where:
-                    problems.append(f"parameter {name!r} (group {gi}) is missing from the state_dict")
+                    problems.append(f"parameter {own_name!r} (group {gi}) is missing from the state_dict")
                     continue
                 saved_gi, pid = saved_where[name]
                 if saved_gi != gi:
-                    problems.append(f"parameter {name!r} is in group {saved_gi} of the state_dict but in group {gi} here")
+                    problems.append(f"parameter {own_name!r} is in group {saved_gi} of the state_dict but in group {gi} here")
                     continue
                 mapping[pid] = (p, gi, index)
         for name in saved_where:
             if name not in own_names:
-                problems.append(f"unexpected parameter {name!r} in the state_dict (not in this optimizer)")
+                problems.append(f"unexpected parameter {saved_label[name]!r} in the state_dict (not in this optimizer)")
         return mapping
     for gi, (g, group) in enumerate(zip(saved_groups, own_groups)):
         if len(g["params"]) != len(group["params"]):

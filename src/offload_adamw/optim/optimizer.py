@@ -20,12 +20,15 @@ Contract (docs/contract.md):
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
+from offload_adamw.accel import ddp as _ddp
 from offload_adamw.accel.amp import HostGradientHolder
 from offload_adamw.accel.clipping import clip_grad_norm_ as _clip_grad_norm_
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
@@ -72,23 +75,30 @@ class OffloadAdamW(torch.optim.Optimizer):
       one extra read of the gradients.
     * ``offload_gradients`` (default False): free each device gradient right
       after backward's hook has started its copy to host memory; accumulation
-      over micro-batches then happens in host memory. ``p.grad`` stays None: use
-      ``gradient(p)``, ``clip_grad_norm_`` and :class:`OffloadGradScaler`.
+      over micro-batches then happens in host memory. ``p.grad`` is then a
+      storage-less stand-in of the host gradient (accel/freed.py): torch's
+      ``clip_grad_norm_``, ``GradScaler`` and ``model.zero_grad()`` act on the host
+      gradient through it, anything else is refused; ``gradient(p)`` reads it.
     * ``transfer_pipeline`` (default: on when a parameter lives on an
-      accelerator, or with ``offload_gradients``; never for DTensor parameters):
+      accelerator, or with ``offload_gradients``; for DTensor (FSDP2) parameters only when asked, with
+      kept gradients: FSDP2 calls the hooks of each shard after its reduce-scatter):
       gradients go to exactly-sized pinned host buffers during backward, the step
       runs bucket by bucket (``bucket_bytes`` of gradient each) and parameters
       return non-blocking (accel/pipeline.py). ``True`` with CPU parameters runs the
       same pipeline with the CPU as device. With the pipeline the state is not
       pinned unless ``pin_memory=True``: the pipeline's buffers carry the transfers.
-    * ``compiled_kernel`` (default False): update large mixed-precision tensors
-      (bf16/fp16 parameters or gradients, float32 masters) in one loop compiled by
-      torch.compile (kernels/compiled.py), 1.1 to 1.5x faster than the default
-      blocked kernel here (the benchmark in the README). The same bits: each
-      compiled variant is checked against torch's fused op before its first use.
-      Needs a C++ compiler; the first step compiles (a few seconds per variant,
-      cached on disk by torch); where anything fails the default kernel runs,
-      after one warning.
+    * ``compiled_kernel``: deprecated and without effect (accepted with a
+      DeprecationWarning): the default host step is the one loop it used to
+      opt into, now compiled by numba without a C++ compiler (kernels/numba_loop.py).
+    * ``max_grad_norm`` (default None): clip the gradients to this total 2-norm
+      inside ``step``, before the update (like DeepSpeed's ``gradient_clipping``),
+      with torch's ``clip_grad_norm_`` arithmetic over the gradients in this
+      optimizer's order; ``last_grad_norm`` holds the norm before clipping. With
+      GradScaler, unscale first (``scaler.unscale_(opt)``).
+
+    Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
+    before the first backward (the pipeline then receives the reduced gradients
+    from DDP's communication hook).
     """
 
     def __init__(
@@ -111,6 +121,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         transfer_pipeline: Optional[bool] = None,
         bucket_bytes: int = 32 << 20,
         compiled_kernel: bool = False,
+        max_grad_norm: Optional[float] = None,
         update_in_backward: bool = False,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
@@ -144,12 +155,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         if differentiable:
             raise ValueError("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
 
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: Optional[Tensor] = None
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self.compiled_kernel = bool(compiled_kernel)
+        if compiled_kernel:
+            warnings.warn(
+                "OffloadAdamW(compiled_kernel=True) is deprecated and has no effect: the default host step "
+                "is the single loop it used to opt into (compiled by numba, no C++ compiler needed)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -167,6 +188,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
         self._pipeline: Optional[GradientPipeline] = None
+        if update_in_backward and max_grad_norm is not None:
+            raise ValueError(
+                "update_in_backward=True cannot clip (max_grad_norm): the global gradient norm is known only after "
+                "backward, when the updates have already run; use update_in_backward=False to clip"
+            )
         if update_in_backward and nonfinite != "propagate":
             raise ValueError(
                 f"update_in_backward=True needs nonfinite='propagate' (got {nonfinite!r}): skipping or raising for a "
@@ -244,12 +270,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         if update_in_backward and transfer_pipeline is None:
             transfer_pipeline = True
         if transfer_pipeline is None:
-            transfer_pipeline = offload_gradients or any(p.device.type != "cpu" for p in params)
+            # Meta parameters hold no data and say nothing about where they will live: they do not switch it on.
+            transfer_pipeline = offload_gradients or any(p.device.type not in ("cpu", "meta") for p in params)
             transfer_pipeline = transfer_pipeline and not sharded
         if offload_gradients and not transfer_pipeline:
             raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
-        if transfer_pipeline and sharded:
-            raise ValueError("the transfer pipeline does not handle DTensor (FSDP2) parameters; FSDP2 owns their gradients")
+        if offload_gradients and sharded:
+            raise ValueError(
+                "offload_gradients=True does not take DTensor (FSDP2) parameters: clipping must see every rank's "
+                "shard of the gradients, which FSDP2 keeps on the device; use offload_gradients=False "
+                "(transfer_pipeline=True then copies each reduced shard to the host as FSDP2 produces it)"
+            )
         if not transfer_pipeline:
             return
         if pin_memory is None:
@@ -325,6 +356,19 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._pipeline.zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
+    def attach(self, model: torch.nn.Module) -> None:
+        """Attach a DistributedDataParallel model (also one compiled by torch.compile), once, before the first backward.
+
+        With the transfer pipeline DDP's reduced gradients reach the host through a DDP communication
+        hook (accel/ddp.py). Without the pipeline the step reads ``p.grad``, which DDP has reduced:
+        nothing to do.
+        """
+        ddp = _ddp.unwrap(model)
+        if not _ddp.is_ddp(ddp):
+            raise TypeError(f"opt.attach takes a DistributedDataParallel model, got {type(model).__name__}")
+        if self._pipeline is not None:
+            self._pipeline.attach_ddp(ddp)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
         """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
         if self.update_in_backward:
@@ -337,8 +381,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------- the update path (UpdateTarget)
 
     def kernel_impl(self, group: dict[str, Any]) -> str:
-        """The kernel that updates ``group``: "for_loop" with fused=False, else "blocked" or "compiled"."""
-        return _update.kernel_impl(group, compiled=self.compiled_kernel)
+        """The kernel that updates ``group``: "for_loop" with fused=False, else "blocked"."""
+        return _update.kernel_impl(group)
 
     def check_gradient(self, group_index: int, index: int, grad: Tensor) -> None:
         """Refuse, naming the parameter, a gradient no update may consume (optim/update.py)."""
@@ -389,6 +433,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         for p, state in created.items():
             self.state[p].update(state)
 
+    def check_host_buffers(self, nbytes: int, label: str) -> None:
+        """Fail early, with the figures, when the pipeline's host buffers (``label``) cannot fit in host memory."""
+        if os.environ.get(_preflight.ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
+            return
+        memory = _preflight.host_memory()
+        if memory.sources and nbytes > memory.available:
+            where = ", ".join(f"{name}: {value:,} bytes" for name, value in memory.sources.items())
+            raise MemoryError(
+                f"OffloadAdamW's transfer pipeline would allocate {nbytes:,} bytes of host {label} buffers but only "
+                f"{memory.available:,} bytes of host memory are available ({where}). Nothing was allocated. "
+                "Shard the model over more processes, or use transfer_pipeline=False"
+            )
+
     def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None:
         """One update of each (parameter, host gradient, staging) in group ``group_index``.
 
@@ -413,6 +470,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -------------------------------------------------------------------- step
 
+    # torch.compile(opt.step) runs the step eager: host state, pinned buffers and streams are no graph's business.
+    @torch._disable_dynamo  # imports torch._dynamo at the first step, not at import (torch's optimizers do the same)
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdamW update of every parameter that has a gradient (docs/contract.md#what-each-input-does)."""
@@ -424,6 +483,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             # DCP's get/set_optimizer_state_dict call step() with zero grads and lr 0 only to allocate state: not an update.
             self._create_missing_state()
             return loss
+        if self.max_grad_norm is not None:
+            if getattr(self, "grad_scale", None) is not None:
+                raise RuntimeError(
+                    "OffloadAdamW(max_grad_norm=...) clips unscaled gradients: call scaler.unscale_(opt) before scaler.step(opt)"
+                )
+            found_inf = getattr(self, "found_inf", None)
+            if not (isinstance(found_inf, Tensor) and bool(found_inf.item() != 0)):
+                self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
         if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
             self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
             return loss

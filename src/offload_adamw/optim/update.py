@@ -54,8 +54,11 @@ def _to_scalar(x: Any) -> Any:
 def step_hyper(group: dict[str, Any]) -> StepHyper:
     """The kernel's hyperparameters for one group at this step (a scheduler may have changed lr, betas)."""
     beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.device.type != "cpu":
+        lr = lr.detach().to("cpu")  # the kernel runs on host tensors; the same value, in the same dtype
     return StepHyper(
-        lr=group["lr"],
+        lr=lr,
         beta1=_to_scalar(beta1),
         beta2=_to_scalar(beta2),
         eps=group["eps"],
@@ -65,11 +68,11 @@ def step_hyper(group: dict[str, Any]) -> StepHyper:
     )
 
 
-def kernel_impl(group: dict[str, Any], *, compiled: bool) -> str:
-    """``fused=False`` picks the readable for-loop kernel; else the blocked one, or the compiled loop where asked."""
+def kernel_impl(group: dict[str, Any]) -> str:
+    """``fused=False`` picks the readable for-loop kernel; else the fused one ("blocked")."""
     if group.get("fused") is False:
         return "for_loop"
-    return "compiled" if compiled else "blocked"
+    return "blocked"
 
 
 def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:

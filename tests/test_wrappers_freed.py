@@ -1,0 +1,73 @@
+"""Freed device gradients (offload_gradients=True) seen through ``p.grad``: the stand-in of accel/freed.py.
+
+The user calls of torch's own loop, on the model, must reach the host gradient: ``torch.nn.utils.clip_grad_norm_
+(model.parameters())`` and ``model.zero_grad()`` (both settings of set_to_none), every step bitwise equal to
+torch.optim.AdamW(fused=True); anything else done to ``p.grad`` is refused with an error that names the parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_adamw import OffloadAdamW, is_host_resident
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _x(i: int) -> torch.Tensor:
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(i))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_model_clip_and_model_zero_grad_match_torch(set_to_none, accumulation):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, transfer_pipeline=True, offload_gradients=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for step in range(5):
+        norms = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            for micro in range(accumulation):
+                m(_x(step * 10 + micro)).square().mean().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01))
+            o.step()
+            m.zero_grad(set_to_none=set_to_none)
+        assert torch.equal(norms[0], norms[1]) and norms[1] > 0.01
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"step {step}"
+    assert all(p.grad is None or is_host_resident(p.grad) for p in model.parameters())
+
+
+def test_other_operations_on_the_stand_in_are_refused_by_name():
+    model = _model()
+    named = [{"params": [p], "param_names": [n]} for n, p in model.named_parameters()]
+    OffloadAdamW(named, transfer_pipeline=True, offload_gradients=True)
+    model(_x(0)).sum().backward()
+    g = model[0].weight.grad
+    assert is_host_resident(g) and g.shape == model[0].weight.shape
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*host memory.*opt\.gradient"):
+        g + 1
+    with pytest.raises(RuntimeError, match="host memory"):
+        g.clone()
+
+
+def test_gradients_kept_until_zeroed_accumulate_across_steps_as_torch():
+    # No zero_grad at all between steps: torch accumulates into p.grad, so the host does too.
+    ref = _model()
+    model = copy.deepcopy(ref)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, transfer_pipeline=True, offload_gradients=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(_x(step)).square().mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
