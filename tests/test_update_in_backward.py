@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_adamw import OffloadAdamW, OffloadGradScaler
+from offload_adamw import OffloadAdamW, OffloadGradScaler, is_host_resident
 
 from _parity import same_bits
 
@@ -139,10 +139,23 @@ def test_inside_no_sync_gradients_stay_on_the_device_and_are_copied_once() -> No
     with opt.no_sync():
         model(x[0]).square().mean().backward()
         model(x[1]).square().mean().backward()
-    assert all(p.grad is not None for p in model.parameters()), "accumulating micro-batches keep their device gradient"
+    assert all(p.grad is not None and not is_host_resident(p.grad) for p in model.parameters()), \
+        "accumulating micro-batches keep their device gradient"
     model(x[2]).square().mean().backward()
-    assert all(p.grad is None for p in model.parameters()), "the last micro-batch frees the device gradient"
+    assert all(is_host_resident(p.grad) for p in model.parameters()), "the last micro-batch moves it to the host"
     for batch in x:
         twin(batch).square().mean().backward()  # autograd's own accumulation
     for p, q in zip(model.parameters(), twin.parameters()):
         assert same_bits(opt.gradient(p), q.grad)
+
+
+def test_clipping_the_model_after_early_updates_is_refused() -> None:
+    model = Blocks(width=16)
+    with pytest.raises(ValueError, match="cannot clip"):
+        OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True, max_grad_norm=1.0)
+    opt = OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(_batches(1, width=16)[0]).square().mean().backward()
+    with pytest.raises(RuntimeError, match="update_in_backward=True"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # through p.grad's stand-in
+    assert all(same_bits(a, p.detach()) for a, p in zip(before, model.parameters()))
