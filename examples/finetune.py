@@ -43,8 +43,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("finetune-out"))
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compiled-kernel", action="store_true",
-                   help="host step as one loop compiled by torch.compile (needs a C++ compiler; the same bits)")
     p.add_argument("--stop-at", type=int, help="save and stop at this step, as a preempted job would (to try --resume)")
     return p.parse_args(argv)
 
@@ -84,7 +82,6 @@ def main(argv=None) -> int:
     # Exactly torch.optim.AdamW's arguments; the state goes to (pinned) host memory in float32.
     optimizer = OffloadAdamW(
         model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
-        compiled_kernel=args.compiled_kernel,
     )
 
     def schedule(step: int) -> float:  # linear warmup, cosine decay to 10%

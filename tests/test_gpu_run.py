@@ -81,7 +81,9 @@ def test_quick_cpu_rehearsal_runs_every_section(tmp_path: Path) -> None:
             assert row["bitwise"] and row["first_step_gradients_bitwise"], name
         else:
             assert row["status"].startswith("skipped: compile rows off"), (name, row)
-    assert {k for k, r in sections["llama"]["rows"].items() if r["status"] == "ok"} == {"a", "b", "c", "d"}
+    assert {k for k, r in sections["llama"]["rows"].items() if r["status"] == "ok"} == {"a", "b", "c", "d", "e"}
+    # (e) starts the host updates in backward: its timeline says how much of them ran before backward ended
+    assert 0.0 <= sections["llama"]["rows"]["e"]["timeline_overlap"] <= 1.0
     overlap = sections["llama"]["rows"]["d"]["overlap"]  # the trace was exported and its ranges found; no device
     assert not overlap["measured"] and overlap["why"] == "no kernels correlated with the fwd_bwd range", overlap
     assert set(sections["host"]["rows"]["threads-1"]["cases"]) == {

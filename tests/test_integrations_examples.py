@@ -46,17 +46,6 @@ def test_finetune_example_resume_is_bitwise(tmp_path):
             assert torch.equal(state[key], b["optimizer"]["state"][pid][key]), (pid, key)
 
 
-def test_finetune_example_compiled_kernel_flag_gives_the_same_run(tmp_path):
-    finetune = load_example("finetune")
-    common = ["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--save-every", "100", "--dtype", "bf16"]
-    assert finetune.main(common + ["--out", str(tmp_path / "default")]) == 0
-    assert finetune.main(common + ["--out", str(tmp_path / "compiled"), "--compiled-kernel"]) == 0
-    a = torch.load(tmp_path / "default" / "checkpoint.pt", weights_only=False)
-    b = torch.load(tmp_path / "compiled" / "checkpoint.pt", weights_only=False)
-    for name, tensor in a["model"].items():
-        assert torch.equal(tensor, b["model"][name]), name
-
-
 def test_trainer_example_trains_checkpoints_and_resumes(tmp_path, capsys):
     trainer = load_example("trainer")
     common = ["--batch-size", "2", "--seq-len", "32", "--save-steps", "2", "--out", str(tmp_path)]
