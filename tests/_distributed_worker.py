@@ -38,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _distributed_common import ATOL, LR, RTOL, STEPS, WEIGHT_DECAY, TinyCausalLM, batch, full_params, loss_of, train  # noqa: E402
-
 from offload_adamw import OffloadAdamW, StateDictMismatch  # noqa: E402
 
 WORLD = 2

@@ -34,7 +34,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _distributed_common import LR, WEIGHT_DECAY, TinyCausalLM, batch, full_params, loss_of  # noqa: E402
-
 from offload_adamw import OffloadAdamW  # noqa: E402
 
 WORLD = 2

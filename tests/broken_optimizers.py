@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,7 +48,7 @@ class TextbookAdamW(OffloadAdamW):
     def skips_group(self, hp: GroupHyper) -> bool:
         return False
 
-    def gradient_of(self, p: Tensor) -> Optional[Tensor]:
+    def gradient_of(self, p: Tensor) -> Tensor | None:
         return p.grad
 
     def ignores_gradient(self, grad: Tensor) -> bool:

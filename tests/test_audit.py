@@ -25,6 +25,7 @@ from offload_adamw.cli.main import main as cli_main
 transformers = pytest.importorskip("transformers")
 
 from _models import tiny_gpt2, tiny_llama  # noqa: E402
+
 # Two set-ups list a tensor twice on purpose; torch warns about it, the audit is what is tested.
 pytestmark = pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from offload_adamw import OffloadAdamW, clip_grad_norm_

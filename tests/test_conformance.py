@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 import broken_optimizers as broken  # noqa: E402
-
 from offload_adamw import OffloadAdamW  # noqa: E402
 from offload_adamw.conformance import CLAUSES, CandidateLoadError, UsageError, check, load_candidate  # noqa: E402
 from offload_adamw.conformance.harness import HyperMapping, NotApplicable, Tolerance, compare  # noqa: E402

@@ -23,8 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from _fault_worker import Net, build, train
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
-from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch
-from offload_adamw.checkpoint import store
+from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, store
 
 
 def snapshot(model, optimizer, scheduler) -> dict:

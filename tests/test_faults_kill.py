@@ -22,9 +22,9 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 

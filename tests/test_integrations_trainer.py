@@ -17,7 +17,6 @@ path is bitwise equal to:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

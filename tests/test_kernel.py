@@ -16,12 +16,12 @@ Parity definitions (kernels/adamw.py):
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_adamw.kernels.adamw import StepHyper, adamw_update_
 from offload_adamw.kernels.blocked import CHUNK_ALIGN, BlockConfig, blocked_adamw_, naive_mixed_adamw_

@@ -30,7 +30,8 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_adamw import OffloadAdamW, numba_kernel_status
 from offload_adamw.kernels import numba_loop

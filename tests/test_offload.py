@@ -13,7 +13,8 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from offload_adamw import OffloadAdamW, OffloadGradScaler, is_host_resident

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from _parity import SHAPES, UNFREEZE_AT, assign_grads, gradient, groups_of, make_params, same_bits
+from _parity import SHAPES, UNFREEZE_AT, assign_grads, groups_of, make_params, same_bits
 from offload_adamw import OffloadAdamW
 from offload_adamw import reference as ref
 

@@ -6,7 +6,8 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_adamw.accel.overlap import BackwardUpdater
 

@@ -22,7 +22,6 @@ transformers = pytest.importorskip("transformers")
 
 from _models import tiny_gpt2, tiny_llama  # noqa: E402
 
-
 MODELS = {"llama_tied": lambda: tiny_llama(True), "llama_untied": lambda: tiny_llama(False), "gpt2_tied": tiny_gpt2}
 GPT2_NO_DECAY = [("*.bias", {"weight_decay": 0.0}), ("*.ln_*", {"weight_decay": 0.0})]
 LLAMA_NO_DECAY = [("*norm*", {"weight_decay": 0.0})]

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload_adamw import cli
+from offload_adamw.cli.plan import measured_host_bandwidth, parse_count
 from offload_adamw.planning import planner
 from offload_adamw.planning.planner import (
     GB,
@@ -32,7 +33,6 @@ from offload_adamw.planning.planner import (
     plan,
     predict_host_optimizer_bytes,
 )
-from offload_adamw.cli.plan import measured_host_bandwidth, parse_count
 
 ONE_GPU = HardwareConfig(gpus_per_node=1, nodes=1)
 SMALL = ModelConfig(

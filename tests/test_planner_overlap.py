@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_adamw.planning.overlap import StepTimeModel, step_times
 

@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_adamw import OffloadAdamW, OffloadGradScaler, is_host_resident
-
 from _parity import same_bits
+from offload_adamw import OffloadAdamW, OffloadGradScaler, is_host_resident
 
 BLOCKS = 8
 

@@ -18,11 +18,10 @@ import pytest
 import torch
 from torch import nn
 
+from _parity import same_bits
 from offload_adamw import OffloadAdamW
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, UpdateTarget
 from offload_adamw.optim import update as update_path
-
-from _parity import same_bits
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:

@@ -47,8 +47,9 @@ def _assert_bitwise(a: dict, b: dict, start: dict) -> None:
 
 def _trainer_run(tmp_path, mode, accumulation):
     pytest.importorskip("transformers")
-    from test_integrations_trainer import TokenWindows, params_of, tiny_llama, training_args
     from transformers import Trainer
+
+    from test_integrations_trainer import TokenWindows, params_of, tiny_llama, training_args
 
     model = tiny_llama()
     optimizer = _factory(mode)(model.parameters())
@@ -80,6 +81,7 @@ def _accelerate_run(mode, accumulation):
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
     from accelerate.utils import set_seed
+
     from test_integrations_accelerate import batches, tiny_model
 
     set_seed(0)

@@ -51,7 +51,7 @@ _RENAMED = {"check_conformance": "check", "Finding": "AuditFinding", "param_grou
 _SUBMODULES = ("checkpoint", "conformance", "reference", "contract", "kernels", "optim", "accel", "distributed",
                "planning", "auditing", "integrations", "demo", "cli")
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", *_EXPORTS]  # noqa: PLE0604 - the names are the keys of _EXPORTS, all strings
 
 
 def __getattr__(name: str) -> Any:
@@ -69,23 +69,24 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from offload_adamw.accel.amp import OffloadGradScaler
-    from offload_adamw.accel.clipping import clip_grad_norm_
-    from offload_adamw.accel.freed import HostResidentGradient, is_host_resident
-    from offload_adamw.auditing.audit import AuditFinding, AuditReport, audit, audit_state_dict
-    from offload_adamw.auditing.audit import AuditFinding as Finding
-    from offload_adamw.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
-    from offload_adamw.conformance.checker import CandidateLoadError
-    from offload_adamw.conformance.checker import check as check_conformance
-    from offload_adamw.integrations.hf import trainer_optimizer
-    from offload_adamw.kernels.numba_loop import compiled_kernel_status, numba_kernel_status
-    from offload_adamw.optim.loading import StateDictMismatch
-    from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups
-    from offload_adamw.optim.named_groups import named_param_groups as param_groups
-    from offload_adamw.optim.optimizer import OffloadAdamW
-    from offload_adamw.optim.preflight import HostMemoryError
-    from offload_adamw.planning.bandwidth import measure_host_bandwidth
-    from offload_adamw.planning.planner import (
+    # re-exports: __all__ (built from _EXPORTS) lists them, which ruff cannot see, hence the F401 noqa
+    from offload_adamw.accel.amp import OffloadGradScaler  # noqa: F401
+    from offload_adamw.accel.clipping import clip_grad_norm_  # noqa: F401
+    from offload_adamw.accel.freed import HostResidentGradient, is_host_resident  # noqa: F401
+    from offload_adamw.auditing.audit import AuditFinding, AuditReport, audit, audit_state_dict  # noqa: F401
+    from offload_adamw.auditing.audit import AuditFinding as Finding  # noqa: F401
+    from offload_adamw.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport  # noqa: F401
+    from offload_adamw.conformance.checker import CandidateLoadError  # noqa: F401
+    from offload_adamw.conformance.checker import check as check_conformance  # noqa: F401
+    from offload_adamw.integrations.hf import trainer_optimizer  # noqa: F401
+    from offload_adamw.kernels.numba_loop import compiled_kernel_status, numba_kernel_status  # noqa: F401
+    from offload_adamw.optim.loading import StateDictMismatch  # noqa: F401
+    from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups  # noqa: F401
+    from offload_adamw.optim.named_groups import named_param_groups as param_groups  # noqa: F401
+    from offload_adamw.optim.optimizer import OffloadAdamW  # noqa: F401
+    from offload_adamw.optim.preflight import HostMemoryError  # noqa: F401
+    from offload_adamw.planning.bandwidth import measure_host_bandwidth  # noqa: F401
+    from offload_adamw.planning.planner import (  # noqa: F401
         HardwareConfig,
         ModelConfig,
         TrainingConfig,

@@ -24,7 +24,8 @@ import dataclasses
 import math
 import shutil
 import textwrap
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["SCHEMA_VERSION", "terminal_width", "render_table", "finite_json", "json_document"]
 
@@ -43,9 +44,9 @@ def render_table(
     headers: Sequence[str],
     rows: Sequence[Sequence[str]],
     *,
-    align: Optional[str] = None,
-    wrap: Optional[int] = None,
-    width: Optional[int] = None,
+    align: str | None = None,
+    wrap: int | None = None,
+    width: int | None = None,
     gap: int = 2,
 ) -> str:
     """``headers`` over a dashed rule over ``rows``; cells are strings.

@@ -19,7 +19,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ class _GradHolder:
         self.grad = grad
 
 
-def gradients_of(target: Union[torch.optim.Optimizer, Tensor, Iterable[Tensor]]) -> list[Tensor]:
+def gradients_of(target: torch.optim.Optimizer | Tensor | Iterable[Tensor]) -> list[Tensor]:
     """The gradient tensors clipping acts on (see the module contract)."""
     pipeline = getattr(target, "_pipeline", None)
     if pipeline is not None:
@@ -50,11 +50,11 @@ def gradients_of(target: Union[torch.optim.Optimizer, Tensor, Iterable[Tensor]])
 
 @torch.no_grad()
 def clip_grad_norm_(
-    target: Union[torch.optim.Optimizer, Tensor, Iterable[Tensor]],
+    target: torch.optim.Optimizer | Tensor | Iterable[Tensor],
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
-    foreach: Optional[bool] = None,
+    foreach: bool | None = None,
 ) -> Tensor:
     """Scale the gradients of ``target`` so that their total ``norm_type``-norm is at most ``max_norm``.
 

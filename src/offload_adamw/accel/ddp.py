@@ -22,7 +22,8 @@ Contract:
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,7 +69,7 @@ def _comm_hook(state, bucket):  # no annotations: DDP checks them against dist.G
     state.launched(params)
     future = default_hooks.allreduce_hook(state.process_group, bucket)
 
-    def copy_to_host(fut: "torch.futures.Future[Tensor]") -> Tensor:
+    def copy_to_host(fut: torch.futures.Future[Tensor]) -> Tensor:
         reduced = fut.value()
         state.reduced(params, reduced)
         return reduced
@@ -92,7 +93,7 @@ def bucket_views(params: list[Tensor], reduced: Tensor) -> Iterable[tuple[Tensor
         raise RuntimeError(f"DDP bucket of {reduced.numel()} elements does not hold its {offset} gradient elements densely")
 
 
-def unattached_ddp(params: set[Tensor], attached: list[Any]) -> Optional[Any]:
+def unattached_ddp(params: set[Tensor], attached: list[Any]) -> Any | None:
     """A live DDP model that reduces some of ``params`` and was not attached, or None (only with a process group)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None

@@ -27,7 +27,8 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,7 +48,7 @@ class HostResidentGradient(Tensor):
     """Stands in ``p.grad`` for a gradient that lives in a host buffer (see the module contract)."""
 
     @staticmethod
-    def __new__(cls, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str]) -> "HostResidentGradient":
+    def __new__(cls, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str]) -> HostResidentGradient:
         return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
 
     def __init__(self, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str]) -> None:

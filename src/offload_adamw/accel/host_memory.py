@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import mmap
 import weakref
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,7 +68,7 @@ class HostArena:
         *,
         pin: bool,
         label: str,
-        streams: Optional[dict] = None,
+        streams: dict | None = None,
         defer_pin: bool = False,
     ) -> None:
         self.label = label

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Sequence
 
 __all__ = ["BackwardUpdater", "UpdateRecord"]
 
@@ -43,7 +43,7 @@ class UpdateRecord:
 class BackwardUpdater:
     """One step's early host updates (see the module contract)."""
 
-    def __init__(self, buckets: Sequence[Sequence[Hashable]], update: Callable[[int], Optional[dict[str, float]]], *, gated: bool, enabled: bool = True) -> None:
+    def __init__(self, buckets: Sequence[Sequence[Hashable]], update: Callable[[int], dict[str, float] | None], *, gated: bool, enabled: bool = True) -> None:
         self._buckets = [list(b) for b in buckets]
         self._update = update
         self._where: dict[Hashable, int] = {key: index for index, b in enumerate(self._buckets) for key in b}
@@ -54,7 +54,7 @@ class BackwardUpdater:
         self._records: dict[int, UpdateRecord] = {}
         self._futures: list[Future] = []
         self._enabled = enabled and bool(self._buckets)
-        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, thread_name_prefix="offload-adamw-update") if self._enabled else None
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="offload-adamw-update") if self._enabled else None
         self.last_landed = 0.0
 
     @property
@@ -107,7 +107,7 @@ class BackwardUpdater:
         if not self._enabled:
             return list(range(len(self._buckets))), []
         self.open_gate()
-        error: Optional[BaseException] = None
+        error: BaseException | None = None
         for future in self._futures:
             exc = future.exception()
             if exc is not None and error is None:

@@ -65,7 +65,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -106,7 +106,7 @@ class UpdateTarget(Protocol):
 
     def check_host_buffers(self, nbytes: int, label: str) -> None: ...
 
-    def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None: ...
+    def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,16 +152,16 @@ class _Slot:
 
     def __init__(self, param: Tensor) -> None:
         self.param = param
-        self.host_grad: Optional[Tensor] = None  # the host gradient buffer (a view into an arena)
-        self.incoming: Optional[Tensor] = None  # second buffer for accumulation with freed device grads
-        self.staging: Optional[Tensor] = None  # param-dtype host copy sent back to a device parameter
+        self.host_grad: Tensor | None = None  # the host gradient buffer (a view into an arena)
+        self.incoming: Tensor | None = None  # second buffer for accumulation with freed device grads
+        self.staging: Tensor | None = None  # param-dtype host copy sent back to a device parameter
         self.has_grad = False  # freed mode: host_grad holds this parameter's gradient
         self.pending_add = False  # freed mode: an add of incoming into host_grad is queued on the accumulator
-        self.add_done: Optional[threading.Event] = None  # set by the accumulator when that add has run
+        self.add_done: threading.Event | None = None  # set by the accumulator when that add has run
         self.layout: dict[str, tuple[torch.device, torch.dtype]] = {}  # buffer field -> (device, dtype) it was laid out for
         self.d2h_event: Any = None
         self.h2d_event: Any = None
-        self.source: Optional[weakref.ref] = None  # kept mode: the device gradient that host_grad copies
+        self.source: weakref.ref | None = None  # kept mode: the device gradient that host_grad copies
         self.source_version = -1
         self.arrival = math.inf  # order in the latest backward, for bucketing
         self.hook: Any = None
@@ -179,7 +179,7 @@ class _Slot:
         return _local(self.param)
 
 
-def _hook_for(pipeline: "GradientPipeline"):
+def _hook_for(pipeline: GradientPipeline):
     ref = weakref.ref(pipeline)
 
     @torch._dynamo.disable
@@ -191,7 +191,7 @@ def _hook_for(pipeline: "GradientPipeline"):
     return hook
 
 
-def _prehook_for(pipeline: "GradientPipeline", param: Tensor):
+def _prehook_for(pipeline: GradientPipeline, param: Tensor):
     ref = weakref.ref(pipeline)
     param_ref = weakref.ref(param)
 
@@ -214,9 +214,9 @@ class _Accumulator:
     """
 
     def __init__(self) -> None:
-        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self.error: Optional[BaseException] = None
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
 
     def submit(self, event: Any, dst: Tensor, src: Tensor) -> threading.Event:
         done = threading.Event()
@@ -233,7 +233,7 @@ class _Accumulator:
             self._jobs.put(None)
 
 
-def _accumulate_forever(jobs: "queue.SimpleQueue[Any]", owner: _Accumulator) -> None:
+def _accumulate_forever(jobs: queue.SimpleQueue[Any], owner: _Accumulator) -> None:
     while True:
         job = jobs.get()
         if job is None:
@@ -263,13 +263,13 @@ class GradientPipeline:
         self._streams: dict[tuple[torch.device, str], Any] = {}
         self._arrival = 0
         # Early updates (update_in_backward): the buckets of the next step, fixed before its backward.
-        self._updater: Optional[BackwardUpdater] = None
+        self._updater: BackwardUpdater | None = None
         self._early_buckets: list[list[Tensor]] = []
         self._early_events: list = []
         self._early_hyper: dict[int, tuple] = {}
         self._syncing = True  # False inside no_sync(): micro-batches that only accumulate
         self._landed_at: dict[Tensor, float] = {}
-        self._timeline: Optional[StepTimeline] = None
+        self._timeline: StepTimeline | None = None
         # With parameters on several devices, autograd runs the hooks on one thread per device; the GIL
         # is released inside cudaHostRegister and event waits, so two hooks could otherwise interleave
         # (two accumulation arenas, one overwriting the other's buffer after a copy into it was issued).
@@ -658,7 +658,7 @@ class GradientPipeline:
                 f"has {tuple(slot.host_grad.shape)}, the parameter is {tuple(slot.local.shape)}"
             )
 
-    def _ready(self, slot: _Slot, where: tuple[int, int]) -> Optional[Tensor]:
+    def _ready(self, slot: _Slot, where: tuple[int, int]) -> Tensor | None:
         """The host gradient of ``slot``, complete and current, or None when it has none."""
         p = slot.param
         if self.offload_gradients:
@@ -710,7 +710,7 @@ class GradientPipeline:
             return [g for _, g in self.host_gradients()]
         return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
-    def gradient(self, p: Tensor) -> Optional[Tensor]:
+    def gradient(self, p: Tensor) -> Tensor | None:
         """The current gradient of ``p``: its host buffer when device gradients are freed, else ``p.grad``."""
         if not self.offload_gradients:
             return p.grad
@@ -749,7 +749,7 @@ class GradientPipeline:
 
     # ------------------------------------------------------------------ step
 
-    def step(self, grad_scale: Optional[Tensor], found_inf: Any, called_by_scaler: bool) -> None:
+    def step(self, grad_scale: Tensor | None, found_inf: Any, called_by_scaler: bool) -> None:
         """One AdamW update of every parameter with a gradient, bucket by bucket (see the module contract)."""
         opt = self.optimizer
         step_called = time.monotonic()
@@ -893,7 +893,7 @@ class GradientPipeline:
             self._updater.close()
             self._updater = None
 
-    def no_sync(self) -> "_NoSync":
+    def no_sync(self) -> _NoSync:
         """A context for micro-batches that only accumulate: their gradients stay where autograd accumulates
         them (on the device) and start no copy and no update; the next backward outside it copies each once."""
         return _NoSync(self)
@@ -909,12 +909,12 @@ class GradientPipeline:
             ))
         self._timeline = StepTimeline(buckets=tuple(buckets), backward_end=backward_end)
 
-    def last_step_timeline(self) -> Optional[StepTimeline]:
+    def last_step_timeline(self) -> StepTimeline | None:
         """The timeline of the latest step (accel/timeline.py), or None before the first."""
         return self._timeline
 
-    def _update_bucket(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Optional[Tensor],
-                       times: Optional[dict[str, float]] = None) -> list:
+    def _update_bucket(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
+                       times: dict[str, float] | None = None) -> list:
         opt = self.optimizer
         by_group: dict[int, list[tuple[_Slot, Tensor]]] = {}
         for p in params:
@@ -926,7 +926,7 @@ class GradientPipeline:
             times["d2h_done"] = time.monotonic()
         events = []
         for gi, members in by_group.items():
-            updates: list[tuple[Tensor, Tensor, Optional[Tensor]]] = []
+            updates: list[tuple[Tensor, Tensor, Tensor | None]] = []
             to_device: list[_Slot] = []
             for slot, grad in members:
                 p = slot.param

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["BucketTimes", "StepTimeline"]
 
@@ -85,7 +85,7 @@ class StepTimeline:
             ],
         }
 
-    def gantt_png(self, path: str | Path, *, title: Optional[str] = None) -> Path:
+    def gantt_png(self, path: str | Path, *, title: str | None = None) -> Path:
         """Draw the timeline (matplotlib, imported here) and write it to ``path``."""
         import matplotlib
 

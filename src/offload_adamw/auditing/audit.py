@@ -40,8 +40,9 @@ import math
 import sys
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -80,7 +81,7 @@ class AuditFinding:
     """One sentence for a person, naming the culprits."""
     params: tuple[str, ...] = ()
     """The culprit tensors, one canonical name each, each once."""
-    group: Optional[int] = None
+    group: int | None = None
     """The parameter group for group-level findings."""
     details: dict[str, Any] = field(default_factory=dict)
     """Machine-readable facts (JSON-serialisable)."""
@@ -94,13 +95,13 @@ class GroupSummary:
     """Position in ``optimizer.param_groups``."""
     label: str
     """The group's ``rule`` (from :func:`param_groups`) or ``group <index>``."""
-    lr: Optional[float]
+    lr: float | None
     """The group's current learning rate."""
-    weight_decay: Optional[float]
+    weight_decay: float | None
     """The group's weight decay."""
     tensors: int
     """Number of parameter entries in the group."""
-    elements: Optional[int]
+    elements: int | None
     """Number of elements in the group (None when unknown, from a state_dict without state)."""
     param_dtypes: tuple[str, ...]
     """dtypes of the parameters (empty when unknown)."""
@@ -178,7 +179,7 @@ class AuditReport:
 # ---------------------------------------------------------------- formatting
 
 
-def _fmt(x: Optional[float]) -> str:
+def _fmt(x: float | None) -> str:
     return "?" if x is None else f"{x:.6g}"
 
 
@@ -204,7 +205,7 @@ def _by_dtype(narrow: Mapping[str, Mapping[str, str]]) -> str:
     return "; ".join(f"{kind}: {_few(names)}" for kind, names in by_kind.items())
 
 
-def _float(x: Any) -> Optional[float]:
+def _float(x: Any) -> float | None:
     if x is None:
         return None
     if isinstance(x, Tensor):
@@ -300,7 +301,7 @@ def shrink_factor(lrs: Sequence[float], weight_decay: float) -> float:
     return math.exp(float(torch.log(factors).sum()))
 
 
-def _weight_decay_for(lrs: Sequence[float], target: float) -> Optional[float]:
+def _weight_decay_for(lrs: Sequence[float], target: float) -> float | None:
     """The weight_decay whose shrink over ``lrs`` equals ``target`` (bisection), or None."""
     top = max(lrs, default=0.0)
     if top <= 0 or not 0.0 < target <= 1.0:
@@ -364,7 +365,7 @@ def replay_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> 
     return lrs, f"replay of {type(scheduler).__name__}"
 
 
-def _accumulation(grad_accumulation: Union[int, Sequence[int], None]) -> Optional[tuple[int, int]]:
+def _accumulation(grad_accumulation: int | Sequence[int] | None) -> tuple[int, int] | None:
     if grad_accumulation is None:
         return None
     if isinstance(grad_accumulation, int):
@@ -380,7 +381,7 @@ def _shrink_findings(
     groups: Sequence[Mapping[str, Any]],
     lrs: list[list[float]],
     source: str,
-    accumulation: Optional[tuple[int, int]],
+    accumulation: tuple[int, int] | None,
 ) -> list[AuditFinding]:
     steps = len(lrs)
     findings = []
@@ -425,11 +426,11 @@ def _shrink_findings(
 # --------------------------------------------------------------------- audit
 
 
-def _finding(kind: str, message: str, params: Sequence[str] = (), group: Optional[int] = None, **details: Any) -> AuditFinding:
+def _finding(kind: str, message: str, params: Sequence[str] = (), group: int | None = None, **details: Any) -> AuditFinding:
     return AuditFinding(kind=kind, severity=KINDS[kind], message=message, params=tuple(params), group=group, details=details)
 
 
-def _predicted_state_dtype(optimizer: torch.optim.Optimizer, p: Tensor) -> Optional[torch.dtype]:
+def _predicted_state_dtype(optimizer: torch.optim.Optimizer, p: Tensor) -> torch.dtype | None:
     """The dtype of the moments the optimizer will create for ``p``, where it is known before any step."""
     from offload_adamw.optim.optimizer import OffloadAdamW
 
@@ -444,8 +445,8 @@ def audit(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any = None,
-    steps: Optional[int] = None,
-    grad_accumulation: Union[int, Sequence[int], None] = None,
+    steps: int | None = None,
+    grad_accumulation: int | Sequence[int] | None = None,
 ) -> AuditReport:
     """Audit the set-up of ``optimizer`` over ``model``; see the module docstring.
 
@@ -624,7 +625,7 @@ def audit(
     return AuditReport(source="model + optimizer", findings=_by_severity(findings), groups=tuple(summaries))
 
 
-def _state_dtypes(entries: Iterable[Optional[Mapping[str, Any]]]) -> tuple[str, ...]:
+def _state_dtypes(entries: Iterable[Mapping[str, Any] | None]) -> tuple[str, ...]:
     """The floating dtypes of the state tensors in ``entries`` (per-parameter state dicts or None), sorted."""
     return tuple(sorted({
         _dtype(v.dtype)
@@ -647,8 +648,8 @@ def audit_state_dict(
     state_dict: Mapping[str, Any],
     *,
     source: str = "optimizer state_dict",
-    steps: Optional[int] = None,
-    grad_accumulation: Union[int, Sequence[int], None] = None,
+    steps: int | None = None,
+    grad_accumulation: int | Sequence[int] | None = None,
 ) -> AuditReport:
     """Audit a saved optimizer state_dict (``{"state": ..., "param_groups": ...}``) without its model.
 
@@ -707,7 +708,7 @@ def audit_state_dict(
             )
         )
 
-    def shape_of(pid: Any) -> Optional[torch.Size]:
+    def shape_of(pid: Any) -> torch.Size | None:
         for key in ("exp_avg", "exp_avg_sq", "master_param", "momentum_buffer"):
             value = (state.get(pid) or {}).get(key)
             if isinstance(value, Tensor):

@@ -63,13 +63,13 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, TypeAlias
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
 from offload_adamw.contract.rules import MASTER_KEY
-from torch import Tensor
 
 __all__ = [
     "CheckpointCorrupt",
@@ -97,7 +97,7 @@ _KEY_SEP = "::"
 _TMP_TAG = ".tmp-"
 _PREV_TAG = ".prev-"
 
-PathLike = Union[str, os.PathLike]
+PathLike: TypeAlias = str | os.PathLike
 
 
 class CheckpointError(RuntimeError):
@@ -111,7 +111,7 @@ class CheckpointCorrupt(CheckpointError):
 class CheckpointMismatch(CheckpointError, ValueError):
     """A checkpoint that does not fit the model/optimizer/scheduler; ``report`` names every culprit."""
 
-    def __init__(self, report: "LoadReport"):
+    def __init__(self, report: LoadReport):
         self.report = report
         lines = "\n  - ".join(report.problems)
         super().__init__(
@@ -126,7 +126,7 @@ class LoadReport:
 
     path: str
     """The checkpoint directory read (the kept previous one where :func:`resolve` found only that)."""
-    step: Optional[int] = None
+    step: int | None = None
     """The training step recorded at save time."""
     extra: Any = None
     """The ``extra`` object given to ``save``."""
@@ -354,7 +354,7 @@ def _temporary_name(final: Path, tag: str) -> Path:
 _TEMPORARY = re.compile(r"^\.(?P<target>.+)\.(?P<kind>tmp|prev)-(?P<owner>[0-9a-f]{16})-(?P<pid>[0-9]+)-[0-9a-f]{8}$")
 
 
-def _lock(directory: Path) -> Optional[int]:
+def _lock(directory: Path) -> int | None:
     """An exclusive lock on ``directory`` held by this process until :func:`_unlock` (None where unsupported)."""
     try:
         import fcntl
@@ -370,12 +370,12 @@ def _lock(directory: Path) -> Optional[int]:
     return fd
 
 
-def _unlock(fd: Optional[int]) -> None:
+def _unlock(fd: int | None) -> None:
     if fd is not None:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _publish(tmp: Path, final: Path) -> Optional[Path]:
+def _publish(tmp: Path, final: Path) -> Path | None:
     """Move the finished ``tmp`` onto ``final``; return the directory that now holds the old one."""
     if not final.exists():
         os.rename(tmp, final)
@@ -463,7 +463,7 @@ def _previous_copies(final: Path) -> list[Path]:
     return out
 
 
-def resolve(path: PathLike) -> Optional[Path]:
+def resolve(path: PathLike) -> Path | None:
     """The complete checkpoint that ``path`` stands for, or None.
 
     That is ``path`` itself when it holds a commit marker. Where a save without
@@ -474,7 +474,7 @@ def resolve(path: PathLike) -> Optional[Path]:
     final = Path(path)
     if (final / COMMIT_FILE).is_file():
         return final
-    best: Optional[tuple[int, str, Path]] = None
+    best: tuple[int, str, Path] | None = None
     for entry in _previous_copies(final):
         try:
             meta = verify(entry)
@@ -522,11 +522,11 @@ def _rng_states(aux: dict[str, Tensor]) -> dict[str, Any]:
 def save(
     path: PathLike,
     model: torch.nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer | None,
     scheduler: Any = None,
     extra: Any = None,
     *,
-    step: Optional[int] = None,
+    step: int | None = None,
     overwrite: bool = False,
     rng: bool = True,
 ) -> Path:
@@ -773,7 +773,7 @@ def _recorded_step(entry: Path) -> int:
     return step if _is_count(step) else -1
 
 
-def latest(root: PathLike, *, verify_files: bool = True) -> Optional[Path]:
+def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
     """The committed checkpoint directory under ``root`` with the highest step, or None.
 
     With ``verify_files`` a damaged or malformed checkpoint is passed over for
@@ -815,7 +815,7 @@ def _read(root: Path, name: str) -> dict[str, Tensor]:
 def load(
     path: PathLike,
     model: torch.nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer | None,
     scheduler: Any = None,
     strict: bool = True,
     *,

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import argparse
 import runpy
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 from offload_adamw.cli import common
 
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_json_argument(parser, what="the report")
 
 
-def _parse_accumulation(text: Optional[str]) -> Any:
+def _parse_accumulation(text: str | None) -> Any:
     if text is None:
         return None
     try:

@@ -65,8 +65,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -123,9 +123,9 @@ class BenchConfig:
     """Which cases to time."""
     bandwidth_elements: int = 64 * MIB
     """Elements per array of the bandwidth probe."""
-    scaling_size: Optional[int] = 16 * MIB
+    scaling_size: int | None = 16 * MIB
     """Elements of the thread-scaling measurement (None: skip it)."""
-    scaling_threads: Optional[tuple[int, ...]] = None
+    scaling_threads: tuple[int, ...] | None = None
     """Thread counts of the scaling measurement (None: 1, 2, ... all CPUs this process may use)."""
     parity_elements: int = MIB
     """Elements of the bitwise check of the default mixed step against the naive path (0: skip)."""
@@ -249,7 +249,7 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
     cases: dict[str, Callable[[], None]] = {}
     skipped = info.setdefault("skipped", {})
 
-    def ours(grads, outs, config: Optional[BlockConfig] = None):
+    def ours(grads, outs, config: BlockConfig | None = None):
         steps = [torch.zeros((), dtype=torch.float32) for _ in w.master]
         if config is None:
             return lambda: adamw_update_(w.master, grads, w.exp_avg, w.exp_avg_sq, [], steps, hp, model_params=outs)
@@ -341,7 +341,7 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
 # ------------------------------------------------------------------ memory
 
 
-def _status_kib(field_name: str) -> Optional[int]:
+def _status_kib(field_name: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -362,7 +362,7 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def measure_step(fn: Callable[[], None]) -> tuple[float, Optional[int]]:
+def measure_step(fn: Callable[[], None]) -> tuple[float, int | None]:
     """(seconds, bytes the step's peak resident memory rose above the resident memory before it)."""
     can_reset = _reset_peak_rss()
     before = _status_kib("VmRSS")

@@ -36,8 +36,9 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from offload_adamw._output import (
     SCHEMA_VERSION,
@@ -90,7 +91,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def exit_codes_text(meanings: Optional[dict[int, str]] = None) -> str:
+def exit_codes_text(meanings: dict[int, str] | None = None) -> str:
     """The exit-status list for a ``--help`` epilog; ``meanings`` says what 0 and 1 mean for the command."""
     meanings = meanings or {}
     lines = ["exit status:"]
@@ -111,7 +112,7 @@ def _register(parser: argparse.ArgumentParser, dest: str, flag: str, needs: Sequ
 
 
 def add_json_argument(parser: argparse.ArgumentParser, *, what: str = "the result", dest: str = "json",
-                      parent: Optional[Any] = None) -> None:
+                      parent: Any | None = None) -> None:
     """``--json [FILE]``: ``what`` as JSON to FILE, or with no FILE (or ``-``) to stdout instead of the tables.
 
     ``parent`` is an argument group of ``parser`` to list it in.
@@ -122,7 +123,7 @@ def add_json_argument(parser: argparse.ArgumentParser, *, what: str = "the resul
 
 
 def add_plot_argument(parser: argparse.ArgumentParser, *, what: str = "a chart", dest: str = "plot",
-                      parent: Optional[Any] = None) -> None:
+                      parent: Any | None = None) -> None:
     """``--plot FILE.png`` (needs matplotlib, the ``plot`` extra); ``parent`` is an argument group to add it to."""
     (parent or parser).add_argument("--plot", dest=dest, metavar="FILE.png", default=None,
                                     help=f"write {what} as a PNG (needs matplotlib: pip install 'offload-adamw[plot]')")
@@ -206,7 +207,7 @@ def json_to_stdout(args: argparse.Namespace, dest: str = "json") -> bool:
     return getattr(args, dest, None) == "-"
 
 
-def write_json(command: str, body: dict[str, Any], target: Optional[str]) -> None:
+def write_json(command: str, body: dict[str, Any], target: str | None) -> None:
     """Write ``body`` as the JSON document of ``command`` to ``target`` ('-' is stdout; None writes nothing)."""
     if target is None:
         return

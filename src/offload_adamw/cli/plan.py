@@ -27,7 +27,7 @@ import math
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from offload_adamw.cli import common
 from offload_adamw.planning import planner
@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_plot_argument(parser, what="stacked bars per strategy against the capacities", parent=o)
 
 
-def measured_host_bandwidth(**probe_options: Any) -> tuple[Optional[float], str]:
+def measured_host_bandwidth(**probe_options: Any) -> tuple[float | None, str]:
     """(bytes/s, where it came from) by offload_adamw.planning.bandwidth, or (None, why not).
 
     The in-place triad (``a += s*b``) is the figure used: it has the optimizer

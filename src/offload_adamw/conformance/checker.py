@@ -76,8 +76,9 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -100,7 +101,7 @@ class CandidateLoadError(ValueError):
     """The candidate named by a spec string could not be loaded (names the spec and why)."""
 
 
-def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported parameter dtype {dtype}; choose one of {sorted(set(DTYPES))}")
@@ -168,7 +169,7 @@ DEFAULT_TIMEOUT = 120.0
 """Seconds one clause may take before it is stopped and reported as an error."""
 
 
-def _outcome(run: Callable[[], Any]) -> tuple[str, Optional[float], str]:
+def _outcome(run: Callable[[], Any]) -> tuple[str, float | None, str]:
     """(verdict, deviation, detail) of one clause, whatever the candidate does (except ending the process)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # candidates and schedulers warn about what the clauses do on purpose
@@ -199,7 +200,7 @@ def _child(run: Callable[[], Any], conn: Any) -> None:
         os._exit(0)  # no atexit handlers, no flushing of the parent's buffers a second time
 
 
-def _exit_text(code: Optional[int]) -> str:
+def _exit_text(code: int | None) -> str:
     if code is not None and code < 0:
         try:
             return f"killed by signal {signal.Signals(-code).name}"
@@ -318,18 +319,18 @@ def _name_of(factory: Any) -> str:
 
 
 def check(
-    factory: Union[str, Callable[..., Any]],
+    factory: str | Callable[..., Any],
     *,
-    dtype: Union[str, torch.dtype] = torch.float32,
-    kwargs: Optional[Mapping[str, Any]] = None,
-    mapping: Optional[Union[Mapping[str, Any], HyperMapping]] = None,
-    clauses: Optional[Iterable[int]] = None,
-    nonfinite_policy: Optional[str] = None,
-    device: Union[str, torch.device] = "cpu",
+    dtype: str | torch.dtype = torch.float32,
+    kwargs: Mapping[str, Any] | None = None,
+    mapping: Mapping[str, Any] | HyperMapping | None = None,
+    clauses: Iterable[int] | None = None,
+    nonfinite_policy: str | None = None,
+    device: str | torch.device = "cpu",
     progress: bool = False,
     setup: Sequence[str] = (),
     timeout: float = DEFAULT_TIMEOUT,
-    isolate: Optional[bool] = None,
+    isolate: bool | None = None,
 ) -> Report:
     """Check a candidate optimizer against every clause (or ``clauses``) and return the Report.
 

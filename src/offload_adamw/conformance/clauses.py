@@ -59,8 +59,9 @@ import functools
 import math
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -97,14 +98,14 @@ class Context:
     """Builds, steps and observes the candidate's optimizers."""
     dtype: torch.dtype
     """Parameter dtype of the checked run."""
-    nonfinite_policy: Optional[str] = None
+    nonfinite_policy: str | None = None
     """Declared non-finite policy (overrides what the candidate advertises)."""
 
 
 @dataclass(frozen=True)
 class ClauseFinding:
     verdict: str
-    deviation: Optional[float]
+    deviation: float | None
     detail: str
 
 
@@ -125,7 +126,7 @@ def _wd(ctx: Context, value: float) -> float:
     return value if ctx.harness.mapping.accepts("weight_decay") else 0.0
 
 
-def _fmt(x: Optional[float]) -> str:
+def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2e}"
 
 
@@ -286,7 +287,7 @@ def _decay_forms(seen_a: list, seen_b: list, shrink: float, tol: Tolerance) -> d
     return out
 
 
-def _step_scales_with_theta(ctx: Context, *, lr: float) -> Optional[float]:
+def _step_scales_with_theta(ctx: Context, *, lr: float) -> float | None:
     """How far the weight_decay-0 first step taken from 2*theta0 is from the one taken from theta0, where they differ
     (AdamW's step does not depend on theta; a trust ratio's or a weight norm's does); None where they agree.
 

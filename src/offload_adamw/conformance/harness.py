@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,7 +47,7 @@ __all__ = [
     "load_bytes",
 ]
 
-Grads = Mapping[str, Optional[Tensor]]
+Grads = Mapping[str, Tensor | None]
 
 
 class NotApplicable(Exception):
@@ -196,11 +197,11 @@ class Harness:
         self.mapping = mapping
         self.device = torch.device(device)
         self.setup = tuple(setup)
-        self.named: Optional[bool] = None  # decided by the first successful construction
+        self.named: bool | None = None  # decided by the first successful construction
 
     # -- construction
 
-    def params(self, values: Mapping[str, Tensor], dtype: torch.dtype, device: Optional[torch.device] = None) -> dict[str, torch.nn.Parameter]:
+    def params(self, values: Mapping[str, Tensor], dtype: torch.dtype, device: torch.device | None = None) -> dict[str, torch.nn.Parameter]:
         """Fresh parameters, one per name, with the given (float64) values cast to ``dtype``."""
         dev = self.device if device is None else device
         return {name: torch.nn.Parameter(v.detach().to(dev, dtype).clone()) for name, v in values.items()}
@@ -258,7 +259,7 @@ class Harness:
         opt.step()
 
     def run(self, opt: Any, params: Mapping[str, Tensor], grad_seq: Sequence[Grads],
-            before: Optional[Callable[[int], None]] = None) -> list[dict[str, Tensor]]:
+            before: Callable[[int], None] | None = None) -> list[dict[str, Tensor]]:
         """Step through ``grad_seq``; observations of every parameter after each step."""
         seen = []
         for k, grads in enumerate(grad_seq):
@@ -271,7 +272,7 @@ class Harness:
     # -- observing
 
     @staticmethod
-    def master(opt: Any, p: Tensor) -> Optional[Tensor]:
+    def master(opt: Any, p: Tensor) -> Tensor | None:
         """The candidate's separate master copy of ``p``, or None when it keeps none (or hides it)."""
         getter = getattr(opt, "master_param", None)
         if callable(getter):
@@ -313,7 +314,7 @@ class Harness:
 
     # -- lr
 
-    def set_lr(self, opt: Any, lr: float, group: Optional[int] = None) -> None:
+    def set_lr(self, opt: Any, lr: float, group: int | None = None) -> None:
         """Write ``lr`` into the param groups; a tensor lr is filled in place (it stays a tensor)."""
         key = self.mapping.lr_key()
         groups = opt.param_groups if group is None else [opt.param_groups[group]]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import textwrap
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from offload_adamw._output import finite_json, render_table, terminal_width
 
@@ -40,7 +40,7 @@ class ClauseResult:
     """What the clause checks, in a few words."""
     verdict: str
     """``pass``, ``fail``, ``error``, ``n/a`` or ``info``."""
-    deviation: Optional[float]
+    deviation: float | None
     """The measured deviation that decided the verdict (None when nothing is measured)."""
     consequence: str
     """One line on what breaking this clause does to training."""
@@ -52,7 +52,7 @@ class ClauseResult:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
 
 
-def _format_deviation(value: Optional[float]) -> str:
+def _format_deviation(value: float | None) -> str:
     if value is None:
         return "-"
     if math.isinf(value) or math.isnan(value):
@@ -74,7 +74,7 @@ class Report:
     """One result per clause run, in clause order."""
     seconds: float = 0.0
     """Wall time of the whole check."""
-    timeout: Optional[float] = None
+    timeout: float | None = None
     """The time limit of each clause in seconds (None: the clauses ran in this process, unlimited)."""
 
     @property
@@ -83,7 +83,7 @@ class Report:
         return [r for r in self.results if r.verdict in ("fail", "error")]
 
     @property
-    def unproven(self) -> Optional[str]:
+    def unproven(self) -> str | None:
         """Why a report without failures still does not show AdamW (None when it does, or when nothing failed to show it)."""
         for r in self.results:
             if r.number == UPDATE_RULE_CLAUSE and r.verdict == "n/a":
@@ -115,7 +115,7 @@ class Report:
             "results": [asdict(r) for r in self.results],
         })
 
-    def to_table(self, width: Optional[int] = None) -> str:
+    def to_table(self, width: int | None = None) -> str:
         """A terminal table (clause, verdict, deviation, consequence), then the details."""
         width = width or terminal_width()
         rows = [[str(r.number), r.name, r.verdict.upper() if r.verdict in ("fail", "error") else r.verdict,

@@ -47,7 +47,7 @@ class StateBytes:
     def total(self) -> int:
         return self.moments + self.master + self.step
 
-    def __add__(self, other: "StateBytes") -> "StateBytes":
+    def __add__(self, other: StateBytes) -> StateBytes:
         return StateBytes(self.moments + other.moments, self.master + other.master, self.step + other.step)
 
 

@@ -21,9 +21,9 @@ A "tensor" here is a tuple of floats; ``t`` is that tensor's own integer count.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from numbers import Real
-from typing import Iterable, Optional, Sequence
 
 __all__ = ["Hyper", "State", "init_state", "adamw_step", "run", "oracle", "OracleResult"]
 
@@ -91,7 +91,7 @@ class State:
     m: Vector
     v: Vector
     t: int = 0
-    max_v: Optional[Vector] = None  # only with amsgrad
+    max_v: Vector | None = None  # only with amsgrad
 
     def __post_init__(self) -> None:
         theta = _vector("theta", self.theta)
@@ -126,7 +126,7 @@ def _finite(what: str, x: float) -> float:
     return x
 
 
-def adamw_step(state: State, grad: Optional[Sequence[float]], hp: Hyper) -> State:
+def adamw_step(state: State, grad: Sequence[float] | None, hp: Hyper) -> State:
     """One AdamW update of one tensor (docs/contract.md#one-update, #what-each-input-does).
 
     ``grad=None`` returns ``state`` itself: no decay, no moment change, t unchanged.
@@ -172,7 +172,7 @@ def adamw_step(state: State, grad: Optional[Sequence[float]], hp: Hyper) -> Stat
 
 def run(
     state: State,
-    grads: Sequence[Optional[Sequence[float]]],
+    grads: Sequence[Sequence[float] | None],
     hps: Sequence[Hyper] | Hyper,
 ) -> State:
     """Apply :func:`adamw_step` along a gradient history (one Hyper per step, or one for all)."""
@@ -195,7 +195,7 @@ class OracleResult:
 
 def oracle(
     theta0: Sequence[float],
-    grads: Sequence[Optional[Sequence[float]]],
+    grads: Sequence[Sequence[float] | None],
     hps: Sequence[Hyper] | Hyper,
 ) -> OracleResult:
     """The same computation without the moment recursion.

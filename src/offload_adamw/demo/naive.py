@@ -19,7 +19,8 @@ state_dict torch can save and load.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim.optimizer import ParamsT
@@ -44,7 +45,7 @@ class NaiveOffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

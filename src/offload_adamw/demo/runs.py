@@ -47,19 +47,20 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from offload_adamw._output import json_document
-from offload_adamw.optim.state import state_tensor_bytes
 from offload_adamw.demo.data import VOCAB_SIZE, CorpusConfig, load_corpus
 from offload_adamw.demo.naive import NaiveOffloadAdamW
 from offload_adamw.optim.optimizer import OffloadAdamW
+from offload_adamw.optim.state import state_tensor_bytes
 
 __all__ = ["DemoConfig", "RunResult", "run_demo"]
 
@@ -125,9 +126,9 @@ class RunResult:
     state_bytes: int
     param_distance: list[float] = field(default_factory=list)
     """||theta - theta_ref|| / ||theta_ref - theta_0|| at each validation step after 0."""
-    max_param_diff: Optional[float] = None
+    max_param_diff: float | None = None
     """Largest |theta - theta_ref| over all elements at the end."""
-    max_loss_diff: Optional[float] = None
+    max_loss_diff: float | None = None
     """Largest |loss - loss_ref| over all training steps."""
     unmoved_fraction: float = 0.0
     """Share of parameter elements whose (model-dtype) value never changed from its initial value."""
@@ -231,7 +232,7 @@ def train_one(
     config: DemoConfig,
     train_batches: list[tuple[Tensor, Tensor]],
     val_batches: list[tuple[Tensor, Tensor]],
-    reference: Optional[dict[str, Any]],
+    reference: dict[str, Any] | None,
     progress: bool,
 ) -> tuple[RunResult, dict[str, Any]]:
     """Train a copy of ``initial_model`` in ``dtype`` with the optimizer named ``key``.
@@ -539,7 +540,7 @@ def _report_markdown(summary: dict[str, Any], results: list[RunResult]) -> str:
     )
     bill = summary["planner"]
     if bill.get("available"):
-        lines += ["", f"The planner's bill for this model with bf16 parameters and OffloadAdamW (docs/contract.md, section Memory bill):", "",
+        lines += ["", "The planner's bill for this model with bf16 parameters and OffloadAdamW (docs/contract.md, section Memory bill):", "",
                   "| item | bytes | per parameter |", "|---|---|---|"]
         for item, nbytes in bill["bill"].items():
             lines.append(f"| {item} | {_fmt_bytes(nbytes)} | {nbytes / n:.1f} B |")

@@ -30,7 +30,8 @@ Contract:
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor

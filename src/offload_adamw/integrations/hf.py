@@ -25,7 +25,8 @@ Contract:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["trainer_param_groups", "trainer_optimizer", "OffloadAdamWTrainer"]  # noqa: F822 (module __getattr__)
 
 
-def _decay_names(model: "torch.nn.Module", trainer: Any = None) -> set[str]:
+def _decay_names(model: torch.nn.Module, trainer: Any = None) -> set[str]:
     if trainer is not None:
         return set(trainer.get_decay_parameter_names(model))
     from transformers import Trainer
@@ -42,7 +43,7 @@ def _decay_names(model: "torch.nn.Module", trainer: Any = None) -> set[str]:
     return set(Trainer.get_decay_parameter_names(None, model))
 
 
-def trainer_param_groups(model: "torch.nn.Module", weight_decay: float, *, decay_names: Optional[Iterable[str]] = None,
+def trainer_param_groups(model: torch.nn.Module, weight_decay: float, *, decay_names: Iterable[str] | None = None,
                          trainer: Any = None) -> list[dict[str, Any]]:
     """The Trainer's two groups (decay, no decay) of trainable parameters, with ``param_names``.
 
@@ -61,7 +62,7 @@ def trainer_param_groups(model: "torch.nn.Module", weight_decay: float, *, decay
     return groups
 
 
-def trainer_optimizer(model: "torch.nn.Module", args: Any, **optimizer_kwargs: Any) -> tuple[type, dict[str, Any]]:
+def trainer_optimizer(model: torch.nn.Module, args: Any, **optimizer_kwargs: Any) -> tuple[type, dict[str, Any]]:
     """``(OffloadAdamW, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)``; see the module docstring."""
     from offload_adamw.optim.optimizer import OffloadAdamW
 
@@ -91,7 +92,7 @@ def _make_trainer_class() -> type:
     class OffloadAdamWTrainer(Trainer):
         """A ``transformers.Trainer`` whose default optimizer is OffloadAdamW over :func:`trainer_optimizer`'s groups."""
 
-        def __init__(self, *args: Any, offload_adamw_kwargs: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, offload_adamw_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.offload_adamw_kwargs = dict(offload_adamw_kwargs or {})
 

@@ -23,7 +23,8 @@ No import of torch or of a recipe tool here; torchtune's own ``instantiate`` rea
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["COMPONENT_KEY", "resolve", "instantiate"]
 

@@ -31,8 +31,8 @@ torch/optim/adam.py dispatches):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -46,7 +46,7 @@ __all__ = ["StepHyper", "adamw_update_", "IMPLEMENTATIONS"]
 class StepHyper:
     """The hyperparameters of one parameter group at one step."""
 
-    lr: Union[float, Tensor]
+    lr: float | Tensor
     """Learning rate; a 1-element CPU tensor is passed through as torch does."""
     beta1: float
     """Decay rate of the first moment."""
@@ -139,7 +139,7 @@ def adamw_update_(
     steps: Sequence[Tensor],
     hp: StepHyper,
     *,
-    model_params: Optional[Sequence[Optional[Tensor]]] = None,
+    model_params: Sequence[Tensor | None] | None = None,
     impl: str = "blocked",
 ) -> None:
     """One AdamW update of every tensor in the lists (all of them have a gradient).

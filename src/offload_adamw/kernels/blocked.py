@@ -88,9 +88,9 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -176,16 +176,16 @@ def _chunk_ranges(numel: int, chunk: int):
 
 
 def _chunk_loop(
-    masters: List[Tensor],
-    grads: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    max_exp_avg_sqs: List[Tensor],
-    steps: List[Tensor],
-    outs: List[Optional[Tensor]],
-    tensor_index: List[int],
-    starts: List[int],
-    stops: List[int],
+    masters: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    outs: list[Tensor | None],
+    tensor_index: list[int],
+    starts: list[int],
+    stops: list[int],
     buffer: Tensor,
     lr: float,
     beta1: float,
@@ -194,7 +194,7 @@ def _chunk_loop(
     eps: float,
     amsgrad: bool,
     maximize: bool,
-) -> List[Tensor]:
+) -> list[Tensor]:
     """Chunks k = 0..: widen grad -> fused step on master/m/v views -> narrow into the model copy.
 
     Tensors are flat; chunk k is ``[starts[k], stops[k])`` of tensor ``tensor_index[k]``;
@@ -203,8 +203,8 @@ def _chunk_loop(
     Returns the last chunk's master view: TorchScript drops a call whose effects nothing
     reads, and the fused op's effects are on list elements, so they are made to be read.
     """
-    empty: List[Tensor] = []
-    last: List[Tensor] = empty
+    empty: list[Tensor] = []
+    last: list[Tensor] = empty
     for k in range(len(tensor_index)):
         i = tensor_index[k]
         a = starts[k]
@@ -357,7 +357,7 @@ def blocked_adamw_(
     exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor],
     steps: Sequence[Tensor],
-    model_params: Optional[Sequence[Optional[Tensor]]],
+    model_params: Sequence[Tensor | None] | None,
     hp,
     *,
     config: BlockConfig = DEFAULT_CONFIG,

@@ -70,8 +70,8 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -104,7 +104,7 @@ _numba_state: dict = {}
 _numba_lock = threading.Lock()
 
 
-def _load_numba() -> Optional[str]:
+def _load_numba() -> str | None:
     """Import numba and define the loop's LLVM pieces, once, at the first mixed step (importing
     numba takes about 0.3 s, which a process that never steps a mixed tensor does not pay).
     Returns None, or why numba is unavailable."""
@@ -224,7 +224,7 @@ def _define_numba_pieces() -> None:
         return sig, codegen
 
 
-def _make_kernel(grad_kind: str, out_kind: Optional[str], amsgrad: bool, maximize: bool, lerp_small: bool, cache: bool,
+def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: bool, lerp_small: bool, cache: bool,
                  contract_v: bool = True):
     """The loop of one variant, compiled by numba at its first call.
 
@@ -340,7 +340,7 @@ def _make_kernel(grad_kind: str, out_kind: Optional[str], amsgrad: bool, maximiz
 @dataclass(frozen=True)
 class _Variant:
     grad_dtype: torch.dtype
-    out_dtype: Optional[torch.dtype]
+    out_dtype: torch.dtype | None
     amsgrad: bool
     maximize: bool
     lerp_small: bool
@@ -416,7 +416,7 @@ class _Entry:
     def __init__(self, variant: _Variant):
         self.variant = variant
         self.kernel = None
-        self.reason: Optional[str] = _load_numba()
+        self.reason: str | None = _load_numba()
         self.seconds = 0.0
         if self.reason is not None:
             return
@@ -435,7 +435,7 @@ class _Entry:
         self.seconds = time.perf_counter() - start
 
 
-def _self_test(kernel, variant: _Variant) -> Optional[str]:
+def _self_test(kernel, variant: _Variant) -> str | None:
     """Run the loop and torch's fused op on the same data; None when all bits agree, else what differed.
 
     64 Ki elements over seven decades of magnitude, with exact zeros, -0.0, subnormal
@@ -564,7 +564,7 @@ def compiled_kernel_status() -> list[dict]:
     return numba_kernel_status()
 
 
-def available() -> Optional[str]:
+def available() -> str | None:
     """None where numba imports, else why not."""
     return _load_numba()
 
@@ -576,7 +576,7 @@ def plan(
     exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor],
     steps: Sequence[Tensor],
-    model_params: Optional[Sequence[Optional[Tensor]]],
+    model_params: Sequence[Tensor | None] | None,
     hp,
     indices: Sequence[int],
     *,
@@ -596,7 +596,7 @@ def plan(
     lr = float(hp.lr.item()) if tensor_lr else float(hp.lr)  # torch's tensor-lr overload reads it as a double
     hyper = (lr, float(hp.beta1), float(hp.beta2), float(hp.weight_decay), float(hp.eps))
     options = (bool(hp.amsgrad), bool(hp.maximize), abs(_f32(1 - hyper[1])) < 0.5, tensor_lr)
-    entries: dict[tuple, Optional[_Entry]] = {}  # (grad dtype, out dtype) -> the variant's entry
+    entries: dict[tuple, _Entry | None] = {}  # (grad dtype, out dtype) -> the variant's entry
     scalar_rows: dict[float, int] = {}
     scalars: list[tuple[float, ...]] = []
     pieces: dict[tuple, list[tuple[int, int, int]]] = {}  # (grad, out dtype) -> [(tensor, elements, scalar row)]

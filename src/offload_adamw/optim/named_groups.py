@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, TypeAlias
 
 import torch
 
@@ -62,7 +63,7 @@ class ParamGroupError(ValueError):
 class Rule:
     """One rule: the parameters whose names match ``pattern`` get ``hyper``."""
 
-    pattern: Union[str, "re.Pattern[str]"]
+    pattern: str | re.Pattern[str]
     """A glob over the whole name, or a regex (compiled, or a string starting with ``"re:"``) searched in it."""
     hyper: Mapping[str, Any] = field(default_factory=dict)
     """The hyperparameters of the rule's group, e.g. ``{"weight_decay": 0.0}``; the optimizer's defaults fill the rest."""
@@ -83,10 +84,10 @@ class Rule:
         return fnmatch.fnmatchcase(name, self.pattern)
 
 
-RuleLike = Union[Rule, tuple[Any, Mapping[str, Any]]]
+RuleLike: TypeAlias = Rule | tuple[Any, Mapping[str, Any]]
 
 
-def _as_rules(rules: Union[Mapping[Any, Mapping[str, Any]], Sequence[RuleLike]]) -> list[Rule]:
+def _as_rules(rules: Mapping[Any, Mapping[str, Any]] | Sequence[RuleLike]) -> list[Rule]:
     if isinstance(rules, Mapping):
         items: Iterable[Any] = list(rules.items())
     else:
@@ -112,7 +113,7 @@ def _as_rules(rules: Union[Mapping[Any, Mapping[str, Any]], Sequence[RuleLike]])
     return out
 
 
-def _check_hyper(where: str, hyper: Mapping[str, Any], known_keys: Optional[frozenset[str]]) -> None:
+def _check_hyper(where: str, hyper: Mapping[str, Any], known_keys: frozenset[str] | None) -> None:
     reserved = sorted(k for k in hyper if k in _RESERVED_KEYS)
     if reserved:
         raise ParamGroupError(f"{where}: {reserved} are set by param_groups, not by a rule")
@@ -139,10 +140,10 @@ def named_tensors(model: torch.nn.Module) -> dict[torch.Tensor, list[str]]:
 
 def named_param_groups(
     model: torch.nn.Module,
-    rules: Union[Mapping[Any, Mapping[str, Any]], Sequence[RuleLike]],
-    default: Optional[Mapping[str, Any]] = {},  # noqa: B006 - read only, never mutated
+    rules: Mapping[Any, Mapping[str, Any]] | Sequence[RuleLike],
+    default: Mapping[str, Any] | None = {},  # noqa: B006 - read only, never mutated
     *,
-    known_keys: Optional[Iterable[str]] = ADAMW_GROUP_KEYS,
+    known_keys: Iterable[str] | None = ADAMW_GROUP_KEYS,
 ) -> list[dict[str, Any]]:
     """Parameter groups of ``model``'s trainable parameters, from ordered name rules.
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -111,17 +112,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
-        foreach: Optional[bool] = None,
+        foreach: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
-        fused: Optional[bool] = None,
-        pin_memory: Optional[bool] = None,
+        fused: bool | None = None,
+        pin_memory: bool | None = None,
         nonfinite: str = "propagate",
         offload_gradients: bool = False,
-        transfer_pipeline: Optional[bool] = None,
+        transfer_pipeline: bool | None = None,
         bucket_bytes: int = 32 << 20,
         compiled_kernel: bool = False,
-        max_grad_norm: Optional[float] = None,
+        max_grad_norm: float | None = None,
         update_in_backward: bool = False,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
@@ -158,7 +159,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.last_grad_norm: Optional[Tensor] = None
+        self.last_grad_norm: Tensor | None = None
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -187,7 +188,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
-        self._pipeline: Optional[GradientPipeline] = None
+        self._pipeline: GradientPipeline | None = None
         if update_in_backward and max_grad_norm is not None:
             raise ValueError(
                 "update_in_backward=True cannot clip (max_grad_norm): the global gradient norm is known only after "
@@ -232,7 +233,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------- state
 
-    def master_param(self, p: Tensor) -> Optional[Tensor]:
+    def master_param(self, p: Tensor) -> Tensor | None:
         """The master the optimizer keeps for ``p``: the tensor the next update writes.
 
         That is the stored float32 (float64) master, or ``p`` itself when ``p`` is its own master
@@ -260,7 +261,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------- transfer pipeline
 
-    def _setup_pipeline(self, offload_gradients: bool, transfer_pipeline: Optional[bool], bucket_bytes: int, pin_memory: Optional[bool],
+    def _setup_pipeline(self, offload_gradients: bool, transfer_pipeline: bool | None, bucket_bytes: int, pin_memory: bool | None,
                         update_in_backward: bool = False) -> None:
         """The device path (accel/pipeline.py): hooks, exactly-sized pinned buffers, streams, bucketed step."""
         params = [p for g in self.param_groups for p in g["params"]]
@@ -297,7 +298,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self._pipeline is not None and self._pipeline.offload_gradients
 
     @property
-    def transfer_pipeline(self) -> Optional[GradientPipeline]:
+    def transfer_pipeline(self) -> GradientPipeline | None:
         """The transfer pipeline, or None when the plain host step runs."""
         return self._pipeline
 
@@ -322,7 +323,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """
         return None if self._pipeline is None else self._pipeline.last_step_timeline()
 
-    def gradient(self, p: Tensor) -> Optional[Tensor]:
+    def gradient(self, p: Tensor) -> Tensor | None:
         """The current gradient of ``p`` wherever it lives (the host buffer when device gradients are freed)."""
         return p.grad if self._pipeline is None else self._pipeline.gradient(p)
 
@@ -332,7 +333,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             return self._pipeline.gradient_tensors()
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
 
-    def host_gradient_holder(self) -> Optional[HostGradientHolder]:
+    def host_gradient_holder(self) -> HostGradientHolder | None:
         """Where GradScaler must unscale: the pipeline when device gradients are freed, else None (``p.grad``)."""
         if self.update_in_backward:
             raise RuntimeError(
@@ -369,7 +370,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.attach_ddp(ddp)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: bool | None = None) -> Tensor:
         """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
         if self.update_in_backward:
             raise RuntimeError(
@@ -446,7 +447,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "Shard the model over more processes, or use transfer_pipeline=False"
             )
 
-    def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Optional[Tensor]]], grad_scale: Optional[Tensor] = None) -> None:
+    def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None) -> None:
         """One update of each (parameter, host gradient, staging) in group ``group_index``.
 
         ``staging`` is a host tensor that receives round(master) for a parameter that lives on a
@@ -473,7 +474,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     # torch.compile(opt.step) runs the step eager: host state, pinned buffers and streams are no graph's business.
     @torch._disable_dynamo  # imports torch._dynamo at the first step, not at import (torch's optimizers do the same)
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW update of every parameter that has a gradient (docs/contract.md#what-each-input-does)."""
         loss = None
         if closure is not None:
@@ -511,7 +512,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         for gi in range(len(self.param_groups)):
             members = [(p, grad) for group_index, _, p, grad in present if group_index == gi]
-            updates: list[tuple[Tensor, Tensor, Optional[Tensor]]] = []
+            updates: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for p, grad in members:
                 host_grad = _distributed.local_grad(grad, p)
                 updates.append((p, host_grad if host_grad.device.type == "cpu" else host_grad.to("cpu"), None))

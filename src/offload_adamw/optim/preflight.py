@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
-
-import torch
+from typing import Any
 
 from offload_adamw.contract import bills
 from offload_adamw.distributed import local_tensor
@@ -92,7 +91,7 @@ class HostMemory:
     """The smallest of the figures below (or the override)."""
     sources: dict[str, int]
     """figure name -> bytes (MemAvailable, cgroup free, override)."""
-    memlock_limit: Optional[int]
+    memlock_limit: int | None
     """RLIMIT_MEMLOCK soft limit in bytes; None when unlimited or unknown."""
 
 
@@ -148,7 +147,7 @@ def state_bill(fresh: Sequence[tuple[dict[str, Any], int]], *, pin_memory: bool)
     return StateBill(tensors=len(fresh), moments=moments, masters=masters, steps=steps, pinned=pin_memory, pinned_blocks=blocks)
 
 
-def _meminfo_available(path: str = "/proc/meminfo") -> Optional[int]:
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
     try:
         for line in Path(path).read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -158,7 +157,7 @@ def _meminfo_available(path: str = "/proc/meminfo") -> Optional[int]:
     return None
 
 
-def _read_int(path: Path) -> Optional[int]:
+def _read_int(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
     except OSError:
@@ -180,7 +179,7 @@ def _ancestors(base: Path, root: Path) -> list[Path]:
     return out
 
 
-def _v1_hierarchical_limit(stat: Path) -> Optional[int]:
+def _v1_hierarchical_limit(stat: Path) -> int | None:
     try:
         for line in stat.read_text().splitlines():
             key, _, value = line.partition(" ")
@@ -191,7 +190,7 @@ def _v1_hierarchical_limit(stat: Path) -> Optional[int]:
     return None
 
 
-def cgroup_free(*, proc_cgroup: Optional[Path] = None, root: Optional[Path] = None) -> Optional[tuple[int, str]]:
+def cgroup_free(*, proc_cgroup: Path | None = None, root: Path | None = None) -> tuple[int, str] | None:
     """(bytes, file) of the tightest cgroup memory limit minus usage over this cgroup and its ancestors.
 
     None where no limit is set anywhere. cgroup v2 is read where this process has a v2 entry, else v1's
@@ -227,7 +226,7 @@ def cgroup_free(*, proc_cgroup: Optional[Path] = None, root: Optional[Path] = No
     return min(found) if found else None
 
 
-def _address_space_free() -> Optional[int]:
+def _address_space_free() -> int | None:
     """RLIMIT_AS minus the address space this process already maps; None when unlimited or unknown."""
     if resource is None:
         return None
@@ -249,7 +248,7 @@ def _local_world_size() -> int:
     return int(text) if text.isdigit() and int(text) > 0 else 1
 
 
-def host_memory(*, available_bytes: Optional[int] = None) -> HostMemory:
+def host_memory(*, available_bytes: int | None = None) -> HostMemory:
     """Measure the host (or take ``available_bytes`` / the environment override)."""
     sources: dict[str, int] = {}
     if available_bytes is None and os.environ.get(ENV_AVAILABLE):
@@ -279,9 +278,9 @@ def check_host_memory(
     fresh: Sequence[tuple[dict[str, Any], int]],
     *,
     pin_memory: bool,
-    available_bytes: Optional[int] = None,
+    available_bytes: int | None = None,
     memlock: str = "warn",
-) -> Optional[StateBill]:
+) -> StateBill | None:
     """Fail early, before allocating, if the state of ``fresh`` parameters cannot fit in host memory.
 
     ``fresh`` lists (group, index in group) of the parameters about to get

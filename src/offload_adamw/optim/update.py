@@ -19,8 +19,9 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,7 +44,7 @@ class TensorUpdate:
     """Its optimizer state; empty before its first update."""
     grad: Tensor
     """Its gradient, in host memory, of any floating dtype."""
-    model_copy: Optional[Tensor] = None
+    model_copy: Tensor | None = None
     """A host tensor that receives round(master) in its own dtype, or None."""
 
 
@@ -119,7 +120,7 @@ def update_group(
     *,
     impl: str,
     pin_memory: bool,
-    grad_scale: Optional[Tensor] = None,
+    grad_scale: Tensor | None = None,
 ) -> None:
     """One AdamW update of each tensor in ``updates``, all of them members of ``group``."""
     if not updates:
@@ -130,7 +131,7 @@ def update_group(
     exp_avg_sqs: list[Tensor] = []
     max_exp_avg_sqs: list[Tensor] = []
     steps: list[Tensor] = []
-    model_copies: list[Optional[Tensor]] = []
+    model_copies: list[Tensor | None] = []
     for u in updates:
         state = u.state
         if not state:

@@ -34,8 +34,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Union
 
 from offload_adamw.contract import bills
 from offload_adamw.planning.overlap import step_times, training_step_model
@@ -165,7 +166,7 @@ class ModelConfig:
     """Vocabulary size v (rows of the embedding and of the output projection)."""
     tie_word_embeddings: bool = False
     """Whether the output projection shares the embedding's weight (one tensor, counted once)."""
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     """Width of one head; None means hidden_size // num_attention_heads."""
     qkv_bias: bool = False
     """Biases on the q, k, v projections (Llama's attention_bias; Qwen2's default)."""
@@ -176,7 +177,7 @@ class ModelConfig:
     num_experts: int = 0
     """Routed experts of a mixture-of-experts MLP (Mixtral num_local_experts, Qwen2-MoE num_experts, DeepSeek
     n_routed_experts); 0: every MLP is dense."""
-    expert_intermediate_size: Optional[int] = None
+    expert_intermediate_size: int | None = None
     """Width of one routed expert (moe_intermediate_size); None means intermediate_size (Mixtral)."""
     shared_expert_intermediate_size: int = 0
     """Width of the always-active shared-expert MLP of a MoE layer (Qwen2-MoE shared_expert_intermediate_size;
@@ -188,9 +189,9 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     """Layers whose MLP stays dense in a MoE model (DeepSeek first_k_dense_replace, Qwen2-MoE mlp_only_layers and
     decoder_sparse_step)."""
-    kv_lora_rank: Optional[int] = None
+    kv_lora_rank: int | None = None
     """Multi-head latent attention (DeepSeek-V3): rank of the compressed key/value; None: ordinary attention."""
-    q_lora_rank: Optional[int] = None
+    q_lora_rank: int | None = None
     """Latent attention: rank of the compressed query; None: a full q_proj."""
     qk_rope_head_dim: int = 0
     """Latent attention: per-head width of the rotary part of queries and keys."""
@@ -266,7 +267,7 @@ class ModelConfig:
         p = f"model.layers.{index}."
         shapes: list[tuple[str, tuple[int, ...]]] = []
 
-        def linear(name: str, out_features: Optional[int], in_features: int, bias: bool) -> None:
+        def linear(name: str, out_features: int | None, in_features: int, bias: bool) -> None:
             if out_features is None:  # a norm: one weight vector
                 shapes.append((f"{p}{name}.weight", (in_features,)))
                 return
@@ -422,7 +423,7 @@ def _require(raw: dict[str, Any], source: str, keys: Sequence[str], what: str, n
         raise ValueError(f"{source}: missing {', '.join(repr(k) for k in missing)} ({what})")
 
 
-def model_from_hf_dict(raw: dict[str, Any], *, name: str, source: Optional[str] = None) -> ModelConfig:
+def model_from_hf_dict(raw: dict[str, Any], *, name: str, source: str | None = None) -> ModelConfig:
     """A ModelConfig from the fields of a Hugging Face config.
 
     Dense decoders (model_type llama, mistral, qwen2, or none given) and mixture-of-experts ones
@@ -677,9 +678,9 @@ class StrategyPlan:
     """Assumptions specific to this strategy."""
     comparison: bool = False
     """Planned only to compare with (see COMPARISONS): never the recommendation."""
-    step_time_serial_s: Optional[float] = None
+    step_time_serial_s: float | None = None
     """Estimated training step with the optimizer after backward (planning/overlap.py); None without compute figures."""
-    step_time_overlapped_s: Optional[float] = None
+    step_time_overlapped_s: float | None = None
     """The same with each group's host update started as its gradients arrive (equal to serial where the optimizer runs on the GPU)."""
 
     @property
@@ -733,7 +734,7 @@ class Plan:
     """The training set-up planned for."""
     strategies: tuple[StrategyPlan, ...]
     """One entry per strategy, in STRATEGIES order."""
-    recommendation: Optional[str]
+    recommendation: str | None
     """Name of the recommended strategy, None when nothing fits."""
     reason: str
     """Why that one (or why none)."""
@@ -1004,7 +1005,7 @@ def _fmt_gb(x: float) -> str:
     return f"{x / GB:,.1f} GB"
 
 
-def _recommend(strategies: Sequence[StrategyPlan], world: int) -> tuple[Optional[str], str]:
+def _recommend(strategies: Sequence[StrategyPlan], world: int) -> tuple[str | None, str]:
     """The fitting strategy with the smallest step-time bound; ties go to the larger GPU margin.
 
     Only strategies this project provides are candidates; comparisons are never recommended.
