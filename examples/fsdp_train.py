@@ -113,7 +113,7 @@ def batch(cfg: TrainConfig, step: int, rank: int, device: torch.device) -> torch
 def setup() -> tuple[torch.device, object]:
     """Process group and 1-D device mesh: nccl on GPUs, gloo on CPU; torchrun provides rank and world."""
     if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:

@@ -70,8 +70,8 @@ def full_states(model, optimizer) -> dict[str, torch.Tensor]:
     for pid, state in sd["state"].items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                value = value.full_tensor() if isinstance(value, DTensor) else value
-                out[f"{names[pid]}.{key}"] = value.detach().clone()
+                tensor = value.full_tensor() if isinstance(value, DTensor) else value
+                out[f"{names[pid]}.{key}"] = tensor.detach().clone()
     return out
 
 

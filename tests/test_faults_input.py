@@ -28,7 +28,7 @@ from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, Checkpo
 
 def snapshot(model, optimizer, scheduler) -> dict:
     out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for i, (p, state) in enumerate(optimizer.state.items()):
+    for i, state in enumerate(optimizer.state.values()):
         for key, value in state.items():
             out[f"opt/{i}/{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
     out["groups"] = repr([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
@@ -379,7 +379,7 @@ def test_impossible_state_in_a_checkpoint_is_refused_by_load(tmp_path, case):
     train(model, optimizer, scheduler, 2)
     sd = edit(optimizer.state_dict())
     # write the impossible values into the optimizer itself, then checkpoint it
-    for (p, state), saved in zip(optimizer.state.items(), sd["state"].values()):
+    for state, saved in zip(optimizer.state.values(), sd["state"].values()):
         state.update({k: v for k, v in saved.items()})
     optimizer.param_groups[0]["weight_decay"] = sd["param_groups"][0]["weight_decay"]
     path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler)

@@ -106,15 +106,15 @@ def _run_ours(layout, model_dtype, opts, impl, config, seed=0):
         lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
         weight_decay=h["weight_decay"], amsgrad=h["amsgrad"], maximize=h["maximize"],
     )
-    like = lambda t: torch.zeros_like(t)  # noqa: E731  (keeps the master's strides)
+    like = torch.zeros_like  # keeps the master's strides
     m = [like(t) for t in masters]
     v = [like(t) for t in masters]
     mv = [like(t) for t in masters] if hp.amsgrad else []
     steps = [torch.zeros((), dtype=torch.float32) for _ in masters]
     mixed = masters[0].dtype != model_dtype
     outs = [torch.empty_like(t, dtype=model_dtype) for t in masters] if mixed else None
-    for g in grads:
-        g = [x.clone() for x in g]
+    for step_grads in grads:
+        g = [x.clone() for x in step_grads]
         if config is None:
             adamw_update_(masters, g, m, v, mv, steps, hp, model_params=outs, impl=impl)
         else:
@@ -163,7 +163,7 @@ def _assert_bitwise(ours, ref):
 MODEL_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 @pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_fast_path_bitwise_equals_torch_fused(layout, dtype, variant):
@@ -197,7 +197,7 @@ def test_default_chunking_on_tensors_larger_than_a_chunk():
             _assert_bitwise(_run_ours(layout, dtype, {}, "blocked", config), _run_torch(layout, dtype, {}, dict(fused=True)))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 @pytest.mark.parametrize("option", OPTIONS, ids=str)
 def test_for_loop_bitwise_equals_torch_single_tensor(layout, option):
     ours = _run_ours(layout, torch.float32, OPTIONS[option], "for_loop", None)

@@ -150,7 +150,7 @@ def test_tensor_lr_bitwise():
     q = torch.nn.Parameter(p.detach().clone())
     a = OffloadAdamW([p], lr=torch.tensor(0.01))
     b = torch.optim.AdamW([q], lr=torch.tensor(0.01), fused=True)
-    for i in range(10):
+    for _ in range(10):
         g = torch.randn(10, 3)
         p.grad, q.grad = g.clone(), g.clone()
         a.step()

@@ -152,7 +152,7 @@ def test_clipping_the_model_after_early_updates_is_refused() -> None:
     model = Blocks(width=16)
     with pytest.raises(ValueError, match="cannot clip"):
         OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True, max_grad_norm=1.0)
-    opt = OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True)
+    opt = OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True)  # noqa: F841 - its hooks must stay alive
     before = [p.detach().clone() for p in model.parameters()]
     model(_batches(1, width=16)[0]).square().mean().backward()
     with pytest.raises(RuntimeError, match="update_in_backward=True"):

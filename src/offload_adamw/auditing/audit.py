@@ -509,7 +509,7 @@ def audit(
             _finding(
                 "duplicate_in_optimizer",
                 f"{len(twice)} tensor(s) appear more than once in the optimizer and are updated once per appearance: "
-                + "; ".join(f"{name_of(p)} at {['param_groups[%d][%d]' % gj for gj in where[p]]}" for p in twice[:6]),
+                + "; ".join(f"{name_of(p)} at {[f'param_groups[{gj[0]}][{gj[1]}]' for gj in where[p]]}" for p in twice[:6]),
                 names,
                 places={name_of(p): [list(gj) for gj in where[p]] for p in twice},
                 tied_names=aliases(twice),
@@ -551,7 +551,7 @@ def audit(
         return p.requires_grad or p.grad is not None
 
     decayed: dict[Tensor, list[float]] = {}
-    for gi, group in enumerate(optimizer.param_groups):
+    for group in optimizer.param_groups:
         wd = _float(group.get("weight_decay")) or 0.0
         for p in group["params"]:
             if wd > 0 and p.ndim <= 1 and updated(p) and wd not in decayed.setdefault(p, []):

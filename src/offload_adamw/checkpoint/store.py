@@ -284,8 +284,8 @@ def _host_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """Contiguous host tensors with no two sharing memory (safetensors refuses shared storage)."""
     out: dict[str, Tensor] = {}
     seen: set[int] = set()
-    for key, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
+    for key, tensor in tensors.items():
+        t = tensor.detach().to("cpu").contiguous()
         if t.numel():
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:

@@ -326,7 +326,7 @@ def write_plot(result: Plan, path: str) -> None:
             ax.bar(names, values, bottom=bottoms, label=label, color=colors[index % len(colors)])
             bottoms = [b + v for b, v in zip(bottoms, values)]
         ax.axhline(capacity / GB, color="black", linestyle="--", linewidth=1.5, label=f"capacity {capacity / GB:,.0f} GB")
-        top = max(max(bottoms), capacity / GB)
+        top = max(*bottoms, capacity / GB)
         ax.set_ylim(0, min(top, 4 * capacity / GB) * 1.08)  # a huge misfit would squash the others
         for x, total in enumerate(bottoms):
             ax.text(x, min(total, ax.get_ylim()[1] / 1.08), f"{total:,.0f}", ha="center", va="bottom", fontsize=8)

@@ -152,10 +152,10 @@ def adamw_step(state: State, grad: Sequence[float] | None, hp: Hyper) -> State:
     shrink = 1.0 - hp.lr * hp.weight_decay
 
     theta, m, v, max_v = [], [], [], []
-    for i, (th, mi, vi, gi) in enumerate(zip(state.theta, state.m, state.v, g)):
-        th = _finite(f"theta[{i}] after decay", th * shrink)  # decay the PRE-update value
-        mi = _finite(f"m[{i}]", hp.beta1 * mi + (1.0 - hp.beta1) * gi)
-        vi = _finite(f"v[{i}]", hp.beta2 * vi + (1.0 - hp.beta2) * gi * gi)
+    for i, (th_prev, m_prev, v_prev, gi) in enumerate(zip(state.theta, state.m, state.v, g)):
+        decayed = _finite(f"theta[{i}] after decay", th_prev * shrink)  # decay the PRE-update value
+        mi = _finite(f"m[{i}]", hp.beta1 * m_prev + (1.0 - hp.beta1) * gi)
+        vi = _finite(f"v[{i}]", hp.beta2 * v_prev + (1.0 - hp.beta2) * gi * gi)
         denom_v = vi
         if hp.amsgrad:
             assert state.max_v is not None
@@ -163,7 +163,7 @@ def adamw_step(state: State, grad: Sequence[float] | None, hp: Hyper) -> State:
             max_v.append(mv)
             denom_v = mv
         denom = _finite(f"denominator[{i}]", math.sqrt(denom_v) / math.sqrt(c2) + hp.eps)  # eps OUTSIDE the root
-        th = _finite(f"theta[{i}]", th - (hp.lr / c1) * mi / denom)
+        th = _finite(f"theta[{i}]", decayed - (hp.lr / c1) * mi / denom)
         theta.append(th)
         m.append(mi)
         v.append(vi)

@@ -385,7 +385,7 @@ def blocked_adamw_(
 
     torch._foreach_add_(list(steps), 1)
 
-    for dtype, idx in plain.items():
+    for idx in plain.values():
         torch._fused_adamw_(
             [masters[i] for i in idx],
             [grads[i] for i in idx],

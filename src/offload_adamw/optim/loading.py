@@ -182,18 +182,18 @@ def _convert_state(p: Tensor, group: dict[str, Any], where: str, saved: dict[str
         if tuple(value.shape) != tuple(p.shape):
             problems.append(f"{where}: {key} has shape {tuple(value.shape)}, the parameter has {tuple(p.shape)}")
             continue
-        value = local_shard_of(value, p)  # this rank's piece of the (global) saved state
+        shard = local_shard_of(value, p)  # this rank's piece of the (global) saved state
         if key in MOMENT_KEYS or key == MASTER_KEY:
-            if not value.is_floating_point():
-                problems.append(f"{where}: {key} has dtype {value.dtype}")
+            if not shard.is_floating_point():
+                problems.append(f"{where}: {key} has dtype {shard.dtype}")
                 continue
-            impossible = _impossible_values(key, value)
+            impossible = _impossible_values(key, shard)
             if impossible is not None:
                 problems.append(f"{where}: {impossible}; no run of AdamW reaches this state")
                 continue
-            out[key] = host_state.host_copy(value, dtype, pin=pin)
+            out[key] = host_state.host_copy(shard, dtype, pin=pin)
         else:
-            out[key] = value.detach().clone()
+            out[key] = shard.detach().clone()
     for key in ("step", "exp_avg", "exp_avg_sq"):
         if saved and key not in saved:
             problems.append(f"{where}: state has no {key!r}")

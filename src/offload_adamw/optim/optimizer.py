@@ -456,8 +456,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         """
         group = self.param_groups[group_index]
         work = []
-        for p, grad, staging in updates:
+        for p, grad, given_staging in updates:
             local = _distributed.local_tensor(p)
+            staging = given_staging
             if staging is None and local.device.type == "cpu" and not host_state.is_own_master(local):
                 staging = local.data
             work.append(_update.TensorUpdate(local, self.state[p], grad, staging))

@@ -77,12 +77,13 @@ def measure_host_bandwidth(
         scalar = 1e-3
         moved = 3 * elements * a.element_size()  # bytes STREAM counts for both kernels
 
-        triad = _time_passes(lambda: torch.add(b, c, alpha=scalar, out=a), repeats)
+        # The lambda and inplace() run inside _time_passes, before the `del` below: ruff's F821 is wrong here.
+        triad = _time_passes(lambda: torch.add(b, c, alpha=scalar, out=a), repeats)  # noqa: F821
         # Alternate the sign so that repeated passes keep the values bounded.
         sign = [1.0]
 
         def inplace():
-            a.add_(b, alpha=sign[0] * scalar)
+            a.add_(b, alpha=sign[0] * scalar)  # noqa: F821
             sign[0] = -sign[0]
 
         inplace_triad = _time_passes(inplace, repeats)
