@@ -85,7 +85,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab, cfg.width)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(cfg.width, nhead=4, dim_feedforward=4 * cfg.width, dropout=0.0, batch_first=True, norm_first=True)
+            nn.TransformerEncoderLayer(
+                cfg.width, nhead=4, dim_feedforward=4 * cfg.width, dropout=0.0, batch_first=True, norm_first=True
+            )
             for _ in range(cfg.layers)
         )
         self.norm = nn.LayerNorm(cfg.width)
@@ -136,7 +138,11 @@ def build(cfg: TrainConfig, device: torch.device, mesh) -> tuple[nn.Module, Offl
 
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
-    found = [(int(m.group(1)), p) for p in ckpt_dir.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / ".metadata").exists()]
+    found = [
+        (int(m.group(1)), p)
+        for p in ckpt_dir.glob("step_*")
+        if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / ".metadata").exists()
+    ]
     return max(found) if found else None
 
 

@@ -61,7 +61,9 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int | None, clip: float | None = None) -> list[float]:
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int | None, clip: float | None = None
+) -> list[float]:
     """``steps`` optimizer steps on ``batch(step, rank)``; with ``clip``, torch's clip_grad_norm_ before each step.
 
     Returns the loss of each step (this rank's rows only when ``rank`` is given).

@@ -418,7 +418,9 @@ def check_clipping(rank, mesh, measured):
     mean_losses /= WORLD
     reference = torch.tensor(losses["ref"], dtype=torch.float64)
     measured["clipped_max_abs_loss_diff_vs_single_process"] = float((mean_losses - reference).abs().max())
-    measured["clipped_max_abs_param_diff_vs_single_process"] = diff(full_params(runs["fsdp_ours"][0]), full_params(runs["ref"][0]))[1]
+    measured["clipped_max_abs_param_diff_vs_single_process"] = diff(
+        full_params(runs["fsdp_ours"][0]), full_params(runs["ref"][0])
+    )[1]
     assert torch.allclose(mean_losses, reference, rtol=RTOL, atol=ATOL), (mean_losses, reference)
 
 

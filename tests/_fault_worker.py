@@ -252,7 +252,9 @@ def kills(root: Path, mode: str, n_kills: int, n_double: int, n_timer: int, seed
     points = sorted(_draw(rng, save_events, half) + _draw(rng, step_events, n_kills - half))
     plans = [[k] for k in points]
     if mode == "fallback":  # every point of every publish without the exchange: around each rename and removal
-        plans += [[i + 1] for i, label in enumerate(labels) if label.startswith(("save: rename", "save: rmtree", "save: _publish"))]
+        plans += [
+            [i + 1] for i, label in enumerate(labels) if label.startswith(("save: rename", "save: rmtree", "save: _publish"))
+        ]
     plans += [[rng.choice(step_events + save_events), rng.randint(3, 40)] for _ in range(n_double)]
     runs = []
     for index, plan in enumerate(plans):

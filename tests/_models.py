@@ -27,5 +27,7 @@ def tiny_gpt2() -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)

@@ -49,7 +49,9 @@ CASES = [
     if not (static and (clip or acc > 1))
 ]
 # torch.amp.GradScaler (unscale_, clip, step, update; one step with inf skipped), both modes
-CASES += [dict(freed=freed, bucket_view=True, accumulate=2, static_graph=False, clip=True, scaler=True) for freed in (False, True)]
+CASES += [
+    dict(freed=freed, bucket_view=True, accumulate=2, static_graph=False, clip=True, scaler=True) for freed in (False, True)
+]
 #: The cases CI runs (the whole matrix is the slow test): every mode, bucket setting and accumulation at least once.
 QUICK = {
     "kept-copies-acc1", "kept-views-acc4", "freed-copies-acc4-clip",

@@ -323,7 +323,9 @@ class PositionalLoad(TextbookAdamW):
 class NoValidation(TextbookAdamW):
     """Takes any hyperparameters: skips the constructor checks."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *, maximize=False, **_: Any):
+    def __init__(
+        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *, maximize=False, **_: Any
+    ):
         self.nonfinite = "propagate"
         self.skipped_steps = 0
         self._pin_memory = False

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:optimizer contains a parameter g
 LLAMA_RULES = [("*norm*", {"weight_decay": 0.0})]
 GPT2_RULES = [("*.bias", {"weight_decay": 0.0}), ("*.ln_*", {"weight_decay": 0.0})]
 LLAMA_NORMS = tuple(
-    [f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
+    [f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
+    + ["model.norm.weight"]
 )
 
 

@@ -23,7 +23,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def make(dtype: torch.dtype, **options):
@@ -99,7 +103,9 @@ def test_propagate_equals_torch_fused_adamw_bitwise(bad):
     for name, p in params.items():
         torch.testing.assert_close(p, torch_params[name], rtol=0, atol=0, equal_nan=True)
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(optimizer.state[p][key], torch_opt.state[torch_params[name]][key], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(
+                optimizer.state[p][key], torch_opt.state[torch_params[name]][key], rtol=0, atol=0, equal_nan=True
+            )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

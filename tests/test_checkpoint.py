@@ -23,7 +23,11 @@ from offload_adamw.checkpoint import CheckpointError, CheckpointMismatch
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def snapshot(model, optimizer, scheduler=None) -> dict:
@@ -91,7 +95,9 @@ def test_files_are_safetensors_and_json_and_load_never_unpickles(tmp_path, monke
     model, optimizer, scheduler = build()
     train(model, optimizer, scheduler, 1)
     path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra={"t": torch.arange(3), "pair": (1, 2.5)})
-    assert sorted(p.name for p in path.iterdir()) == sorted([*checkpoint.DATA_FILES, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE])
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [*checkpoint.DATA_FILES, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE]
+    )
     for name in (checkpoint.MODEL_FILE, checkpoint.OPTIMIZER_FILE, checkpoint.AUX_FILE):
         with safe_open(str(path / name), "pt") as f:
             assert f.metadata()["format"] == checkpoint.FORMAT
@@ -120,7 +126,13 @@ def test_unsaveable_objects_are_refused_before_the_disk_is_touched(tmp_path):
 def test_extra_and_rng_round_trip(tmp_path):
     np = pytest.importorskip("numpy")
     model, optimizer, scheduler = build()
-    extra = {"nested": [(1, "a"), {"k": None}], 3: "int key", "__x": 1.5, "inf": float("inf"), "t": torch.ones(2, dtype=torch.bfloat16)}
+    extra = {
+        "nested": [(1, "a"), {"k": None}],
+        3: "int key",
+        "__x": 1.5,
+        "inf": float("inf"),
+        "t": torch.ones(2, dtype=torch.bfloat16),
+    }
     checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra=extra)
     expected = (torch.rand(3), random.random(), np.random.rand())
     torch.rand(5), random.random(), np.random.rand()  # move every generator on
@@ -243,7 +255,9 @@ def test_checkpoint_into_reordered_model_is_matched_by_name_even_without_param_n
     optimizer2 = OffloadAdamW(reordered.parameters(), lr=0.1)
     checkpoint.load(tmp_path / "c", reordered, optimizer2)
     for name in "ab":
-        assert torch.equal(optimizer2.state[getattr(reordered, name)]["exp_avg"], optimizer.state[getattr(model, name)]["exp_avg"])
+        assert torch.equal(
+            optimizer2.state[getattr(reordered, name)]["exp_avg"], optimizer.state[getattr(model, name)]["exp_avg"]
+        )
         assert torch.equal(getattr(reordered, name), getattr(model, name))
 
 
@@ -256,12 +270,21 @@ CASES = {
     "wrong_shape": ({}, {"hidden": 10}, "groups", {"wrong_shape": ["inp.bias", "inp.weight", "out.weight"]}),
     "wrong_dtype": ({}, {"out_dtype": torch.float32}, "groups", {"wrong_dtype": ["out.bias", "out.weight"]}),
     "moved_group": ({}, {}, "swap", {"group_mismatch": ["inp.bias"]}),
-    "group_count": ({}, {}, "single", {"group_mismatch": ["inp.bias", "out.bias"], "problem": "2 parameter group(s), the optimizer has 1"}),
+    "group_count": (
+        {},
+        {},
+        "single",
+        {"group_mismatch": ["inp.bias", "out.bias"], "problem": "2 parameter group(s), the optimizer has 1"},
+    ),
     "everything": (
         {},
         {"extra": True, "hidden": 10, "out_dtype": torch.float32},
         "groups",
-        {"missing": ["extra.bias", "extra.weight"], "wrong_shape": ["inp.bias", "inp.weight", "out.weight"], "wrong_dtype": ["out.bias"]},
+        {
+            "missing": ["extra.bias", "extra.weight"],
+            "wrong_shape": ["inp.bias", "inp.weight", "out.weight"],
+            "wrong_dtype": ["out.bias"],
+        },
     ),
 }
 

@@ -49,7 +49,9 @@ def _target(kind: str, params: list[nn.Parameter]):
 )
 def test_clip_equals_torch_on_the_same_gradients(kind, dtype, norm_type, max_norm, seed, missing) -> None:
     gen = torch.Generator().manual_seed(seed)
-    grads = [None if i == missing and kind != "one_tensor" else torch.randn(s, generator=gen).to(dtype) for i, s in enumerate(SHAPES)]
+    grads = [
+        None if i == missing and kind != "one_tensor" else torch.randn(s, generator=gen).to(dtype) for i, s in enumerate(SHAPES)
+    ]
     ours, theirs = _params(dtype), _params(dtype)
     target = _target(kind, ours)
     for p, q, g in zip(ours, theirs, grads):

@@ -278,7 +278,9 @@ def test_compare_accepts_exactly_the_stated_tolerance(values, rtol, atol, factor
     ok, deviation = compare(actual, expected, Tolerance(rtol, atol))
     assert ok == bool(((actual - expected).abs() <= bound).all())
     assert compare(expected, expected, Tolerance(0.0, 0.0)) == (True, 0.0)
-    assert math.isclose(deviation, float(((actual - expected).abs() / expected.abs().clamp(min=1e-3)).max()), rel_tol=1e-9, abs_tol=1e-300)
+    assert math.isclose(
+        deviation, float(((actual - expected).abs() / expected.abs().clamp(min=1e-3)).max()), rel_tol=1e-9, abs_tol=1e-300
+    )
     nan_actual = expected.clone()
     nan_actual[0] = math.nan
     assert compare(nan_actual, expected, Tolerance(1.0, 1.0)) == (False, math.inf)

@@ -176,7 +176,16 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_train.py"
 
 
 def _torchrun(nproc: int, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(EXAMPLE), "--json", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(EXAMPLE),
+        "--json",
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])

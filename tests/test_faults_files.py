@@ -139,7 +139,10 @@ def test_full_tmpfs_during_save_fails_cleanly(tmp_path):
     """A real full filesystem (ENOSPC), where this user may mount a small tmpfs."""
     mount = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mount)], capture_output=True).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mount)], capture_output=True).returncode
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         model, optimizer, scheduler = build()

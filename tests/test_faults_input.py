@@ -59,7 +59,9 @@ def recommit(path: Path, meta: dict | None = None, meta_bytes: bytes | None = No
     }
     manifest = json.dumps({"format": checkpoint.FORMAT, "version": 1, "files": files}).encode()
     (path / checkpoint.MANIFEST_FILE).write_bytes(manifest)
-    (path / checkpoint.COMMIT_FILE).write_text(json.dumps({"format": checkpoint.FORMAT, "manifest_sha256": hashlib.sha256(manifest).hexdigest()}))
+    (path / checkpoint.COMMIT_FILE).write_text(
+        json.dumps({"format": checkpoint.FORMAT, "manifest_sha256": hashlib.sha256(manifest).hexdigest()})
+    )
 
 
 @pytest.fixture
@@ -198,7 +200,12 @@ def test_optimizer_refusal_puts_the_scheduler_back(saved):
 
 def test_extra_keys_that_look_alike_do_not_collide(tmp_path):
     model, optimizer, scheduler = build()
-    extra = {"train/loss": torch.tensor([1.0]), "train": {"loss": torch.tensor([2.0])}, "a%2Fb": torch.tensor([3.0]), "a/b": torch.tensor([4.0])}
+    extra = {
+        "train/loss": torch.tensor([1.0]),
+        "train": {"loss": torch.tensor([2.0])},
+        "a%2Fb": torch.tensor([3.0]),
+        "a/b": torch.tensor([4.0]),
+    }
     path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra=extra)
     back = checkpoint.load(path, *build(seed=1)).extra
     assert torch.equal(back["train/loss"], torch.tensor([1.0])) and torch.equal(back["train"]["loss"], torch.tensor([2.0]))
@@ -220,7 +227,9 @@ def test_meta_device_optimizer_load_is_refused(saved):
     state_dict = optimizer.state_dict()
     with torch.device("meta"):
         meta_model = Net()
-    meta_opt = OffloadAdamW([{"params": list(meta_model.named_parameters())[:2]}, {"params": list(meta_model.named_parameters())[2:]}])
+    meta_opt = OffloadAdamW(
+        [{"params": list(meta_model.named_parameters())[:2]}, {"params": list(meta_model.named_parameters())[2:]}]
+    )
     train(model, optimizer, build()[2], 1)
     with pytest.raises(StateDictMismatch, match="meta device"):
         meta_opt.load_state_dict(optimizer.state_dict())
@@ -353,7 +362,10 @@ IMPOSSIBLE = {
     "state_entry_a_list": (lambda sd: {**sd, "state": {**sd["state"], 0: [1, 2]}}, "state entry 0 must be a dict"),
     "state_a_list": (lambda sd: {**sd, "state": []}, "state must be a dict"),
     "groups_a_dict": (lambda sd: {**sd, "param_groups": {}}, "param_groups must be a list"),
-    "group_without_params": (lambda sd: {**sd, "param_groups": [{"lr": 1.0}, *sd["param_groups"][1:]]}, "must be a dict with a list 'params'"),
+    "group_without_params": (
+        lambda sd: {**sd, "param_groups": [{"lr": 1.0}, *sd["param_groups"][1:]]},
+        "must be a dict with a list 'params'",
+    ),
     "param_names_too_short": (_set_group("param_names", ["inp.weight"]), "one per entry of 'params'"),
 }
 
@@ -414,7 +426,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 _keys = st.text(alphabet="a/%2F_", min_size=0, max_size=4)
 _leaves = st.one_of(st.integers(-5, 5), st.none(), st.integers(0, 9).map(lambda n: torch.arange(n, dtype=torch.float32)))
-_values = st.recursive(_leaves, lambda inner: st.one_of(st.dictionaries(_keys, inner, max_size=4), st.lists(inner, max_size=3)), max_leaves=12)
+_values = st.recursive(
+    _leaves, lambda inner: st.one_of(st.dictionaries(_keys, inner, max_size=4), st.lists(inner, max_size=3)), max_leaves=12
+)
 
 
 def _same_value(a, b) -> bool:

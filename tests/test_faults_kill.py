@@ -53,7 +53,11 @@ def fast_dir(tmp_path):
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def assert_same_end_state(run_dir: Path, ref_dir: Path) -> None:
@@ -72,7 +76,11 @@ def assert_same_end_state(run_dir: Path, ref_dir: Path) -> None:
 
 def published_before_each_start(run_dir: Path) -> list[tuple[int, int]]:
     """(last step whose save had returned before a start, the step that start resumed from), per start."""
-    published = [json.loads(line) for line in (run_dir / "published.jsonl").read_text().splitlines()] if (run_dir / "published.jsonl").exists() else []
+    published = (
+        [json.loads(line) for line in (run_dir / "published.jsonl").read_text().splitlines()]
+        if (run_dir / "published.jsonl").exists()
+        else []
+    )
     starts = [json.loads(line) for line in (run_dir / "resumes.jsonl").read_text().splitlines()]
     out = []
     for start in starts:
@@ -97,7 +105,11 @@ def check_runs(report: dict, mode: str, n_kills: int, n_double: int) -> dict:
     ref_dir = Path(report["reference"])
     runs = report["runs"]
     planned = [r for r in runs if r["plan"]]
-    killed_first = [r for r in planned if r["ends"][0] == {"kill_at": r["plan"][0], "timer_s": None, "ended": "signal", "signal": signal.SIGKILL}]
+    killed_first = [
+        r
+        for r in planned
+        if r["ends"][0] == {"kill_at": r["plan"][0], "timer_s": None, "ended": "signal", "signal": signal.SIGKILL}
+    ]
     every_publish_point = sum(r["first_label"].startswith(("save: rename", "save: rmtree", "save: _publish")) for r in planned)
     assert len(killed_first) == len(planned), [r["ends"][0] for r in planned]
     assert len(planned) >= n_kills + n_double

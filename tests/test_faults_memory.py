@@ -16,7 +16,14 @@ from offload_adamw import OffloadAdamW
 from offload_adamw.optim.preflight import ENV_AVAILABLE, ENV_SWITCH, HostMemoryError, check_host_memory, host_memory, state_bill
 
 # (parameter dtype, amsgrad): every kind of state the optimizer can allocate.
-CONFIGS = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False), (torch.float64, True)]
+CONFIGS = [
+    (torch.float32, False),
+    (torch.float32, True),
+    (torch.bfloat16, False),
+    (torch.bfloat16, True),
+    (torch.float16, False),
+    (torch.float64, True),
+]
 
 
 def model_of(dtype: torch.dtype) -> torch.nn.Module:
@@ -72,7 +79,12 @@ def test_refusal_gives_the_figures_per_kind(pin_memory):
     with pytest.raises(HostMemoryError) as info:
         check_host_memory(fresh, pin_memory=pin_memory, available_bytes=need - 1, memlock="ignore")
     message = str(info.value)
-    for figure in ("moments 7.9 KiB (8,080 bytes)", "masters 3.9 KiB (4,040 bytes)", "step counters 8 bytes", f"{need - 1:,} bytes"):
+    for figure in (
+        "moments 7.9 KiB (8,080 bytes)",
+        "masters 3.9 KiB (4,040 bytes)",
+        "step counters 8 bytes",
+        f"{need - 1:,} bytes",
+    ):
         assert figure in message, (figure, message)
     assert ("power-of-two blocks" in message) == pin_memory and ("pin_memory=False" in message) == pin_memory
     assert info.value.bill.total == need and info.value.memory.available == need - 1
@@ -213,7 +225,9 @@ def test_host_memory_takes_the_hierarchy_and_divides_by_the_ranks_of_the_node(tm
     monkeypatch.setattr(preflight, "CGROUP_ROOT", tmp_path / "cg")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     alone = host_memory()
-    assert any(name.startswith("cgroup limit - usage") and value == 1 << 30 for name, value in alone.sources.items()), alone.sources
+    assert any(name.startswith("cgroup limit - usage") and value == 1 << 30 for name, value in alone.sources.items()), (
+        alone.sources
+    )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     shared = host_memory()
     assert shared.sources["cgroup limit - usage, / 4 ranks on this node (LOCAL_WORLD_SIZE)"] == (1 << 30) // 4

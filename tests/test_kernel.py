@@ -154,7 +154,9 @@ def _assert_bitwise(ours, ref):
         for i, (x, y) in enumerate(zip(a, b)):
             assert x.dtype == y.dtype and x.shape == y.shape, (key, i)
             # compare bit patterns, so that -0.0 vs 0.0 and NaN payloads count too
-            xb = x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32 if x.element_size() == 4 else torch.int64)
+            xb = x.contiguous().view(
+                torch.int16 if x.element_size() == 2 else torch.int32 if x.element_size() == 4 else torch.int64
+            )
             yb = y.contiguous().view(xb.dtype)
             diff = (xb != yb).sum().item()
             assert diff == 0, f"{key}[{i}] shape {tuple(x.shape)}: {diff} element(s) differ"
@@ -176,7 +178,9 @@ def test_fast_path_bitwise_equals_torch_fused(layout, dtype, variant):
 
 @pytest.mark.parametrize("option", OPTIONS, ids=str)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("variant", ["default", "numba-threads2", "chunk64", "threads2-chunk128", "python-loop-threads2-chunk128"])
+@pytest.mark.parametrize(
+    "variant", ["default", "numba-threads2", "chunk64", "threads2-chunk128", "python-loop-threads2-chunk128"]
+)
 def test_fast_path_options_bitwise(option, dtype, variant):
     """Every option x dtype on layouts that cross chunk boundaries and include a non-contiguous tensor."""
     layout = Layout("mixed-list", ((), (0,), (130,), (33, 7), (1000,), (9, 11)), transpose=True)

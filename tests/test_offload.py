@@ -123,7 +123,10 @@ def _train(mode: str, steps: int = 4) -> dict:
     torch.manual_seed(0)
     model = Mixed(torch.bfloat16)
     opt = OffloadAdamW(
-        [{"params": [model.a.weight, model.b.weight], "weight_decay": 0.1}, {"params": [model.a.bias, model.b.bias, model.c.weight], "amsgrad": True}],
+        [
+            {"params": [model.a.weight, model.b.weight], "weight_decay": 0.1},
+            {"params": [model.a.bias, model.b.bias, model.c.weight], "amsgrad": True},
+        ],
         transfer_pipeline=mode != "plain",
         offload_gradients=mode == "freed",
     )

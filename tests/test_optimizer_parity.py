@@ -103,7 +103,11 @@ def test_float64_within_1e12_of_the_reference():
     state = ref.init_state(p.detach().tolist())
     rhp = ref.Hyper(lr=0.05, beta1=0.85, beta2=0.98, eps=1e-6, weight_decay=0.2)
     for step in range(60):
-        g = None if step % 7 == 3 else (torch.zeros(6, dtype=torch.float64) if step % 5 == 0 else torch.randn(6, dtype=torch.float64, generator=gen))
+        g = (
+            None
+            if step % 7 == 3
+            else (torch.zeros(6, dtype=torch.float64) if step % 5 == 0 else torch.randn(6, dtype=torch.float64, generator=gen))
+        )
         p.grad = g
         opt.step()
         state = ref.adamw_step(state, None if g is None else g.tolist(), rhp)

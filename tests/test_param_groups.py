@@ -32,9 +32,11 @@ LLAMA_NORMS = {f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("input
     "model.norm.weight"
 }
 GPT2_LN = {f"transformer.h.{i}.{n}.weight" for i in range(2) for n in ("ln_1", "ln_2")} | {"transformer.ln_f.weight"}
-GPT2_BIAS = {f"transformer.h.{i}.{m}.bias" for i in range(2) for m in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")} | {
-    "transformer.ln_f.bias"
-}
+GPT2_BIAS = {
+    f"transformer.h.{i}.{m}.bias"
+    for i in range(2)
+    for m in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+} | {"transformer.ln_f.bias"}
 CASES = [
     pytest.param(
         "llama_tied",
@@ -162,7 +164,12 @@ def test_frozen_parameters_are_left_out(model_name):
 ERROR_CASES = [
     ("gpt2_tied", [("*.bias", {}), ("*.nothing", {})], {}, ["rule 1", "'*.nothing'", "matches no parameter name"]),
     ("gpt2_tied", [("bias", {})], {}, ["rule 0", "'bias'", "matches no parameter name"]),  # glob is the whole name
-    ("gpt2_tied", [("*.bias", {}), ("re:ln_1\\.bias$", {})], {}, ["rule 1", "taken by an earlier rule", "transformer.h.0.ln_1.bias"]),
+    (
+        "gpt2_tied",
+        [("*.bias", {}), ("re:ln_1\\.bias$", {})],
+        {},
+        ["rule 1", "taken by an earlier rule", "transformer.h.0.ln_1.bias"],
+    ),
     (  # the tied alias: lm_head.weight is transformer.wte.weight, already taken
         "gpt2_tied",
         [("transformer.wte.weight", {}), ("lm_head.weight", {})],
@@ -173,7 +180,12 @@ ERROR_CASES = [
     ("gpt2_tied", [("*.bias", {"params": []})], {}, ["rule 0", "params"]),
     ("gpt2_tied", [("re:(unclosed", {})], {}, ["rule 0", "invalid regular expression"]),
     ("gpt2_tied", [("*.bias", {})], {"weight_decy": 0.1}, ["default", "weight_decy"]),
-    ("llama_untied", [("*norm*", {}), ("*proj*", {})], None, ["2 trainable parameter(s) match no rule", "model.embed_tokens.weight", "lm_head.weight"]),
+    (
+        "llama_untied",
+        [("*norm*", {}), ("*proj*", {})],
+        None,
+        ["2 trainable parameter(s) match no rule", "model.embed_tokens.weight", "lm_head.weight"],
+    ),
 ]
 
 
@@ -189,7 +201,9 @@ def test_bad_rules_raise_naming_the_culprit(model_name, rules, default, words):
 def test_rule_matching_only_frozen_parameters_raises():
     model = tiny_llama(False)
     model.lm_head.weight.requires_grad_(False)
-    with pytest.raises(ParamGroupError, match=r"rule 0 'lm_head\.\*' takes no parameter: it matches only frozen parameters \('lm_head.weight'\)"):
+    with pytest.raises(
+        ParamGroupError, match=r"rule 0 'lm_head\.\*' takes no parameter: it matches only frozen parameters \('lm_head.weight'\)"
+    ):
         param_groups(model, [("lm_head.*", {})])
 
 

@@ -69,8 +69,12 @@ def test_predict_host_optimizer_bytes_by_hand(spec, amsgrad, expected):
     assert predict_host_optimizer_bytes([spec], amsgrad=amsgrad) == expected
 
 
-@given(st.lists(st.tuples(st.lists(st.integers(0, 9), max_size=3), st.sampled_from(["bf16", "fp16", "fp32"]), st.booleans()), max_size=6),
-       st.booleans())
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 9), max_size=3), st.sampled_from(["bf16", "fp16", "fp32"]), st.booleans()), max_size=6
+    ),
+    st.booleans(),
+)
 def test_predict_host_bytes_is_additive(items, amsgrad):
     specs = [ParamSpec(name=str(i), shape=tuple(s), dtype=d, on_host=h) for i, (s, d, h) in enumerate(items)]
     whole = predict_host_optimizer_bytes(specs, amsgrad=amsgrad)
@@ -291,7 +295,9 @@ def test_hf_config_errors_name_the_file_and_key(tmp_path):
 # ----------------------------------------------------------------------------- CLI
 
 
-@pytest.mark.parametrize("text, value", [("7e9", 7 * 10**9), ("70B", 70 * 10**9), ("6.7b", 6_700_000_000), ("125M", 125 * 10**6), ("1000", 1000)])
+@pytest.mark.parametrize(
+    "text, value", [("7e9", 7 * 10**9), ("70B", 70 * 10**9), ("6.7b", 6_700_000_000), ("125M", 125 * 10**6), ("1000", 1000)]
+)
 def test_parse_count(text, value):
     assert parse_count(text) == value
 

@@ -8,7 +8,9 @@ from offload_adamw.accel.timeline import BucketTimes, StepTimeline
 
 
 def _bucket(label: str, ready: float, start: float, end: float) -> BucketTimes:
-    return BucketTimes(label=label, grad_ready=ready, d2h_done=ready + 0.1, update_start=start, update_end=end, h2d_done=end + 0.1)
+    return BucketTimes(
+        label=label, grad_ready=ready, d2h_done=ready + 0.1, update_start=start, update_end=end, h2d_done=end + 0.1
+    )
 
 
 def test_overlap_is_the_share_of_update_time_before_backward_ends() -> None:

@@ -43,7 +43,14 @@ class UpdateRecord:
 class BackwardUpdater:
     """One step's early host updates (see the module contract)."""
 
-    def __init__(self, buckets: Sequence[Sequence[Hashable]], update: Callable[[int], dict[str, float] | None], *, gated: bool, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[Sequence[Hashable]],
+        update: Callable[[int], dict[str, float] | None],
+        *,
+        gated: bool,
+        enabled: bool = True,
+    ) -> None:
         self._buckets = [list(b) for b in buckets]
         self._update = update
         self._where: dict[Hashable, int] = {key: index for index, b in enumerate(self._buckets) for key in b}
@@ -54,7 +61,9 @@ class BackwardUpdater:
         self._records: dict[int, UpdateRecord] = {}
         self._futures: list[Future] = []
         self._enabled = enabled and bool(self._buckets)
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="offload-adamw-update") if self._enabled else None
+        self._pool: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(1, thread_name_prefix="offload-adamw-update") if self._enabled else None
+        )
         self.last_landed = 0.0
 
     @property

@@ -106,7 +106,9 @@ class UpdateTarget(Protocol):
 
     def check_host_buffers(self, nbytes: int, label: str) -> None: ...
 
-    def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None) -> None: ...
+    def update_group(
+        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None
+    ) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -815,7 +817,9 @@ class GradientPipeline:
             todo = [p for p in bucket if p not in early]
             if not todo:
                 continue
-            record = UpdateRecord(bucket=len(records), ready=max((self._landed_at.get(p, step_called) for p in todo), default=step_called))
+            record = UpdateRecord(
+                bucket=len(records), ready=max((self._landed_at.get(p, step_called) for p in todo), default=step_called)
+            )
             record.start = time.monotonic()
             events += self._update_bucket(todo, where, scale, record.extra)
             record.end = time.monotonic()

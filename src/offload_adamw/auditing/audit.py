@@ -483,7 +483,9 @@ def audit(
                 if given is not None and j < len(given) and given[j] not in names:
                     mismatched[f"param_groups[{gi}][{j}]"] = f"named {given[j]!r}, but the model calls it {names[0]!r}"
             else:
-                display.setdefault(p, given[j] if given is not None and j < len(given) else f"param_groups[{gi}][{j}] {tuple(p.shape)}")
+                display.setdefault(
+                    p, given[j] if given is not None and j < len(given) else f"param_groups[{gi}][{j}] {tuple(p.shape)}"
+                )
 
     def name_of(p: Tensor) -> str:
         return display[p] if p in display else model_names[p][0]
@@ -762,7 +764,9 @@ def audit_state_dict(
             )
     if steps is not None:
         current = [_float(g.get("lr")) or 0.0 for g in groups]
-        findings += _shrink_findings(groups, [current] * steps, "constant: the saved lr (no scheduler in a state_dict)", accumulation)
+        findings += _shrink_findings(
+            groups, [current] * steps, "constant: the saved lr (no scheduler in a state_dict)", accumulation
+        )
 
     summaries = []
     for gi, group in enumerate(groups):

@@ -182,7 +182,12 @@ def _encode(obj: Any, tensors: dict[str, Tensor], where: str) -> Any:
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
             return {k: _encode(v, tensors, f"{where}/{_part(k)}") for k, v in obj.items()}
-        return {"__items__": [[_encode(k, tensors, f"{where}/k{i}"), _encode(v, tensors, f"{where}/v{i}")] for i, (k, v) in enumerate(obj.items())]}
+        return {
+            "__items__": [
+                [_encode(k, tensors, f"{where}/k{i}"), _encode(v, tensors, f"{where}/v{i}")]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     if isinstance(obj, torch.dtype):
         return {"__dtype__": str(obj).removeprefix("torch.")}
     if type(obj).__module__ == "numpy":
@@ -497,7 +502,9 @@ def _model_entries(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str,
     first_name: dict[int, str] = {}
     for name, value in everything.items():
         if not isinstance(value, Tensor):
-            raise CheckpointError(f"model state {name!r} is a {type(value).__name__}, not a tensor; it cannot be saved without pickling")
+            raise CheckpointError(
+                f"model state {name!r} is a {type(value).__name__}, not a tensor; it cannot be saved without pickling"
+            )
         if id(value) in first_name:
             aliases[name] = first_name[id(value)]  # a tied weight: stored once
             continue
@@ -582,9 +589,17 @@ def save(
     for name, value in canonical.items():
         stored = optimizer.master_value(value) if has_masters and id(value) in optimized else value
         model_tensors[name] = stored
-        entries[name] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape), "stored_dtype": str(stored.dtype).removeprefix("torch.")}
+        entries[name] = {
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+            "stored_dtype": str(stored.dtype).removeprefix("torch."),
+        }
     if step is None:
-        counts = [int(s["step"]) for s in (optimizer.state.values() if optimizer is not None else ()) if isinstance(s.get("step"), (Tensor, int, float))]
+        counts = [
+            int(s["step"])
+            for s in (optimizer.state.values() if optimizer is not None else ())
+            if isinstance(s.get("step"), (Tensor, int, float))
+        ]
         step = max(counts, default=0)
     meta = {
         "format": FORMAT,
@@ -594,7 +609,9 @@ def save(
         "model": entries,
         "aliases": aliases,
         "optimizer": None if optimizer is None else {"class": type(optimizer).__name__, "groups": groups, "states": states},
-        "scheduler": None if scheduler is None else {"class": type(scheduler).__name__, "state": _encode(scheduler.state_dict(), aux, "scheduler")},
+        "scheduler": None
+        if scheduler is None
+        else {"class": type(scheduler).__name__, "state": _encode(scheduler.state_dict(), aux, "scheduler")},
         "rng": _rng_states(aux) if rng else None,
         "extra": _encode(extra, aux, "extra"),
     }
@@ -681,7 +698,9 @@ def verify(path: PathLike) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
         raise CheckpointCorrupt(f"{manifest_path}: malformed manifest ({exc!r})") from exc
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointCorrupt(f"{root}: format {manifest.get('format')!r} version {manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+        raise CheckpointCorrupt(
+            f"{root}: format {manifest.get('format')!r} version {manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+        )
     damaged = []
     for name in DATA_FILES:
         entry = manifest["files"].get(name)
@@ -928,7 +947,9 @@ def load(
                 for index, p in enumerate(group["params"]):
                     name = name_of.get(id(p))
                     if name is None:
-                        problems.append(f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in model.state_dict()")
+                        problems.append(
+                            f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in model.state_dict()"
+                        )
                         continue
                     optimized_here.add(name)
                     saved_gi = saved_group_of.get(name)
@@ -945,7 +966,9 @@ def load(
             for name, saved_gi in saved_group_of.items():
                 if name not in optimized_here and name in everything:
                     report.group_mismatch.append(name)
-                    problems.append(f"group mismatch {name!r}: optimized in group {saved_gi} of the checkpoint, not by this optimizer")
+                    problems.append(
+                        f"group mismatch {name!r}: optimized in group {saved_gi} of the checkpoint, not by this optimizer"
+                    )
     sched_state = None
     if scheduler is not None:
         if saved_sched is None:

@@ -50,9 +50,15 @@ class AuditInputError(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="SCRIPT_OR_CHECKPOINT", help="a .py script defining audit_setup(), or a saved optimizer state_dict")
-    parser.add_argument("--function", default=DEFAULT_FUNCTION, help=f"the script's set-up function (default: {DEFAULT_FUNCTION})")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer updates of the run: report the total weight-decay shrink")
+    parser.add_argument(
+        "path", metavar="SCRIPT_OR_CHECKPOINT", help="a .py script defining audit_setup(), or a saved optimizer state_dict"
+    )
+    parser.add_argument(
+        "--function", default=DEFAULT_FUNCTION, help=f"the script's set-up function (default: {DEFAULT_FUNCTION})"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="optimizer updates of the run: report the total weight-decay shrink"
+    )
     parser.add_argument(
         "--grad-accumulation",
         default=None,
@@ -138,7 +144,9 @@ def build_report(args: argparse.Namespace) -> AuditReport:
         if accumulation is None:
             accumulation = setup.get("grad_accumulation")
         try:
-            report = audit(setup["model"], setup["optimizer"], setup.get("scheduler"), steps=steps, grad_accumulation=accumulation)
+            report = audit(
+                setup["model"], setup["optimizer"], setup.get("scheduler"), steps=steps, grad_accumulation=accumulation
+            )
         except (TypeError, ValueError) as exc:
             raise AuditInputError(f"{path}: {exc}") from exc
         return AuditReport(source=str(path), findings=report.findings, groups=report.groups, notes=report.notes)

@@ -266,7 +266,9 @@ def render(result: Plan) -> str:
         rows.append([_label(s), *bill_cells(s.host), _gb(s.host.step_counts), _gb(s.host.reserved), _gb(s.host.total),
                      _margin(s.host_margin), "yes" if s.fits else "no"])
     out.append("Host memory per node (GB)")
-    out.append(_table(["strategy", "params", "grads", *state_cols, "steps", "reserved", "total", "margin", "fits GPU+host"], rows))
+    out.append(
+        _table(["strategy", "params", "grads", *state_cols, "steps", "reserved", "total", "margin", "fits GPU+host"], rows)
+    )
     out.append("")
     rows = []
     for s in result.strategies:

@@ -134,7 +134,9 @@ def _tol(ctx: Context, opt: Any, params: Mapping[str, Tensor], steps: int = 1) -
     return tolerance_for(ctx.harness.observed_dtype(opt, params), steps=steps)
 
 
-def _series_compare(actual: list[dict[str, Tensor]], expected: list[dict[str, Tensor]], tol: Tolerance) -> tuple[bool, float, str]:
+def _series_compare(
+    actual: list[dict[str, Tensor]], expected: list[dict[str, Tensor]], tol: Tolerance
+) -> tuple[bool, float, str]:
     """Compare two observation series; (ok, worst deviation, where the first mismatch is)."""
     ok_all, worst, where = True, 0.0, ""
     for k, (a, e) in enumerate(zip(actual, expected)):
@@ -148,7 +150,9 @@ def _series_compare(actual: list[dict[str, Tensor]], expected: list[dict[str, Te
 
 # ----------------------------------------------------------------------------- 1
 
-def _reference_series(theta0: Mapping[str, Tensor], grads: list[dict[str, Tensor]], values: Mapping[str, Any]) -> list[dict[str, Tensor]]:
+def _reference_series(
+    theta0: Mapping[str, Tensor], grads: list[dict[str, Tensor]], values: Mapping[str, Any]
+) -> list[dict[str, Tensor]]:
     hp = as_reference(values)
     states = {n: reference.init_state(tuple(t.flatten().tolist()), amsgrad=hp.amsgrad) for n, t in theta0.items()}
     out = []
@@ -243,7 +247,11 @@ def clause_update(ctx: Context) -> ClauseFinding:
                                  f"--map '{{\"{label}\": null}}'")
     if not asked:
         raise NotApplicable("no variant of the update could be asked: " + "; ".join(lines))
-    head = ("theta differs from the float64 reference: " + "; ".join(failed)) if failed else "theta follows the reference on step 1 and later steps"
+    head = (
+        ("theta differs from the float64 reference: " + "; ".join(failed))
+        if failed
+        else "theta follows the reference on step 1 and later steps"
+    )
     return ClauseFinding("fail" if failed else "pass", worst, head + "\n" + "\n".join(hints + lines))
 
 
@@ -320,8 +328,10 @@ def clause_decoupled(ctx: Context) -> ClauseFinding:
     seen_a, seen_b, info = _decay_pair(ctx, lr=lr, wd=wd, steps=steps, same_sign=False, eps=1e-8)
     forms = _decay_forms(seen_a, seen_b, 1 - lr * wd, info["tol"])
     deviation = min(forms["before"][1], forms["after"][1])
-    detail = (f"{steps} steps with lr {lr}, weight_decay {wd} vs. weight_decay 0 on the same gradients; "
-              f"fit as decoupled decay before the update: {_fmt(forms['before'][1])}, after the update: {_fmt(forms['after'][1])}")
+    detail = (
+        f"{steps} steps with lr {lr}, weight_decay {wd} vs. weight_decay 0 on the same gradients; "
+        f"fit as decoupled decay before the update: {_fmt(forms['before'][1])}, after the update: {_fmt(forms['after'][1])}"
+    )
     if forms["before"][0] or forms["after"][0]:
         return ClauseFinding("pass", deviation, "the update direction does not depend on weight_decay (decoupled). " + detail)
     scaled = _step_scales_with_theta(ctx, lr=lr)
@@ -337,8 +347,10 @@ def clause_decay_order(ctx: Context) -> ClauseFinding:
     lr, wd = 0.5, 0.5
     seen_a, seen_b, info = _decay_pair(ctx, lr=lr, wd=wd, steps=1, same_sign=True, eps=1e-8)
     forms = _decay_forms(seen_a, seen_b, 1 - lr * wd, info["tol"])
-    detail = (f"one step, lr {lr}, weight_decay {wd}, gradients of theta's sign: distance to "
-              f"s*theta0 - u (decay first): {_fmt(forms['before'][1])}; to s*(theta0 - u) (decay after): {_fmt(forms['after'][1])}")
+    detail = (
+        f"one step, lr {lr}, weight_decay {wd}, gradients of theta's sign: distance to "
+        f"s*theta0 - u (decay first): {_fmt(forms['before'][1])}; to s*(theta0 - u) (decay after): {_fmt(forms['after'][1])}"
+    )
     if forms["before"][0]:
         return ClauseFinding("pass", forms["before"][1], "decay acts on the pre-update value. " + detail)
     scaled = _step_scales_with_theta(ctx, lr=lr)
@@ -395,8 +407,14 @@ def clause_step_count(ctx: Context) -> ClauseFinding:
     if counts:
         detail += "\nstate step counts: " + ", ".join(counts)
     if problems:
-        return ClauseFinding("fail", worst, "tensors without a gradient are not left alone, or their step count is not their own:\n"
-                       + "\n".join(problems) + "\n" + detail)
+        return ClauseFinding(
+            "fail",
+            worst,
+            "tensors without a gradient are not left alone, or their step count is not their own:\n"
+            + "\n".join(problems)
+            + "\n"
+            + detail,
+        )
     return ClauseFinding("pass", worst, "each tensor's t, m, v, theta advance only when it has a gradient. " + detail)
 
 
@@ -760,7 +778,9 @@ def clause_placement(ctx: Context) -> ClauseFinding:
 def _round_trip(ctx: Context, dtype: torch.dtype) -> tuple[bool, float, str]:
     h = ctx.harness
     theta0 = {"encoder.weight": random_values(100, (3, 4), 0.5, 2.0), "encoder.bias": random_values(101, (4,), 0.5, 2.0)}
-    grads = [{n: random_values(1000 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(6)]
+    grads = [
+        {n: random_values(1000 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(6)
+    ]
     values = hyper(lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
     pa = h.params(theta0, dtype)
     opt_a = h.build(pa, values)
@@ -781,7 +801,9 @@ def _round_trip(ctx: Context, dtype: torch.dtype) -> tuple[bool, float, str]:
     _, dev, where = _series_compare(seen_b, seen_a, EXACT)
     changed = [f"{n}.{k}: {_dtype_name(dtypes_a[n][k])} -> {_dtype_name(dtypes_b[n][k]) if k in dtypes_b[n] else 'missing'}"
                for n in dtypes_a for k in dtypes_a[n] if dtypes_b[n].get(k) != dtypes_a[n][k]]
-    parts = [f"{_dtype_name(dtype)}: continuation after load {'bitwise equal' if bitwise else f'differs (deviation {_fmt(dev)}, first at {where})'}"]
+    parts = [
+        f"{_dtype_name(dtype)}: continuation after load {'bitwise equal' if bitwise else f'differs (deviation {_fmt(dev)}, first at {where})'}"
+    ]
     if changed:
         parts.append("loaded state changed dtype: " + ", ".join(changed))
     return bitwise and not changed, dev, "; ".join(parts)
@@ -890,7 +912,9 @@ def clause_validation(ctx: Context) -> ClauseFinding:
 def clause_nonfinite(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     theta0 = {"bad": random_values(130, (6,), 0.5, 2.0), "good": random_values(131, (4,), 0.5, 2.0)}
-    grads = [{n: random_values(1300 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
+    grads = [
+        {n: random_values(1300 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)
+    ]
     poisoned = dict(grads[1])
     bad = poisoned["bad"].clone()
     bad[0], bad[1] = math.inf, math.nan
@@ -955,7 +979,9 @@ def clause_grad_scaler(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
     theta0 = {"w": random_values(140, (6,), 0.5, 2.0), "b": random_values(141, (4,), 0.5, 2.0)}
-    weights = [{n: random_values(1400 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)]
+    weights = [
+        {n: random_values(1400 + 10 * k + i, t.shape, 0.1, 1.0) for i, (n, t) in enumerate(theta0.items())} for k in range(3)
+    ]
     values = hyper(lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.1))
     px = h.params(theta0, dtype)
     opt_x = h.build(px, values)
@@ -984,7 +1010,11 @@ def clause_grad_scaler(ctx: Context) -> ClauseFinding:
               f"overflow step: {skipped}; continuation deviation {_fmt(dev)}")
     if skipped and ok:
         return ClauseFinding("pass", dev, "the found_inf step is skipped without a trace. " + detail)
-    return ClauseFinding("fail", dev, "a GradScaler overflow step changes the optimizer" + (f" (first at {where})" if not ok else "") + ". " + detail)
+    return ClauseFinding(
+        "fail",
+        dev,
+        "a GradScaler overflow step changes the optimizer" + (f" (first at {where})" if not ok else "") + ". " + detail,
+    )
 
 
 # ----------------------------------------------------------------------------- 15
@@ -1020,11 +1050,19 @@ def clause_cost(ctx: Context) -> ClauseFinding:
     try:
         fused = _median_step_seconds(torch.optim.AdamW(base_params, lr=1e-3, weight_decay=0.01, fused=True), base_params, grads)
     except Exception as exc:
-        return ClauseFinding("info", None, f"{elements:,} {_dtype_name(ctx.dtype)} elements: candidate {candidate * 1e3:.2f} ms per step; "
-                       f"torch.optim.AdamW(fused=True) unavailable here ({type(exc).__name__})")
+        return ClauseFinding(
+            "info",
+            None,
+            f"{elements:,} {_dtype_name(ctx.dtype)} elements: candidate {candidate * 1e3:.2f} ms per step; "
+            f"torch.optim.AdamW(fused=True) unavailable here ({type(exc).__name__})",
+        )
     ratio = candidate / fused
-    return ClauseFinding("info", ratio, f"{elements:,} {_dtype_name(ctx.dtype)} elements on {h.device}: candidate {candidate * 1e3:.2f} ms, "
-                   f"torch.optim.AdamW(fused=True) {fused * 1e3:.2f} ms per step (median of 5): {ratio:.2f}x (deviation column = this ratio)")
+    return ClauseFinding(
+        "info",
+        ratio,
+        f"{elements:,} {_dtype_name(ctx.dtype)} elements on {h.device}: candidate {candidate * 1e3:.2f} ms, "
+        f"torch.optim.AdamW(fused=True) {fused * 1e3:.2f} ms per step (median of 5): {ratio:.2f}x (deviation column = this ratio)",
+    )
 
 
 # ----------------------------------------------------------------------------- registry
@@ -1040,20 +1078,81 @@ def prepare_references(numbers: list[int], *, mapping_accepts: Callable[[str], b
 
 
 CLAUSES: tuple[Clause, ...] = (
-    Clause(1, "update rule: bias correction, eps outside the root", "every step has the wrong size: a different effective learning rate, worst in the first steps", clause_update),
-    Clause(2, "decoupled weight decay, not L2 in the gradient", "decay is divided by sqrt(v): weights with large gradients barely decay (Adam+L2, not AdamW)", clause_decoupled),
-    Clause(3, "decay applied to the pre-update value", "an extra lr^2*wd*u term: the effective decay depends on the update", clause_decay_order),
-    Clause(4, "per-tensor step count, grad None leaves a tensor alone", "frozen or conditionally used tensors decay while idle or get the wrong bias correction", clause_step_count),
-    Clause(5, "an explicit zero gradient is an update", "where gradients are exactly zero (masked rows, unused tokens) moments and decay stop", clause_zero_grad),
-    Clause(6, "lr = 0: moments absorb the gradient, theta unchanged", "warm-up from lr 0 starts from empty moments and a shifted step count", clause_lr_zero),
-    Clause(7, "parameter groups and LR schedules", "no-decay groups are decayed, per-group lr or the scheduler is ignored", clause_groups),
-    Clause(8, "state precision for every parameter dtype (long horizon)",
-           "v stops decaying, weight decay and small updates vanish: slow drift over long runs", clause_precision),
-    Clause(9, "where the state lives between steps (info)", "placement changes speed and memory, never results", clause_placement),
-    Clause(10, "state_dict round trip: bitwise continuation, dtypes kept", "resuming from a checkpoint starts a different trajectory (a loss jump after resume)", clause_round_trip),
-    Clause(11, "resume matches state by name, not position", "after a refactor one tensor's moments silently drive another tensor", clause_name_mapping),
+    Clause(
+        1,
+        "update rule: bias correction, eps outside the root",
+        "every step has the wrong size: a different effective learning rate, worst in the first steps",
+        clause_update,
+    ),
+    Clause(
+        2,
+        "decoupled weight decay, not L2 in the gradient",
+        "decay is divided by sqrt(v): weights with large gradients barely decay (Adam+L2, not AdamW)",
+        clause_decoupled,
+    ),
+    Clause(
+        3,
+        "decay applied to the pre-update value",
+        "an extra lr^2*wd*u term: the effective decay depends on the update",
+        clause_decay_order,
+    ),
+    Clause(
+        4,
+        "per-tensor step count, grad None leaves a tensor alone",
+        "frozen or conditionally used tensors decay while idle or get the wrong bias correction",
+        clause_step_count,
+    ),
+    Clause(
+        5,
+        "an explicit zero gradient is an update",
+        "where gradients are exactly zero (masked rows, unused tokens) moments and decay stop",
+        clause_zero_grad,
+    ),
+    Clause(
+        6,
+        "lr = 0: moments absorb the gradient, theta unchanged",
+        "warm-up from lr 0 starts from empty moments and a shifted step count",
+        clause_lr_zero,
+    ),
+    Clause(
+        7,
+        "parameter groups and LR schedules",
+        "no-decay groups are decayed, per-group lr or the scheduler is ignored",
+        clause_groups,
+    ),
+    Clause(
+        8,
+        "state precision for every parameter dtype (long horizon)",
+        "v stops decaying, weight decay and small updates vanish: slow drift over long runs",
+        clause_precision,
+    ),
+    Clause(
+        9, "where the state lives between steps (info)", "placement changes speed and memory, never results", clause_placement
+    ),
+    Clause(
+        10,
+        "state_dict round trip: bitwise continuation, dtypes kept",
+        "resuming from a checkpoint starts a different trajectory (a loss jump after resume)",
+        clause_round_trip,
+    ),
+    Clause(
+        11,
+        "resume matches state by name, not position",
+        "after a refactor one tensor's moments silently drive another tensor",
+        clause_name_mapping,
+    ),
     Clause(12, "hyperparameter validation", "a NaN or sign typo in the config trains silently on garbage", clause_validation),
-    Clause(13, "non-finite gradients (propagate, skip, raise)", "one inf/NaN gradient poisons the weights, or a declared skip/raise does not happen", clause_nonfinite),
-    Clause(14, "GradScaler found_inf step is skipped", "mixed-precision overflow steps corrupt the moments instead of being skipped", clause_grad_scaler),
+    Clause(
+        13,
+        "non-finite gradients (propagate, skip, raise)",
+        "one inf/NaN gradient poisons the weights, or a declared skip/raise does not happen",
+        clause_nonfinite,
+    ),
+    Clause(
+        14,
+        "GradScaler found_inf step is skipped",
+        "mixed-precision overflow steps corrupt the moments instead of being skipped",
+        clause_grad_scaler,
+    ),
     Clause(15, "cost of one step vs. torch.optim.AdamW(fused=True) (info)", "speed only", clause_cost),
 )

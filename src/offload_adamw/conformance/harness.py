@@ -84,7 +84,12 @@ class HyperMapping:
                 raise ValueError(f"mapping: unknown hyperparameter {key!r}; known: {', '.join(CANONICAL_KEYS)}")
             if target is None or isinstance(target, str):
                 continue
-            if key == "betas" and isinstance(target, (list, tuple)) and len(target) == 2 and all(isinstance(t, str) for t in target):
+            if (
+                key == "betas"
+                and isinstance(target, (list, tuple))
+                and len(target) == 2
+                and all(isinstance(t, str) for t in target)
+            ):
                 continue
             raise ValueError(
                 f"mapping: {key!r} must map to a name, null" + (" or two names" if key == "betas" else "") + f", got {target!r}"
@@ -201,7 +206,9 @@ class Harness:
 
     # -- construction
 
-    def params(self, values: Mapping[str, Tensor], dtype: torch.dtype, device: torch.device | None = None) -> dict[str, torch.nn.Parameter]:
+    def params(
+        self, values: Mapping[str, Tensor], dtype: torch.dtype, device: torch.device | None = None
+    ) -> dict[str, torch.nn.Parameter]:
         """Fresh parameters, one per name, with the given (float64) values cast to ``dtype``."""
         dev = self.device if device is None else device
         return {name: torch.nn.Parameter(v.detach().to(dev, dtype).clone()) for name, v in values.items()}

@@ -120,8 +120,11 @@ class Report:
         width = width or terminal_width()
         rows = [[str(r.number), r.name, r.verdict.upper() if r.verdict in ("fail", "error") else r.verdict,
                  _format_deviation(r.deviation), r.consequence] for r in self.results]
-        lines = [f"conformance of {self.candidate} to the AdamW contract ({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)",
-                 "the section of the contract each clause checks: docs/contract.md, section Checker clauses", ""]
+        lines = [
+            f"conformance of {self.candidate} to the AdamW contract ({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)",
+            "the section of the contract each clause checks: docs/contract.md, section Checker clauses",
+            "",
+        ]
         lines.append(render_table(["#", "clause", "verdict", "deviation", "consequence when broken"], rows,
                                   align="rllrl", wrap=4, width=width))
         lines.append("")

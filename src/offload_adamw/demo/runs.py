@@ -352,7 +352,11 @@ def planner_bill(named_shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, A
     except Exception as exc:  # an incompatible planner must not take the demo down
         return {"available": False, "reason": f"the planner raised {type(exc).__name__}: {exc}"}
     items = bill.as_dict() if hasattr(bill, "as_dict") else _jsonable(bill)
-    return {"available": True, "bill": {k: int(v) for k, v in items.items() if v}, "predicted_host_optimizer_bytes": int(predicted)}
+    return {
+        "available": True,
+        "bill": {k: int(v) for k, v in items.items() if v},
+        "predicted_host_optimizer_bytes": int(predicted),
+    }
 
 
 def _jsonable(value: Any) -> Any:
@@ -540,8 +544,13 @@ def _report_markdown(summary: dict[str, Any], results: list[RunResult]) -> str:
     )
     bill = summary["planner"]
     if bill.get("available"):
-        lines += ["", "The planner's bill for this model with bf16 parameters and OffloadAdamW (docs/contract.md, section Memory bill):", "",
-                  "| item | bytes | per parameter |", "|---|---|---|"]
+        lines += [
+            "",
+            "The planner's bill for this model with bf16 parameters and OffloadAdamW (docs/contract.md, section Memory bill):",
+            "",
+            "| item | bytes | per parameter |",
+            "|---|---|---|",
+        ]
         for item, nbytes in bill["bill"].items():
             lines.append(f"| {item} | {_fmt_bytes(nbytes)} | {nbytes / n:.1f} B |")
         predicted, measured = bill["predicted_host_optimizer_bytes"], bill["measured_host_optimizer_bytes"]

@@ -101,7 +101,11 @@ def local_shard_of(value: Tensor, param: Tensor) -> Tensor:
             value = value.redistribute(param.device_mesh, param.placements)
         return local_tensor(value)
     # A plain tensor holding the whole (global) value: slice our shard locally, no communication.
-    return local_tensor(_dtensor_module().distribute_tensor(value.to(local_tensor(param).device), param.device_mesh, param.placements, src_data_rank=None))
+    return local_tensor(
+        _dtensor_module().distribute_tensor(
+            value.to(local_tensor(param).device), param.device_mesh, param.placements, src_data_rank=None
+        )
+    )
 
 
 def _params_by_id(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[Any, Tensor]:

@@ -78,7 +78,9 @@ class LoadTarget(Protocol):
     def describe_param(self, group_index: int, index: int) -> str: ...
 
 
-def _match_params(target: LoadTarget, saved_groups: list[dict[str, Any]], problems: list[str]) -> dict[Any, tuple[Tensor, int, int]]:
+def _match_params(
+    target: LoadTarget, saved_groups: list[dict[str, Any]], problems: list[str]
+) -> dict[Any, tuple[Tensor, int, int]]:
     """Map each saved parameter id to (parameter, group index, index in group)."""
     own_groups = target.param_groups
     mapping: dict[Any, tuple[Tensor, int, int]] = {}
@@ -114,7 +116,9 @@ def _match_params(target: LoadTarget, saved_groups: list[dict[str, Any]], proble
         return mapping
     for gi, (g, group) in enumerate(zip(saved_groups, own_groups)):
         if len(g["params"]) != len(group["params"]):
-            problems.append(f"group {gi}: the state_dict has {len(g['params'])} parameter(s), the optimizer has {len(group['params'])}")
+            problems.append(
+                f"group {gi}: the state_dict has {len(g['params'])} parameter(s), the optimizer has {len(group['params'])}"
+            )
             continue
         for index, (pid, p) in enumerate(zip(g["params"], group["params"])):
             mapping[pid] = (p, gi, index)
@@ -159,7 +163,9 @@ def _impossible_values(key: str, value: Tensor) -> str | None:
     return None
 
 
-def _convert_state(p: Tensor, group: dict[str, Any], where: str, saved: dict[str, Any], problems: list[str], pin: bool) -> dict[str, Any]:
+def _convert_state(
+    p: Tensor, group: dict[str, Any], where: str, saved: dict[str, Any], problems: list[str], pin: bool
+) -> dict[str, Any]:
     """Saved per-parameter state -> host float32 state for ``p`` (no side effects on p)."""
     out: dict[str, Any] = {}
     dtype = host_state.state_dtype(p)
@@ -204,7 +210,9 @@ def _convert_state(p: Tensor, group: dict[str, Any], where: str, saved: dict[str
     return out
 
 
-def prepare_load(target: LoadTarget, state_dict: Any, *, pin: bool) -> tuple[list[dict[str, Any]], defaultdict[Tensor, dict[str, Any]]]:
+def prepare_load(
+    target: LoadTarget, state_dict: Any, *, pin: bool
+) -> tuple[list[dict[str, Any]], defaultdict[Tensor, dict[str, Any]]]:
     """The new param_groups and state for ``target``, or StateDictMismatch listing every problem."""
     problems: list[str] = []
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:

@@ -215,7 +215,9 @@ def named_param_groups(
     return groups
 
 
-def _group(members: list[torch.Tensor], all_names: dict[torch.Tensor, list[str]], rule: str, hyper: Mapping[str, Any]) -> dict[str, Any]:
+def _group(
+    members: list[torch.Tensor], all_names: dict[torch.Tensor, list[str]], rule: str, hyper: Mapping[str, Any]
+) -> dict[str, Any]:
     group: dict[str, Any] = {
         "params": list(members),
         "param_names": [all_names[p][0] for p in members],

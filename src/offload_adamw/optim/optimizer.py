@@ -370,7 +370,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.attach_ddp(ddp)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: bool | None = None) -> Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> Tensor:
         """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
         if self.update_in_backward:
             raise RuntimeError(
@@ -447,7 +449,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "Shard the model over more processes, or use transfer_pipeline=False"
             )
 
-    def update_group(self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None) -> None:
+    def update_group(
+        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None
+    ) -> None:
         """One update of each (parameter, host gradient, staging) in group ``group_index``.
 
         ``staging`` is a host tensor that receives round(master) for a parameter that lives on a
@@ -526,11 +530,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         return loss
 
     def _create_missing_state(self) -> None:
-        self.preflight([(gi, i) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"]) if p.grad is not None and not self.state.get(p)])
+        self.preflight(
+            [
+                (gi, i)
+                for gi, g in enumerate(self.param_groups)
+                for i, p in enumerate(g["params"])
+                if p.grad is not None and not self.state.get(p)
+            ]
+        )
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and not self.state.get(p):
-                    self.state[p].update(host_state.new_state(_distributed.local_tensor(p), amsgrad=group["amsgrad"], pin=self._pin_memory))
+                    self.state[p].update(
+                        host_state.new_state(_distributed.local_tensor(p), amsgrad=group["amsgrad"], pin=self._pin_memory)
+                    )
 
     # -------------------------------------------------------------- state_dict
 

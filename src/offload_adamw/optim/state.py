@@ -16,7 +16,16 @@ from torch import Tensor
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import MASTER_KEY
 
-__all__ = ["dtype_name", "host_zeros", "host_copy", "is_own_master", "new_state", "state_dtype", "stored_master", "state_tensor_bytes"]
+__all__ = [
+    "dtype_name",
+    "host_zeros",
+    "host_copy",
+    "is_own_master",
+    "new_state",
+    "state_dtype",
+    "stored_master",
+    "state_tensor_bytes",
+]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -110,7 +110,9 @@ def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str
     if any_rank(bool(culprits), params) and not culprits:
         culprits.append("a gradient shard held by another rank")
     if culprits and policy == "raise":
-        raise FloatingPointError(f"non-finite gradient in {len(culprits)} parameter(s): {', '.join(culprits)}; no state was changed")
+        raise FloatingPointError(
+            f"non-finite gradient in {len(culprits)} parameter(s): {', '.join(culprits)}; no state was changed"
+        )
     return bool(culprits)
 
 

@@ -201,7 +201,14 @@ class ModelConfig:
     """Latent attention: per-head width of the values."""
 
     def __post_init__(self) -> None:
-        for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        for f in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+        ):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model {self.name!r}: {f} must be a positive integer, got {value!r}")
@@ -925,13 +932,19 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
     # OffloadAdamW: gradients go down once per step (accumulated on the GPU), the updated parameters come back.
     node_shard = per_node * shard
     offload_grad_landing = g * node_shard  # pinned host buffers the gradients land in
-    add("fsdp+offload-adamw",
-        gpu=MemoryBill(parameters=p * shard, gradients=g * shard, activations=acts, buffers=fsdp_buffers,
-                       reserved=gpu_reserved),
+    add(
+        "fsdp+offload-adamw",
+        gpu=MemoryBill(parameters=p * shard, gradients=g * shard, activations=acts, buffers=fsdp_buffers, reserved=gpu_reserved),
         host=MemoryBill(gradients=offload_grad_landing, **host_offload_state(shard), reserved=host_reserved),
-        h2d=p * shard, d2h=g * shard,
-        host_traffic=node_shard * (g + update_bytes + p), gpu_traffic=0, gpus_used=world,
-        notes=("host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), parameter DMA out",))
+        h2d=p * shard,
+        d2h=g * shard,
+        host_traffic=node_shard * (g + update_bytes + p),
+        gpu_traffic=0,
+        gpus_used=world,
+        notes=(
+            "host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), parameter DMA out",
+        ),
+    )
     # offload_gradients: every micro-batch's gradient goes down and is accumulated in host memory.
     accumulate = (accum - 1) * 4 * g  # per extra micro-batch: DMA in, read staging, read + write accumulator
     add("fsdp+offload-adamw+offload-grads",
