@@ -18,8 +18,8 @@ Contract:
 * **Outputs in OUTDIR**: ``gpu_run.json`` (``schema_version``, the machine, the sizes, every row's
   status, seconds and figures, the targets; rewritten after every row, so a killed run keeps what it
   measured), ``gpu_run.log`` (stdout, from gpu_run.sh), ``logs/*.log`` (the children's output),
-  ``traces/llama-d.json.gz`` (the profiler trace of two freed-gradient steps), PNGs (``--plot``; skipped with a note when matplotlib is missing), and a summary
-  table on stdout. Exit status 0 when no row failed, errored or timed out; 1 otherwise.
+  ``traces/llama-d.json.gz`` (the profiler trace of two freed-gradient steps), PNGs (``--plot``; skipped with a note
+  when matplotlib is missing), and a summary table on stdout. Exit status 0 when no row failed, errored or timed out; 1 otherwise.
 * **Sections.** ``pcie``: host-to-device, device-to-host and both at once from pinned memory, as one
   large copy (the peak) and as the ~1B model's tensors one by one (what the pipeline issues).
   ``gpu_tests``: ``pytest -m gpu tests``. ``parity``: small Llamas trained with OffloadAdamW against
@@ -29,11 +29,12 @@ Contract:
   FSDP2 at world size 1 (NCCL; gloo on the CPU). ``llama``: a bf16 Llama of about 1B parameters, step
   time and peak device memory of (a) torch AdamW(fused) with float32 parameters and moments under bf16
   autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
-  (d) freed, (e) freed with the host updates started during backward (update_in_backward); each row also times a forward+backward-only step in
-  the same process (the exposed optimizer time is the difference) and, for (c)-(e), profiles two steps
-  and reads from the device timeline how much of the gradient copies ran before backward ended and the
-  copies' own bandwidth (the pipeline's CUDA events are internal and untimed, so they are not read). ``host``: the in-place triad and the host step over 1 to 16 threads (the default
-  kernel through OffloadAdamW, torch fused float32, the naive path with preallocated float32 gradients).
+  (d) freed, (e) freed with the host updates started during backward (update_in_backward); each row also times a
+  forward+backward-only step in the same process (the exposed optimizer time is the difference) and, for (c)-(e),
+  profiles two steps and reads from the device timeline how much of the gradient copies ran before backward ended and
+  the copies' own bandwidth (the pipeline's CUDA events are internal and untimed, so they are not read). ``host``:
+  the in-place triad and the host step over 1 to 16 threads (the default kernel through OffloadAdamW, torch fused
+  float32, the naive path with preallocated float32 gradients).
 * **The CPU rehearsal** runs the parity, llama and host sections with the CPU as device and small sizes
   (the pipeline's CPU mode, gloo for FSDP2); ``--quick`` shrinks them further for the test suite.
   ``--only SECTIONS`` reruns some sections (the others are ``skipped: not selected``).

@@ -35,7 +35,8 @@ def test_demo_without_its_optional_dependencies_says_what_to_install():
 def test_a_missing_optional_package_is_named_with_its_extra(tmp_path):
     proc = run_python(
         "import sys; sys.modules['matplotlib'] = None\n"
-        f"from offload_adamw.cli.main import main; sys.exit(main(['plan', '--preset', 'llama-3-8b', '--plot', r'{tmp_path / 'p.png'}']))"
+        "from offload_adamw.cli.main import main; "
+        f"sys.exit(main(['plan', '--preset', 'llama-3-8b', '--plot', r'{tmp_path / 'p.png'}']))"
     )
     assert proc.returncode == 2, proc.stderr
     assert "needs matplotlib" in proc.stderr and "offload-adamw[plot]" in proc.stderr

@@ -136,7 +136,8 @@ def test_dcp_state_initialisation_is_not_an_update(one_thread):
 
 
 def test_a_users_zero_lr_step_still_counts():
-    """The DCP detection is by call site: a user's own zero-gradient, lr-0 step is an update (docs/contract.md#what-each-input-does)."""
+    """The DCP detection is by call site: a user's own zero-gradient, lr-0 step is an update
+    (docs/contract.md#what-each-input-does)."""
     p = torch.nn.Parameter(torch.ones(3))
     opt = OffloadAdamW([p], lr=0.0)
     p.grad = torch.zeros(3)

@@ -56,7 +56,10 @@ class Case:
     @property
     def id(self) -> str:
         dt = {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
-        return f"{dt}-acc{self.accum}-{'freed' if self.freed else 'kept'}-{'clip' if self.clip else 'noclip'}-scaler_{self.scaler}"
+        return (
+            f"{dt}-acc{self.accum}-{'freed' if self.freed else 'kept'}-"
+            f"{'clip' if self.clip else 'noclip'}-scaler_{self.scaler}"
+        )
 
 
 CLIP_NORM = 0.05  # small enough that most steps really clip

@@ -7,7 +7,8 @@ model and ``model.zero_grad()``; ``opt.attach(ddp_model)`` brings the reduced gr
 the refusals: freed gradients under an unattached DDP model (before the first update), freed gradients
 accumulated over synchronised backwards; kept gradients under an unattached model are fetched at the step.
 FSDP2: the pipeline with kept gradients, bitwise FSDP2 + torch's AdamW (accumulation 1 and 4, clipping on
-the model); freed gradients with DTensor parameters refused. The worker (``_wrappers_distributed_worker.py``) runs the cases; CI runs a subset, the whole matrix is ``slow``.
+the model); freed gradients with DTensor parameters refused. The worker (``_wrappers_distributed_worker.py``) runs the
+cases; CI runs a subset, the whole matrix is ``slow``.
 """
 
 from __future__ import annotations

@@ -592,7 +592,8 @@ def audit(
             _finding(
                 "low_precision_state",
                 f"{len(narrow)} parameter(s) have optimizer state narrower than float32: small updates and weight "
-                f"decay round away, and no float32 master exists (docs/contract.md, section State precision): {_by_dtype(narrow)}",
+                f"decay round away, and no float32 master exists (docs/contract.md, section State precision): "
+                f"{_by_dtype(narrow)}",
                 names,
                 dtypes=narrow,
             )

@@ -699,7 +699,8 @@ def verify(path: PathLike) -> dict[str, Any]:
         raise CheckpointCorrupt(f"{manifest_path}: malformed manifest ({exc!r})") from exc
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointCorrupt(
-            f"{root}: format {manifest.get('format')!r} version {manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+            f"{root}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+            f"expected {FORMAT!r} version {VERSION}"
         )
     damaged = []
     for name in DATA_FILES:

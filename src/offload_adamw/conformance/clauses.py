@@ -802,7 +802,8 @@ def _round_trip(ctx: Context, dtype: torch.dtype) -> tuple[bool, float, str]:
     changed = [f"{n}.{k}: {_dtype_name(dtypes_a[n][k])} -> {_dtype_name(dtypes_b[n][k]) if k in dtypes_b[n] else 'missing'}"
                for n in dtypes_a for k in dtypes_a[n] if dtypes_b[n].get(k) != dtypes_a[n][k]]
     parts = [
-        f"{_dtype_name(dtype)}: continuation after load {'bitwise equal' if bitwise else f'differs (deviation {_fmt(dev)}, first at {where})'}"
+        f"{_dtype_name(dtype)}: continuation after load "
+        f"{'bitwise equal' if bitwise else f'differs (deviation {_fmt(dev)}, first at {where})'}"
     ]
     if changed:
         parts.append("loaded state changed dtype: " + ", ".join(changed))
@@ -1061,7 +1062,8 @@ def clause_cost(ctx: Context) -> ClauseFinding:
         "info",
         ratio,
         f"{elements:,} {_dtype_name(ctx.dtype)} elements on {h.device}: candidate {candidate * 1e3:.2f} ms, "
-        f"torch.optim.AdamW(fused=True) {fused * 1e3:.2f} ms per step (median of 5): {ratio:.2f}x (deviation column = this ratio)",
+        f"torch.optim.AdamW(fused=True) {fused * 1e3:.2f} ms per step (median of 5): "
+        f"{ratio:.2f}x (deviation column = this ratio)",
     )
 
 

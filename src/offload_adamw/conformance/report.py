@@ -121,7 +121,8 @@ class Report:
         rows = [[str(r.number), r.name, r.verdict.upper() if r.verdict in ("fail", "error") else r.verdict,
                  _format_deviation(r.deviation), r.consequence] for r in self.results]
         lines = [
-            f"conformance of {self.candidate} to the AdamW contract ({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)",
+            f"conformance of {self.candidate} to the AdamW contract "
+            f"({self.dtype} parameters on {self.device}, {self.seconds:.1f} s)",
             "the section of the contract each clause checks: docs/contract.md, section Checker clauses",
             "",
         ]

@@ -544,7 +544,8 @@ class HardwareConfig:
     nodes: int = 1
     """Number of nodes."""
     gpu_memory_bytes: float = 80 * GB
-    """Memory of one GPU. 80e9 for an "80 GB" H100 is conservative: an H100 80GB has 80 GiB (85.9e9 bytes), of which the driver keeps some."""
+    """Memory of one GPU. 80e9 for an "80 GB" H100 is conservative: an H100 80GB has 80 GiB (85.9e9 bytes),
+    of which the driver keeps some."""
     gpu_reserved_bytes: float = 4 * GB
     """Per GPU, not available to tensors: CUDA context, NCCL buffers, allocator fragmentation (an estimate)."""
     host_memory_bytes: float = 2000 * GB
@@ -688,7 +689,8 @@ class StrategyPlan:
     step_time_serial_s: float | None = None
     """Estimated training step with the optimizer after backward (planning/overlap.py); None without compute figures."""
     step_time_overlapped_s: float | None = None
-    """The same with each group's host update started as its gradients arrive (equal to serial where the optimizer runs on the GPU)."""
+    """The same with each group's host update started as its gradients arrive
+    (equal to serial where the optimizer runs on the GPU)."""
 
     @property
     def gpu_margin(self) -> float:
@@ -942,7 +944,8 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
         gpu_traffic=0,
         gpus_used=world,
         notes=(
-            "host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), parameter DMA out",
+            "host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), "
+            "parameter DMA out",
         ),
     )
     # offload_gradients: every micro-batch's gradient goes down and is accumulated in host memory.
