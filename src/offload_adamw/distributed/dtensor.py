@@ -31,10 +31,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # the checker's view only: at run time torch.distributed.tensor stays unimported
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
 
 __all__ = [
     "is_dtensor",
@@ -56,7 +62,7 @@ def _dtensor_module() -> Any:
     return sys.modules.get("torch.distributed.tensor")
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeIs[DTensor]:
     module = _dtensor_module()
     return module is not None and isinstance(t, module.DTensor)
 
@@ -76,7 +82,7 @@ def local_grad(grad: Tensor, param: Tensor) -> Tensor:
     return local_tensor(grad)
 
 
-def as_dtensor_like(local: Tensor, param: Tensor) -> Tensor:
+def as_dtensor_like(local: Tensor, param: DTensor) -> Tensor:
     """``local`` (a shard shaped like ``param``'s local tensor) as a DTensor laid out like ``param``."""
     return _dtensor_module().DTensor.from_local(
         local,
@@ -167,7 +173,7 @@ def inside_dcp_state_init(max_depth: int = 8) -> bool:
     if init is None:
         return False
     target = init.__code__
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return False
@@ -177,8 +183,8 @@ def inside_dcp_state_init(max_depth: int = 8) -> bool:
     return False
 
 
-def _meshes(params: Iterable[Tensor]) -> list:
-    meshes = []
+def _meshes(params: Iterable[Tensor]) -> list[DeviceMesh]:
+    meshes: list[DeviceMesh] = []
     for p in params:
         if is_dtensor(p) and not any(p.device_mesh is m for m in meshes):
             meshes.append(p.device_mesh)

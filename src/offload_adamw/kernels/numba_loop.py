@@ -72,6 +72,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -89,6 +91,13 @@ _MIN_BATCH_ELEMENTS = 64 * 1024
 _BATCHES_PER_WORKER = 4
 
 _CPU = torch.device("cpu")
+# Set by _define_numba_pieces() on first use, so that importing this module imports neither numpy nor numba;
+# declared here (annotation only, no value) for the type checker.
+np: Any
+carray: Any
+njit: Any
+_f32_at: Any
+_u16_at: Any
 # dtype -> the kind code the kernels are specialised on
 _KIND = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 #: Streaming (non-temporal) stores of the model copy: x86-64 only (an sfence orders them).
@@ -405,7 +414,7 @@ def _address(t: Tensor, start: int) -> int:
     return t.data_ptr() + start * t.element_size()
 
 
-def _run(kernel, rows: list[list[int]], scalars: list[list[float]]) -> None:
+def _run(kernel: Callable[..., Any], rows: Sequence[Sequence[int]], scalars: Sequence[Sequence[float]]) -> None:
     kernel(np.array(rows, dtype=np.int64).reshape(-1, _WORK_COLUMNS),
            np.array(scalars, dtype=np.float32).reshape(-1, _SCALAR_COLUMNS))
 
@@ -415,7 +424,7 @@ class _Entry:
 
     def __init__(self, variant: _Variant):
         self.variant = variant
-        self.kernel = None
+        self.kernel: Callable[..., Any] | None = None
         self.reason: str | None = _load_numba()
         self.seconds = 0.0
         if self.reason is not None:
@@ -444,7 +453,7 @@ def _self_test(kernel, variant: _Variant) -> str | None:
     step counts), the second at a storage offset.
     """
     n = 64 * 1024
-    f32 = dict(dtype=torch.float32, device=_CPU)
+    f32: dict[str, Any] = dict(dtype=torch.float32, device=_CPU)
     gen = torch.Generator(device=_CPU).manual_seed(1234)
     scale = torch.logspace(-6, 1, n, dtype=torch.float64, device=_CPU)[torch.randperm(n, generator=gen, device=_CPU)]
     master = (torch.randn(n, generator=gen, dtype=torch.float64, device=_CPU) * scale).to(variant.out_dtype or torch.float32)
@@ -466,7 +475,7 @@ def _self_test(kernel, variant: _Variant) -> str | None:
     if variant.grad_dtype == torch.float32:
         grad[8::71] = tiny / 16
     beta1 = 0.9 if variant.lerp_small else 0.3
-    hyper = dict(lr=3e-3, beta1=beta1, beta2=0.999, weight_decay=0.1, eps=1e-8)
+    hyper: dict[str, Any] = dict(lr=3e-3, beta1=beta1, beta2=0.999, weight_decay=0.1, eps=1e-8)
     half = n // 2 + ALIGN  # two rows of unequal length, the second starting mid-tensor
     steps = (5.0, 1000.0)
 
@@ -478,25 +487,25 @@ def _self_test(kernel, variant: _Variant) -> str | None:
             [torch.tensor(step, **f32)], amsgrad=variant.amsgrad, maximize=variant.maximize,
             **{**hyper, "lr": lr},
         )
-    ref.append(ref[0].to(variant.out_dtype) if variant.out_dtype is not None else None)
+    ref_copy = ref[0].to(variant.out_dtype) if variant.out_dtype is not None else None
 
     ours = [master.clone(), exp_avg.clone(), exp_avg_sq.clone(), max_exp_avg_sq.clone()]
     out = torch.empty(n, dtype=variant.out_dtype, device=_CPU) if variant.out_dtype is not None else None
     lr_value = float(lr.item()) if isinstance(lr, Tensor) else lr
-    rows, scalars = [], []
+    rows: list[list[int]] = []
+    scalars: list[tuple[float, ...]] = []
     for k, ((a, b), step) in enumerate(zip(((0, half), (half, n)), steps)):
         scalars.append(_scalars(step, lr_value, beta1, hyper["beta2"], hyper["weight_decay"], hyper["eps"]))
         rows.append([_address(ours[0], a), _address(grad, a), _address(ours[1], a), _address(ours[2], a),
                      _address(ours[3], a), 0 if out is None else _address(out, a), b - a, k])
     _run(kernel, rows, scalars)
-    ours.append(out)
 
     names = ["master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "model copy"]
-    for name, a, b in zip(names, ours, ref):
-        if b is None or (name == "max_exp_avg_sq" and not variant.amsgrad):
+    for name, mine, theirs in zip(names, [*ours, out], [*ref, ref_copy]):
+        if mine is None or theirs is None or (name == "max_exp_avg_sq" and not variant.amsgrad):
             continue
-        view = torch.int16 if a.element_size() == 2 else torch.int32
-        differ = int(((a.view(view) != b.view(view)) & ~(a.isnan() & b.isnan())).sum())
+        view = torch.int16 if mine.element_size() == 2 else torch.int32
+        differ = int(((mine.view(view) != theirs.view(view)) & ~(mine.isnan() & theirs.isnan())).sum())
         if differ:
             return f"the numba loop differs from torch's fused AdamW in {differ} of {n} elements of {name}"
     return None
@@ -520,7 +529,8 @@ if hasattr(os, "register_at_fork"):
 def _caller_stacklevel() -> int:
     """The stacklevel of the first frame outside this package and torch (the user's step call)."""
     inside = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)))
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
@@ -633,7 +643,9 @@ def plan(
     batch_elements -= batch_elements % ALIGN
     batches: list[Callable[[], None]] = []
     for dtypes, work in pieces.items():
-        kernel = entries[dtypes].kernel
+        loop_entry = entries[dtypes]
+        assert loop_entry is not None and loop_entry.kernel is not None  # dtypes without a kernel were skipped above
+        kernel = loop_entry.kernel
         rows: list[list[int]] = []
         room = batch_elements
         for i, stop, row_scalars in work:
