@@ -163,7 +163,7 @@ class _Slot:
         self.layout: dict[str, tuple[torch.device, torch.dtype]] = {}  # buffer field -> (device, dtype) it was laid out for
         self.d2h_event: Any = None
         self.h2d_event: Any = None
-        self.source: weakref.ref | None = None  # kept mode: the device gradient that host_grad copies
+        self.source: weakref.ref[Tensor] | None = None  # kept mode: the device gradient that host_grad copies
         self.source_version = -1
         self.arrival = math.inf  # order in the latest backward, for bucketing
         self.hook: Any = None
@@ -428,6 +428,7 @@ class GradientPipeline:
     def _absorb(self, slot: _Slot, grad: Tensor) -> None:
         """Freed mode: take ``grad`` into host memory (copy, or accumulate onto what is there)."""
         self._ensure_grad_buffer(slot)
+        assert slot.host_grad is not None  # allocated by _ensure_grad_buffer
         if not slot.has_grad:
             self._transfer(slot, grad, slot.host_grad)
             slot.has_grad = True
@@ -435,6 +436,7 @@ class GradientPipeline:
         if slot.pending_add:
             self._wait_add(slot)  # the incoming buffer is about to be overwritten
         self._ensure_incoming(slot)
+        assert slot.incoming is not None  # allocated by _ensure_incoming
         self._transfer(slot, grad, slot.incoming)
         slot.add_done = self._accumulator.submit(slot.d2h_event, slot.host_grad, slot.incoming)
         slot.pending_add = True
@@ -442,6 +444,7 @@ class GradientPipeline:
     def _copy_out(self, slot: _Slot, grad: Tensor) -> None:
         """Kept mode: refresh the host copy of the device gradient."""
         self._ensure_grad_buffer(slot)
+        assert slot.host_grad is not None  # allocated by _ensure_grad_buffer
         self._transfer(slot, grad, slot.host_grad)
         slot.source = weakref.ref(grad)
         slot.source_version = _local(grad)._version
@@ -449,6 +452,7 @@ class GradientPipeline:
     def _wait_add(self, slot: _Slot) -> None:
         """Wait for the accumulator's add into this slot's host gradient; raise what it raised."""
         if slot.pending_add:
+            assert slot.add_done is not None  # set together with pending_add
             slot.add_done.wait()
             slot.pending_add = False
             slot.add_done = None
@@ -519,6 +523,7 @@ class GradientPipeline:
             )
         with self._hook_lock:
             self._finish(slot)
+        assert slot.host_grad is not None  # a stand-in exists only for a gradient absorbed into host_grad
         return slot.host_grad
 
     def _drop_host_gradient(self, slot: _Slot) -> None:
@@ -612,6 +617,7 @@ class GradientPipeline:
                 if slot is None:
                     continue
                 self._ensure_grad_buffer(slot)
+                assert slot.host_grad is not None  # allocated by _ensure_grad_buffer
                 if self.offload_gradients and slot.pending_add:
                     self._wait_add(slot)
                 self._transfer(slot, grad, slot.host_grad)
@@ -731,6 +737,7 @@ class GradientPipeline:
                 if set_to_none:
                     slot.has_grad = False
                 elif slot.has_grad:
+                    assert slot.host_grad is not None  # has_grad: host_grad holds it
                     slot.host_grad.zero_()
         self.refresh()
 
@@ -796,6 +803,7 @@ class GradientPipeline:
             if p.grad is not None and not is_host_resident(p.grad):
                 self._validate(slot, p.grad, w)
             elif slot.has_grad and p.grad is not None:
+                assert slot.host_grad is not None  # has_grad: host_grad holds it
                 opt.check_gradient(w[0], w[1], slot.host_grad)
         if opt.nonfinite != "propagate":
             present = [(w[0], w[1], self._ready(self._slots[p], w)) for p, w in where.items()]
@@ -865,6 +873,7 @@ class GradientPipeline:
         for p in bucket:
             slot = self._slots[p]
             if slot.has_grad:
+                assert slot.host_grad is not None  # has_grad: host_grad holds it
                 opt.check_gradient(*where[p], slot.host_grad)
         opt.preflight([where[p] for p in bucket if self._slots[p].has_grad and not opt.state.get(p)])
         for gi in {where[p][0] for p in bucket}:
@@ -956,11 +965,13 @@ class GradientPipeline:
         for device, members in by_device.items():
             if device.type != "cuda":
                 for s in members:  # another accelerator without streams here: a plain copy
+                    assert s.staging is not None  # allocated for every parameter on a device
                     s.local.copy_(s.staging)
                 continue
             stream = self._stream(device, "h2d")
             with torch.cuda.stream(stream), torch.no_grad():
                 for s in members:
+                    assert s.staging is not None  # allocated for every parameter on a device
                     s.local.copy_(s.staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)

@@ -213,6 +213,11 @@ def _float(x: Any) -> float | None:
     return float(x)
 
 
+def _number(x: Any) -> float:
+    """``x``, a number or a one-element tensor (``_is_number``, or an lr of a param group), as a float."""
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
 def _is_number(x: Any) -> bool:
     if isinstance(x, Tensor):
         return x.numel() == 1 and not x.is_complex()
@@ -225,11 +230,11 @@ def _hyperparameter_findings(groups: Sequence[Mapping[str, Any]]) -> list[AuditF
     for gi, group in enumerate(groups):
         bad: dict[str, str] = {}
         for key in ("lr", "eps", "weight_decay"):
-            if key in group and _is_number(group[key]) and not 0.0 <= _float(group[key]):
-                bad[key] = repr(_float(group[key]))
+            if key in group and _is_number(group[key]) and not 0.0 <= _number(group[key]):
+                bad[key] = repr(_number(group[key]))
         betas = group.get("betas")
         if betas is not None and not (
-            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0.0 <= _float(b) < 1.0 for b in betas)
+            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0.0 <= _number(b) < 1.0 for b in betas)
         ):
             shown = tuple(_float(b) if _is_number(b) else b for b in betas) if isinstance(betas, (tuple, list)) else betas
             bad["betas"] = repr(shown)
@@ -327,7 +332,7 @@ class _StandInOptimizer(torch.optim.Optimizer):
         self.param_groups = groups
         self._opt_called = True
 
-    def step(self, closure: Any = None) -> None:  # pragma: no cover - never called
+    def step(self, closure: Any = None) -> Any:  # pragma: no cover - never called
         return None
 
 
@@ -339,7 +344,7 @@ def replay_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> 
     learning rates change.
     """
     groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} | {"params": []} for g in optimizer.param_groups]
-    current = [[_float(g["lr"]) for g in groups]] if steps > 0 else []
+    current = [[_number(g["lr"]) for g in groups]] if steps > 0 else []
     if scheduler is None:
         return current * steps, "constant (no scheduler)"
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -359,7 +364,7 @@ def replay_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> 
         warnings.simplefilter("ignore")  # order warnings about optimizer.step(): the stand-in never steps
         for t in tqdm(range(steps), desc="replaying the lr schedule", disable=steps < 100_000 or not sys.stderr.isatty(),
                       leave=False):
-            lrs.append([_float(g["lr"]) for g in groups])
+            lrs.append([_number(g["lr"]) for g in groups])
             if t + 1 < steps:
                 shadow.step()
     return lrs, f"replay of {type(scheduler).__name__}"
@@ -368,13 +373,14 @@ def replay_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> 
 def _accumulation(grad_accumulation: int | Sequence[int] | None) -> tuple[int, int] | None:
     if grad_accumulation is None:
         return None
+    pair: tuple[int, ...]
     if isinstance(grad_accumulation, int):
         pair = (1, grad_accumulation)
     else:
         pair = tuple(int(x) for x in grad_accumulation)
     if len(pair) != 2 or pair[0] < 1 or pair[1] < 1:
         raise ValueError(f"grad_accumulation must be a positive int or a (current, new) pair of them, got {grad_accumulation!r}")
-    return pair  # type: ignore[return-value]
+    return pair[0], pair[1]
 
 
 def _shrink_findings(
@@ -773,6 +779,7 @@ def audit_state_dict(
     for gi, group in enumerate(groups):
         pids = group.get("params", [])
         shapes = [shape_of(pid) for pid in pids]
+        known = [s for s in shapes if s is not None]
         summaries.append(
             GroupSummary(
                 index=gi,
@@ -780,7 +787,7 @@ def audit_state_dict(
                 lr=_float(group.get("lr")),
                 weight_decay=_float(group.get("weight_decay")),
                 tensors=len(pids),
-                elements=None if any(s is None for s in shapes) else sum(math.prod(s) for s in shapes),
+                elements=None if len(known) != len(shapes) else sum(math.prod(s) for s in known),
                 param_dtypes=(),
                 state_dtypes=_state_dtypes(state.get(pid) for pid in pids),
             )
