@@ -34,7 +34,7 @@ class OffloadGradScaler(torch.amp.GradScaler):
     found_inf skip and ``scaler.update()`` work unchanged.
     """
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         holder_of = getattr(optimizer, "host_gradient_holder", None)
         holder = holder_of() if callable(holder_of) else None
         if holder is None:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.colors import ListedColormap
 
 __all__ = ["BucketTimes", "StepTimeline"]
 
@@ -95,7 +98,8 @@ class StepTimeline:
         t0 = self.start
         rows = [("device-to-host copies", "d2h"), ("host updates", "update"), ("host-to-device copies", "h2d")]
         fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.6))
-        colors = plt.get_cmap("tab20").colors
+        # tab20 is a ListedColormap (get_cmap is typed as the base class); its colors: a list of RGB tuples
+        colors: Any = cast("ListedColormap", plt.get_cmap("tab20")).colors
         for index, b in enumerate(self.buckets):
             color = colors[index % len(colors)]
             spans = {

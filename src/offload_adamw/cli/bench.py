@@ -67,6 +67,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -200,7 +201,7 @@ def make_workload(total: int, seed: int = 0) -> Workload:
     )
 
 
-HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+HYPER: dict[str, Any] = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
 def _hp() -> StepHyper:
@@ -570,7 +571,7 @@ def run_benchmark(config: BenchConfig) -> dict:
     info = machine_info()
     bandwidth = measure_host_bandwidth(elements=config.bandwidth_elements, repeats=5)
     info["chunk_loop"] = chunk_loop_status()  # TorchScript or plain Python, compile time, fallback reason
-    result = {"machine": info, "config": asdict(config), "bandwidth": bandwidth, "sizes": []}
+    result: dict[str, Any] = {"machine": info, "config": asdict(config), "bandwidth": bandwidth, "sizes": []}
     if config.parity_elements:
         result["parity"] = parity_check(config.parity_elements)
     for total in config.sizes:

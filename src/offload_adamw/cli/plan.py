@@ -27,7 +27,10 @@ import math
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.colors import ListedColormap
 
 from offload_adamw.cli import common
 from offload_adamw.planning import planner
@@ -315,7 +318,8 @@ def write_plot(result: Plan, path: str) -> None:
 
     names = [s.name for s in result.strategies]
     fig, axes = plt.subplots(1, 2, figsize=(15, 7.5))
-    colors = plt.get_cmap("tab10").colors
+    # tab10 is a ListedColormap (get_cmap is typed as the base class); its colors: a list of RGB tuples
+    colors: Any = cast("ListedColormap", plt.get_cmap("tab10")).colors
     for ax, where, capacity, title in (
         (axes[0], "gpu", result.hardware.gpu_memory_bytes, "per GPU"),
         (axes[1], "host", result.hardware.host_memory_bytes, "host memory per node"),

@@ -246,7 +246,8 @@ def _import_lazily_loaded_modules() -> None:
     forked child would otherwise import again."""
     p = torch.nn.Parameter(torch.zeros(2))
     p.grad = torch.ones(2)
-    for options in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+    variants: tuple[dict[str, Any], ...] = ({"foreach": False}, {"foreach": True}, {"fused": True})
+    for options in variants:
         try:
             torch.optim.AdamW([p], **options).step()
         except Exception:  # an implementation this build lacks

@@ -167,7 +167,7 @@ def build_model(config: DemoConfig):
 
 
 def make_optimizer(key: str, params, config: DemoConfig) -> torch.optim.Optimizer:
-    common = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    common: dict[str, Any] = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     if key == "torch_fp32":
         return torch.optim.AdamW(params, fused=True, **common)
     if key in ("offload_fp32", "offload_bf16"):

@@ -26,7 +26,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -40,7 +40,7 @@ def _decay_names(model: torch.nn.Module, trainer: Any = None) -> set[str]:
     from transformers import Trainer
 
     # The Trainer's own split; the method reads only the model (no Trainer state), so no Trainer is needed yet.
-    return set(Trainer.get_decay_parameter_names(None, model))
+    return set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]  # self is unused, see above
 
 
 def trainer_param_groups(model: torch.nn.Module, weight_decay: float, *, decay_names: Iterable[str] | None = None,
@@ -98,7 +98,8 @@ def _make_trainer_class() -> type:
 
         def create_optimizer(self, model: Any = None) -> Any:
             if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
-                opt_model = self.model if model is None else model
+                # the Trainer has its model by the time it creates the optimizer (its stubs allow None)
+                opt_model = cast("torch.nn.Module", self.model if model is None else model)
                 self.optimizer_cls_and_kwargs = trainer_optimizer(opt_model, self.args, trainer=self,
                                                                   **self.offload_adamw_kwargs)
             return super().create_optimizer(model)
