@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -65,5 +66,7 @@ def clip_grad_norm_(
     """
     grads = gradients_of(target)
     total_norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    torch.nn.utils.clip_grads_with_norm_([_GradHolder(g) for g in grads], max_norm, total_norm, foreach)
+    # clip_grads_with_norm_ reads only each item's .grad: the holders stand in for parameters (its stub says Tensor)
+    holders = cast(list[Tensor], [_GradHolder(g) for g in grads])
+    torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total_norm, foreach)
     return total_norm

@@ -55,10 +55,12 @@ class HostResidentGradient(Tensor):
         self._resolve = resolve  # -> the complete host gradient (waits for its copies)
         self._describe = describe
 
-    def __repr__(self) -> str:  # no data to print: say where it is
+    # torch's stub gives Tensor.__repr__ a tensor_contents keyword, which only torch's own printing passes
+    def __repr__(self) -> str:  # type: ignore[override]  # no data to print: say where it is
         return f"HostResidentGradient(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: in host memory)"
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's documented way to turn off __torch_function__ for a subclass; its stub types it as a plain function
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: D105

@@ -63,7 +63,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -587,7 +587,8 @@ def save(
             groups.append({"param_names": names, "hyper": hyper})
     entries = {}
     for name, value in canonical.items():
-        stored = optimizer.master_value(value) if has_masters and id(value) in optimized else value
+        # has_masters: the optimizer defines master_value
+        stored = cast(Any, optimizer).master_value(value) if has_masters and id(value) in optimized else value
         model_tensors[name] = stored
         entries[name] = {
             "dtype": str(value.dtype).removeprefix("torch."),
@@ -946,12 +947,13 @@ def load(
             optimized_here: set[str] = set()
             for gi, group in enumerate(optimizer.param_groups):
                 for index, p in enumerate(group["params"]):
-                    name = name_of.get(id(p))
-                    if name is None:
+                    found = name_of.get(id(p))
+                    if found is None:
                         problems.append(
                             f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in model.state_dict()"
                         )
                         continue
+                    name = found
                     optimized_here.add(name)
                     saved_gi = saved_group_of.get(name)
                     if name not in matched:
@@ -1006,7 +1008,7 @@ def load(
             scheduler.load_state_dict(scheduler_before)
             problems.append(f"scheduler {type(scheduler).__name__} refused its state: {type(exc).__name__}: {exc}")
             raise CheckpointMismatch(report) from exc
-    if optimizer_state_dict is not None:
+    if optimizer is not None and optimizer_state_dict is not None:  # the second implies the first
         try:
             optimizer.load_state_dict(optimizer_state_dict)
         except Exception as exc:  # StateDictMismatch, or torch's own checks

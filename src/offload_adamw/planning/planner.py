@@ -293,8 +293,11 @@ class ModelConfig:
         else:
             e = self.num_experts
             width = self.expert_intermediate_size or i
-            router = [(f"{p}mlp.gate.weight", (e, h))]
-            experts = [(f"{p}mlp.experts.gate_up_proj", (e, 2 * width, h)), (f"{p}mlp.experts.down_proj", (e, h, width))]
+            router: list[tuple[str, tuple[int, ...]]] = [(f"{p}mlp.gate.weight", (e, h))]
+            experts: list[tuple[str, tuple[int, ...]]] = [
+                (f"{p}mlp.experts.gate_up_proj", (e, 2 * width, h)),
+                (f"{p}mlp.experts.down_proj", (e, h, width)),
+            ]
             # transformers registers the router first (Mixtral, Qwen2-MoE) or after the experts (DeepSeek-V3)
             shapes.extend(experts + router if self.shared_expert_module == "shared_experts" else router + experts)
             if self.shared_expert_intermediate_size:
@@ -477,7 +480,7 @@ def model_from_hf_dict(raw: dict[str, Any], *, name: str, source: str | None = N
         _require(raw, source, ("num_local_experts",), "Mixtral's experts per layer")
         return ModelConfig(**common, num_experts=raw["num_local_experts"])
     if model_type == "qwen2_moe":
-        keys = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+        keys: tuple[str, ...] = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
         _require(raw, source, keys, "Qwen2-MoE's experts")
         step = raw.get("decoder_sparse_step", 1)
         if not isinstance(step, int) or step < 1:
