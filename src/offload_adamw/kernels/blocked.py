@@ -91,6 +91,7 @@ import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -244,7 +245,7 @@ _script_state: dict = {}
 def _self_test(fn) -> bool:
     """Does ``fn`` compute the Python loop's bits (widen, no model copy, amsgrad, model copy)?"""
     gen = torch.Generator().manual_seed(0)
-    results = []
+    results: list[list[Tensor | None]] = []
     for loop in (_chunk_loop, fn):
         n = 3 * CHUNK_ALIGN + 5
         master = [torch.randn(n, generator=gen) for _ in range(2)]
@@ -253,12 +254,12 @@ def _self_test(fn) -> bool:
         v = [torch.zeros(n), torch.zeros(n)]
         mv = [torch.zeros(n), torch.zeros(n)]
         steps = [torch.ones(()), torch.ones(())]
-        outs = [None, torch.empty(n, dtype=torch.bfloat16)]
+        outs: list[Tensor | None] = [None, torch.empty(n, dtype=torch.bfloat16)]
         chunks = [(i, a, min(a + 2 * CHUNK_ALIGN, n)) for i in (0, 1) for a in range(0, n, 2 * CHUNK_ALIGN)]
         for amsgrad in (False, True):
             loop(master, grads, m, v, mv, steps, outs, [c[0] for c in chunks], [c[1] for c in chunks],
                  [c[2] for c in chunks], torch.empty(2 * CHUNK_ALIGN), 1e-2, 0.9, 0.99, 0.1, 1e-8, amsgrad, False)
-        results.append(master + m + v + mv + [outs[1]])
+        results.append([*master, *m, *v, *mv, outs[1]])
         gen.manual_seed(0)
     return all(torch.equal(x, y) for x, y in zip(*results))
 
@@ -431,6 +432,8 @@ def blocked_adamw_(
                    if t is not None]
         if written:
             torch.autograd.graph.increment_version(written)
+    loop: Any  # the scripted or the Python loop, called with the unpacked lists below
+    lr: float | Tensor
     if isinstance(hp.lr, Tensor):
         # TorchScript's loop takes a float lr; a tensor lr keeps the Python loop, which passes
         # it to the fused op unchanged (torch's own overload for it).
@@ -440,15 +443,14 @@ def blocked_adamw_(
     scalars = (lr, float(hp.beta1), float(hp.beta2), float(hp.weight_decay), float(hp.eps),
                bool(hp.amsgrad), bool(hp.maximize))
     # Flat views of each blocked tensor (contiguous, so view(-1) never copies).
-    flat = [
+    flat: list[list[Any]] = [
         [masters[i].view(-1) for i in blocked],
         [grads[i].view(-1) for i in blocked],
         [exp_avgs[i].view(-1) for i in blocked],
         [exp_avg_sqs[i].view(-1) for i in blocked],
         [max_exp_avg_sqs[i].view(-1) for i in blocked] if hp.amsgrad else [],
         [steps[i] for i in blocked],
-        [model_params[i].view(-1) if model_params is not None and model_params[i] is not None else None
-         for i in blocked],
+        [None if model_params is None or (out := model_params[i]) is None else out.view(-1) for i in blocked],
     ]
     # Chunks of tensors with the same master dtype (one buffer dtype per loop call).
     by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
