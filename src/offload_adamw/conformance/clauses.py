@@ -59,9 +59,9 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -556,7 +556,11 @@ def clause_groups(ctx: Context) -> ClauseFinding:
         opt_b = h.build(pb, values)
         scheduler = None
         if use_scheduler:
-            scheduler = torch.optim.lr_scheduler.LambdaLR(opt_b, lr_lambda=lambda epoch, k=k, f=factor: f if epoch == k else 1.0)
+
+            def factor_at(epoch: int, k: int = k, f: float = factor) -> float:
+                return f if epoch == k else 1.0
+
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt_b, lr_lambda=factor_at)
         for j in range(k + 1):
             if not use_scheduler:
                 h.set_lr(opt_b, eta * (factor if j == k else 1.0))
@@ -702,7 +706,8 @@ def clause_precision(ctx: Context) -> ClauseFinding:
         raise NotApplicable("the candidate took none of float64, float32, bfloat16, float16")
     base = runs[base_dtype][2]
 
-    problems, worst = [], 0.0
+    problems: list[str] = []
+    worst = 0.0
     for dtype, (opt, p, seen) in runs.items():
         label = _dtype_name(dtype)
         findings = []
@@ -877,7 +882,7 @@ def clause_name_mapping(ctx: Context) -> ClauseFinding:
 def clause_validation(ctx: Context) -> ClauseFinding:
     h = ctx.harness
     ok_values = hyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=_wd(ctx, 0.01))
-    cases = [
+    cases: list[tuple[str, dict[str, Any]]] = [
         ("lr = nan", {"lr": math.nan}),
         ("lr = -1e-3", {"lr": -1e-3}),
         ("eps = -1e-8", {"eps": -1e-8}),
@@ -993,10 +998,12 @@ def clause_grad_scaler(ctx: Context) -> ClauseFinding:
     for k, w in enumerate(weights):
         for p in px.values():
             p.grad = None
-        loss = sum((p * w[n].to(p.device, p.dtype)).sum() for n, p in px.items())
+        loss = cast(Tensor, sum((p * w[n].to(p.device, p.dtype)).sum() for n, p in px.items()))  # px is not empty
         scaler.scale(loss).backward()
         if k == 1:
-            px["w"].grad[0] = math.inf  # an overflow in the scaled backward pass
+            grad = px["w"].grad
+            assert grad is not None  # set by the backward just run
+            grad[0] = math.inf  # an overflow in the scaled backward pass
         scaler.step(opt_x)
         scaler.update()
         seen.append(h.observe_all(opt_x, px))
@@ -1023,7 +1030,7 @@ def clause_grad_scaler(ctx: Context) -> ClauseFinding:
 COST_SHAPES = [(256, 256)] * 4
 
 
-def _median_step_seconds(opt: Any, params: list[Tensor], grads: list[Tensor], repeats: int = 5) -> float:
+def _median_step_seconds(opt: Any, params: Sequence[Tensor], grads: Sequence[Tensor], repeats: int = 5) -> float:
     for p, g in zip(params, grads):
         p.grad = g
     sync = torch.cuda.synchronize if params[0].device.type == "cuda" else (lambda: None)
