@@ -24,13 +24,15 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider
 	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_clean_install.py
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy src
 
 test-slow: venv
 	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
 
 # Style and types (configured in pyproject.toml). Run both even when the first one finds something.
 lint: venv
-	$(PY) -m ruff check src tests; r=$$?; $(PY) -m mypy src || exit 1; exit $$r
+	$(PY) -m ruff check src tests benchmarks examples; r=$$?; $(PY) -m mypy src || exit 1; exit $$r
 
 bench: venv
 	$(VENV)/bin/offload-adamw bench
