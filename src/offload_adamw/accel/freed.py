@@ -48,12 +48,15 @@ class HostResidentGradient(Tensor):
     """Stands in ``p.grad`` for a gradient that lives in a host buffer (see the module contract)."""
 
     @staticmethod
-    def __new__(cls, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str]) -> HostResidentGradient:
+    def __new__(cls, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str],
+                zero: Callable[[], None] | None = None) -> HostResidentGradient:
         return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
 
-    def __init__(self, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str]) -> None:
+    def __init__(self, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str],
+                 zero: Callable[[], None] | None = None) -> None:
         self._resolve = resolve  # -> the complete host gradient (waits for its copies)
         self._describe = describe
+        self._zero = zero  # zeroes the host gradient (zero_grad(set_to_none=False)); None: through _resolve
 
     # torch's stub gives Tensor.__repr__ a tensor_contents keyword, which only torch's own printing passes
     def __repr__(self) -> str:  # type: ignore[override]  # no data to print: say where it is
@@ -83,6 +86,11 @@ class HostResidentGradient(Tensor):
             out = func(*host(args), **{k: host(v) for k, v in kwargs.items()})
             device = holders[0].device
             return [t.to(device) for t in out] if isinstance(out, (list, tuple)) else out.to(device)
+        if func in _ZEROES and all(x._zero is not None for x in _flat(args) if isinstance(x, HostResidentGradient)):
+            for x in _flat(args):
+                if isinstance(x, HostResidentGradient) and x._zero is not None:
+                    x._zero()
+            return None if func.__name__.startswith("_foreach") else args[0]
         if func in _SCALES or func in _ZEROES:
             func(*host(args), **{k: host(v) for k, v in kwargs.items()})
             return None if func.__name__.startswith("_foreach") else args[0]

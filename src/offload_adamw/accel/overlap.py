@@ -89,6 +89,17 @@ class BackwardUpdater:
             else:
                 self._queued.append(index)
 
+    def started(self) -> bool:
+        """Whether any bucket's update was handed to the worker (some state may have changed)."""
+        with self._lock:
+            return bool(self._records)
+
+    def covers(self, key: Hashable) -> bool:
+        """Whether ``key``'s bucket was handed to the worker in this step."""
+        with self._lock:
+            index = self._where.get(key)
+            return index is not None and index in self._records
+
     def open_gate(self) -> None:
         """Let every complete bucket's update start (the global norm is known, or step() was called)."""
         with self._lock:

@@ -328,6 +328,7 @@ class GradientPipeline:
         still = []
         for slot in self._unhooked:
             if slot.param.requires_grad:
+                _take_over(slot.param, self)
                 slot.hook = slot.param.register_post_accumulate_grad_hook(_hook_for(self))
                 if self.offload_gradients:
                     slot.prehook = slot.param.register_hook(_prehook_for(self, slot.param))
@@ -481,6 +482,12 @@ class GradientPipeline:
         if not self._syncing:
             return  # inside no_sync(): the gradient accumulates where autograd put it, copied once at the last micro-batch
         slot = self._slots.get(param)
+        if slot is not None and self._updater is not None and self._updater.covers(param):
+            raise RuntimeError(
+                f"{self._name(slot)}: a second backward reached this parameter after its update ran during the "
+                "previous one (update_in_backward=True); accumulate micro-batches inside opt.no_sync() and call "
+                "opt.step() after each backward that runs outside it"
+            )
         grad = param.grad
         if slot is None or slot.ddp or grad is None or is_host_resident(grad):
             return  # an attached DDP model's communication hook brings this gradient, reduced
@@ -503,14 +510,32 @@ class GradientPipeline:
             self._stand_in(slot)
         else:
             self._copy_out(slot, grad)
+        if self._updater is not None and self._syncing and not self._updater.started() and any(
+                p.requires_grad and not self.optimizer.state.get(p) for p in self._slots):
+            # A parameter unfrozen since the last step needs state, whose creation may fail: this step's
+            # updates wait for step(), where every state is created before the first update.
+            self._updater.close()
+            self._updater = None
         if self._updater is not None and self._syncing:
             self._updater.landed(param)
+            # An early update runs in place: a use of the parameter still to come in this backward must fail
+            # loudly (autograd's saved-tensor check), not read the updated value.
+            torch.autograd.graph.increment_version(param)
 
     # ------------------------------------------- freed gradients: what p.grad says
 
     def _stand_in(self, slot: _Slot) -> None:
         """Freed mode: ``p.grad`` becomes the storage-less stand-in of the host gradient (accel/freed.py)."""
-        slot.param.grad = HostResidentGradient(slot.param, lambda: self._complete(slot), lambda: self._name(slot))
+        slot.param.grad = HostResidentGradient(slot.param, lambda: self._complete(slot), lambda: self._name(slot),
+                                               zero=lambda: self._zero_host(slot))
+
+    def _zero_host(self, slot: _Slot) -> None:
+        """``p.grad.zero_()`` on the stand-in (``zero_grad(set_to_none=False)``): explicit zeros on the host."""
+        self.refuse_mid_step("zero its gradient")
+        with self._hook_lock:
+            self._finish(slot)
+        if slot.host_grad is not None:
+            slot.host_grad.zero_()
 
     def _complete(self, slot: _Slot) -> Tensor:
         if self.config.update_in_backward:
@@ -528,6 +553,7 @@ class GradientPipeline:
 
     def _drop_host_gradient(self, slot: _Slot) -> None:
         """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it."""
+        self.refuse_mid_step("clear its gradients")
         self._finish(slot)  # no copy or add may land in the buffer after it was cleared
         slot.has_grad = False
 
@@ -714,6 +740,11 @@ class GradientPipeline:
 
     def gradient_tensors(self) -> list[Tensor]:
         """The gradients as the truth holds them: host buffers when freed, else the device ``p.grad``."""
+        if self.config.update_in_backward:
+            raise RuntimeError(
+                "with update_in_backward=True the host updates may already have consumed the gradients during "
+                "backward: they cannot be read or changed between backward and step(); use update_in_backward=False"
+            )
         if self.offload_gradients:
             return [g for _, g in self.host_gradients()]
         return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -722,6 +753,7 @@ class GradientPipeline:
         """The current gradient of ``p``: its host buffer when device gradients are freed, else ``p.grad``."""
         if not self.offload_gradients:
             return p.grad
+        self.refuse_mid_step("read a gradient")
         self.refresh()
         w = self._where().get(p)
         if w is None:
@@ -730,6 +762,7 @@ class GradientPipeline:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Clear the host gradients as torch's zero_grad clears ``p.grad`` (device grads: the optimizer's job)."""
+        self.refuse_mid_step("clear its gradients")
         for slot in self._slots.values():
             self._finish(slot)  # no copy or add may land in host memory after it was cleared
             slot.source = None
@@ -788,7 +821,9 @@ class GradientPipeline:
                 slot.source = None
         # Buckets are updated one after another: check every gradient first, so that an
         # error names its parameter before any bucket has changed.
-        if self._refetch_at_step and not self.offload_gradients:
+        if not self.offload_gradients:
+            # A kept gradient is the device's: fetch every one now. The copy taken in backward cannot be known
+            # current, since edits through .data, collectives and DTensor move no version counter.
             for slot in self._slots.values():
                 slot.source = None
         for p, w in where.items():
@@ -858,9 +893,15 @@ class GradientPipeline:
         return buckets
 
     def _prepare_early_updates(self, buckets: list[list[Tensor]]) -> None:
-        """The next step's early updates follow this step's buckets (the order of this backward)."""
+        """The next step's early updates follow this step's buckets (the order of this backward).
+
+        Only when every trainable parameter already has state: creating state can fail (host memory), and it
+        must fail before any update of the step, which an update during backward cannot promise.
+        """
         self._landed_at = {}
         if not self.config.update_in_backward or not any(s.arrival != math.inf for s in self._slots.values()):
+            return
+        if any(p.requires_grad and not self.optimizer.state.get(p) for p in self._slots):
             return
         self._early_buckets = buckets
         self._updater = BackwardUpdater(buckets, self._early_update, gated=False)
@@ -900,11 +941,15 @@ class GradientPipeline:
         done = {p for r in records for p in self._early_buckets[r.bucket]}
         return done, records
 
-    def cancel_early_updates(self) -> None:
-        """Drop the pending early updates (nothing has run) so that the next backward updates nothing early."""
-        if self._updater is not None:
-            self._updater.close()
-            self._updater = None
+    def refuse_mid_step(self, what: str) -> None:
+        """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
+        if self._updater is not None and self._updater.started():
+            raise RuntimeError(
+                f"the optimizer cannot {what} now: with update_in_backward=True the last backward already updated "
+                "some parameters, so opt.step() must come next (every backward outside opt.no_sync() is followed by "
+                "step(); a backward that is not, such as one through another model's parameters, needs "
+                "update_in_backward=False)"
+            )
 
     def no_sync(self) -> _NoSync:
         """A context for micro-batches that only accumulate: their gradients stay where autograd accumulates
@@ -1000,3 +1045,23 @@ class _NoSync:
 
     def __exit__(self, *exc: object) -> None:
         self._pipeline._syncing = self._before
+
+
+# The attribute of a parameter that names the pipeline whose hooks take its gradients: an optimizer dropped
+# without close() stays alive until the garbage collector breaks its reference cycle, and its hooks would
+# go on taking the gradients.
+_OWNER_ATTR = "_offload_adamw_pipeline"
+
+
+def _take_over(param: Tensor, pipeline: GradientPipeline) -> None:
+    """Make ``pipeline`` the one whose hooks take ``param``'s gradients, removing an earlier one's hooks."""
+    owner = getattr(param, _OWNER_ATTR, None)
+    previous = owner() if owner is not None else None
+    if previous is not None and previous is not pipeline:
+        warnings.warn(
+            "OffloadAdamW: a new transfer pipeline takes over parameters of an earlier OffloadAdamW, whose hooks "
+            "are removed (that optimizer no longer receives their gradients)",
+            stacklevel=4,
+        )
+        previous.close()
+    setattr(param, _OWNER_ATTR, weakref.ref(pipeline))
