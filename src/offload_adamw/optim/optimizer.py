@@ -549,8 +549,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict; refused between a backward that already updated parameters and step()."""
-        if self._pipeline is not None:
-            self._pipeline.refuse_mid_step("save its state")
+        pipeline = getattr(self, "_pipeline", None)  # a subclass may skip this class's constructor
+        if pipeline is not None:
+            pipeline.refuse_mid_step("save its state")
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -562,8 +563,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         written back to its parameter (rounded to the parameter's dtype), so that
         the model and the optimizer agree after a resume.
         """
-        if self._pipeline is not None:
-            self._pipeline.refuse_mid_step("load a state_dict")
+        pipeline = getattr(self, "_pipeline", None)
+        if pipeline is not None:
+            pipeline.refuse_mid_step("load a state_dict")
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
