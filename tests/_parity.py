@@ -67,3 +67,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
     view = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16, torch.float16: torch.int16}
     return torch.equal(a.detach().cpu().contiguous().view(view[a.dtype]), b.detach().cpu().contiguous().view(view[b.dtype]))
+
+
+def assert_same_snapshot(a: dict, b: dict) -> None:
+    """Two snapshots of a run (tensors by bits and dtype, everything else by value) are equal, key by key."""
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key

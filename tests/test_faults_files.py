@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from _fault_worker import build, train
+from _parity import assert_same_snapshot
 from offload_adamw import checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
@@ -37,15 +38,6 @@ def snapshot(model, optimizer, scheduler) -> dict:
     out["scheduler"] = repr(scheduler.state_dict())
     out["rng"] = torch.get_rng_state().clone()
     return out
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +87,7 @@ def test_damaged_file_is_refused_and_previous_checkpoint_loads(tmp_path, two_che
         assert checkpoint.MANIFEST_FILE in message, message
     else:
         assert name in message, message
-    assert_same(snapshot(model, optimizer, scheduler), before)
+    assert_same_snapshot(snapshot(model, optimizer, scheduler), before)
     assert checkpoint.latest(tmp_path) is None  # the only candidate there is damaged
 
     report = checkpoint.load(first, model, optimizer, scheduler)

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _fault_worker import Net, build, train
+from _parity import assert_same_snapshot
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, store
 
@@ -36,15 +37,6 @@ def snapshot(model, optimizer, scheduler) -> dict:
     out["rng"] = torch.get_rng_state().clone()
     out["python_rng"] = random.getstate()
     return out
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
 
 
 def recommit(path: Path, meta: dict | None = None, meta_bytes: bytes | None = None) -> None:
@@ -122,7 +114,7 @@ def test_malformed_metadata_is_refused_naming_the_file_and_nothing_changes(saved
     with pytest.raises(CheckpointCorrupt) as info:
         checkpoint.load(saved, model, optimizer, scheduler)
     assert checkpoint.META_FILE in str(info.value) and "malformed" in str(info.value), str(info.value)
-    assert_same(snapshot(model, optimizer, scheduler), before)
+    assert_same_snapshot(snapshot(model, optimizer, scheduler), before)
 
 
 def test_nesting_too_deep_for_the_parser_is_refused(saved):
@@ -159,7 +151,7 @@ def test_stored_tensor_shape_is_checked_not_the_declared_one(saved):
         checkpoint.load(saved, model, optimizer, scheduler)
     with pytest.raises(CheckpointCorrupt):
         checkpoint.load(saved, model, optimizer, scheduler, strict=False)
-    assert_same(snapshot(model, optimizer, scheduler), before)
+    assert_same_snapshot(snapshot(model, optimizer, scheduler), before)
 
 
 def test_stored_tensor_dtype_is_checked(saved):
@@ -182,7 +174,7 @@ def test_scheduler_refusing_its_state_leaves_everything_as_it_was(saved):
     before = snapshot(model, optimizer, scheduler)
     with pytest.raises(CheckpointMismatch, match="scheduler LambdaLR refused its state"):
         checkpoint.load(saved, model, optimizer, scheduler)
-    assert_same(snapshot(model, optimizer, scheduler), before)
+    assert_same_snapshot(snapshot(model, optimizer, scheduler), before)
 
 
 def test_optimizer_refusal_puts_the_scheduler_back(saved):
@@ -195,7 +187,7 @@ def test_optimizer_refusal_puts_the_scheduler_back(saved):
     before = snapshot(model, optimizer, scheduler)
     with pytest.raises(CheckpointMismatch, match="Invalid learning rate: -1.0"):
         checkpoint.load(saved, model, optimizer, scheduler)
-    assert_same(snapshot(model, optimizer, scheduler), before)
+    assert_same_snapshot(snapshot(model, optimizer, scheduler), before)
 
 
 def test_extra_keys_that_look_alike_do_not_collide(tmp_path):
@@ -381,7 +373,7 @@ def test_impossible_state_is_refused_naming_the_culprit_and_changing_nothing(cas
         optimizer.load_state_dict(state_dict)
     if case.startswith(("exp_avg", "max_", "step")):
         assert "parameter 'inp.weight'" in str(info.value) or "parameter 'inp.bias'" in str(info.value), str(info.value)
-    assert_same(snapshot(model, optimizer, scheduler), before)
+    assert_same_snapshot(snapshot(model, optimizer, scheduler), before)
 
 
 @pytest.mark.parametrize("case", ["exp_avg_sq_negative", "step_beyond_2_24", "weight_decay_negative"])
@@ -399,7 +391,7 @@ def test_impossible_state_in_a_checkpoint_is_refused_by_load(tmp_path, case):
     before = snapshot(*target)
     with pytest.raises(CheckpointMismatch, match=message):
         checkpoint.load(path, *target)
-    assert_same(snapshot(*target), before)
+    assert_same_snapshot(snapshot(*target), before)
 
 
 def test_an_unwritable_buffer_is_refused_before_anything_is_committed(saved):
@@ -416,7 +408,7 @@ def test_an_unwritable_buffer_is_refused_before_anything_is_committed(saved):
     before = snapshot(model, optimizer, scheduler)
     with pytest.raises(CheckpointMismatch, match="unwritable 'counts'"):
         checkpoint.load(saved, model, optimizer, scheduler)
-    assert_same(snapshot(model, optimizer, scheduler), before)
+    assert_same_snapshot(snapshot(model, optimizer, scheduler), before)
 
 
 # ------------------------------------------- extra: a law, not an example
