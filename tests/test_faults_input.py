@@ -261,6 +261,16 @@ def test_clean_up_removes_only_what_this_machine_provably_abandoned(tmp_path):
     assert foreign.exists() and legacy_user.exists() and user_look_alike.exists() and alive.exists()
 
 
+def test_clean_up_removes_a_save_killed_inside_safetensors_write(tmp_path):
+    """safetensors writes each file through a temporary beside it (".tmp" and 6 characters); a kill during
+    that write leaves it in the save's directory, which is still this machine's abandoned save."""
+    model, optimizer, scheduler = build()
+    killed = _fake_temporary(tmp_path, f".c.tmp-{store._owner()}-{_dead_pid()}-deadbeef",
+                             files=("model.safetensors", ".tmpGK2aFn"))
+    checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    assert not killed.exists()
+
+
 def test_clean_up_spares_a_temporary_whose_lock_is_held(tmp_path):
     model, optimizer, scheduler = build()
     locked = _fake_temporary(tmp_path, f".c.tmp-{store._owner()}-{_dead_pid()}-deadbeef")

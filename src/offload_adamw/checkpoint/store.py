@@ -95,6 +95,7 @@ DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, AUX_FILE, META_FILE)
 ENV_EXCHANGE = "OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE"
 _KEY_SEP = "::"
 _TMP_TAG = ".tmp-"
+_SAFETENSORS_TEMPORARY = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 _PREV_TAG = ".prev-"
 
 PathLike: TypeAlias = str | os.PathLike
@@ -415,10 +416,16 @@ def _ours_and_abandoned(entry: Path, owner: str, pid: int) -> bool:
     if owner != _owner() or pid == os.getpid() or _pid_alive(pid):
         return False
     ours = {*DATA_FILES, MANIFEST_FILE, COMMIT_FILE}
+
+    def written_by_a_save(name: str) -> bool:
+        # safetensors writes each file through a temporary beside it (".tmp" and 6 characters, Rust's tempfile),
+        # which a kill during that write leaves behind.
+        return name in ours or _SAFETENSORS_TEMPORARY.fullmatch(name) is not None
+
     try:
         if entry.is_symlink() or not entry.is_dir():
             return False
-        if not all(child.name in ours and child.is_file() and not child.is_symlink() for child in entry.iterdir()):
+        if not all(written_by_a_save(child.name) and child.is_file() and not child.is_symlink() for child in entry.iterdir()):
             return False  # something a save never writes: not ours to delete
     except OSError:
         return False
