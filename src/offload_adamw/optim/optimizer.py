@@ -530,6 +530,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return loss
 
     def _create_missing_state(self) -> None:
+        """The state of every parameter with a gradient and none yet; preflight() checks and creates it."""
         self.preflight(
             [
                 (gi, i)
@@ -538,12 +539,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if p.grad is not None and not self.state.get(p)
             ]
         )
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not self.state.get(p):
-                    self.state[p].update(
-                        host_state.new_state(_distributed.local_tensor(p), amsgrad=group["amsgrad"], pin=self._pin_memory)
-                    )
 
     # -------------------------------------------------------------- state_dict
 
