@@ -4,6 +4,7 @@ Launch (see examples/README-fsdp.md):
 
     torchrun --nproc_per_node 2 examples/fsdp_train.py                 # CPU: gloo
     torchrun --nproc_per_node 8 examples/fsdp_train.py --steps 200     # GPUs: nccl, unchanged
+    torchrun --nproc_per_node 2 examples/fsdp_train.py --overlap --timeline out.png
 
 What it shows:
 
@@ -11,6 +12,13 @@ What it shows:
   float32 state in host memory for this rank's shard only (host bytes per rank =
   1/world of the total, printed at the end).
 * Gradient clipping uses the global norm over all shards (``optimizer.clip_grad_norm_``).
+* ``--overlap``: each FSDP group's reduced gradient shard goes to host memory as soon as its
+  reduce-scatter ends (the device gradient is freed) and the host updates that group on a worker
+  thread while backward goes on (``offload_gradients=True, update_in_backward=True``). Clipping then
+  happens inside the optimizer (``max_grad_norm``): the norms are taken on the device in backward's
+  hooks, and the updates start when backward ends, the moment the global norm is known.
+* ``--timeline out.png`` draws the last step as a Gantt chart (rank 0): when each group's gradient
+  was ready, copied, updated and copied back, and where backward ended.
 * Checkpoints are DCP directories (one file per rank plus metadata) holding the
   model and the optimizer as global DTensors, so ``--resume`` works at any world
   size, including one that differs from the one that saved.
@@ -78,6 +86,10 @@ class TrainConfig:
     """Continue from the newest checkpoint in ckpt_dir."""
     seed: int = 0
     """Initialisation and data seed."""
+    overlap: bool = False
+    """Hide the host update behind backward: freed device gradients, updates during backward, clipping inside the optimizer."""
+    timeline: str = ""
+    """Write the last step's timeline as a Gantt chart PNG here (rank 0); empty: none."""
 
 
 class CausalLM(nn.Module):
@@ -133,7 +145,15 @@ def build(cfg: TrainConfig, device: torch.device, mesh) -> tuple[nn.Module, Offl
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     # The parameters are now DTensors; the optimizer keeps host state for the local shards only.
-    optimizer = OffloadAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.overlap:
+        optimizer = OffloadAdamW(
+            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, offload_gradients=True,
+            update_in_backward=True, max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else None,
+        )
+    else:
+        # A timeline needs the transfer pipeline (kept gradients: each shard is fetched at the step).
+        optimizer = OffloadAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 transfer_pipeline=True if cfg.timeline else None)
     return model, optimizer
 
 
@@ -199,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
-        if cfg.max_grad_norm > 0:
+        if cfg.max_grad_norm > 0 and not cfg.overlap:
             grad_norm = float(optimizer.clip_grad_norm_(cfg.max_grad_norm))  # global over every shard
         optimizer.step()
+        if cfg.overlap and optimizer.last_grad_norm is not None:
+            norm = optimizer.last_grad_norm  # taken during backward, global over every shard
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
@@ -211,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             save(model, optimizer, ckpt_dir, step + 1)
     elapsed = time.perf_counter() - started
+    timeline = optimizer.last_step_timeline() if losses else None
+    if rank == 0 and cfg.timeline and timeline is not None:
+        mode = "updates during backward" if cfg.overlap else "updates at step()"
+        timeline.gantt_png(cfg.timeline, title=f"FSDP2 x{world}, rank 0, {mode}: overlap {timeline.overlap:.2f}")
     final = save(model, optimizer, ckpt_dir, cfg.steps) if cfg.steps > start else None
 
     # Per-rank host state: what this rank's shards cost, gathered to rank 0 for one table.
@@ -233,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoint": str(final) if final else None,
             "ranks": every,
             "host_state_bytes_total": total,
+            "overlap": None if timeline is None else round(timeline.overlap, 3),
+            "timeline": cfg.timeline or None,
         }
         if args.json:
             print(json.dumps(summary))
@@ -243,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in every:
                 share = r["host_state_bytes"] / total if total else 0.0
                 print(f"{r['rank']:>4}  {r['host_state_bytes']:>16,}  {share:>6.1%}  {r['local_elements']:>14,}")
+            if timeline is not None:
+                print(f"last step: {timeline.overlap:.0%} of the host update ran before backward ended")
+            if cfg.timeline and timeline is not None:
+                print(f"timeline: {cfg.timeline}")
             if final:
                 print(f"checkpoint: {final}")
     dist.destroy_process_group()

@@ -44,8 +44,12 @@ def _block_bytes(model: Blocks) -> int:
     return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
 
 
-def _train(model: nn.Module, opt, steps: int, accumulation: int, ours: bool) -> None:
+def _train(model: nn.Module, opt, steps: int, accumulation: int, ours: bool, clip: float | None = None) -> list:
+    """Train; clipping is torch's clip_grad_norm_ on torch's optimizer and max_grad_norm on ours.
+
+    Returns our timelines, or torch's total norms."""
     batches = _batches(steps * accumulation)
+    timelines: list = []
     for step in range(steps):
         for micro in range(accumulation):
             last = micro == accumulation - 1
@@ -53,8 +57,13 @@ def _train(model: nn.Module, opt, steps: int, accumulation: int, ours: bool) -> 
             with context:
                 loss = model(batches[step * accumulation + micro]).square().mean() / accumulation
                 loss.backward()
+        if clip is not None and not ours:
+            timelines.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         opt.step()
         opt.zero_grad()
+        if ours:
+            timelines.append(opt.last_step_timeline())
+    return timelines
 
 
 class _nothing:
@@ -80,6 +89,28 @@ def test_updates_during_backward_are_bitwise_torch_fused(accumulation: int) -> N
         assert same_bits(theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"])
     timeline = ours.last_step_timeline()
     assert timeline is not None and len(timeline.buckets) == BLOCKS
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_clipped_updates_during_backward_are_bitwise_torch_clip_and_fused(accumulation: int) -> None:
+    """max_grad_norm with update_in_backward: norms taken in the hooks, the coefficient at backward's end."""
+    torch.manual_seed(0)
+    reference = Blocks()
+    model = copy.deepcopy(reference)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, offload_gradients=True, update_in_backward=True,
+                        bucket_bytes=_block_bytes(model), max_grad_norm=0.05)
+    torch_norms = _train(reference, theirs, 4, accumulation, ours=False, clip=0.05)
+    timelines = _train(model, ours, 4, accumulation, ours=True)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert same_bits(p.detach(), q.detach())
+        assert same_bits(theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"])
+    assert ours.last_grad_norm is not None and same_bits(ours.last_grad_norm, torch_norms[-1])
+    assert float(torch_norms[-1]) > 0.05, "the clipping must have acted"
+    last = timelines[-1]
+    assert len(last.buckets) == BLOCKS
+    # With clipping an update needs the global norm, known when backward ends: none starts before.
+    assert all(b.update_start >= last.backward_end for b in last.buckets)
 
 
 def test_the_timeline_shows_updates_hidden_behind_backward() -> None:
@@ -152,8 +183,6 @@ def test_inside_no_sync_gradients_stay_on_the_device_and_are_copied_once() -> No
 
 def test_clipping_the_model_after_early_updates_is_refused() -> None:
     model = Blocks(width=16)
-    with pytest.raises(ValueError, match="cannot clip"):
-        OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True, max_grad_norm=1.0)
     opt = OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True)  # noqa: F841 - its hooks must stay alive
     before = [p.detach().clone() for p in model.parameters()]
     model(_batches(1, width=16)[0]).square().mean().backward()

@@ -25,8 +25,8 @@ sys.path.insert(0, str(WORKER.parent))
 from _wrappers_distributed_worker import CASES, QUICK, case_name  # noqa: E402
 
 REFUSALS = ["unattached_kept_refetches", "unattached_freed_refused", "freed_accumulation_without_no_sync_refused"]
-FSDP_QUICK = ["fsdp-kept-acc1-clip", "fsdp-kept-acc4", "fsdp_freed_refused"]
-FSDP_ALL = ["fsdp-kept-acc1", "fsdp-kept-acc1-clip", "fsdp-kept-acc4", "fsdp-kept-acc4-clip", "fsdp_freed_refused"]
+FSDP_QUICK = ["fsdp-kept-acc1-clip", "fsdp-kept-acc4", "fsdp-freed-acc4-clip"]
+FSDP_ALL = [f"fsdp-{mode}-acc{a}{c}" for mode in ("kept", "freed") for a in (1, 4) for c in ("", "-clip")]
 
 
 def _run(out: Path, quick: bool) -> dict:

@@ -15,6 +15,15 @@ Contract:
   ones torch would see. With freed device gradients on an accelerator the norm
   is reduced on the host instead of the device: the two can differ in the last
   bits of the norm (a different summation order), not more.
+* Clipping while updates run during backward (``update_in_backward=True``):
+  :func:`gradient_norm` takes each gradient's norm on its device in backward's
+  hook, before the gradient leaves, exactly as ``get_total_norm`` takes it (the
+  foreach kernel where torch would use it); once backward has ended
+  :func:`clip_coefficient` reduces them as torch does (grouped by device and
+  dtype, then the norm of their stack; for DTensor gradients the same DTensor
+  ops, so the cross-rank reduction is torch's) and returns the coefficient
+  ``clip_grads_with_norm_`` multiplies every gradient by. Each gradient is then
+  multiplied by it on the host, where its update runs.
 """
 
 from __future__ import annotations
@@ -24,8 +33,9 @@ from typing import cast
 
 import torch
 from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-__all__ = ["clip_grad_norm_", "gradients_of"]
+__all__ = ["clip_grad_norm_", "clip_gradients_", "clip_coefficient", "gradient_norm", "gradients_of"]
 
 
 class _GradHolder:
@@ -64,9 +74,49 @@ def clip_grad_norm_(
     the gradients before clipping, as torch does; with freed device gradients
     it is a host tensor.
     """
-    grads = gradients_of(target)
+    return clip_gradients_(gradients_of(target), max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+@torch.no_grad()
+def clip_gradients_(
+    grads: list[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """torch's ``get_total_norm`` and ``clip_grads_with_norm_`` over these gradient tensors; the total norm."""
     total_norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     # clip_grads_with_norm_ reads only each item's .grad: the holders stand in for parameters (its stub says Tensor)
     holders = cast(list[Tensor], [_GradHolder(g) for g in grads])
     torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total_norm, foreach)
     return total_norm
+
+
+@torch.no_grad()
+def gradient_norm(grad: Tensor, norm_type: float = 2.0) -> Tensor:
+    """One gradient's ``norm_type``-norm, on its device, as ``get_total_norm`` computes it for that tensor."""
+    if _has_foreach_support([grad], grad.device):
+        return torch._foreach_norm([grad], norm_type)[0]
+    return torch.linalg.vector_norm(grad, norm_type)
+
+
+@torch.no_grad()
+def clip_coefficient(
+    norms: list[tuple[Tensor, torch.device, torch.dtype]], max_norm: float, norm_type: float = 2.0
+) -> tuple[Tensor, Tensor]:
+    """(total norm as torch returns it, clamped clip coefficient) from per-gradient norms in parameter order.
+
+    ``norms`` holds, for each gradient, its :func:`gradient_norm` and the gradient's device and dtype
+    (torch groups the norms by those before it stacks them). The coefficient is a plain tensor (a DTensor
+    total norm is reduced across ranks first, as torch's ``clip_grads_with_norm_`` does).
+    """
+    placeholders = [torch.empty(0, device=device, dtype=dtype) for _, device, dtype in norms]
+    grouped = _group_tensors_by_device_and_dtype([placeholders], with_indices=True)  # type: ignore[list-item]
+    ordered = [norms[i][0] for _, (_, indices) in grouped.items() for i in indices]
+    first_device = norms[0][1]
+    total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in ordered]), norm_type)
+    clip_coef = max_norm / (total + 1e-6)
+    clamped = torch.clamp(clip_coef, max=1.0)
+    full = getattr(clamped, "full_tensor", None)
+    return total, clamped if full is None else full()

@@ -4,7 +4,9 @@ Contract:
 
 * After backward's hook has moved a gradient to its host buffer, ``p.grad`` is a
   :class:`HostResidentGradient`: a tensor of the parameter's shape, dtype and device that owns no
-  memory (a wrapper without storage). Code that reads ``p.grad`` therefore still sees that the
+  memory (a wrapper without storage); for a DTensor parameter (FSDP2) it is a DTensor with the
+  gradient's mesh and placements whose local tensor is that wrapper, so torch's DTensor clipping
+  still reduces the norm across ranks. Code that reads ``p.grad`` therefore still sees that the
   parameter has a gradient, and what it does to it reaches the host buffer, the gradient itself:
 
   - the norms ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` compute
@@ -126,5 +128,9 @@ def _flat(x: Any):
 
 
 def is_host_resident(grad: Any) -> bool:
-    """Whether ``grad`` (a ``p.grad``) stands for a gradient held in host memory."""
-    return isinstance(grad, HostResidentGradient)
+    """Whether ``grad`` (a ``p.grad``) stands for a gradient held in host memory.
+
+    A DTensor gradient (FSDP2) stands for one when its local tensor does: the DTensor keeps the mesh and
+    placements, so torch's clipping still reduces the norm across ranks, while the shard is in host memory.
+    """
+    return isinstance(grad, HostResidentGradient) or isinstance(getattr(grad, "_local_tensor", None), HostResidentGradient)

@@ -89,6 +89,11 @@ class BackwardUpdater:
             else:
                 self._queued.append(index)
 
+    def gated(self) -> bool:
+        """Whether updates wait for :meth:`open_gate`."""
+        with self._lock:
+            return not self._gate_open
+
     def started(self) -> bool:
         """Whether any bucket's update was handed to the worker (some state may have changed)."""
         with self._lock:

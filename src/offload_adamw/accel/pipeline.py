@@ -70,6 +70,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from offload_adamw.accel import clipping as _clipping
 from offload_adamw.accel import ddp as _ddp
 from offload_adamw.accel.freed import HostResidentGradient, is_host_resident
 from offload_adamw.accel.host_memory import HostArena
@@ -95,6 +96,8 @@ class UpdateTarget(Protocol):
     param_groups: list[dict[str, Any]]
     state: Any
     nonfinite: str
+    max_grad_norm: float | None
+    last_grad_norm: Tensor | None
 
     def describe_param(self, group_index: int, index: int) -> str: ...
 
@@ -149,7 +152,7 @@ class _Slot:
     __slots__ = (
         "param", "host_grad", "incoming", "staging", "has_grad", "pending_add",
         "d2h_event", "h2d_event", "source", "source_version", "arrival", "hook", "prehook", "ddp", "ddp_written",
-        "add_done", "layout",
+        "add_done", "layout", "group",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -170,6 +173,7 @@ class _Slot:
         self.prehook: Any = None  # freed mode: runs before autograd accumulates into p.grad
         self.ddp = False  # reduced by an attached DDP model: its communication hook brings the gradient
         self.ddp_written = False  # the communication hook wrote host_grad in the current backward
+        self.group: int | None = None  # the FSDP2 group of its latest gradient (freed mode): one bucket per group
 
     @property
     def on_device(self) -> bool:
@@ -271,6 +275,7 @@ class GradientPipeline:
         self._early_hyper: dict[int, tuple] = {}
         self._syncing = True  # False inside no_sync(): micro-batches that only accumulate
         self._landed_at: dict[Tensor, float] = {}
+        self._copied_at: dict[Tensor, float] = {}  # when a synchronous copy to the host ended, for the timeline
         self._timeline: StepTimeline | None = None
         # With parameters on several devices, autograd runs the hooks on one thread per device; the GIL
         # is released inside cudaHostRegister and event waits, so two hooks could otherwise interleave
@@ -281,6 +286,13 @@ class GradientPipeline:
         self._wrappers_checked = False
         self._refetch_at_step = False  # kept gradients under an unattached DDP model: fetch every gradient at the step
         self._accumulator = _Accumulator()
+        self._group_storage: Any = None  # the storage of the latest FSDP2 group's reduced gradients (see _fsdp_group_of)
+        self._group_id = 0
+        # Clipping with updates during backward: each gradient's norm, taken on its device in the hook, and the
+        # coefficient every gradient of the step is multiplied by, known when backward has ended.
+        self._norms: dict[Tensor, tuple[Tensor, torch.device, torch.dtype]] = {}
+        self._norms_callback_queued = False
+        self._clip_coef: Tensor | None = None
         weakref.finalize(self, self._accumulator.stop)
         self.refresh()
 
@@ -483,11 +495,7 @@ class GradientPipeline:
             return  # inside no_sync(): the gradient accumulates where autograd put it, copied once at the last micro-batch
         slot = self._slots.get(param)
         if slot is not None and self._updater is not None and self._updater.covers(param):
-            raise RuntimeError(
-                f"{self._name(slot)}: a second backward reached this parameter after its update ran during the "
-                "previous one (update_in_backward=True); accumulate micro-batches inside opt.no_sync() and call "
-                "opt.step() after each backward that runs outside it"
-            )
+            raise RuntimeError(self._second_backward(slot))
         grad = param.grad
         if slot is None or slot.ddp or grad is None or is_host_resident(grad):
             return  # an attached DDP model's communication hook brings this gradient, reduced
@@ -500,16 +508,28 @@ class GradientPipeline:
         self._arrival += 1
         slot.arrival = self._arrival
         self._landed_at[param] = time.monotonic()
+        slot.group = None
         if _local(grad) is not grad:
-            # A DTensor gradient (FSDP2 calls this hook after the shard's reduce-scatter): in-place edits
-            # through DTensor (clipping) move no version counter, so a copy taken now could not be known
-            # current at the step. The step fetches it (correct; the overlap needs another signal).
-            return
+            # A DTensor gradient: FSDP2 calls this hook after the shard's reduce-scatter, on its post-reduce
+            # stream (the copy below is ordered after it).
+            if not self.offload_gradients:
+                # In-place edits through DTensor (clipping) move no version counter, so a copy taken now could
+                # not be known current at the step, which fetches it.
+                return
+            slot.group = self._fsdp_group_of(grad)
+            if slot.has_grad:
+                # FSDP2 accumulates into an existing p.grad (our stand-in, on the host); a new DTensor here means
+                # p.grad was cleared (model.zero_grad()) or replaced since: this gradient starts afresh.
+                self._drop_host_gradient(slot)
+        if self._clips_in_backward():
+            self._take_norm(param, grad)
         if self.offload_gradients:
             self._absorb(slot, grad)
-            self._stand_in(slot)
+            self._stand_in(slot, grad)
         else:
             self._copy_out(slot, grad)
+        if self.offload_gradients and slot.d2h_event is None and not slot.pending_add:
+            self._copied_at[param] = time.monotonic()  # a synchronous copy (no stream) of the gradient: complete now
         if self._updater is not None and self._syncing and not self._updater.started() and any(
                 p.requires_grad and not self.optimizer.state.get(p) for p in self._slots):
             # A parameter unfrozen since the last step needs state, whose creation may fail: this step's
@@ -522,12 +542,68 @@ class GradientPipeline:
             # loudly (autograd's saved-tensor check), not read the updated value.
             torch.autograd.graph.increment_version(param)
 
+    # ------------------------------------------- clipping with updates during backward
+
+    def _clips_in_backward(self) -> bool:
+        return self.config.update_in_backward and self.optimizer.max_grad_norm is not None
+
+    def _take_norm(self, param: Tensor, grad: Tensor) -> None:
+        """The gradient's norm on its device, before it leaves (accel/clipping.py); the coefficient follows backward."""
+        self._norms[param] = (_clipping.gradient_norm(grad), grad.device, grad.dtype)
+        if not self._norms_callback_queued:
+            self._norms_callback_queued = True
+            # Runs when this backward has ended, on its thread: every gradient of the step has its norm then.
+            torch.autograd.Variable._execution_engine.queue_callback(self._norms_complete)
+
+    def _norms_complete(self) -> None:
+        """End of backward: the global norm and the clip coefficient; the gated updates may start."""
+        with self._hook_lock:
+            self._norms_callback_queued = False
+            max_norm = self.optimizer.max_grad_norm
+            if not self._norms or max_norm is None:
+                return
+            total, coef = _clipping.clip_coefficient(
+                [self._norms[p] for p in self._where() if p in self._norms], max_norm
+            )
+            self.optimizer.last_grad_norm = total
+            self._clip_coef = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
+            if self._updater is not None:
+                self._updater.open_gate()
+
+    def _second_backward(self, slot: _Slot) -> str:
+        return (
+            f"{self._name(slot)}: a second backward reached this parameter after its update ran during the "
+            "previous one (update_in_backward=True); accumulate micro-batches inside opt.no_sync() (FSDP2: "
+            "model.set_requires_gradient_sync(False)) and call opt.step() after each backward that runs outside it"
+        )
+
     # ------------------------------------------- freed gradients: what p.grad says
 
-    def _stand_in(self, slot: _Slot) -> None:
-        """Freed mode: ``p.grad`` becomes the storage-less stand-in of the host gradient (accel/freed.py)."""
-        slot.param.grad = HostResidentGradient(slot.param, lambda: self._complete(slot), lambda: self._name(slot),
-                                               zero=lambda: self._zero_host(slot))
+    def _stand_in(self, slot: _Slot, like: Tensor | None = None) -> None:
+        """Freed mode: ``p.grad`` becomes the storage-less stand-in of the host gradient (accel/freed.py).
+
+        For a DTensor gradient ``like`` (FSDP2) the stand-in is a DTensor with its mesh and placements, so that
+        DTensor ops on ``p.grad`` (torch's clipping, FSDP2's accumulation) keep their cross-rank meaning.
+        """
+        local = HostResidentGradient(slot.local, lambda: self._complete(slot), lambda: self._name(slot),
+                                     zero=lambda: self._zero_host(slot))
+        if like is not None and _local(like) is not like:
+            grad: Any = like  # a DTensor: DTensor(local, spec) makes one without a copy or a check
+            slot.param.grad = type(grad)(local, grad._spec, requires_grad=False)
+        else:
+            slot.param.grad = local
+
+    def _fsdp_group_of(self, grad: Tensor) -> int:
+        """Which FSDP2 group ``grad`` came from: the gradients of one group are views of one reduce-scatter output.
+
+        The previous group's storage is held until the next group's first hook, so that its memory cannot be
+        handed to the next group's output (whose gradients would then look like the same group's).
+        """
+        storage = _local(grad).untyped_storage()
+        if self._group_storage is None or storage.data_ptr() != self._group_storage.data_ptr():
+            self._group_id += 1
+            self._group_storage = storage
+        return self._group_id
 
     def _zero_host(self, slot: _Slot) -> None:
         """``p.grad.zero_()`` on the stand-in (``zero_grad(set_to_none=False)``): explicit zeros on the host."""
@@ -538,6 +614,8 @@ class GradientPipeline:
             slot.host_grad.zero_()
 
     def _complete(self, slot: _Slot) -> Tensor:
+        if self._updater is not None and self._updater.covers(slot.param):
+            raise RuntimeError(self._second_backward(slot))  # FSDP2 accumulating into p.grad after its update ran
         if self.config.update_in_backward:
             # The update may already have consumed this gradient during backward: clipping or unscaling it now
             # would change nothing the optimizer computes.
@@ -746,7 +824,9 @@ class GradientPipeline:
                 "backward: they cannot be read or changed between backward and step(); use update_in_backward=False"
             )
         if self.offload_gradients:
-            return [g for _, g in self.host_gradients()]
+            # A DTensor parameter's gradient is its stand-in DTensor (the ops reach the host shard through it):
+            # a norm over the bare host shards would be this rank's alone.
+            return [p.grad if _local(p) is not p and p.grad is not None else g for p, g in self.host_gradients()]
         return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def gradient(self, p: Tensor) -> Tensor | None:
@@ -795,6 +875,10 @@ class GradientPipeline:
         """One AdamW update of every parameter with a gradient, bucket by bucket (see the module contract)."""
         opt = self.optimizer
         step_called = time.monotonic()
+        if self._updater is not None and self._updater.gated() and not self._updater.started():
+            # No backward ended with every norm taken (the hooks saw no gradient): nothing ran early, the step clips.
+            self._updater.close()
+            self._updater = None
         early, early_records = self._finish_early_updates()
         if self.config.update_in_backward and called_by_scaler:
             raise RuntimeError(
@@ -846,6 +930,8 @@ class GradientPipeline:
                 return
         opt.preflight([w for p, w in where.items() if p not in early and p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
+        if self._clips_in_backward():
+            self._clip_at_step(where, early)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
         devices = {s.param.device for s in self._slots.values() if s.param.device.type == "cuda"}
@@ -871,6 +957,9 @@ class GradientPipeline:
         for device, event in events:
             torch.cuda.current_stream(device).wait_event(event)
         self._pin_deferred()
+        self._group_storage = None
+        self._clip_coef = None
+        self._norms = {}
         self._record_timeline(records, step_called)
         self._prepare_early_updates(buckets)
 
@@ -882,10 +971,17 @@ class GradientPipeline:
         buckets: list[list[Tensor]] = []
         bucket: list[Tensor] = []
         nbytes = 0
+        previous: int | None = None
         for p in ordered:
+            group = self._slots[p].group
+            if bucket and (group is not None or previous is not None) and group != previous:
+                # An FSDP2 group lands all at once, after its reduce-scatter: it is one bucket, whatever its size.
+                buckets.append(bucket)
+                bucket, nbytes = [], 0
             bucket.append(p)
+            previous = group
             nbytes += _local(p).numel() * p.element_size()
-            if nbytes >= self.config.bucket_bytes:
+            if group is None and nbytes >= self.config.bucket_bytes:
                 buckets.append(bucket)
                 bucket, nbytes = [], 0
         if bucket:
@@ -899,12 +995,36 @@ class GradientPipeline:
         must fail before any update of the step, which an update during backward cannot promise.
         """
         self._landed_at = {}
+        self._copied_at = {}
         if not self.config.update_in_backward or not any(s.arrival != math.inf for s in self._slots.values()):
             return
         if any(p.requires_grad and not self.optimizer.state.get(p) for p in self._slots):
             return
+        # Only what had a gradient in this step: a bucket waiting for a parameter that gets none would wait for step().
+        buckets = [b for b in ([p for p in bucket if self._slots[p].has_grad] for bucket in buckets) if b]
         self._early_buckets = buckets
-        self._updater = BackwardUpdater(buckets, self._early_update, gated=False)
+        self._updater = BackwardUpdater(buckets, self._early_update, gated=self._clips_in_backward())
+
+    def _clip_at_step(self, where: dict[Tensor, tuple[int, int]], early: set[Tensor]) -> None:
+        """Clipping with update_in_backward: the coefficient taken after backward, or torch's clipping now."""
+        max_norm = self.optimizer.max_grad_norm
+        assert max_norm is not None  # _clips_in_backward
+        present = [p for p in where if self._slots[p].has_grad or (p.grad is not None and not is_host_resident(p.grad))]
+        if self._clip_coef is None:
+            grads = []
+            for p in present:
+                grad = self._ready(self._slots[p], where[p])
+                if grad is not None:  # a DTensor's stand-in, so that the norm is every rank's
+                    grads.append(p.grad if _local(p) is not p and p.grad is not None else grad)
+            self.optimizer.last_grad_norm = _clipping.clip_gradients_(grads, max_norm)
+            return
+        missing = [p for p in present if p not in self._norms and p not in early]
+        if missing:
+            raise RuntimeError(
+                f"{self.optimizer.describe_param(*where[missing[0]])} has a gradient that backward's hooks did not see, "
+                "but with update_in_backward=True and max_grad_norm the norm was taken during backward without it (and "
+                "some updates already used it); set gradients only through backward"
+            )
 
     def _early_update(self, index: int) -> dict[str, float]:
         """A bucket's update on the worker thread, while backward goes on."""
@@ -979,9 +1099,13 @@ class GradientPipeline:
             slot = self._slots[p]
             grad = self._ready(slot, where[p])
             if grad is not None:
+                if self._clip_coef is not None:
+                    grad.mul_(self._clip_coef)  # what clip_grads_with_norm_ does to it, on the host where it is
                 by_group.setdefault(where[p][0], []).append((slot, grad))
         if times is not None:
-            times["d2h_done"] = time.monotonic()
+            # Copies on a stream are known complete when their wait returned (now); synchronous ones when they ran.
+            copied = [self._copied_at[p] for p in params if p in self._copied_at]
+            times["d2h_done"] = max(copied) if params and len(copied) == len(params) else time.monotonic()
         events = []
         for gi, members in by_group.items():
             updates: list[tuple[Tensor, Tensor, Tensor | None]] = []

@@ -189,11 +189,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
         self._pipeline: GradientPipeline | None = None
-        if update_in_backward and max_grad_norm is not None:
-            raise ValueError(
-                "update_in_backward=True cannot clip (max_grad_norm): the global gradient norm is known only after "
-                "backward, when the updates have already run; use update_in_backward=False to clip"
-            )
         if update_in_backward and nonfinite != "propagate":
             raise ValueError(
                 f"update_in_backward=True needs nonfinite='propagate' (got {nonfinite!r}): skipping or raising for a "
@@ -272,16 +267,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             transfer_pipeline = True
         if transfer_pipeline is None:
             # Meta parameters hold no data and say nothing about where they will live: they do not switch it on.
-            transfer_pipeline = offload_gradients or any(p.device.type not in ("cpu", "meta") for p in params)
-            transfer_pipeline = transfer_pipeline and not sharded
+            transfer_pipeline = offload_gradients or (
+                any(p.device.type not in ("cpu", "meta") for p in params) and not sharded
+            )
         if offload_gradients and not transfer_pipeline:
             raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
-        if offload_gradients and sharded:
-            raise ValueError(
-                "offload_gradients=True does not take DTensor (FSDP2) parameters: clipping must see every rank's "
-                "shard of the gradients, which FSDP2 keeps on the device; use offload_gradients=False "
-                "(transfer_pipeline=True then copies each reduced shard to the host as FSDP2 produces it)"
-            )
         if not transfer_pipeline:
             return
         if pin_memory is None:
@@ -489,7 +479,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             # DCP's get/set_optimizer_state_dict call step() with zero grads and lr 0 only to allocate state: not an update.
             self._create_missing_state()
             return loss
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and not self.update_in_backward:  # with it the pipeline clips (accel/pipeline.py)
             if getattr(self, "grad_scale", None) is not None:
                 raise RuntimeError(
                     "OffloadAdamW(max_grad_norm=...) clips unscaled gradients: call scaler.unscale_(opt) before scaler.step(opt)"

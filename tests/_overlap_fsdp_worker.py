@@ -1,0 +1,201 @@
+"""The 2-process half of test_overlap_fsdp.py: FSDP2 over 8 sharded blocks, host updates during backward.
+
+Run as ``python tests/_overlap_fsdp_worker.py --out DIR``: it spawns two gloo ranks (CPU as device) and
+writes ``DIR/results_rank{r}.json``: ``{case: {"ok": bool, "error": str, "measured": {...}}}``, one case
+per (clipping, accumulation). Each case trains FSDP2 + OffloadAdamW(offload_gradients=True,
+update_in_backward=True) and FSDP2 + torch.optim.AdamW(fused=True) from the same initialisation on the
+same batches, with the same user calls (micro-batches that only accumulate run with
+``set_requires_gradient_sync(False)``; clipping is torch's ``clip_grad_norm_`` on the reference and
+``max_grad_norm`` on ours), and compares every local shard bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offload_adamw import OffloadAdamW  # noqa: E402
+
+WORLD = 2
+BLOCKS = 8
+WIDTH = 256
+ROWS = 256
+STEPS = 5
+LR = 1e-3
+WEIGHT_DECAY = 0.1
+CLIP = 0.05  # below every step's norm: the clipping acts
+CASES = [(None, 1), (None, 4), (CLIP, 1), (CLIP, 4)]  # updates during backward: (max_grad_norm, accumulation)
+# Freed gradients with the update at step(): (how ours clips, accumulation, reduce every micro-batch). With
+# a reduce per micro-batch FSDP2 accumulates into p.grad, our DTensor stand-in: the add runs on the host.
+FREED_CASES = [("torch", 4, True), ("optimizer", 1, False), (None, 4, False)]
+
+
+def case_name(clip: float | None, accumulation: int) -> str:
+    return f"clip={clip}-accumulation={accumulation}"
+
+
+def freed_case_name(clip_by: str | None, accumulation: int, sync_each: bool) -> str:
+    return f"freed-clip_by={clip_by}-accumulation={accumulation}-sync_each={sync_each}"
+
+
+class Blocks(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(BLOCKS)
+        )
+        torch.random.set_rng_state(generator_state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def sharded(mesh) -> Blocks:
+    model = Blocks(seed=0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    return torch.randn(ROWS, WIDTH, generator=g)
+
+
+def train(model, opt, clip: float | None, accumulation: int, torch_clips: bool, timelines: list | None = None,
+          sync_each: bool = False) -> None:
+    """Steps of ``accumulation`` micro-batches; ``torch_clips``: torch's clip_grad_norm_ on the model before step()."""
+    rank = dist.get_rank()
+    for step in range(STEPS):
+        for micro in range(accumulation):
+            model.set_requires_gradient_sync(sync_each or micro == accumulation - 1)
+            loss = model(batch(step, micro, rank)).square().mean() / accumulation
+            loss.backward()
+        if clip is not None and torch_clips:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if timelines is not None:
+            timelines.append(opt.last_step_timeline())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def check_case(clip: float | None, accumulation: int, mesh, measured: dict) -> None:
+    reference = sharded(mesh)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    train(reference, theirs, clip, accumulation, torch_clips=True)
+
+    model = sharded(mesh)
+    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                        update_in_backward=True, max_grad_norm=clip)
+    timelines: list = []
+    train(model, ours, clip, accumulation, torch_clips=False, timelines=timelines)
+    assert_same(reference, theirs, model, ours)
+    overlaps = [t.overlap for t in timelines if t is not None]
+    last = timelines[-1]
+    measured.update(
+        overlaps=[round(o, 3) for o in overlaps],
+        buckets=len(last.buckets),
+        # An update may start before its own copies report (it waits for them inside): that pair is not ordered.
+        events_in_order=all(
+            b.grad_ready <= b.d2h_done <= b.update_end <= b.h2d_done and b.grad_ready <= b.update_start <= b.update_end
+            for b in last.buckets
+        ),
+        starts_after_backward=[round(b.update_start - last.backward_end, 4) for b in last.buckets],
+        last_grad_norm=None if ours.last_grad_norm is None else float(local(ours.last_grad_norm)),
+    )
+
+
+def assert_same(reference, theirs, model, ours) -> None:
+    """Every local shard and second moment bitwise equal."""
+    differing = []
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        a, b = local(p.detach()), local(q.detach())
+        if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+            differing.append(f"{name}: max |diff| {(a - b).abs().max().item():.3g}")
+        sa, sb = theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"]
+        if not torch.equal(local(sa).view(torch.int32), sb.view(torch.int32)):
+            differing.append(f"{name} exp_avg_sq")
+    assert not differing, "not bitwise FSDP2 + torch.optim.AdamW(fused=True): " + "; ".join(differing[:6])
+
+
+def check_freed_case(clip_by: str | None, accumulation: int, sync_each: bool, mesh, measured: dict) -> None:
+    """Freed DTensor gradients, update at step(): torch's clipping through p.grad, or max_grad_norm."""
+    clip = None if clip_by is None else CLIP
+    reference = sharded(mesh)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    train(reference, theirs, clip, accumulation, torch_clips=True, sync_each=sync_each)
+    model = sharded(mesh)
+    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                        max_grad_norm=clip if clip_by == "optimizer" else None)
+    train(model, ours, clip, accumulation, torch_clips=clip_by == "torch", sync_each=sync_each)
+    assert_same(reference, theirs, model, ours)
+    model(batch(0, 0, dist.get_rank())).square().mean().backward()
+    measured["grads_freed"] = all(type(p.grad._local_tensor).__name__ == "HostResidentGradient" for p in model.parameters())
+    assert measured["grads_freed"], "each p.grad is a DTensor over a host-resident stand-in"
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    results: dict[str, dict] = {}
+    for clip, accumulation in CASES:
+        measured: dict = {}
+        try:
+            check_case(clip, accumulation, mesh, measured)
+            results[case_name(clip, accumulation)] = {"ok": True, "error": "", "measured": measured}
+        except Exception:  # noqa: BLE001 - recorded for the test to report, then the next case runs
+            results[case_name(clip, accumulation)] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    for clip_by, accumulation, sync_each in FREED_CASES:
+        measured = {}
+        name = freed_case_name(clip_by, accumulation, sync_each)
+        try:
+            check_freed_case(clip_by, accumulation, sync_each, mesh, measured)
+            results[name] = {"ok": True, "error": "", "measured": measured}
+        except Exception:  # noqa: BLE001 - recorded for the test to report, then the next case runs
+            results[name] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, args.out), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main()
