@@ -125,6 +125,12 @@ def check_case(clip: float | None, accumulation: int, mesh, measured: dict) -> N
             for b in last.buckets
         ),
         starts_after_backward=[round(b.update_start - last.backward_end, 4) for b in last.buckets],
+        # The step-time model's flow shop (planning/overlap.py): groups in the order their gradients became
+        # ready, one host update at a time.
+        flow_shop=all(
+            a.grad_ready <= b.grad_ready and a.update_end <= b.update_start
+            for a, b in zip(last.buckets, last.buckets[1:])
+        ),
         last_grad_norm=None if ours.last_grad_norm is None else float(local(ours.last_grad_norm)),
     )
 

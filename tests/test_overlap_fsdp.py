@@ -6,7 +6,8 @@ accumulation into ``p.grad`` (a reduce per micro-batch) act on the host shard.
 Properties, for accumulation 1 and 4 (``set_requires_gradient_sync(False)`` on the micro-batches that only
 accumulate) and with and without clipping: every local shard and second moment is bitwise equal to FSDP2 +
 torch.optim.AdamW(fused=True) under the same user calls; each FSDP group is one bucket; the timeline's
-events come in the order the planner's step-time model assumes. Without clipping more than 0.3 of the
+events come in the order the planner's step-time model assumes (planning/overlap.py: groups in the order
+their gradients became ready, each stage one group at a time). Without clipping more than 0.3 of the
 host-update time runs before backward ends; with clipping none starts before (the global norm needs the
 last group's gradient).
 """
@@ -42,6 +43,7 @@ def test_fsdp2_updates_during_backward(results, clip, accumulation) -> None:
         measured = case["measured"]
         assert measured["buckets"] == BLOCKS, "one bucket per FSDP group"
         assert measured["events_in_order"], measured
+        assert measured["flow_shop"], f"not the order the planner's step-time model assumes: {measured}"
         assert measured["overlaps"][0] == 0.0, "the first step knows no order yet"
         if clip is None:
             assert max(measured["overlaps"][1:]) > 0.3, measured
