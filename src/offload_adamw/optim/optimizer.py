@@ -80,9 +80,11 @@ class OffloadAdamW(torch.optim.Optimizer):
       storage-less stand-in of the host gradient (accel/freed.py): torch's
       ``clip_grad_norm_``, ``GradScaler`` and ``model.zero_grad()`` act on the host
       gradient through it, anything else is refused; ``gradient(p)`` reads it.
+      For a DTensor (FSDP2) parameter the stand-in is a DTensor over the host
+      shard, so torch's clipping still reduces the norm across ranks.
     * ``transfer_pipeline`` (default: on when a parameter lives on an
-      accelerator, or with ``offload_gradients``; for DTensor (FSDP2) parameters only when asked, with
-      kept gradients: FSDP2 calls the hooks of each shard after its reduce-scatter):
+      accelerator, or with ``offload_gradients``; for DTensor (FSDP2) parameters with kept gradients only
+      when asked: FSDP2 calls the hooks of each shard after its reduce-scatter):
       gradients go to exactly-sized pinned host buffers during backward, the step
       runs bucket by bucket (``bucket_bytes`` of gradient each) and parameters
       return non-blocking (accel/pipeline.py). ``True`` with CPU parameters runs the
@@ -95,7 +97,12 @@ class OffloadAdamW(torch.optim.Optimizer):
       inside ``step``, before the update (like DeepSpeed's ``gradient_clipping``),
       with torch's ``clip_grad_norm_`` arithmetic over the gradients in this
       optimizer's order; ``last_grad_norm`` holds the norm before clipping. With
-      GradScaler, unscale first (``scaler.unscale_(opt)``).
+      GradScaler, unscale first (``scaler.unscale_(opt)``). With ``update_in_backward``
+      the norms are taken in backward's hooks and the updates start when backward ends.
+    * ``update_in_backward`` (default False; needs ``offload_gradients``): start each
+      bucket's (FSDP2: each group's) host update on a worker thread during backward,
+      from the second step on (accel/overlap.py). Every backward outside ``no_sync()``
+      must be followed by ``step()``; loss scaling and the non-finite policies are refused.
 
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
