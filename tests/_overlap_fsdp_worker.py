@@ -61,12 +61,14 @@ class Blocks(nn.Module):
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(BLOCKS)
         )
+        # The root's own group (its gradient is reduced by FSDP2's final callback, at the very end of backward).
+        self.norm = nn.LayerNorm(WIDTH)
         torch.random.set_rng_state(generator_state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = x + block(x)
-        return x
+        return self.norm(x)
 
 
 def sharded(mesh) -> Blocks:
