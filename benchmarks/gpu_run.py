@@ -26,7 +26,11 @@ Contract:
   ``torch.optim.AdamW(fused=True)`` as the README defines parity (bitwise: float32 parameters; for bf16,
   fused AdamW on float32 copies then round-to-nearest), with several buckets, accumulation 4, gradients
   kept and freed, clipping, fp16 autocast with OffloadGradScaler, amsgrad, ``torch.compile(model)`` and
-  FSDP2 at world size 1 (NCCL; gloo on the CPU). ``llama``: a bf16 Llama of about 1B parameters, step
+  FSDP2 at world size 1 (NCCL; gloo on the CPU); then FSDP2 at world size 1 with freed gradients and the host
+  updates during backward (``update_in_backward``), float32 without clipping and bf16 with ``max_grad_norm`` and
+  accumulation 4 (``set_requires_gradient_sync(False)``), against FSDP2 + the same reference with torch's
+  ``clip_grad_norm_`` on the model; those two rows also report each step's timeline overlap after the first and the
+  buckets (one per FSDP group). ``llama``: a bf16 Llama of about 1B parameters, step
   time and peak device memory of (a) torch AdamW(fused) with float32 parameters and moments under bf16
   autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
   (d) freed, (e) freed with the host updates started during backward (update_in_backward); each row also times a
@@ -39,7 +43,8 @@ Contract:
   (the pipeline's CPU mode, gloo for FSDP2); ``--quick`` shrinks them further for the test suite.
   ``--only SECTIONS`` reruns some sections (the others are ``skipped: not selected``).
 * Only public APIs of the library are used (OffloadAdamW and its options, clip_grad_norm_,
-  OffloadGradScaler, master_param, gradient, measure_host_bandwidth), so its internals may change freely.
+  OffloadGradScaler, master_param, gradient, last_grad_norm, last_step_timeline, is_host_resident,
+  measure_host_bandwidth), so its internals may change freely.
 """
 
 from __future__ import annotations
