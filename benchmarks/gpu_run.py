@@ -26,9 +26,13 @@ Contract:
   ``torch.optim.AdamW(fused=True)`` as the README defines parity (bitwise: float32 parameters; for bf16,
   fused AdamW on float32 copies then round-to-nearest), with several buckets, accumulation 4, gradients
   kept and freed, clipping, fp16 autocast with OffloadGradScaler, amsgrad, ``torch.compile(model)`` and
-  FSDP2 at world size 1 (NCCL; gloo on the CPU). ``llama``: a bf16 Llama of about 1B parameters, step
-  time and peak device memory of (a) torch AdamW(fused) with float32 parameters and moments under bf16
-  autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
+  FSDP2 at world size 1 (NCCL; gloo on the CPU); then FSDP2 at world size 1 with freed gradients and the host
+  updates during backward (``update_in_backward``), float32 without clipping and bf16 with ``max_grad_norm`` and
+  accumulation 4 (``set_requires_gradient_sync(False)``), against a model sharded alike whose shards fused AdamW
+  updates on float32 host copies, clipped by torch's ``clip_grad_norm_`` on that model; those two rows also report
+  each step's timeline overlap after the first and the buckets (one per FSDP group). ``llama``: a bf16 Llama
+  of about 1B parameters, step time and peak device memory of (a) torch AdamW(fused) with float32 parameters
+  and moments under bf16 autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
   (d) freed, (e) freed with the host updates started during backward (update_in_backward); each row also times a
   forward+backward-only step in the same process (the exposed optimizer time is the difference) and, for (c)-(e),
   profiles two steps and reads from the device timeline how much of the gradient copies ran before backward ended and
@@ -39,7 +43,8 @@ Contract:
   (the pipeline's CPU mode, gloo for FSDP2); ``--quick`` shrinks them further for the test suite.
   ``--only SECTIONS`` reruns some sections (the others are ``skipped: not selected``).
 * Only public APIs of the library are used (OffloadAdamW and its options, clip_grad_norm_,
-  OffloadGradScaler, master_param, gradient, measure_host_bandwidth), so its internals may change freely.
+  OffloadGradScaler, master_param, gradient, last_grad_norm, last_step_timeline, is_host_resident,
+  measure_host_bandwidth), so its internals may change freely.
 """
 
 from __future__ import annotations
@@ -194,6 +199,13 @@ PARITY_CASES = {
     "bf16-fsdp2-ws1": ("bfloat16", True, False, False, False, False, False, True, False),
 }
 
+FSDP_OVERLAP_CASES = {
+    # FSDP2 at world size 1 with OffloadAdamW(offload_gradients=True, update_in_backward=True):
+    # name: (param dtype, accumulation, max_grad_norm)
+    "fp32-fsdp2-ws1-freed-inbwd": ("float32", False, False),
+    "bf16-fsdp2-ws1-freed-inbwd-acc4-clip": ("bfloat16", True, True),
+}
+
 LLAMA_VARIANTS = {
     "a": "torch.optim.AdamW(fused=True), float32 params + moments, bf16 autocast (16 B/param)",
     "b": "torch.optim.AdamW(fused=True) on bf16 params",
@@ -213,6 +225,9 @@ def sections(sizes: Sizes) -> tuple[Section, ...]:
         compiled, fsdp = case[6], case[7]
         parity_rows.append(Row(name=name, limit_s=180.0 if compiled else 90.0 if fsdp else 60.0,
                                needs_compile=compiled, args={"case": name}))
+    for name in FSDP_OVERLAP_CASES:
+        # A few seconds on the GPU; the limit is what a worker thread that never finishes may cost the run.
+        parity_rows.append(Row(name=name, limit_s=45.0, args={"fsdp_overlap_case": name}))
     return (
         Section(name="pcie", rows=(
             Row(name="pinned-peak", limit_s=60.0, needs_cuda=True),
@@ -351,6 +366,17 @@ def _fsdp_mesh(ctx: Context):
     return ctx.cache["mesh"]
 
 
+def _deterministic(dev: str) -> None:
+    """Both sides of a parity row compute their gradients alike: no TF32, deterministic kernels."""
+    import torch
+
+    if dev == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def parity_row(ctx: Context, case: str) -> dict:
     """OffloadAdamW against torch AdamW(fused=True) on host float32 copies, the same user calls on both sides."""
     import torch
@@ -363,11 +389,7 @@ def parity_row(ctx: Context, case: str) -> dict:
     accum = sizes.parity_accum if accumulate else 1
     clip_norm = 0.05  # small enough that most steps clip
     inf_at = 2 if sizes.parity_steps > 3 else 1  # a step whose scaled loss is infinite: both scalers skip it
-    if dev == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    _deterministic(dev)
 
     net_b = _parity_llama(sizes, seed=0).to(device=dev, dtype=dtype)  # the reference's model
     net_a = copy.deepcopy(net_b)
@@ -495,6 +517,139 @@ def parity_row(ctx: Context, case: str) -> dict:
     }
     if dev == "cuda":
         out["tensor_count"] = len(params_a)
+    return out
+
+
+def _shard(t):
+    """A DTensor's local shard (world size 1: all of it), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def fsdp_overlap_row(ctx: Context, case: str) -> dict:
+    """FSDP2 at world size 1, freed gradients, host updates during backward: against FSDP2 + torch AdamW(fused=True).
+
+    Both models are the parity Llama sharded alike (each decoder layer and the root: one FSDP group each) on the
+    same one-rank mesh, and get the same user calls: a micro-batch that only accumulates runs with
+    ``set_requires_gradient_sync(False)`` on both. The reference is the README's parity: torch's fused AdamW on
+    float32 host copies of the reference's local shards (where OffloadAdamW's masters live; the CUDA fused kernel
+    rounds differently), the result copied back into the shards (round-to-nearest for bf16); the clipped row clips
+    the reference with torch's ``clip_grad_norm_`` over its device gradients in the optimizer's parameter order,
+    while ours clips with ``max_grad_norm`` (the norms taken on the device in the hooks, the updates started when
+    backward ends). Reported besides bitwise equality: each step's timeline overlap after the first (the first knows
+    no order of gradients yet, so nothing runs in it early) and the number of buckets, one per FSDP group.
+    """
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from offload_adamw import OffloadAdamW, is_host_resident
+
+    dtype_name, accumulate, clip = FSDP_OVERLAP_CASES[case]
+    sizes, dev = ctx.sizes, ctx.device
+    dtype = getattr(torch, dtype_name)
+    accum = sizes.parity_accum if accumulate else 1
+    clip_norm = 0.05 if clip else None  # small enough that most steps clip
+    _deterministic(dev)
+    mesh = _fsdp_mesh(ctx)
+    net_b = _parity_llama(sizes, seed=0).to(device=dev, dtype=dtype)  # the reference's model
+    net_a = copy.deepcopy(net_b)
+    for net in (net_a, net_b):
+        for layer in net.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+    fsdp_groups = len(net_a.model.layers) + 1
+    opt_a = OffloadAdamW(_groups(net_a, False), offload_gradients=True, update_in_backward=True, max_grad_norm=clip_norm)
+    params_b = [p for g in _groups(net_b, False) for p in g["params"]]
+    copies = {p: torch.nn.Parameter(_shard(p.detach()).to("cpu", torch.float32, copy=True)) for p in params_b}
+    ref_opt = torch.optim.AdamW(
+        [{**g, "params": [copies[p] for p in g["params"]]} for g in _groups(net_b, False)], fused=True
+    )
+    gen = torch.Generator().manual_seed(1)
+    first_grads_equal: bool | None = None
+    norms_equal = True
+    overlaps: list[float] = []
+    buckets: list[int] = []
+    for step in range(sizes.parity_steps):
+        for micro in range(accum):
+            ids = torch.randint(0, sizes.parity_vocab, (2, sizes.parity_seq), generator=gen).to(dev)
+            for model in (net_a, net_b):
+                model.set_requires_gradient_sync(micro == accum - 1)
+                loss = model(input_ids=ids, labels=ids).loss / accum
+                loss.backward()
+        if any(p.grad is not None and not is_host_resident(p.grad) for p in net_a.parameters()):
+            return {"status": "failed", "why": "offload_gradients left a gradient on the device", "step": step}
+        params_a = [p for g in opt_a.param_groups for p in g["params"]]
+        if first_grads_equal is None:
+            # Only the first step's gradients can be read: in later steps their updates ran during backward.
+            first_grads_equal = all(
+                _same_bits(_shard(opt_a.gradient(pa)), _shard(pb.grad)) for pa, pb in zip(params_a, params_b)
+            )
+        if clip_norm is not None:
+            norm_b = torch.nn.utils.clip_grad_norm_(params_b, clip_norm)
+        for p in params_b:
+            copies[p].grad = _shard(p.grad).detach().to("cpu", torch.float32, copy=True)
+        opt_a.step()
+        ref_opt.step()
+        if clip_norm is not None:
+            norms_equal &= opt_a.last_grad_norm is not None and _same_bits(
+                _full(opt_a.last_grad_norm).float(), _full(norm_b).float())
+        with torch.no_grad():
+            for p in params_b:
+                _shard(p).copy_(copies[p])  # round-to-nearest for bf16, exact for float32
+        timeline = opt_a.last_step_timeline()
+        if timeline is not None:
+            buckets.append(len(timeline.buckets))
+            if step > 0:
+                overlaps.append(timeline.overlap)
+        opt_a.zero_grad(set_to_none=True)
+        net_b.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    ctx.sync()
+    params_a = [p for g in opt_a.param_groups for p in g["params"]]
+    mismatches: list[str] = []
+    worst = 0.0
+    for index, (pa, pb) in enumerate(zip(params_a, params_b)):
+        shard_a, shard_b = _shard(pa.detach()), _shard(pb.detach())
+        if not _same_bits(shard_a, shard_b):
+            mismatches.append(f"param {index}")
+            worst = max(worst, _max_abs(shard_a, shard_b))
+        sa, sb = opt_a.state.get(pa, {}), ref_opt.state.get(copies[pb], {})
+        if bool(sa) != bool(sb):
+            mismatches.append(f"state presence {index}")
+            continue
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            if key in sb and not _same_bits(_shard(sa[key]), sb[key]):
+                mismatches.append(f"{key} {index}")
+        if not _same_bits(_shard(opt_a.master_param(pa)).cpu(), copies[pb]):
+            mismatches.append(f"master {index}")
+    bitwise = not mismatches and norms_equal
+    one_bucket_per_group = bool(buckets) and all(n == fsdp_groups for n in buckets)
+    out: dict[str, Any] = {
+        "status": "ok" if bitwise and one_bucket_per_group else "failed",
+        "bitwise": bitwise,
+        "device": dev,
+        "dtype": dtype_name,
+        "accumulation": accum,
+        "offload_gradients": True,
+        "update_in_backward": True,
+        "max_grad_norm": clip_norm,
+        "fsdp2_world_size_1": True,
+        "steps": sizes.parity_steps,
+        "first_step_gradients_bitwise": bool(first_grads_equal),
+        "clip_norms_bitwise": norms_equal if clip else None,
+        "mismatches": mismatches[:20],
+        "mismatch_count": len(mismatches),
+        "max_abs_param_diff": worst,
+        "fsdp_groups": fsdp_groups,
+        "buckets": buckets[-1] if buckets else None,
+        "one_bucket_per_fsdp_group": one_bucket_per_group,
+        # The share of host-update time that ran before backward ended (host clock), steps 2..n.
+        "timeline_overlap_after_first_step": overlaps,
+        "timeline_overlap_median": statistics.median(overlaps) if overlaps else None,
+    }
+    if not one_bucket_per_group:
+        out["why"] = f"buckets per step {buckets}, expected one per FSDP group ({fsdp_groups})"
+    if not clip and overlaps and max(overlaps) <= 0.0:
+        out["note"] = "no host update started before backward ended in any step after the first"
     return out
 
 
@@ -905,7 +1060,8 @@ def host_threads(ctx: Context, threads: int) -> dict:
 
 
 ROW_FUNCTIONS: dict[str, Callable[..., dict]] = {
-    "parity": lambda ctx, row: parity_row(ctx, **row.args),
+    "parity": lambda ctx, row: (fsdp_overlap_row(ctx, row.args["fsdp_overlap_case"]) if "fsdp_overlap_case" in row.args
+                                else parity_row(ctx, **row.args)),
     "llama": lambda ctx, row: llama_row(ctx, **row.args),
     "pcie": lambda ctx, row: pcie_row(ctx, "peak" if row.name == "pinned-peak" else "per-tensor"),
     "host": lambda ctx, row: host_triad(ctx) if row.name == "triad" else host_threads(ctx, **row.args),
@@ -1284,9 +1440,13 @@ def headline(section: str, row: str, r: dict) -> str:
 
 def _headline(section: str, row: str, r: dict) -> str:
     if section == "parity":
-        return (f"bitwise={r.get('bitwise')} grads@1={r.get('first_step_gradients_bitwise')} "
+        text = (f"bitwise={r.get('bitwise')} grads@1={r.get('first_step_gradients_bitwise')} "
                 f"clip={r.get('clip_norms_bitwise')} scale={r.get('loss_scales_equal')} "
                 f"mismatches={r.get('mismatch_count')} max|d|={r.get('max_abs_param_diff', 0):.2e}")
+        if "buckets" in r:  # the rows with host updates during backward
+            median = r.get("timeline_overlap_median")
+            text += f" buckets={r['buckets']}/{r.get('fsdp_groups')} overlap={'-' if median is None else f'{median:.2f}'}"
+        return text
     if section == "llama":
         sm = r.get("step_memory", {})
         text = (f"{r['parameters'] / 1e9:.3f} B params; step {r['step_s_median'] * 1e3:.0f} ms, fwd+bwd "

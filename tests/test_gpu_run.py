@@ -81,6 +81,14 @@ def test_quick_cpu_rehearsal_runs_every_section(tmp_path: Path) -> None:
             assert row["bitwise"] and row["first_step_gradients_bitwise"], name
         else:
             assert row["status"].startswith("skipped: compile rows off"), (name, row)
+    # FSDP2 with the host updates during backward: one bucket per FSDP group, a timeline for every step after the first
+    for name in gpu_run.FSDP_OVERLAP_CASES:
+        row = sections["parity"]["rows"][name]
+        assert row["status"] == "ok" and row["buckets"] == row["fsdp_groups"] == 3, (name, row)
+        overlaps = row["timeline_overlap_after_first_step"]
+        assert len(overlaps) == result["sizes"]["parity_steps"] - 1 and all(0.0 <= o <= 1.0 for o in overlaps), row
+        if row["max_grad_norm"] is not None:  # clipped: every update waits for the global norm, after backward
+            assert row["clip_norms_bitwise"] and overlaps == [0.0] * len(overlaps), row
     assert {k for k, r in sections["llama"]["rows"].items() if r["status"] == "ok"} == {"a", "b", "c", "d", "e"}
     # (e) starts the host updates in backward: its timeline says how much of them ran before backward ended
     assert 0.0 <= sections["llama"]["rows"]["e"]["timeline_overlap"] <= 1.0
@@ -218,7 +226,11 @@ def _gpu_like_result() -> dict:
             "gpu_tests": {"rows": {"pytest -m gpu": {"status": "ok", "counts": {"passed": 8, "deselected": 700}}}},
             "parity": {"rows": {"bf16-freed-amsgrad": {
                 "status": "ok", "bitwise": True, "first_step_gradients_bitwise": True, "clip_norms_bitwise": None,
-                "loss_scales_equal": None, "mismatch_count": 0, "max_abs_param_diff": 0.0}}},
+                "loss_scales_equal": None, "mismatch_count": 0, "max_abs_param_diff": 0.0},
+                "fp32-fsdp2-ws1-freed-inbwd": {
+                    "status": "ok", "bitwise": True, "first_step_gradients_bitwise": True, "clip_norms_bitwise": None,
+                    "mismatch_count": 0, "max_abs_param_diff": 0.0, "buckets": 3, "fsdp_groups": 3,
+                    "timeline_overlap_median": 0.4}}},
             "llama": {"rows": {"a": llama(0.5, 8 * 2**30), "d": llama(0.55, -2**30), "e": {"status": "timeout: over 110 s"}}},
             "host": {"rows": {
                 "triad": {"status": "ok", "inplace_triad_gbps": 120.0, "triad_gbps": 90.0, "threads": 16},
@@ -240,6 +252,7 @@ def test_summary_targets_and_plots_of_a_gpu_result(tmp_path: Path) -> None:
     assert "NVIDIA H200" in table and "h2d 55.0 GB/s, d2h 55.0 GB/s, both 100.0 GB/s" in table
     assert "8 passed, 700 deselected" in table and "d2h before end of backward 90%, tail 1.5 ms" in table
     assert "optimizer share 8.00 GiB" in table and "timeout: over 110 s" in table
+    assert "buckets=3/3 overlap=0.40" in table
     assert gpu_run.bad_rows(result) == ["llama/e"]
     path = tmp_path / "gpu_run.json"
     path.write_text(json.dumps(result))
