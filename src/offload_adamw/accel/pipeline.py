@@ -292,6 +292,7 @@ class GradientPipeline:
         # coefficient every gradient of the step is multiplied by, known when backward has ended.
         self._norms: dict[Tensor, tuple[Tensor, torch.device, torch.dtype]] = {}
         self._norms_callback_queued = False
+        self._norm_events: list[tuple[torch.device, Any]] = []
         self._clip_coef: Tensor | None = None
         weakref.finalize(self, self._accumulator.stop)
         self.refresh()
@@ -550,6 +551,11 @@ class GradientPipeline:
     def _take_norm(self, param: Tensor, grad: Tensor) -> None:
         """The gradient's norm on its device, before it leaves (accel/clipping.py); the coefficient follows backward."""
         self._norms[param] = (_clipping.gradient_norm(grad), grad.device, grad.dtype)
+        if grad.device.type == "cuda":
+            # Taken on the stream the hook runs on (FSDP2: its post-reduce stream); read on the callback's stream.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(grad.device))
+            self._norm_events.append((grad.device, event))
         if not self._norms_callback_queued:
             self._norms_callback_queued = True
             # Runs when this backward has ended, on its thread: every gradient of the step has its norm then.
@@ -562,6 +568,9 @@ class GradientPipeline:
             max_norm = self.optimizer.max_grad_norm
             if not self._norms or max_norm is None:
                 return
+            events, self._norm_events = self._norm_events, []
+            for device, event in events:
+                torch.cuda.current_stream(device).wait_event(event)
             total, coef = _clipping.clip_coefficient(
                 [self._norms[p] for p in self._where() if p in self._norms], max_norm
             )
@@ -960,6 +969,7 @@ class GradientPipeline:
         self._group_storage = None
         self._clip_coef = None
         self._norms = {}
+        self._norm_events = []
         self._record_timeline(records, step_called)
         self._prepare_early_updates(buckets)
 
