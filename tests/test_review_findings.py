@@ -275,3 +275,29 @@ def test_mixed_dtypes_clip_as_the_step_clips() -> None:
         during.zero_grad()
         assert same_bits(at_step.last_grad_norm, during.last_grad_norm)
     _assert_same(a, b)
+
+
+# ----------------------------------------------------------------------------- FSDP2, 2 gloo ranks (one run of the worker)
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+FSDP_WORKER = Path(__file__).resolve().parent / "_review_fsdp_worker.py"
+sys.path.insert(0, str(FSDP_WORKER.parent))
+from _review_fsdp_worker import CASES as FSDP_CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("review_fsdp")
+    proc = subprocess.run([sys.executable, str(FSDP_WORKER), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return [json.loads((out / f"review_rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", list(FSDP_CASES))
+def test_fsdp2_freed_gradients_are_torch_or_clearly_refused(fsdp_results, case: str) -> None:
+    for rank, result in enumerate(fsdp_results):
+        assert result[case]["ok"], f"rank {rank}: {result[case]['error']}"
