@@ -196,16 +196,17 @@ def case_opt_clip_grad_norm_is_global(mesh, measured):
 
 
 def case_gradient_of_a_sharded_parameter(mesh, measured):
-    """opt.gradient(p) of a DTensor parameter: the same kind of thing as p.grad without freed gradients."""
+    """opt.gradient(p) of a DTensor parameter: this rank's shard of the gradient, torch's p.grad.to_local()."""
+    grads = {}
+
     def script(model, opt, ours):
         loss_of(model, 0).backward()
         p = model.head.weight
-        g = opt.gradient(p) if ours else p.grad
-        measured["ours" if ours else "torch"] = [type(g).__name__, list(g.shape)]
+        grads[ours] = (opt.gradient(p) if ours else local(p.grad)).clone()
         opt.step()
     out = both(mesh, script, {})
-    if measured["ours"] != measured["torch"]:
-        out.append(f"opt.gradient(p) is {measured['ours']}, torch's p.grad {measured['torch']}")
+    if not torch.equal(grads[True], grads[False]):
+        out.append(f"opt.gradient(p) {tuple(grads[True].shape)} is not torch's p.grad.to_local() {tuple(grads[False].shape)}")
     return out
 
 
@@ -314,7 +315,7 @@ CASES = {
     "uib_clip_bf16_params_fp32_reduce_is_torch": case_uib_clip_mixed_precision,
     "freed_clip_bf16_params_bf16_reduce_is_torch": case_freed_mixed_precision_bf16_reduce,
     "opt_clip_grad_norm_is_the_global_norm": case_opt_clip_grad_norm_is_global,
-    "opt_gradient_of_a_sharded_parameter_is_like_p_grad": case_gradient_of_a_sharded_parameter,
+    "opt_gradient_of_a_sharded_parameter_is_this_ranks_shard": case_gradient_of_a_sharded_parameter,
     "nonfinite_skip_with_inf_on_one_rank_skips_every_rank": case_nonfinite_on_one_rank,
     "offload_grad_scaler_with_inf_on_one_rank_skips_every_rank": case_scaler_inf_on_one_rank,
     "dcp_get_set_optimizer_state_dict_with_freed_gradients_resumes_exactly": case_dcp_resume_with_freed_gradients,

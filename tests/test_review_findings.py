@@ -301,3 +301,26 @@ def fsdp_results(tmp_path_factory) -> list[dict]:
 def test_fsdp2_freed_gradients_are_torch_or_clearly_refused(fsdp_results, case: str) -> None:
     for rank, result in enumerate(fsdp_results):
         assert result[case]["ok"], f"rank {rank}: {result[case]['error']}"
+
+
+def test_max_grad_norm_switched_off_between_backward_and_step_does_not_clip() -> None:
+    """max_grad_norm = None after backward, before the first step(): torch does not clip that step."""
+    reference, theirs, model, ours = _pair()
+    x = _batches(1)[0]
+    _loss(reference, x).backward()
+    theirs.step()
+    _loss(model, x).backward()
+    ours.max_grad_norm = None
+    ours.step()
+    _assert_same(reference, model)
+
+
+def test_clipped_steps_without_zero_grad_accumulate_as_torch() -> None:
+    """No zero_grad between steps (gradients accumulate across steps, as torch's do): clipped by the sums' norm."""
+    reference, theirs, model, ours = _pair()
+    for x in _batches(4):
+        _loss(reference, x).backward()
+        _torch_step(reference, theirs)
+        _loss(model, x).backward()
+        ours.step()
+    _assert_same(reference, model)
