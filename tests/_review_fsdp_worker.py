@@ -129,6 +129,14 @@ def case_model_zero_grad(mesh, measured):
     return both(mesh, plain_steps(False, zero=lambda m, o: m.zero_grad()), {})
 
 
+def case_uib_model_zero_grad(mesh, measured):
+    return both(mesh, plain_steps(True, zero=lambda m, o: m.zero_grad()), {"update_in_backward": True, "max_grad_norm": CLIP})
+
+
+def case_uib_model_zero_grad_unclipped(mesh, measured):
+    return both(mesh, plain_steps(False, zero=lambda m, o: m.zero_grad()), {"update_in_backward": True})
+
+
 def case_zero_grad_keep_zeros(mesh, measured):
     return both(mesh, plain_steps(False, zero=lambda m, o: o.zero_grad(set_to_none=False)), {})
 
@@ -308,6 +316,8 @@ def case_gradient_assigned_by_hand(mesh, measured):
 CASES = {
     "model_zero_grad_between_steps_is_torch": case_model_zero_grad,
     "zero_grad_set_to_none_false_is_torch": case_zero_grad_keep_zeros,
+    "uib_clip_model_zero_grad_after_each_step_is_torch": case_uib_model_zero_grad,
+    "uib_model_zero_grad_after_each_step_is_torch": case_uib_model_zero_grad_unclipped,
     "uib_zero_grad_set_to_none_false_is_torch_or_refused_naming_set_to_none": case_uib_zero_grad_keep_zeros,
     "uib_reduce_per_micro_batch_is_refused_naming_set_requires_gradient_sync": case_uib_first_step_reduce_each_micro_batch,
     "uib_clip_with_a_group_skipped_in_one_step_and_a_frozen_layer_is_torch": case_uib_clip_branch_sometimes,

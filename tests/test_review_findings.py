@@ -215,6 +215,20 @@ def test_cleared_gradient_after_early_updates_is_refused() -> None:
     _assert_same(reference, model)
 
 
+@pytest.mark.parametrize("clip", [None, CLIP])
+def test_model_zero_grad_after_each_step_under_update_in_backward_is_torch(clip) -> None:
+    """model.zero_grad() after step() (HF Trainer's call): the next backward drops the old host gradients."""
+    reference, theirs, model, ours = _pair(clip=clip)
+    for x in _batches(3):
+        _loss(reference, x).backward()
+        _torch_step(reference, theirs, clip)
+        reference.zero_grad()
+        _loss(model, x).backward()
+        ours.step()
+        model.zero_grad()
+    _assert_same(reference, model)
+
+
 # ----------------------------------------------------------------------------- what held up (kept as regressions)
 
 
