@@ -662,7 +662,10 @@ class GradientPipeline:
 
     def _drop_host_gradient(self, slot: _Slot) -> None:
         """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it."""
-        self.refuse_mid_step("clear its gradients")
+        if self._updater is not None and self._updater.covers(slot.param):
+            # Only a gradient an update of this backward used is refused: one of the last step (model.zero_grad()
+            # after step(), seen by this backward) goes while other buckets update.
+            self.refuse_mid_step("clear its gradients")
         self._finish(slot)  # no copy or add may land in the buffer after it was cleared
         slot.has_grad = False
 
