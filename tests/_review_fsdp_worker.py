@@ -188,6 +188,46 @@ def case_freed_mixed_precision_bf16_reduce(mesh, measured):
     return both(mesh, plain_steps(True), {"max_grad_norm": CLIP}, model_kw={"mp_policy": policy})
 
 
+class CheckpointedNet(Net):
+    """Net with every block under reentrant activation checkpointing (nested backwards)."""
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        x = self.head(x)
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        return x + self.frozen(x) + (self.branch(x) if use_branch else 0)
+
+
+def case_uib_clip_reentrant_checkpointing(mesh, measured):
+    global Net
+    plain = Net
+    Net = CheckpointedNet  # sharded() builds Net
+    try:
+        return both(mesh, plain_steps(True), {"update_in_backward": True, "max_grad_norm": CLIP})
+    finally:
+        Net = plain
+
+
+def case_uib_clip_root_only(mesh, measured):
+    """fully_shard on the root alone: every gradient lands in FSDP2's final callback, one group."""
+    def script(model, opt, ours):
+        plain_steps(True)(model, opt, ours)
+
+    reference = Net()
+    fully_shard(reference, mesh=mesh)
+    theirs = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR,
+                               weight_decay=WEIGHT_DECAY, fused=True)
+    script(reference, theirs, False)
+    model = Net()
+    fully_shard(model, mesh=mesh)
+    ours = OffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY,
+                        offload_gradients=True, update_in_backward=True, max_grad_norm=CLIP)
+    script(model, ours, True)
+    timeline = ours.last_step_timeline()
+    measured["buckets"] = None if timeline is None else len(timeline.buckets)
+    return differing(reference, model)
+
+
 def case_opt_clip_grad_norm_is_global(mesh, measured):
     norms = {}
 
@@ -323,6 +363,8 @@ CASES = {
     "uib_clip_with_a_group_skipped_in_one_step_and_a_frozen_layer_is_torch": case_uib_clip_branch_sometimes,
     "uib_clip_reshard_after_forward_false_is_torch": case_uib_clip_reshard_false,
     "uib_clip_bf16_params_fp32_reduce_is_torch": case_uib_clip_mixed_precision,
+    "uib_clip_reentrant_checkpointing_is_torch": case_uib_clip_reentrant_checkpointing,
+    "uib_clip_root_only_fully_shard_is_torch": case_uib_clip_root_only,
     "freed_clip_bf16_params_bf16_reduce_is_torch": case_freed_mixed_precision_bf16_reduce,
     "opt_clip_grad_norm_is_the_global_norm": case_opt_clip_grad_norm_is_global,
     "opt_gradient_of_a_sharded_parameter_is_this_ranks_shard": case_gradient_of_a_sharded_parameter,
