@@ -283,6 +283,26 @@ def case_nonfinite_on_one_rank(mesh, measured):
     return out
 
 
+def case_nonfinite_raise_on_one_rank(mesh, measured):
+    """An inf in one rank's shard only: nonfinite='raise' raises on every rank, before any update."""
+    model = sharded(mesh)
+    ours = OffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY,
+                        offload_gradients=True, nonfinite="raise")
+    loss_of(model, 0).backward()
+    if dist.get_rank() == 0:
+        ours.gradient(model.head.bias)[0] = float("inf")
+    before = [local(p.detach()).clone() for p in model.parameters()]
+    try:
+        ours.step()
+    except FloatingPointError as error:
+        measured["error"] = str(error)
+    else:
+        return [f"no FloatingPointError on rank {dist.get_rank()}"]
+    if any(not torch.equal(a, local(p.detach())) for a, p in zip(before, model.parameters())) or ours.state:
+        return ["the refused step changed something"]
+    return []
+
+
 def case_scaler_inf_on_one_rank(mesh, measured):
     """OffloadGradScaler: an inf in one rank's shard only must skip the step on every rank (torch's does: DTensor)."""
     def script(model, opt, ours):
@@ -369,6 +389,7 @@ CASES = {
     "opt_clip_grad_norm_is_the_global_norm": case_opt_clip_grad_norm_is_global,
     "opt_gradient_of_a_sharded_parameter_is_this_ranks_shard": case_gradient_of_a_sharded_parameter,
     "nonfinite_skip_with_inf_on_one_rank_skips_every_rank": case_nonfinite_on_one_rank,
+    "nonfinite_raise_with_inf_on_one_rank_raises_on_every_rank": case_nonfinite_raise_on_one_rank,
     "offload_grad_scaler_with_inf_on_one_rank_skips_every_rank": case_scaler_inf_on_one_rank,
     "dcp_get_set_optimizer_state_dict_with_freed_gradients_resumes_exactly": case_dcp_resume_with_freed_gradients,
     "dtensor_gradient_assigned_by_hand_then_clipped_is_torch": case_gradient_assigned_by_hand,

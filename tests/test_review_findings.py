@@ -229,6 +229,31 @@ def test_model_zero_grad_after_each_step_under_update_in_backward_is_torch(clip)
     _assert_same(reference, model)
 
 
+def test_a_second_backward_reaching_a_parameter_the_first_did_not_is_refused_by_name() -> None:
+    """Step 2+: backward (its updates run, clipped), then a backward through a parameter the first did not reach."""
+    _, _, model, ours = _pair(extra=True)
+    for use_extra in (True, False):  # every parameter has state, and the order of a backward without extra is known
+        _loss(model, _batches(1)[0], use_extra=use_extra).backward()
+        ours.step()
+        ours.zero_grad()
+    x, y = _batches(2)
+    _loss(model, x).backward()
+    model.extra(y).square().mean().backward()
+    with pytest.raises(RuntimeError, match="more than one backward"):
+        ours.step()
+
+
+def test_a_trainable_parameter_that_never_gets_a_gradient_leaves_updates_during_backward_on() -> None:
+    """A trainable parameter no backward reaches (an unused head) gets no state; the others' updates still overlap."""
+    _, _, model, ours = _pair(clip=None, extra=True)
+    for x in _batches(3):
+        _loss(model, x).backward()
+        ours.step()
+        ours.zero_grad()
+    pipeline = ours.transfer_pipeline
+    assert pipeline is not None and pipeline._updater is not None, "the next step's updates wait for step()"
+
+
 # ----------------------------------------------------------------------------- what held up (kept as regressions)
 
 
@@ -277,6 +302,9 @@ def test_mixed_dtypes_clip_as_the_step_clips() -> None:
             return x
 
     b = copy.deepcopy(a)
+    c = copy.deepcopy(a)
+    Cast(c)(_batches(1)[0]).square().mean().backward()
+    torch_norm = torch.nn.utils.clip_grad_norm_(c.parameters(), CLIP)
     at_step = OffloadAdamW(a.parameters(), lr=LR, weight_decay=WD, offload_gradients=True, max_grad_norm=CLIP)
     during = OffloadAdamW(b.parameters(), lr=LR, weight_decay=WD, offload_gradients=True, update_in_backward=True,
                           max_grad_norm=CLIP, bucket_bytes=1 << 12)
@@ -288,6 +316,9 @@ def test_mixed_dtypes_clip_as_the_step_clips() -> None:
         during.step()
         during.zero_grad()
         assert same_bits(at_step.last_grad_norm, during.last_grad_norm)
+        if torch_norm is not None:
+            assert same_bits(during.last_grad_norm, torch_norm), "torch's get_total_norm over the same gradients"
+            torch_norm = None
     _assert_same(a, b)
 
 
