@@ -1095,12 +1095,12 @@ class GradientPipeline:
 
     def _coefficient_is_not_the_steps(self, present: list[Tensor], max_norm: float | None) -> str | None:
         """Why the coefficient taken after backward does not fit this step's gradients, or None when it does."""
+        if self._norms_stale:
+            return "a gradient was accumulated over more than one backward (or changed after its norm was taken)"
         if self._clip_coef is None:
-            return None if max_norm is None else "no clip coefficient was taken when backward ended"
+            return None if max_norm is None else "no backward ended with every gradient's norm taken"
         if max_norm != self._clip_max_norm:
             return f"max_grad_norm changed from {self._clip_max_norm} to {max_norm} between backward and step()"
-        if self._norms_stale:
-            return "a gradient was accumulated over more than one backward"
         where = self._where()
         for p in present:
             if not is_host_resident(p.grad) or p not in self._clip_params:
