@@ -228,6 +228,30 @@ def case_uib_clip_root_only(mesh, measured):
     return differing(reference, model)
 
 
+def case_uib_clip_blocks_only(mesh, measured):
+    """fully_shard on each block but not on the root: every block is a root with its own final callback."""
+    def build():
+        model = Net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model.head, mesh=mesh)
+        fully_shard(model.branch, mesh=mesh)
+        return model
+
+    def script(model, opt, ours):
+        plain_steps(True)(model, opt, ours)
+
+    reference = build()
+    theirs = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR,
+                               weight_decay=WEIGHT_DECAY, fused=True)
+    script(reference, theirs, False)
+    model = build()
+    ours = OffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY,
+                        offload_gradients=True, update_in_backward=True, max_grad_norm=CLIP)
+    script(model, ours, True)
+    return differing(reference, model)
+
+
 def case_opt_clip_grad_norm_is_global(mesh, measured):
     norms = {}
 
@@ -373,6 +397,20 @@ def case_gradient_assigned_by_hand(mesh, measured):
     return both(mesh, script, {})
 
 
+def case_uib_clip_gradient_assigned_by_hand_on_the_first_step(mesh, measured):
+    """update_in_backward + max_grad_norm, a DTensor gradient set by hand before the first step: the step clips as torch."""
+    def script(model, opt, ours):
+        for step in range(STEPS):
+            loss_of(model, step).backward()
+            if step == 0:
+                model.head.weight.grad = torch.ones_like(model.head.weight) * 0.5
+            if not ours:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+    return both(mesh, script, {"update_in_backward": True, "max_grad_norm": CLIP})
+
+
 CASES = {
     "model_zero_grad_between_steps_is_torch": case_model_zero_grad,
     "zero_grad_set_to_none_false_is_torch": case_zero_grad_keep_zeros,
@@ -385,6 +423,7 @@ CASES = {
     "uib_clip_bf16_params_fp32_reduce_is_torch": case_uib_clip_mixed_precision,
     "uib_clip_reentrant_checkpointing_is_torch": case_uib_clip_reentrant_checkpointing,
     "uib_clip_root_only_fully_shard_is_torch": case_uib_clip_root_only,
+    "uib_clip_fully_shard_without_root_is_torch": case_uib_clip_blocks_only,
     "freed_clip_bf16_params_bf16_reduce_is_torch": case_freed_mixed_precision_bf16_reduce,
     "opt_clip_grad_norm_is_the_global_norm": case_opt_clip_grad_norm_is_global,
     "opt_gradient_of_a_sharded_parameter_is_this_ranks_shard": case_gradient_of_a_sharded_parameter,
@@ -393,6 +432,8 @@ CASES = {
     "offload_grad_scaler_with_inf_on_one_rank_skips_every_rank": case_scaler_inf_on_one_rank,
     "dcp_get_set_optimizer_state_dict_with_freed_gradients_resumes_exactly": case_dcp_resume_with_freed_gradients,
     "dtensor_gradient_assigned_by_hand_then_clipped_is_torch": case_gradient_assigned_by_hand,
+    "uib_clip_dtensor_gradient_assigned_by_hand_before_the_first_step_is_torch":
+        case_uib_clip_gradient_assigned_by_hand_on_the_first_step,
 }
 
 

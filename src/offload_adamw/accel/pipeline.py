@@ -296,6 +296,7 @@ class GradientPipeline:
         self._norms_stale = False  # a gradient changed after its norm was taken: the coefficient must be taken anew
         self._clip_max_norm: float | None = None  # the max_grad_norm and the parameters the coefficient was taken for
         self._clip_params: frozenset[Tensor] = frozenset()
+        self._clipping_at_step = False  # the step's own clipping reads the stand-ins (no update has run yet)
         weakref.finalize(self, self._accumulator.stop)
         self.refresh()
 
@@ -563,8 +564,11 @@ class GradientPipeline:
         self._norms[param] = (_clipping.gradient_norm(grad), grad.device, grad.dtype)
         if not self._norms_callback_queued:
             self._norms_callback_queued = True
-            # Runs when this backward has ended, on its thread: every gradient of the step has its norm then.
-            torch.autograd.Variable._execution_engine.queue_callback(self._norms_complete)
+            # Runs when this backward has ended, on its thread, after every callback queued during it (queued from
+            # a callback: FSDP2's final callbacks, one per root module, reduce the last groups): every gradient of the
+            # step has its norm then.
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._norms_complete))
 
     def _norms_complete(self) -> None:
         """End of backward: the global norm and the clip coefficient; the gated updates may start."""
@@ -635,7 +639,7 @@ class GradientPipeline:
     def _complete(self, slot: _Slot) -> Tensor:
         if self._updater is not None and self._updater.covers(slot.param):
             raise RuntimeError(self._second_backward(slot))  # FSDP2 accumulating into p.grad after its update ran
-        if self.config.update_in_backward:
+        if self.config.update_in_backward and not self._clipping_at_step:
             # The update may already have consumed this gradient during backward: clipping or unscaling it now
             # would change nothing the optimizer computes.
             raise RuntimeError(
@@ -1091,7 +1095,11 @@ class GradientPipeline:
             grad = self._ready(self._slots[p], where[p])
             if grad is not None:  # a DTensor's stand-in, so that the norm is every rank's
                 grads.append(p.grad if _local(p) is not p and p.grad is not None else grad)
-        self.optimizer.last_grad_norm = _clipping.clip_gradients_(grads, max_norm)
+        self._clipping_at_step = True
+        try:
+            self.optimizer.last_grad_norm = _clipping.clip_gradients_(grads, max_norm)
+        finally:
+            self._clipping_at_step = False
 
     def _coefficient_is_not_the_steps(self, present: list[Tensor], max_norm: float | None) -> str | None:
         """Why the coefficient taken after backward does not fit this step's gradients, or None when it does."""
