@@ -254,6 +254,39 @@ def test_a_trainable_parameter_that_never_gets_a_gradient_leaves_updates_during_
     assert pipeline is not None and pipeline._updater is not None, "the next step's updates wait for step()"
 
 
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises (an out-of-memory in the middle of backward, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def test_a_failed_backward_does_not_switch_off_the_clip_coefficient_for_good() -> None:
+    """A backward that raised after some hooks ran, the batch dropped (zero_grad): later backwards take the coefficient."""
+    _, _, model, ours = _pair()
+    xs = _batches(4)
+    for x in xs[:2]:
+        _loss(model, x).backward()
+        ours.step()
+        ours.zero_grad()
+    h = xs[2] + model.blocks[0](xs[2])
+    h = _FailingBackward.apply(h)
+    for block in model.blocks[1:]:
+        h = h + block(h)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        h.square().mean().backward()
+    ours.zero_grad()
+    ours.last_grad_norm = None
+    _loss(model, xs[3]).backward()
+    assert ours.last_grad_norm is not None, "no clip coefficient when backward ended: the step clips alone, without overlap"
+    ours.step()
+
+
 # ----------------------------------------------------------------------------- what held up (kept as regressions)
 
 
