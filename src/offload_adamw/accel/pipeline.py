@@ -1063,7 +1063,9 @@ class GradientPipeline:
         self._updater = BackwardUpdater(buckets, self._early_update, gated=self._clips_in_backward())
 
     def _reset_norms(self) -> None:
+        """Outside backward (step(), zero_grad()): no callback is pending, also when a backward raised before its end."""
         self._norms = {}
+        self._norms_callback_queued = False
         self._clip_coef = None
         self._norms_stale = False
         self._clip_max_norm = None
