@@ -411,6 +411,23 @@ def case_uib_clip_gradient_assigned_by_hand_on_the_first_step(mesh, measured):
     return both(mesh, script, {"update_in_backward": True, "max_grad_norm": CLIP})
 
 
+def case_uib_clip_frozen_parameters_given_to_the_optimizer(mesh, measured):
+    """model.parameters() with a frozen layer in them, as most loops pass them."""
+    reference = sharded(mesh)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    plain_steps(True)(reference, theirs, False)
+    model = sharded(mesh)
+    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                        update_in_backward=True, max_grad_norm=CLIP)
+    plain_steps(True)(model, ours, True)
+    pipeline = ours.transfer_pipeline
+    measured["armed"] = pipeline is not None and pipeline._updater is not None
+    out = differing(reference, model)
+    if not measured["armed"]:
+        out.append("the next step's updates wait for step()")
+    return out
+
+
 CASES = {
     "model_zero_grad_between_steps_is_torch": case_model_zero_grad,
     "zero_grad_set_to_none_false_is_torch": case_zero_grad_keep_zeros,
@@ -423,6 +440,7 @@ CASES = {
     "uib_clip_bf16_params_fp32_reduce_is_torch": case_uib_clip_mixed_precision,
     "uib_clip_reentrant_checkpointing_is_torch": case_uib_clip_reentrant_checkpointing,
     "uib_clip_root_only_fully_shard_is_torch": case_uib_clip_root_only,
+    "uib_clip_with_frozen_parameters_given_to_the_optimizer_is_torch": case_uib_clip_frozen_parameters_given_to_the_optimizer,
     "uib_clip_fully_shard_without_root_is_torch": case_uib_clip_blocks_only,
     "freed_clip_bf16_params_bf16_reduce_is_torch": case_freed_mixed_precision_bf16_reduce,
     "opt_clip_grad_norm_is_the_global_norm": case_opt_clip_grad_norm_is_global,
