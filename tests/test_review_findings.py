@@ -402,3 +402,23 @@ def test_clipped_steps_without_zero_grad_accumulate_as_torch() -> None:
         _loss(model, x).backward()
         ours.step()
     _assert_same(reference, model)
+
+
+@pytest.mark.parametrize("block", [0, 3])
+@pytest.mark.parametrize("clip", [None, CLIP])
+def test_a_parameter_unfrozen_after_two_steps_is_torch(block: int, clip) -> None:
+    """Unfrozen at step 3: first (block 3) or last (block 0) in backward; its state is created at the step."""
+    reference, theirs, model, ours = _pair(clip=clip)
+    for m in (reference, model):
+        m.blocks[block][0].weight.requires_grad_(False)
+    for step, x in enumerate(_batches(5)):
+        if step == 3:
+            for m in (reference, model):
+                m.blocks[block][0].weight.requires_grad_(True)
+        _loss(reference, x).backward()
+        _torch_step(reference, theirs, clip)
+        theirs.zero_grad()
+        _loss(model, x).backward()
+        ours.step()
+        ours.zero_grad()
+    _assert_same(reference, model)
