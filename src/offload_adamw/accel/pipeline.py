@@ -906,8 +906,8 @@ class GradientPipeline:
         host_inv = inv_scale.detach().to("cpu", torch.float32)
         by_kind: dict[tuple[torch.dtype, bool], list[Tensor]] = {}
         for p, g in pairs:
-            sharded = _local(p) is not p and is_host_resident(p.grad)
-            by_kind.setdefault((g.dtype, sharded), []).append(p.grad if sharded else g)
+            stand_in = p.grad if _local(p) is not p and is_host_resident(p.grad) else None
+            by_kind.setdefault((g.dtype, stand_in is not None), []).append(g if stand_in is None else stand_in)
         for (_, sharded), same in by_kind.items():
             if sharded:
                 # DTensor stand-ins (FSDP2): DTensor's unscale reduces found_inf over the mesh, so that every rank
