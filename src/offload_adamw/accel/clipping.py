@@ -23,7 +23,12 @@ Contract:
   dtype, then the norm of their stack; for DTensor gradients the same DTensor
   ops, so the cross-rank reduction is torch's) and returns the coefficient
   ``clip_grads_with_norm_`` multiplies every gradient by. Each gradient is then
-  multiplied by it on the host, where its update runs.
+  multiplied by it on the host, where its update runs. That coefficient is used
+  only while it is the step's: when the gradients at ``step()`` are not the ones
+  whose norms the hooks took (accumulated over more than one backward, cleared or
+  set by hand after backward, a nested reentrant backward, ``max_grad_norm``
+  changed), a step before which no update ran clips as ``clip_grad_norm_`` does,
+  over its host gradients; one after updates that used it is refused.
 """
 
 from __future__ import annotations

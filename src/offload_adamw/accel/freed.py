@@ -51,14 +51,16 @@ class HostResidentGradient(Tensor):
 
     @staticmethod
     def __new__(cls, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str],
-                zero: Callable[[], None] | None = None) -> HostResidentGradient:
+                zero: Callable[[], None] | None = None,
+                accumulate: Callable[[], Tensor] | None = None) -> HostResidentGradient:
         return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
 
     def __init__(self, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str],
-                 zero: Callable[[], None] | None = None) -> None:
+                 zero: Callable[[], None] | None = None, accumulate: Callable[[], Tensor] | None = None) -> None:
         self._resolve = resolve  # -> the complete host gradient (waits for its copies)
         self._describe = describe
         self._zero = zero  # zeroes the host gradient (zero_grad(set_to_none=False)); None: through _resolve
+        self._accumulate = accumulate or resolve  # -> the host gradient an add into p.grad reaches (FSDP2's accumulation)
 
     # torch's stub gives Tensor.__repr__ a tensor_contents keyword, which only torch's own printing passes
     def __repr__(self) -> str:  # type: ignore[override]  # no data to print: say where it is
@@ -100,7 +102,7 @@ class HostResidentGradient(Tensor):
         if isinstance(into, HostResidentGradient) and not isinstance(other, HostResidentGradient):
             # Accumulation into p.grad that did not pass the pipeline's pre-accumulation hook (compiled
             # autograd traces it as an in-place add): the same add, old + new in the gradient's dtype, on the host.
-            into._resolve().add_(other.detach().to("cpu"), **kwargs)
+            into._accumulate().add_(other.detach().to("cpu"), **kwargs)
             return into
         if func is _UNSCALE:
             grads, found_inf, inv_scale = args

@@ -273,6 +273,7 @@ class GradientPipeline:
         self._early_buckets: list[list[Tensor]] = []
         self._early_events: list = []
         self._early_hyper: dict[int, tuple] = {}
+        self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
         self._syncing = True  # False inside no_sync(): micro-batches that only accumulate
         self._landed_at: dict[Tensor, float] = {}
         self._copied_at: dict[Tensor, float] = {}  # when a synchronous copy to the host ended, for the timeline
@@ -294,6 +295,10 @@ class GradientPipeline:
         self._norms_callback_queued = False
         self._norm_events: list[tuple[torch.device, Any]] = []
         self._clip_coef: Tensor | None = None
+        self._norms_stale = False  # a gradient changed after its norm was taken: the coefficient must be taken anew
+        self._clip_max_norm: float | None = None  # the max_grad_norm and the parameters the coefficient was taken for
+        self._clip_params: frozenset[Tensor] = frozenset()
+        self._clipping_at_step = False  # the step's own clipping reads the stand-ins (no update has run yet)
         weakref.finalize(self, self._accumulator.stop)
         self.refresh()
 
@@ -523,6 +528,10 @@ class GradientPipeline:
                 # p.grad was cleared (model.zero_grad()) or replaced since: this gradient starts afresh.
                 self._drop_host_gradient(slot)
         if self._clips_in_backward():
+            if slot.has_grad or self._clip_coef is not None:
+                # Added onto a gradient of an earlier backward (the norm of the sum is the host's to take), or
+                # after a backward that already took the coefficient: the hooks' norms are not the step's.
+                self._norms_stale = True
             self._take_norm(param, grad)
         if self.offload_gradients:
             self._absorb(slot, grad)
@@ -531,10 +540,13 @@ class GradientPipeline:
             self._copy_out(slot, grad)
         if self.offload_gradients and slot.d2h_event is None and not slot.pending_add:
             self._copied_at[param] = time.monotonic()  # a synchronous copy (no stream) of the gradient: complete now
-        if self._updater is not None and self._syncing and not self._updater.started() and any(
-                p.requires_grad and not self.optimizer.state.get(p) for p in self._slots):
-            # A parameter unfrozen since the last step needs state, whose creation may fail: this step's
-            # updates wait for step(), where every state is created before the first update.
+        if self._updater is not None and self._syncing and (not self._updater.started() or self._updater.gated()) and (
+                not self.optimizer.state.get(param)
+                or any(p.requires_grad and not self.optimizer.state.get(p) and p not in self._unreached for p in self._slots)):
+            # A parameter unfrozen since the last step (or this one, reached for the first time) needs state, whose
+            # creation may fail: this step's updates wait for step(), where every state is created before the first
+            # update. (A trainable parameter no backward reached keeps nothing waiting until it is reached; if that
+            # happens after updates ran, its state is created at step().)
             self._updater.close()
             self._updater = None
         if self._updater is not None and self._syncing:
@@ -550,6 +562,10 @@ class GradientPipeline:
 
     def _take_norm(self, param: Tensor, grad: Tensor) -> None:
         """The gradient's norm on its device, before it leaves (accel/clipping.py); the coefficient follows backward."""
+        if self._updater is not None and not self._updater.gated() and not self._updater.started():
+            # Made ungated (max_grad_norm was None at the last step): its updates cannot wait for the norm; step() runs them.
+            self._updater.close()
+            self._updater = None
         self._norms[param] = (_clipping.gradient_norm(grad), grad.device, grad.dtype)
         if grad.device.type == "cuda":
             # Taken on the stream the hook runs on (FSDP2: its post-reduce stream); read on the callback's stream.
@@ -558,22 +574,31 @@ class GradientPipeline:
             self._norm_events.append((grad.device, event))
         if not self._norms_callback_queued:
             self._norms_callback_queued = True
-            # Runs when this backward has ended, on its thread: every gradient of the step has its norm then.
-            torch.autograd.Variable._execution_engine.queue_callback(self._norms_complete)
+            # Runs when this backward has ended, on its thread, after every callback queued during it (queued from
+            # a callback: FSDP2's final callbacks, one per root module, reduce the last groups): every gradient of the
+            # step has its norm then.
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._norms_complete))
 
     def _norms_complete(self) -> None:
         """End of backward: the global norm and the clip coefficient; the gated updates may start."""
         with self._hook_lock:
             self._norms_callback_queued = False
+            if torch._C._current_autograd_node() is not None:
+                # The end of a backward nested in another one (reentrant activation checkpointing): more gradients
+                # come; the next hook queues this again on the outer backward (or step() clips, the gate still closed).
+                return
             max_norm = self.optimizer.max_grad_norm
-            if not self._norms or max_norm is None:
+            if not self._norms or max_norm is None or self._norms_stale:
+                self._clip_coef = None  # step() clips the gradients it has (torch's clipping), the gate still closed
                 return
             events, self._norm_events = self._norm_events, []
             for device, event in events:
                 torch.cuda.current_stream(device).wait_event(event)
-            total, coef = _clipping.clip_coefficient(
-                [self._norms[p] for p in self._where() if p in self._norms], max_norm
-            )
+            where = self._where()
+            total, coef = _clipping.clip_coefficient([self._norms[p] for p in where if p in self._norms], max_norm)
+            self._clip_max_norm = max_norm
+            self._clip_params = frozenset(p for p in where if p in self._norms)
             self.optimizer.last_grad_norm = total
             self._clip_coef = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
             if self._updater is not None:
@@ -595,7 +620,9 @@ class GradientPipeline:
         DTensor ops on ``p.grad`` (torch's clipping, FSDP2's accumulation) keep their cross-rank meaning.
         """
         local = HostResidentGradient(slot.local, lambda: self._complete(slot), lambda: self._name(slot),
-                                     zero=lambda: self._zero_host(slot))
+                                     zero=lambda: self._zero_host(slot), accumulate=lambda: self._accumulate_into(slot))
+        if like is None and _local(slot.param) is not slot.param:
+            like = slot.param  # a gradient assigned by hand: FSDP2's gradients have their parameter's mesh and placements
         if like is not None and _local(like) is not like:
             grad: Any = like  # a DTensor: DTensor(local, spec) makes one without a copy or a check
             slot.param.grad = type(grad)(local, grad._spec, requires_grad=False)
@@ -625,7 +652,7 @@ class GradientPipeline:
     def _complete(self, slot: _Slot) -> Tensor:
         if self._updater is not None and self._updater.covers(slot.param):
             raise RuntimeError(self._second_backward(slot))  # FSDP2 accumulating into p.grad after its update ran
-        if self.config.update_in_backward:
+        if self.config.update_in_backward and not self._clipping_at_step:
             # The update may already have consumed this gradient during backward: clipping or unscaling it now
             # would change nothing the optimizer computes.
             raise RuntimeError(
@@ -638,9 +665,24 @@ class GradientPipeline:
         assert slot.host_grad is not None  # a stand-in exists only for a gradient absorbed into host_grad
         return slot.host_grad
 
+    def _accumulate_into(self, slot: _Slot) -> Tensor:
+        """The host gradient an in-place add into ``p.grad`` reaches (FSDP2 adds each reduced micro-batch into it)."""
+        if self.config.update_in_backward:
+            raise RuntimeError(
+                f"{self._name(slot)}: a second gradient was added into p.grad in this step (FSDP2 reduced another "
+                "micro-batch into it, or zero_grad(set_to_none=False) left it in place), but with update_in_backward=True "
+                "each parameter takes one gradient per step, during backward: run the micro-batches that only accumulate "
+                "with model.set_requires_gradient_sync(False) inside opt.no_sync(), and clear gradients with "
+                "zero_grad(set_to_none=True)"
+            )
+        return self._complete(slot)
+
     def _drop_host_gradient(self, slot: _Slot) -> None:
         """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it."""
-        self.refuse_mid_step("clear its gradients")
+        if self._updater is not None and self._updater.covers(slot.param):
+            # Only a gradient an update of this backward used is refused: one of the last step (model.zero_grad()
+            # after step(), seen by this backward) goes while other buckets update.
+            self.refuse_mid_step("clear its gradients")
         self._finish(slot)  # no copy or add may land in the buffer after it was cleared
         slot.has_grad = False
 
@@ -852,6 +894,11 @@ class GradientPipeline:
     def zero_grad(self, set_to_none: bool) -> None:
         """Clear the host gradients as torch's zero_grad clears ``p.grad`` (device grads: the optimizer's job)."""
         self.refuse_mid_step("clear its gradients")
+        if self._updater is not None and self._updater.gated() and self._updater.started():
+            # Buckets complete in the cleared backward, waiting for a coefficient: they would run on the next one's.
+            self._updater.close()
+            self._updater = None
+        self._reset_norms()
         for slot in self._slots.values():
             self._finish(slot)  # no copy or add may land in host memory after it was cleared
             slot.source = None
@@ -865,16 +912,24 @@ class GradientPipeline:
 
     def unscale_(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict[torch.device, Tensor]:
         """GradScaler's unscale-and-check over the host gradients (freed mode); found_inf stays on its device."""
-        grads = [g for _, g in self.host_gradients()]
-        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
+        pairs = self.host_gradients()
+        if not allow_fp16 and any(g.dtype == torch.float16 for _, g in pairs):
             raise ValueError("Attempting to unscale FP16 gradients.")
         host_found = torch.zeros((), dtype=torch.float32)
         host_inv = inv_scale.detach().to("cpu", torch.float32)
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(same, host_found, host_inv)
+        by_kind: dict[tuple[torch.dtype, bool], list[Tensor]] = {}
+        for p, g in pairs:
+            stand_in = p.grad if _local(p) is not p and is_host_resident(p.grad) else None
+            by_kind.setdefault((g.dtype, stand_in is not None), []).append(g if stand_in is None else stand_in)
+        for (_, sharded), same in by_kind.items():
+            if sharded:
+                # DTensor stand-ins (FSDP2): DTensor's unscale reduces found_inf over the mesh, so that every rank
+                # skips the step when one rank's shard has an inf, as torch's GradScaler on FSDP2 gradients does.
+                found = torch.zeros_like(found_inf)
+                torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale)
+                found_inf.add_(found)
+            else:
+                torch._amp_foreach_non_finite_check_and_unscale_(same, host_found, host_inv)
         found_inf.add_(host_found.to(found_inf.device))
         return {found_inf.device: found_inf}
 
@@ -884,8 +939,9 @@ class GradientPipeline:
         """One AdamW update of every parameter with a gradient, bucket by bucket (see the module contract)."""
         opt = self.optimizer
         step_called = time.monotonic()
-        if self._updater is not None and self._updater.gated() and not self._updater.started():
-            # No backward ended with every norm taken (the hooks saw no gradient): nothing ran early, the step clips.
+        if self._updater is not None and self._updater.gated():
+            # No backward ended with a coefficient every gradient of the step has (none, nested or stale): nothing
+            # ran early, the step clips and updates.
             self._updater.close()
             self._updater = None
         early, early_records = self._finish_early_updates()
@@ -922,6 +978,12 @@ class GradientPipeline:
         for p, w in where.items():
             slot = self._slots[p]
             if p in early:
+                if p.grad is None:
+                    raise RuntimeError(
+                        f"{opt.describe_param(*w)}'s gradient was cleared after backward (p.grad = None, model.zero_grad()), "
+                        "but with update_in_backward=True its update already ran during backward; clear gradients "
+                        "after opt.step()"
+                    )
                 if p.grad is not None and not is_host_resident(p.grad):
                     raise RuntimeError(
                         f"{opt.describe_param(*w)} was given a gradient after backward, but with update_in_backward=True "
@@ -939,7 +1001,7 @@ class GradientPipeline:
                 return
         opt.preflight([w for p, w in where.items() if p not in early and p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
-        if self._clips_in_backward():
+        if self.config.update_in_backward:
             self._clip_at_step(where, early)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
@@ -967,9 +1029,7 @@ class GradientPipeline:
             torch.cuda.current_stream(device).wait_event(event)
         self._pin_deferred()
         self._group_storage = None
-        self._clip_coef = None
-        self._norms = {}
-        self._norm_events = []
+        self._reset_norms()
         self._record_timeline(records, step_called)
         self._prepare_early_updates(buckets)
 
@@ -1001,40 +1061,81 @@ class GradientPipeline:
     def _prepare_early_updates(self, buckets: list[list[Tensor]]) -> None:
         """The next step's early updates follow this step's buckets (the order of this backward).
 
-        Only when every trainable parameter already has state: creating state can fail (host memory), and it
-        must fail before any update of the step, which an update during backward cannot promise.
+        Only parameters that had a gradient in this step, and so have state: creating state can fail (host
+        memory), and it must fail before any update of the step, which an update during backward cannot promise.
+        A trainable parameter that no backward reached (an unused head) is in no bucket and keeps nothing waiting.
         """
         self._landed_at = {}
         self._copied_at = {}
         if not self.config.update_in_backward or not any(s.arrival != math.inf for s in self._slots.values()):
             return
-        if any(p.requires_grad and not self.optimizer.state.get(p) for p in self._slots):
-            return
+        self._unreached = {p for p in self._slots if p.requires_grad and not self.optimizer.state.get(p)}
         # Only what had a gradient in this step: a bucket waiting for a parameter that gets none would wait for step().
-        buckets = [b for b in ([p for p in bucket if self._slots[p].has_grad] for bucket in buckets) if b]
+        buckets = [
+            b for b in ([p for p in bucket if self._slots[p].has_grad and self.optimizer.state.get(p)] for bucket in buckets)
+            if b
+        ]
         self._early_buckets = buckets
         self._updater = BackwardUpdater(buckets, self._early_update, gated=self._clips_in_backward())
 
+    def _reset_norms(self) -> None:
+        """Outside backward (step(), zero_grad()): no callback is pending, also when a backward raised before its end."""
+        self._norms = {}
+        self._norm_events = []
+        self._norms_callback_queued = False
+        self._clip_coef = None
+        self._norms_stale = False
+        self._clip_max_norm = None
+        self._clip_params = frozenset()
+
     def _clip_at_step(self, where: dict[Tensor, tuple[int, int]], early: set[Tensor]) -> None:
-        """Clipping with update_in_backward: the coefficient taken after backward, or torch's clipping now."""
+        """Clipping with update_in_backward: the coefficient taken after backward while it is the step's, else torch's now.
+
+        It is the step's when every gradient the step updates is the one whose norm a hook took, with the
+        max_grad_norm of now; otherwise, with no update run yet, the step clips as torch's clip_grad_norm_ does,
+        and after updates that ran with it the step is refused.
+        """
         max_norm = self.optimizer.max_grad_norm
-        assert max_norm is not None  # _clips_in_backward
-        present = [p for p in where if self._slots[p].has_grad or (p.grad is not None and not is_host_resident(p.grad))]
-        if self._clip_coef is None:
-            grads = []
-            for p in present:
-                grad = self._ready(self._slots[p], where[p])
-                if grad is not None:  # a DTensor's stand-in, so that the norm is every rank's
-                    grads.append(p.grad if _local(p) is not p and p.grad is not None else grad)
-            self.optimizer.last_grad_norm = _clipping.clip_gradients_(grads, max_norm)
+        present = [p for p in where if p.grad is not None and (self._slots[p].has_grad or not is_host_resident(p.grad))]
+        reason = self._coefficient_is_not_the_steps(present, max_norm)
+        if reason is None:
             return
-        missing = [p for p in present if p not in self._norms and p not in early]
-        if missing:
+        if early:
             raise RuntimeError(
-                f"{self.optimizer.describe_param(*where[missing[0]])} has a gradient that backward's hooks did not see, "
-                "but with update_in_backward=True and max_grad_norm the norm was taken during backward without it (and "
-                "some updates already used it); set gradients only through backward"
+                f"{reason}, but with update_in_backward=True and max_grad_norm the updates that ran during backward "
+                "used the clip coefficient taken when backward ended; set gradients only through backward, one backward "
+                "per step (accumulate inside opt.no_sync()), and change max_grad_norm after opt.step()"
             )
+        self._clip_coef = None
+        if max_norm is None:
+            return
+        grads = []
+        for p in present:
+            grad = self._ready(self._slots[p], where[p])
+            if grad is not None:  # a DTensor's stand-in, so that the norm is every rank's
+                grads.append(p.grad if _local(p) is not p and p.grad is not None else grad)
+        self._clipping_at_step = True
+        try:
+            self.optimizer.last_grad_norm = _clipping.clip_gradients_(grads, max_norm)
+        finally:
+            self._clipping_at_step = False
+
+    def _coefficient_is_not_the_steps(self, present: list[Tensor], max_norm: float | None) -> str | None:
+        """Why the coefficient taken after backward does not fit this step's gradients, or None when it does."""
+        if self._norms_stale:
+            return "a gradient was accumulated over more than one backward (or changed after its norm was taken)"
+        if self._clip_coef is None:
+            return None if max_norm is None else "no backward ended with every gradient's norm taken"
+        if max_norm != self._clip_max_norm:
+            return f"max_grad_norm changed from {self._clip_max_norm} to {max_norm} between backward and step()"
+        where = self._where()
+        for p in present:
+            if not is_host_resident(p.grad) or p not in self._clip_params:
+                return f"{self.optimizer.describe_param(*where[p])} has a gradient that backward's hooks did not see"
+        gone = [p for p in self._clip_params if p not in set(present)]
+        if gone:
+            return f"{self.optimizer.describe_param(*where[gone[0]])}'s gradient was cleared after backward"
+        return None
 
     def _early_update(self, index: int) -> dict[str, float]:
         """A bucket's update on the worker thread, while backward goes on."""
@@ -1073,7 +1174,7 @@ class GradientPipeline:
 
     def refuse_mid_step(self, what: str) -> None:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
-        if self._updater is not None and self._updater.started():
+        if self._updater is not None and self._updater.started() and not self._updater.gated():
             raise RuntimeError(
                 f"the optimizer cannot {what} now: with update_in_backward=True the last backward already updated "
                 "some parameters, so opt.step() must come next (every backward outside opt.no_sync() is followed by "
