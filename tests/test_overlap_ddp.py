@@ -8,7 +8,8 @@ Properties, for accumulation 1 and 4 (micro-batches that only accumulate inside 
 with ``opt.no_sync()`` or without it) and with and without clipping: every parameter and second moment is
 bitwise equal to DDP + torch.optim.AdamW(fused=True) under the same user calls (clipping: torch's
 ``clip_grad_norm_`` on the model, the same total norm); each DDP bucket is one bucket of the step. Without
-clipping more than 0.3 of the host-update time runs before backward ends; with clipping none starts before
+clipping more than 0.3 of the host-update time runs before backward ends (from the third step: DDP
+reduces its first iteration in one bucket); with clipping none starts before
 (the norm of the reduced gradients is known after DDP's final callback). ``opt.no_sync()`` without
 ``ddp_model.no_sync()`` is refused before any update; ``find_unused_parameters=True`` stays exact.
 """
@@ -46,7 +47,9 @@ def test_ddp_updates_during_backward(results, clip, accumulation, opt_no_sync) -
         assert measured["buckets"] == measured["ddp_buckets"] > 2, "one bucket per DDP bucket, several of them"
         assert measured["overlaps"][0] == 0.0, "the first step knows no order yet"
         if clip is None:
-            assert max(measured["overlaps"][1:]) > 0.3, measured
+            # From the third step: DDP's first iteration reduces everything in one bucket (it rebuilds its buckets
+            # in the order of the gradients at the second), so the second step's one early bucket lands at the end.
+            assert max(measured["overlaps"][2:]) > 0.3, measured
         else:
             assert all(start >= 0 for start in measured["starts_after_backward"]), measured
             assert measured["last_grad_norm"] == measured["reference_norm"] > clip, "torch's norm, and the clipping acted"

@@ -530,17 +530,21 @@ class GradientPipeline:
             self._copy_out(slot, grad)
         if self.offload_gradients and slot.d2h_event is None and not slot.pending_add:
             self._copied_at[param] = time.monotonic()  # a synchronous copy (no stream) of the gradient: complete now
-        if self._updater is not None and self._syncing and not self._updater.started() and any(
-                p.requires_grad and not self.optimizer.state.get(p) for p in self._slots):
-            # A parameter unfrozen since the last step needs state, whose creation may fail: this step's
-            # updates wait for step(), where every state is created before the first update.
-            self._updater.close()
-            self._updater = None
+        if self._updater is not None and self._syncing:
+            self._drop_updater_if_state_missing()
         if self._updater is not None and self._syncing:
             self._updater.landed(param)
             # An early update runs in place: a use of the parameter still to come in this backward must fail
             # loudly (autograd's saved-tensor check), not read the updated value.
             torch.autograd.graph.increment_version(param)
+
+    def _drop_updater_if_state_missing(self) -> None:
+        """Before the first early update: a parameter unfrozen since the last step needs state, whose creation
+        may fail, so this step's updates wait for step(), where every state is created before the first update."""
+        assert self._updater is not None
+        if not self._updater.started() and any(p.requires_grad and not self.optimizer.state.get(p) for p in self._slots):
+            self._updater.close()
+            self._updater = None
 
     # ------------------------------------------- clipping with updates during backward
 
@@ -559,16 +563,22 @@ class GradientPipeline:
         """End of backward: the global norm and the clip coefficient; the gated updates may start."""
         with self._hook_lock:
             self._norms_callback_queued = False
-            max_norm = self.optimizer.max_grad_norm
-            if not self._norms or max_norm is None:
-                return
-            total, coef = _clipping.clip_coefficient(
-                [self._norms[p] for p in self._where() if p in self._norms], max_norm
-            )
-            self.optimizer.last_grad_norm = total
-            self._clip_coef = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
-            if self._updater is not None:
-                self._updater.open_gate()
+            if self._ddp_callback_queued:
+                return  # DDP's final callback is still to come, and with it the norms of reduced buckets: see below
+            self._clip_coefficient_now()
+
+    def _clip_coefficient_now(self) -> None:
+        """The global norm and the clip coefficient from every norm taken in this backward; open the gate."""
+        max_norm = self.optimizer.max_grad_norm
+        if not self._norms or max_norm is None:
+            return
+        total, coef = _clipping.clip_coefficient(
+            [self._norms[p] for p in self._where() if p in self._norms], max_norm
+        )
+        self.optimizer.last_grad_norm = total
+        self._clip_coef = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
+        if self._updater is not None:
+            self._updater.open_gate()
 
     def _second_backward(self, slot: _Slot) -> str:
         return (
@@ -692,7 +702,11 @@ class GradientPipeline:
             raise ValueError("opt.attach(ddp_model): none of the model's parameters is a parameter of this optimizer")
         if any(s.has_grad or s.param.grad is not None for s in self._slots.values()):
             raise RuntimeError("opt.attach(ddp_model) must be called before the first backward (gradients exist already)")
-        _ddp.attach(ddp, self._ddp_bucket_launched, self._ddp_bucket_reduced)
+        # With find_unused_parameters DDP decides only in its final callback which gradients stay unset (those
+        # every rank left unused: their reduced bucket slices are zeros), so an early update could update a
+        # parameter torch would skip; that model's buckets wait for step().
+        lands = not getattr(ddp, "find_unused_parameters", False)
+        _ddp.attach(ddp, self._ddp_bucket_launched, lambda ps, reduced: self._ddp_bucket_reduced(ps, reduced, lands=lands))
         for p in params:
             if p in self._slots:
                 self._slots[p].ddp = True
@@ -701,11 +715,14 @@ class GradientPipeline:
     def _ddp_bucket_launched(self, params: list[Tensor]) -> None:
         """In backward, as DDP hands a bucket to the communication hook: queue the end-of-backward bookkeeping."""
         with self._hook_lock:
+            self._group_id += 1  # with updates during backward a DDP bucket is one bucket: it lands all at once
             for p in params:
                 slot = self._slots.get(p)
                 if slot is not None:
                     self._arrival += 1
                     slot.arrival = self._arrival
+                    if self.config.update_in_backward:
+                        slot.group = self._group_id
             if not self._ddp_callback_queued:
                 self._ddp_callback_queued = True
                 # Queued now, before DDP queues its own final callback (when its last bucket is ready), so the
@@ -713,9 +730,18 @@ class GradientPipeline:
                 engine = torch.autograd.Variable._execution_engine
                 engine.queue_callback(lambda: engine.queue_callback(self._ddp_after_backward))
 
-    def _ddp_bucket_reduced(self, params: list[Tensor], reduced: Tensor) -> None:
-        """The all-reduce of a bucket completed: its averaged gradients go to the host buffers."""
+    def _ddp_bucket_reduced(self, params: list[Tensor], reduced: Tensor, *, lands: bool = True) -> None:
+        """The all-reduce of a bucket completed: its averaged gradients go to the host buffers.
+
+        Runs on the thread that completes the all-reduce's future: gloo's worker thread, or (NCCL, whose future
+        completes when the collective is enqueued) backward's own thread, with the current stream ordered after
+        the all-reduce. Nothing here waits for the device. With updates during backward (and outside
+        ``no_sync()``) the bucket's parameters land: the host buffer now holds their reduced gradient, which is
+        what DDP writes into ``p.grad`` in its final callback; with clipping their norms are taken here, on the
+        device, from the reduced gradients (the coefficient follows DDP's final callback).
+        """
         with self._hook_lock:
+            landing = []
             for p, grad in _ddp.bucket_views(params, reduced):
                 slot = self._slots.get(p)
                 if slot is None:
@@ -727,11 +753,32 @@ class GradientPipeline:
                 self._transfer(slot, grad, slot.host_grad)
                 slot.source = None
                 slot.ddp_written = True
+                now = time.monotonic()
+                self._landed_at[p] = now
+                if slot.d2h_event is None:
+                    self._copied_at[p] = now  # a synchronous copy (no stream): complete now
+                if lands and self._syncing and self.config.update_in_backward:
+                    if self._clips_in_backward():
+                        self._norms[p] = (_clipping.gradient_norm(grad), grad.device, grad.dtype)
+                    landing.append(p)
+            if landing and self._updater is not None:
+                self._drop_updater_if_state_missing()
+            if landing and self._updater is not None:
+                for p in landing:
+                    self._updater.landed(p)
+                    # As in the hooks: a use of the parameter still to come in this backward fails loudly.
+                    torch.autograd.graph.increment_version(p)
 
     def _ddp_after_backward(self) -> None:
-        """After DDP's final callback: p.grad holds the reduced gradient (or None for a parameter DDP found unused)."""
+        """After DDP's final callback: p.grad holds the reduced gradient (or None for a parameter DDP found unused).
+
+        With clipping during backward, every norm of the step is known now (the reduced buckets' and the hooks'):
+        the coefficient is computed here, on backward's thread, and the gated updates may start.
+        """
         with self._hook_lock:
             self._ddp_callback_queued = False
+            if self._clips_in_backward():
+                self._clip_coefficient_now()
             written = [s for s in self._slots.values() if s.ddp_written]
             for slot in written:
                 slot.ddp_written = False
@@ -803,6 +850,15 @@ class GradientPipeline:
         if not fresh:
             self._copy_out(slot, grad)
         self._finish(slot)
+        return slot.host_grad
+
+    def _reduced_on_host(self, slot: _Slot) -> Tensor:
+        """An early update of an attached DDP parameter: its host buffer, where its reduced gradient was copied.
+
+        Never ``p.grad``, which DDP sets to the reduced gradient only in its final callback.
+        """
+        self._finish(slot)
+        assert slot.host_grad is not None  # the communication hook copied into it before the parameter landed
         return slot.host_grad
 
     def host_gradients(self) -> list[tuple[Tensor, Tensor]]:
@@ -1031,16 +1087,18 @@ class GradientPipeline:
         opt = self.optimizer
         where = self._where()
         bucket = [p for p in self._early_buckets[index] if p in where]
+        # An attached DDP parameter landed when its reduced gradient was copied to the host; has_grad and p.grad
+        # follow only in DDP's final callback (p.grad is meanwhile the local, unreduced gradient).
         for p in bucket:
             slot = self._slots[p]
-            if slot.has_grad:
-                assert slot.host_grad is not None  # has_grad: host_grad holds it
+            if slot.has_grad or slot.ddp:
+                assert slot.host_grad is not None  # has_grad or a DDP landing: host_grad holds it
                 opt.check_gradient(*where[p], slot.host_grad)
-        opt.preflight([where[p] for p in bucket if self._slots[p].has_grad and not opt.state.get(p)])
+        opt.preflight([where[p] for p in bucket if (self._slots[p].has_grad or self._slots[p].ddp) and not opt.state.get(p)])
         for gi in {where[p][0] for p in bucket}:
             self._early_hyper[gi] = _hyper_of(opt.param_groups[gi])
         times: dict[str, float] = {}
-        self._early_events += self._update_bucket(bucket, where, None, times)
+        self._early_events += self._update_bucket(bucket, where, None, times, early=True)
         return times
 
     def _finish_early_updates(self) -> tuple[set[Tensor], list[UpdateRecord]]:
@@ -1092,12 +1150,12 @@ class GradientPipeline:
         return self._timeline
 
     def _update_bucket(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
-                       times: dict[str, float] | None = None) -> list:
+                       times: dict[str, float] | None = None, *, early: bool = False) -> list:
         opt = self.optimizer
         by_group: dict[int, list[tuple[_Slot, Tensor]]] = {}
         for p in params:
             slot = self._slots[p]
-            grad = self._ready(slot, where[p])
+            grad = self._reduced_on_host(slot) if early and slot.ddp else self._ready(slot, where[p])
             if grad is not None:
                 if self._clip_coef is not None:
                     grad.mul_(self._clip_coef)  # what clip_grads_with_norm_ does to it, on the host where it is
