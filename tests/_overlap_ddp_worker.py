@@ -3,12 +3,13 @@
 Run as ``python tests/_overlap_ddp_worker.py --out DIR``: it spawns two gloo ranks (CPU as device) and writes
 ``DIR/results_rank{r}.json``: ``{case: {"ok": bool, "error": str, "measured": {...}}}``. Each case trains
 DDP + OffloadAdamW(offload_gradients=True, update_in_backward=True) (attached) and DDP +
-torch.optim.AdamW(fused=True) from the same initialisation on the same batches, with the same user calls
-(micro-batches that only accumulate run inside ``ddp_model.no_sync()``, and ``opt.no_sync()`` too unless the
-case says it was forgotten; clipping is torch's ``clip_grad_norm_`` on the reference and ``max_grad_norm`` on
-ours), and compares every parameter and second moment bitwise. Then the misuses: ``opt.no_sync()`` without
-``ddp_model.no_sync()`` (refused before any update), and ``find_unused_parameters=True`` (exact: the updates
-wait for step(), since DDP leaves a gradient unset only once backward has ended).
+torch.optim.AdamW(fused=True) from the same initialisation on the same batches, with the same user calls, and
+compares every parameter and second moment bitwise. Micro-batches that only accumulate run inside
+``ddp_model.no_sync()``, and ``opt.no_sync()`` too unless the case says it was forgotten; after step()
+``opt.zero_grad()``, or the model's where the case says so; clipping is torch's ``clip_grad_norm_`` on the
+reference and ``max_grad_norm`` on ours. Then the misuses: ``opt.no_sync()`` without ``ddp_model.no_sync()``
+(refused before any update), and ``find_unused_parameters=True`` (exact: the updates wait for step(), since
+DDP decides only in its final callback which gradients it leaves unset).
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ CLIP = 0.05  # below every step's norm: the clipping acts
 BUCKET_CAP_MB = 1.0  # a block's parameters are about 1 MiB: several DDP buckets
 #: (max_grad_norm, accumulation, opt.no_sync() around the micro-batches that only accumulate)
 CASES = [(None, 1, True), (None, 4, True), (CLIP, 1, True), (CLIP, 4, True), (None, 4, False), (CLIP, 4, False)]
+#: Other DDP settings, each exact: (name, DDP keywords, max_grad_norm, accumulation, model.zero_grad() after step)
+SETTINGS = [
+    # One micro-batch, not clipped: updates start while later parameters' stale host gradients are still dropped.
+    ("bucket_views-model_zero_grad", {"gradient_as_bucket_view": True}, None, 1, True),
+    ("bucket_views-clip", {"gradient_as_bucket_view": True}, CLIP, 4, False),
+    ("static_graph", {"static_graph": True}, None, 1, False),
+]
 MISUSES = ["opt_no_sync_without_ddp_no_sync_refused", "find_unused_parameters_exact"]
 
 
@@ -71,8 +79,9 @@ class Blocks(nn.Module):
         return x
 
 
-def wrapped(spare: bool = False) -> DistributedDataParallel:
-    return DistributedDataParallel(Blocks(seed=0, spare=spare), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=spare)
+def wrapped(spare: bool = False, **ddp_kwargs) -> DistributedDataParallel:
+    return DistributedDataParallel(Blocks(seed=0, spare=spare), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=spare,
+                                   **ddp_kwargs)
 
 
 def batch(step: int, micro: int, rank: int) -> torch.Tensor:
@@ -81,7 +90,7 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
 
 
 def train(ddp, opt, clip: float | None, accumulation: int, ours: bool, opt_no_sync: bool = True,
-          timelines: list | None = None, steps: int = STEPS) -> list[float]:
+          timelines: list | None = None, steps: int = STEPS, model_zero_grad: bool = False) -> list[float]:
     """Steps of ``accumulation`` micro-batches; the reference clips with torch's clip_grad_norm_ before step().
 
     Returns the reference's total norms."""
@@ -101,7 +110,10 @@ def train(ddp, opt, clip: float | None, accumulation: int, ours: bool, opt_no_sy
         if clip is not None and not ours:
             norms.append(float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)))
         opt.step()
-        opt.zero_grad()
+        if model_zero_grad:
+            ddp.zero_grad()  # the model's, as HF Trainer calls it
+        else:
+            opt.zero_grad()
         if timelines is not None:
             timelines.append(opt.last_step_timeline())
     return norms
@@ -110,11 +122,11 @@ def train(ddp, opt, clip: float | None, accumulation: int, ours: bool, opt_no_sy
 _REFERENCES: dict[tuple, tuple] = {}
 
 
-def reference_run(clip: float | None, accumulation: int, spare: bool = False):
+def reference_run(clip: float | None, accumulation: int, spare: bool = False, **ddp_kwargs):
     """DDP + torch.optim.AdamW(fused=True) (cached: cases that differ only in our calls share it)."""
-    key = (clip, accumulation, spare)
+    key = (clip, accumulation, spare, tuple(sorted(ddp_kwargs.items())))
     if key not in _REFERENCES:
-        reference = wrapped(spare)
+        reference = wrapped(spare, **ddp_kwargs)
         theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
         norms = train(reference, theirs, clip, accumulation, ours=False)
         _REFERENCES[key] = (reference, theirs, norms)
@@ -128,12 +140,14 @@ def ours_for(ddp, clip: float | None) -> OffloadAdamW:
     return opt
 
 
-def check_case(clip: float | None, accumulation: int, opt_no_sync: bool, measured: dict) -> None:
-    reference, theirs, norms = reference_run(clip, accumulation)
-    model = wrapped()
+def check_case(clip: float | None, accumulation: int, opt_no_sync: bool, measured: dict, *, model_zero_grad: bool = False,
+               **ddp_kwargs) -> None:
+    reference, theirs, norms = reference_run(clip, accumulation, **ddp_kwargs)
+    model = wrapped(**ddp_kwargs)
     ours = ours_for(model, clip)
     timelines: list = []
-    train(model, ours, clip, accumulation, ours=True, opt_no_sync=opt_no_sync, timelines=timelines)
+    train(model, ours, clip, accumulation, ours=True, opt_no_sync=opt_no_sync, timelines=timelines,
+          model_zero_grad=model_zero_grad)
     assert_same(reference, theirs, model, ours)
     overlaps = [t.overlap for t in timelines if t is not None]
     last = timelines[-1]
@@ -209,6 +223,9 @@ def worker(rank: int, port: int, out: str) -> None:
 
     for clip, accumulation, opt_no_sync in CASES:
         run(case_name(clip, accumulation, opt_no_sync), check_case, clip, accumulation, opt_no_sync)
+    for name, ddp_kwargs, clip, accumulation, model_zero_grad in SETTINGS:
+        run(name, lambda measured, k=ddp_kwargs, c=clip, a=accumulation, z=model_zero_grad: check_case(
+            c, a, True, measured, model_zero_grad=z, **k))
     run(MISUSES[0], check_opt_no_sync_without_ddp_no_sync_refused)
     run(MISUSES[1], check_find_unused_parameters_exact)
     (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1))

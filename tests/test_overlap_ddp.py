@@ -11,7 +11,8 @@ bitwise equal to DDP + torch.optim.AdamW(fused=True) under the same user calls (
 clipping more than 0.3 of the host-update time runs before backward ends (from the third step: DDP
 reduces its first iteration in one bucket); with clipping none starts before
 (the norm of the reduced gradients is known after DDP's final callback). ``opt.no_sync()`` without
-``ddp_model.no_sync()`` is refused before any update; ``find_unused_parameters=True`` stays exact.
+``ddp_model.no_sync()`` is refused before any update; bucket views, ``model.zero_grad()`` and
+``static_graph`` are exact too; ``find_unused_parameters=True`` stays exact.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _overlap_ddp_worker import CASES, MISUSES, case_name  # noqa: E402
+from _overlap_ddp_worker import CASES, MISUSES, SETTINGS, case_name  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_overlap_ddp_worker.py"
 
@@ -37,9 +38,7 @@ def results(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize(("clip", "accumulation", "opt_no_sync"), CASES, ids=[case_name(*c) for c in CASES])
-def test_ddp_updates_during_backward(results, clip, accumulation, opt_no_sync) -> None:
-    name = case_name(clip, accumulation, opt_no_sync)
+def _check(results: list[dict], name: str, clip: float | None) -> None:
     for rank, result in enumerate(results):
         case = result[name]
         assert case["ok"], f"rank {rank}:\n{case['error']}"
@@ -53,6 +52,17 @@ def test_ddp_updates_during_backward(results, clip, accumulation, opt_no_sync) -
         else:
             assert all(start >= 0 for start in measured["starts_after_backward"]), measured
             assert measured["last_grad_norm"] == measured["reference_norm"] > clip, "torch's norm, and the clipping acted"
+
+
+@pytest.mark.parametrize(("clip", "accumulation", "opt_no_sync"), CASES, ids=[case_name(*c) for c in CASES])
+def test_ddp_updates_during_backward(results, clip, accumulation, opt_no_sync) -> None:
+    _check(results, case_name(clip, accumulation, opt_no_sync), clip)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_ddp_settings_with_updates_during_backward(results, setting) -> None:
+    """Bucket views with the model's zero_grad(), and with clipping and accumulation; static_graph."""
+    _check(results, setting[0], setting[2])
 
 
 @pytest.mark.parametrize("name", MISUSES)

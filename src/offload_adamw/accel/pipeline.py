@@ -640,8 +640,13 @@ class GradientPipeline:
         return slot.host_grad
 
     def _drop_host_gradient(self, slot: _Slot) -> None:
-        """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it."""
-        self.refuse_mid_step("clear its gradients")
+        """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it.
+
+        In backward that is the previous step's gradient, even after other parameters' early updates of this
+        step ran; only a parameter whose own update already ran in this backward is refused (a second backward).
+        """
+        if self._updater is not None and self._updater.covers(slot.param):
+            raise RuntimeError(self._second_backward(slot))
         self._finish(slot)  # no copy or add may land in the buffer after it was cleared
         slot.has_grad = False
 
@@ -969,6 +974,12 @@ class GradientPipeline:
         for p, w in where.items():
             slot = self._slots[p]
             if p in early:
+                if p.grad is None:
+                    raise RuntimeError(
+                        f"{opt.describe_param(*w)}: its gradient was cleared between backward and step() "
+                        "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
+                        "clear gradients after optimizer.step()"
+                    )
                 if p.grad is not None and not is_host_resident(p.grad):
                     raise RuntimeError(
                         f"{opt.describe_param(*w)} was given a gradient after backward, but with update_in_backward=True "
