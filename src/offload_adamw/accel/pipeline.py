@@ -24,7 +24,19 @@ Contract:
 * **DDP.** Parameters of a DDP model attached with ``attach_ddp`` are left alone
   by the hooks; DDP's communication hook brings their reduced gradients
   (accel/ddp.py). An unattached DDP model over these parameters is refused with
-  freed gradients and makes the step fetch every kept gradient.
+  freed gradients and makes the step fetch every kept gradient. With
+  ``update_in_backward`` each DDP bucket is one bucket of the step, and its
+  parameters land as soon as its reduced gradients have been copied to the host
+  (on the thread that completes the all-reduce: gloo's, or backward's with
+  NCCL); the early update reads those host buffers, never ``p.grad``, which DDP
+  sets only in its final callback. With ``max_grad_norm`` each reduced
+  gradient's norm is taken there, on its device; the coefficient follows DDP's
+  final callback. Micro-batches accumulate on the device inside
+  ``ddp_model.no_sync()``, with or without ``opt.no_sync()`` for DDP's
+  parameters (only the last backward reduces and copies); ``opt.no_sync()``
+  alone, where DDP reduces every micro-batch, is refused at the second. A model with
+  ``find_unused_parameters=True`` updates at the step: DDP decides only in its
+  final callback which gradients stay unset.
 * **Buffers follow the parameters.** At construction and at each step (and in
   the hook when a parameter changed since), a parameter cast or moved gets
   buffers laid out for its dtype and device; meta parameters get none. Every
