@@ -758,25 +758,38 @@ class GradientPipeline:
         device, from the reduced gradients (the coefficient follows DDP's final callback).
         """
         with self._hook_lock:
-            landing = []
+            members = []
             for p, grad in _ddp.bucket_views(params, reduced):
                 slot = self._slots.get(p)
                 if slot is None:
                     continue
                 self._ensure_grad_buffer(slot)
-                assert slot.host_grad is not None  # allocated by _ensure_grad_buffer
                 if self.offload_gradients and slot.pending_add:
                     self._wait_add(slot)
-                self._transfer(slot, grad, slot.host_grad)
+                if grad.device.type == "cuda":
+                    self._stream(grad.device, "d2h")  # created under the lock: the hooks may create it too
+                members.append((p, slot, grad))
+        lands = lands and self._syncing and self.config.update_in_backward
+        clips = lands and self._clips_in_backward()
+        # The copies and norms without the lock, which backward's hooks take for every parameter (a synchronous
+        # copy of a large bucket would hold them up); nothing else touches these slots until DDP's final callback.
+        done = []
+        for p, slot, grad in members:
+            assert slot.host_grad is not None  # allocated by _ensure_grad_buffer
+            self._transfer(slot, grad, slot.host_grad)
+            norm = _clipping.gradient_norm(grad) if clips else None
+            done.append((p, slot, grad, norm, time.monotonic()))
+        with self._hook_lock:
+            landing = []
+            for p, slot, grad, norm, now in done:
                 slot.source = None
                 slot.ddp_written = True
-                now = time.monotonic()
                 self._landed_at[p] = now
                 if slot.d2h_event is None:
                     self._copied_at[p] = now  # a synchronous copy (no stream): complete now
-                if lands and self._syncing and self.config.update_in_backward:
-                    if self._clips_in_backward():
-                        self._norms[p] = (_clipping.gradient_norm(grad), grad.device, grad.dtype)
+                if norm is not None:
+                    self._norms[p] = (norm, grad.device, grad.dtype)
+                if lands:
                     landing.append(p)
             if landing and self._updater is not None:
                 self._drop_updater_if_state_missing()
