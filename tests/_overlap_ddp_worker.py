@@ -52,6 +52,9 @@ SETTINGS = [
     ("static_graph", {"static_graph": True}, None, 1, False),
 ]
 MISUSES = ["opt_no_sync_without_ddp_no_sync_refused", "find_unused_parameters_exact"]
+#: A head outside DDP in the same optimizer, clipped: its norms come from backward's hooks, DDP's from the reduced
+#: buckets, one coefficient after DDP's final callback (find_unused_parameters: at the step).
+MIXED = ["head_outside_ddp-clip", "head_outside_ddp-clip-find_unused_parameters"]
 
 
 def case_name(clip: float | None, accumulation: int, opt_no_sync: bool) -> str:
@@ -196,12 +199,46 @@ def check_opt_no_sync_without_ddp_no_sync_refused(measured: dict) -> None:
 
 
 def check_find_unused_parameters_exact(measured: dict) -> None:
-    reference, theirs, _ = reference_run(None, 1, spare=True)
+    """Clipped: neither the updates nor the coefficient come during backward."""
+    reference, theirs, _ = reference_run(CLIP, 1, spare=True)
     model = wrapped(spare=True)
-    ours = ours_for(model, None)
+    ours = ours_for(model, CLIP)
     timelines: list = []
-    train(model, ours, None, 1, ours=True, timelines=timelines)
+    train(model, ours, CLIP, 1, ours=True, timelines=timelines)
     assert_same(reference, theirs, model, ours)
+    measured["overlaps"] = [round(t.overlap, 3) for t in timelines]
+
+
+def check_head_outside_ddp(find_unused: bool, measured: dict) -> None:
+    rank = dist.get_rank()
+    runs = []
+    for ours in (False, True):
+        ddp = wrapped(spare=find_unused)
+        head = nn.Linear(WIDTH, WIDTH)
+        with torch.no_grad():
+            for i, p in enumerate(head.parameters()):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+        params = list(ddp.parameters()) + list(head.parameters())
+        if ours:
+            opt = OffloadAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True, update_in_backward=True,
+                               max_grad_norm=CLIP)
+            opt.attach(ddp)
+        else:
+            opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        timelines = []
+        for step in range(STEPS):
+            ddp.module.use_spare = step % 2 == 1
+            head(ddp(batch(step, 0, rank))).square().mean().backward()
+            if not ours:
+                torch.nn.utils.clip_grad_norm_(params, CLIP)
+            opt.step()
+            opt.zero_grad()
+            timelines.append(opt.last_step_timeline() if ours else None)
+        runs.append((params, opt, timelines))
+    (theirs_params, theirs, _), (ours_params, ours, timelines) = runs
+    differing = [i for i, (p, q) in enumerate(zip(theirs_params, ours_params)) if not torch.equal(p, q)
+                 or not torch.equal(theirs.state[p].get("exp_avg_sq", p), ours.state[q].get("exp_avg_sq", q))]
+    assert not differing, f"parameters {differing[:6]} differ from DDP + torch.optim.AdamW(fused=True)"
     measured["overlaps"] = [round(t.overlap, 3) for t in timelines]
 
 
@@ -228,6 +265,8 @@ def worker(rank: int, port: int, out: str) -> None:
             c, a, True, measured, model_zero_grad=z, **k))
     run(MISUSES[0], check_opt_no_sync_without_ddp_no_sync_refused)
     run(MISUSES[1], check_find_unused_parameters_exact)
+    run(MIXED[0], lambda measured: check_head_outside_ddp(False, measured))
+    run(MIXED[1], lambda measured: check_head_outside_ddp(True, measured))
     (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

@@ -9,10 +9,11 @@ with ``opt.no_sync()`` or without it) and with and without clipping: every param
 bitwise equal to DDP + torch.optim.AdamW(fused=True) under the same user calls (clipping: torch's
 ``clip_grad_norm_`` on the model, the same total norm); each DDP bucket is one bucket of the step. Without
 clipping more than 0.3 of the host-update time runs before backward ends (from the third step: DDP
-reduces its first iteration in one bucket); with clipping none starts before
-(the norm of the reduced gradients is known after DDP's final callback). ``opt.no_sync()`` without
-``ddp_model.no_sync()`` is refused before any update; bucket views, ``model.zero_grad()`` and
-``static_graph`` are exact too; ``find_unused_parameters=True`` stays exact.
+reduces its first iteration in one bucket); with clipping none starts before (the norm of the reduced
+gradients is known after DDP's final callback). Exact too: bucket views, ``model.zero_grad()``,
+``static_graph``, ``find_unused_parameters=True`` (updated at the step), and clipping with parameters
+outside DDP in the same optimizer. ``opt.no_sync()`` without ``ddp_model.no_sync()`` is refused before
+any update.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _overlap_ddp_worker import CASES, MISUSES, SETTINGS, case_name  # noqa: E402
+from _overlap_ddp_worker import CASES, MISUSES, MIXED, SETTINGS, case_name  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_overlap_ddp_worker.py"
 
@@ -63,6 +64,13 @@ def test_ddp_updates_during_backward(results, clip, accumulation, opt_no_sync) -
 def test_ddp_settings_with_updates_during_backward(results, setting) -> None:
     """Bucket views with the model's zero_grad(), and with clipping and accumulation; static_graph."""
     _check(results, setting[0], setting[2])
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_ddp_with_parameters_outside_it_clips_exactly(results, name) -> None:
+    """Norms from the hooks (outside DDP) and from the reduced buckets make one coefficient, torch's."""
+    for rank, result in enumerate(results):
+        assert result[name]["ok"], f"rank {rank}:\n{result[name]['error']}"
 
 
 @pytest.mark.parametrize("name", MISUSES)

@@ -304,6 +304,7 @@ class GradientPipeline:
         # coefficient every gradient of the step is multiplied by, known when backward has ended.
         self._norms: dict[Tensor, tuple[Tensor, torch.device, torch.dtype]] = {}
         self._norms_callback_queued = False
+        self._norms_partial = False  # a reduced DDP bucket (find_unused_parameters) took no norms: the step clips
         self._clip_coef: Tensor | None = None
         weakref.finalize(self, self._accumulator.stop)
         self.refresh()
@@ -582,7 +583,7 @@ class GradientPipeline:
     def _clip_coefficient_now(self) -> None:
         """The global norm and the clip coefficient from every norm taken in this backward; open the gate."""
         max_norm = self.optimizer.max_grad_norm
-        if not self._norms or max_norm is None:
+        if not self._norms or max_norm is None or self._norms_partial:
             return
         total, coef = _clipping.clip_coefficient(
             [self._norms[p] for p in self._where() if p in self._norms], max_norm
@@ -769,8 +770,11 @@ class GradientPipeline:
                 if grad.device.type == "cuda":
                     self._stream(grad.device, "d2h")  # created under the lock: the hooks may create it too
                 members.append((p, slot, grad))
-        lands = lands and self._syncing and self.config.update_in_backward
-        clips = lands and self._clips_in_backward()
+        syncing = self._syncing and self.config.update_in_backward
+        clips = lands and syncing and self._clips_in_backward()
+        if syncing and not lands and self._clips_in_backward():
+            self._norms_partial = True  # no coefficient in backward: other parameters' norms would miss these
+        lands = lands and syncing
         # The copies and norms without the lock, which backward's hooks take for every parameter (a synchronous
         # copy of a large bucket would hold them up); nothing else touches these slots until DDP's final callback.
         done = []
@@ -961,8 +965,9 @@ class GradientPipeline:
         """One AdamW update of every parameter with a gradient, bucket by bucket (see the module contract)."""
         opt = self.optimizer
         step_called = time.monotonic()
-        if self._updater is not None and self._updater.gated() and not self._updater.started():
-            # No backward ended with every norm taken (the hooks saw no gradient): nothing ran early, the step clips.
+        if self._updater is not None and self._updater.gated():
+            # The gate never opened, so nothing ran early: no backward ended with every norm taken (the hooks saw no
+            # gradient, or a reduced DDP bucket took none). Buckets complete behind the gate are the step's, which clips.
             self._updater.close()
             self._updater = None
         early, early_records = self._finish_early_updates()
@@ -1052,6 +1057,7 @@ class GradientPipeline:
         self._group_storage = None
         self._clip_coef = None
         self._norms = {}
+        self._norms_partial = False
         self._record_timeline(records, step_called)
         self._prepare_early_updates(buckets)
 
