@@ -189,3 +189,39 @@ def test_clipping_the_model_after_early_updates_is_refused() -> None:
     with pytest.raises(RuntimeError, match="update_in_backward=True"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # through p.grad's stand-in
     assert all(same_bits(a, p.detach()) for a, p in zip(before, model.parameters()))
+
+
+def test_the_models_zero_grad_between_steps_is_bitwise_torch_fused() -> None:
+    """model.zero_grad() (what HF Trainer calls) instead of opt.zero_grad(): the host gradients of the previous
+    step are dropped as each parameter's next gradient arrives, also after this backward's first early update."""
+    torch.manual_seed(0)
+    reference = Blocks(width=32)
+    model = copy.deepcopy(reference)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=1e-3, offload_gradients=True, update_in_backward=True,
+                        bucket_bytes=_block_bytes(model))
+    overlaps = []
+    for x in _batches(4, width=32):
+        for m, opt in ((reference, theirs), (model, ours)):
+            m(x).square().mean().backward()
+            opt.step()
+            m.zero_grad()
+        overlaps.append(ours.last_step_timeline().overlap)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert same_bits(p.detach(), q.detach())
+        assert same_bits(theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"])
+    assert max(overlaps[1:]) > 0, overlaps
+
+
+def test_gradients_cleared_between_backward_and_step_after_early_updates_are_refused() -> None:
+    model = Blocks(width=16)
+    opt = OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True, bucket_bytes=64)
+    x = _batches(1, width=16)[0]
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).square().mean().backward()
+    model.zero_grad()  # torch's AdamW would now skip every parameter; their updates already ran during backward
+    with pytest.raises(RuntimeError, match="cleared"):
+        opt.step()

@@ -14,6 +14,11 @@ Contract:
   host copy is current until something edits ``p.grad`` in place (clipping, unscaling: ops that
   move the version counter); with freed gradients ``p.grad`` becomes the storage-less stand-in of
   accel/freed.py. Parameters DDP found unused keep no gradient, as with torch.
+* With ``update_in_backward`` the pipeline's ``reduced`` callback is where the bucket's parameters
+  land (their early update reads the host copies; with clipping, their norms are taken from the
+  reduced gradients there). It runs on the thread that completes the all-reduce's future (a gloo
+  worker thread; with NCCL, whose future completes when the collective is enqueued, backward's own,
+  with the current stream ordered after the all-reduce), so it only issues copies and never waits.
 * :func:`unattached_ddp` finds a DDP model over the optimizer's parameters that was not attached
   (searched once, when a process group is initialised): with freed gradients the pipeline refuses
   it before the first update; with kept gradients it re-fetches every gradient at the step.

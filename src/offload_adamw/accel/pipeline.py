@@ -24,7 +24,19 @@ Contract:
 * **DDP.** Parameters of a DDP model attached with ``attach_ddp`` are left alone
   by the hooks; DDP's communication hook brings their reduced gradients
   (accel/ddp.py). An unattached DDP model over these parameters is refused with
-  freed gradients and makes the step fetch every kept gradient.
+  freed gradients and makes the step fetch every kept gradient. With
+  ``update_in_backward`` each DDP bucket is one bucket of the step, and its
+  parameters land as soon as its reduced gradients have been copied to the host
+  (on the thread that completes the all-reduce: gloo's, or backward's with
+  NCCL); the early update reads those host buffers, never ``p.grad``, which DDP
+  sets only in its final callback. With ``max_grad_norm`` each reduced
+  gradient's norm is taken there, on its device; the coefficient follows DDP's
+  final callback. Micro-batches accumulate on the device inside
+  ``ddp_model.no_sync()``, with or without ``opt.no_sync()`` for DDP's
+  parameters (only the last backward reduces and copies); ``opt.no_sync()``
+  alone, where DDP reduces every micro-batch, is refused at the second. A model with
+  ``find_unused_parameters=True`` updates at the step: DDP decides only in its
+  final callback which gradients stay unset.
 * **Buffers follow the parameters.** At construction and at each step (and in
   the hook when a parameter changed since), a parameter cast or moved gets
   buffers laid out for its dtype and device; meta parameters get none. Every
@@ -294,6 +306,7 @@ class GradientPipeline:
         self._norms: dict[Tensor, tuple[Tensor, torch.device, torch.dtype]] = {}
         self._norms_callback_queued = False
         self._norm_events: list[tuple[torch.device, Any]] = []
+        self._norms_partial = False  # a reduced DDP bucket (find_unused_parameters) took no norms: the step clips
         self._clip_coef: Tensor | None = None
         self._norms_stale = False  # a gradient changed after its norm was taken: the coefficient must be taken anew
         self._clip_max_norm: float | None = None  # the max_grad_norm and the parameters the coefficient was taken for
@@ -540,20 +553,27 @@ class GradientPipeline:
             self._copy_out(slot, grad)
         if self.offload_gradients and slot.d2h_event is None and not slot.pending_add:
             self._copied_at[param] = time.monotonic()  # a synchronous copy (no stream) of the gradient: complete now
-        if self._updater is not None and self._syncing and (not self._updater.started() or self._updater.gated()) and (
-                not self.optimizer.state.get(param)
-                or any(p.requires_grad and not self.optimizer.state.get(p) and p not in self._unreached for p in self._slots)):
-            # A parameter unfrozen since the last step (or this one, reached for the first time) needs state, whose
-            # creation may fail: this step's updates wait for step(), where every state is created before the first
-            # update. (A trainable parameter no backward reached keeps nothing waiting until it is reached; if that
-            # happens after updates ran, its state is created at step().)
-            self._updater.close()
-            self._updater = None
+        if self._updater is not None and self._syncing:
+            self._drop_updater_if_state_missing([param])
         if self._updater is not None and self._syncing:
             self._updater.landed(param)
             # An early update runs in place: a use of the parameter still to come in this backward must fail
             # loudly (autograd's saved-tensor check), not read the updated value.
             torch.autograd.graph.increment_version(param)
+
+    def _drop_updater_if_state_missing(self, landing: list[Tensor]) -> None:
+        """While no update has run: a parameter unfrozen since the last step (or one of ``landing``, reached for the
+        first time) needs state, whose creation may fail, so this step's updates wait for step(), where every state
+        is created before the first update. A trainable parameter no backward reached keeps nothing waiting until it
+        is reached; if that happens after updates ran, its state is created at step()."""
+        assert self._updater is not None
+        if self._updater.started() and not self._updater.gated():
+            return
+        state = self.optimizer.state
+        if any(not state.get(p) for p in landing) or any(
+                p.requires_grad and not state.get(p) and p not in self._unreached for p in self._slots):
+            self._updater.close()
+            self._updater = None
 
     # ------------------------------------------- clipping with updates during backward
 
@@ -588,21 +608,27 @@ class GradientPipeline:
                 # The end of a backward nested in another one (reentrant activation checkpointing): more gradients
                 # come; the next hook queues this again on the outer backward (or step() clips, the gate still closed).
                 return
-            max_norm = self.optimizer.max_grad_norm
-            if not self._norms or max_norm is None or self._norms_stale:
-                self._clip_coef = None  # step() clips the gradients it has (torch's clipping), the gate still closed
-                return
-            events, self._norm_events = self._norm_events, []
-            for device, event in events:
-                torch.cuda.current_stream(device).wait_event(event)
-            where = self._where()
-            total, coef = _clipping.clip_coefficient([self._norms[p] for p in where if p in self._norms], max_norm)
-            self._clip_max_norm = max_norm
-            self._clip_params = frozenset(p for p in where if p in self._norms)
-            self.optimizer.last_grad_norm = total
-            self._clip_coef = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
-            if self._updater is not None:
-                self._updater.open_gate()
+            if self._ddp_callback_queued:
+                return  # DDP's final callback is still to come, and with it the norms of reduced buckets: see below
+            self._clip_coefficient_now()
+
+    def _clip_coefficient_now(self) -> None:
+        """The global norm and the clip coefficient from every norm taken in this backward; open the gate."""
+        max_norm = self.optimizer.max_grad_norm
+        if not self._norms or max_norm is None or self._norms_stale or self._norms_partial:
+            self._clip_coef = None  # step() clips the gradients it has (torch's clipping), the gate still closed
+            return
+        events, self._norm_events = self._norm_events, []
+        for device, event in events:
+            torch.cuda.current_stream(device).wait_event(event)
+        where = self._where()
+        total, coef = _clipping.clip_coefficient([self._norms[p] for p in where if p in self._norms], max_norm)
+        self._clip_max_norm = max_norm
+        self._clip_params = frozenset(p for p in where if p in self._norms)
+        self.optimizer.last_grad_norm = total
+        self._clip_coef = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
+        if self._updater is not None:
+            self._updater.open_gate()
 
     def _second_backward(self, slot: _Slot) -> str:
         return (
@@ -678,11 +704,13 @@ class GradientPipeline:
         return self._complete(slot)
 
     def _drop_host_gradient(self, slot: _Slot) -> None:
-        """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it."""
+        """The user cleared ``p.grad`` (``model.zero_grad()``): the host gradient goes with it.
+
+        In backward that is the previous step's gradient, even after other parameters' early updates of this
+        step ran; only a parameter whose own update already ran in this backward is refused (a second backward).
+        """
         if self._updater is not None and self._updater.covers(slot.param):
-            # Only a gradient an update of this backward used is refused: one of the last step (model.zero_grad()
-            # after step(), seen by this backward) goes while other buckets update.
-            self.refuse_mid_step("clear its gradients")
+            raise RuntimeError(self._second_backward(slot))
         self._finish(slot)  # no copy or add may land in the buffer after it was cleared
         slot.has_grad = False
 
@@ -743,7 +771,11 @@ class GradientPipeline:
             raise ValueError("opt.attach(ddp_model): none of the model's parameters is a parameter of this optimizer")
         if any(s.has_grad or s.param.grad is not None for s in self._slots.values()):
             raise RuntimeError("opt.attach(ddp_model) must be called before the first backward (gradients exist already)")
-        _ddp.attach(ddp, self._ddp_bucket_launched, self._ddp_bucket_reduced)
+        # With find_unused_parameters DDP decides only in its final callback which gradients stay unset (those
+        # every rank left unused: their reduced bucket slices are zeros), so an early update could update a
+        # parameter torch would skip; that model's buckets wait for step().
+        lands = not getattr(ddp, "find_unused_parameters", False)
+        _ddp.attach(ddp, self._ddp_bucket_launched, lambda ps, reduced: self._ddp_bucket_reduced(ps, reduced, lands=lands))
         for p in params:
             if p in self._slots:
                 self._slots[p].ddp = True
@@ -752,11 +784,14 @@ class GradientPipeline:
     def _ddp_bucket_launched(self, params: list[Tensor]) -> None:
         """In backward, as DDP hands a bucket to the communication hook: queue the end-of-backward bookkeeping."""
         with self._hook_lock:
+            self._group_id += 1  # with updates during backward a DDP bucket is one bucket: it lands all at once
             for p in params:
                 slot = self._slots.get(p)
                 if slot is not None:
                     self._arrival += 1
                     slot.arrival = self._arrival
+                    if self.config.update_in_backward:
+                        slot.group = self._group_id
             if not self._ddp_callback_queued:
                 self._ddp_callback_queued = True
                 # Queued now, before DDP queues its own final callback (when its last bucket is ready), so the
@@ -764,25 +799,80 @@ class GradientPipeline:
                 engine = torch.autograd.Variable._execution_engine
                 engine.queue_callback(lambda: engine.queue_callback(self._ddp_after_backward))
 
-    def _ddp_bucket_reduced(self, params: list[Tensor], reduced: Tensor) -> None:
-        """The all-reduce of a bucket completed: its averaged gradients go to the host buffers."""
+    def _ddp_bucket_reduced(self, params: list[Tensor], reduced: Tensor, *, lands: bool = True) -> None:
+        """The all-reduce of a bucket completed: its averaged gradients go to the host buffers.
+
+        Runs on the thread that completes the all-reduce's future: gloo's worker thread, or (NCCL, whose future
+        completes when the collective is enqueued) backward's own thread, with the current stream ordered after
+        the all-reduce. Nothing here waits for the device. With updates during backward (and outside
+        ``no_sync()``) the bucket's parameters land: the host buffer now holds their reduced gradient, which is
+        what DDP writes into ``p.grad`` in its final callback; with clipping their norms are taken here, on the
+        device, from the reduced gradients (the coefficient follows DDP's final callback).
+        """
         with self._hook_lock:
+            members = []
             for p, grad in _ddp.bucket_views(params, reduced):
                 slot = self._slots.get(p)
                 if slot is None:
                     continue
                 self._ensure_grad_buffer(slot)
-                assert slot.host_grad is not None  # allocated by _ensure_grad_buffer
                 if self.offload_gradients and slot.pending_add:
                     self._wait_add(slot)
-                self._transfer(slot, grad, slot.host_grad)
+                if grad.device.type == "cuda":
+                    self._stream(grad.device, "d2h")  # created under the lock: the hooks may create it too
+                members.append((p, slot, grad))
+        syncing = self._syncing and self.config.update_in_backward
+        clips = lands and syncing and self._clips_in_backward()
+        if syncing and not lands and self._clips_in_backward():
+            self._norms_partial = True  # no coefficient in backward: other parameters' norms would miss these
+        lands = lands and syncing
+        # The copies and norms without the lock, which backward's hooks take for every parameter (a synchronous
+        # copy of a large bucket would hold them up); nothing else touches these slots until DDP's final callback.
+        done = []
+        for p, slot, grad in members:
+            assert slot.host_grad is not None  # allocated by _ensure_grad_buffer
+            self._transfer(slot, grad, slot.host_grad)
+            norm, event = None, None
+            if clips:
+                norm = _clipping.gradient_norm(grad)
+                if grad.device.type == "cuda":  # read on the stream of DDP's final callback
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(grad.device))
+            done.append((p, slot, grad, norm, event, time.monotonic()))
+        with self._hook_lock:
+            landing = []
+            for p, slot, grad, norm, event, now in done:
                 slot.source = None
                 slot.ddp_written = True
+                self._landed_at[p] = now
+                if slot.d2h_event is None:
+                    self._copied_at[p] = now  # a synchronous copy (no stream): complete now
+                if norm is not None:
+                    if self._clip_coef is not None or p in self._norms:
+                        self._norms_stale = True  # after the coefficient, or a second reduction: not the step's
+                    self._norms[p] = (norm, grad.device, grad.dtype)
+                    if event is not None:
+                        self._norm_events.append((grad.device, event))
+                if lands:
+                    landing.append(p)
+            if landing and self._updater is not None:
+                self._drop_updater_if_state_missing(landing)
+            if landing and self._updater is not None:
+                for p in landing:
+                    self._updater.landed(p)
+                    # As in the hooks: a use of the parameter still to come in this backward fails loudly.
+                    torch.autograd.graph.increment_version(p)
 
     def _ddp_after_backward(self) -> None:
-        """After DDP's final callback: p.grad holds the reduced gradient (or None for a parameter DDP found unused)."""
+        """After DDP's final callback: p.grad holds the reduced gradient (or None for a parameter DDP found unused).
+
+        With clipping during backward, every norm of the step is known now (the reduced buckets' and the hooks'):
+        the coefficient is computed here, on backward's thread, and the gated updates may start.
+        """
         with self._hook_lock:
             self._ddp_callback_queued = False
+            if self._clips_in_backward():
+                self._clip_coefficient_now()
             written = [s for s in self._slots.values() if s.ddp_written]
             for slot in written:
                 slot.ddp_written = False
@@ -854,6 +944,19 @@ class GradientPipeline:
         if not fresh:
             self._copy_out(slot, grad)
         self._finish(slot)
+        return slot.host_grad
+
+    def _landed_on_host(self, slot: _Slot) -> Tensor | None:
+        """An early update's gradient: the host buffer the parameter landed with, complete.
+
+        Never ``p.grad``: the worker reads it while the user's thread goes on (a ``model.zero_grad()`` right after
+        backward, which step() then refuses by name), and DDP sets it to the reduced gradient only in its final
+        callback.
+        """
+        if not (slot.has_grad or slot.ddp):
+            return None
+        self._finish(slot)
+        assert slot.host_grad is not None  # the hook or the communication hook copied into it before it landed
         return slot.host_grad
 
     def host_gradients(self) -> list[tuple[Tensor, Tensor]]:
@@ -940,8 +1043,9 @@ class GradientPipeline:
         opt = self.optimizer
         step_called = time.monotonic()
         if self._updater is not None and self._updater.gated():
-            # No backward ended with a coefficient every gradient of the step has (none, nested or stale): nothing
-            # ran early, the step clips and updates.
+            # The gate never opened, so nothing ran early: no backward ended with a coefficient every gradient of the
+            # step has (none taken, nested, stale, or a reduced DDP bucket took none). Buckets complete behind the gate
+            # are the step's, which clips.
             self._updater.close()
             self._updater = None
         early, early_records = self._finish_early_updates()
@@ -980,9 +1084,9 @@ class GradientPipeline:
             if p in early:
                 if p.grad is None:
                     raise RuntimeError(
-                        f"{opt.describe_param(*w)}'s gradient was cleared after backward (p.grad = None, model.zero_grad()), "
-                        "but with update_in_backward=True its update already ran during backward; clear gradients "
-                        "after opt.step()"
+                        f"{opt.describe_param(*w)}: its gradient was cleared between backward and step() "
+                        "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
+                        "clear gradients after optimizer.step()"
                     )
                 if p.grad is not None and not is_host_resident(p.grad):
                     raise RuntimeError(
@@ -1085,8 +1189,11 @@ class GradientPipeline:
         self._norms_callback_queued = False
         self._clip_coef = None
         self._norms_stale = False
+        self._norms_partial = False
         self._clip_max_norm = None
         self._clip_params = frozenset()
+        # A backward that raised never ran DDP's final callback: the next backward must queue it again.
+        self._ddp_callback_queued = False
 
     def _clip_at_step(self, where: dict[Tensor, tuple[int, int]], early: set[Tensor]) -> None:
         """Clipping with update_in_backward: the coefficient taken after backward while it is the step's, else torch's now.
@@ -1142,16 +1249,18 @@ class GradientPipeline:
         opt = self.optimizer
         where = self._where()
         bucket = [p for p in self._early_buckets[index] if p in where]
+        # An attached DDP parameter landed when its reduced gradient was copied to the host; has_grad and p.grad
+        # follow only in DDP's final callback (p.grad is meanwhile the local, unreduced gradient).
         for p in bucket:
             slot = self._slots[p]
-            if slot.has_grad:
-                assert slot.host_grad is not None  # has_grad: host_grad holds it
+            if slot.has_grad or slot.ddp:
+                assert slot.host_grad is not None  # has_grad or a DDP landing: host_grad holds it
                 opt.check_gradient(*where[p], slot.host_grad)
-        opt.preflight([where[p] for p in bucket if self._slots[p].has_grad and not opt.state.get(p)])
+        opt.preflight([where[p] for p in bucket if (self._slots[p].has_grad or self._slots[p].ddp) and not opt.state.get(p)])
         for gi in {where[p][0] for p in bucket}:
             self._early_hyper[gi] = _hyper_of(opt.param_groups[gi])
         times: dict[str, float] = {}
-        self._early_events += self._update_bucket(bucket, where, None, times)
+        self._early_events += self._update_bucket(bucket, where, None, times, early=True)
         return times
 
     def _finish_early_updates(self) -> tuple[set[Tensor], list[UpdateRecord]]:
@@ -1203,12 +1312,12 @@ class GradientPipeline:
         return self._timeline
 
     def _update_bucket(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
-                       times: dict[str, float] | None = None) -> list:
+                       times: dict[str, float] | None = None, *, early: bool = False) -> list:
         opt = self.optimizer
         by_group: dict[int, list[tuple[_Slot, Tensor]]] = {}
         for p in params:
             slot = self._slots[p]
-            grad = self._ready(slot, where[p])
+            grad = self._landed_on_host(slot) if early else self._ready(slot, where[p])
             if grad is not None:
                 if self._clip_coef is not None:
                     grad.mul_(self._clip_coef)  # what clip_grads_with_norm_ does to it, on the host where it is
