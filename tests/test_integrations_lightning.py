@@ -20,6 +20,15 @@ L = pytest.importorskip("lightning")
 
 from offload_adamw import OffloadAdamW  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _deterministic_algorithms_restored():
+    """Trainer(deterministic=True) switches deterministic algorithms on for the whole process: off again after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 STEPS = 6
 
 

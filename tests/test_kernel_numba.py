@@ -208,10 +208,11 @@ def test_any_hyperparameters_and_magnitudes_give_torchs_bits(
     """The law behind the tables: for any hyperparameters in torch's accepted ranges, step count
     and gradient scale, one update by the numba loop equals torch's fused op bit for bit."""
     gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=gen).to(dtype).float()
-    grad = (torch.randn(n, generator=gen) * 2.0**log_scale).to(dtype)
-    m = torch.randn(n, generator=gen) * 2.0**log_scale * 0.1
-    v = torch.rand(n, generator=gen) * 4.0**log_scale
+    f32 = torch.float32  # explicit: nothing here may depend on the process's default dtype
+    master = torch.randn(n, generator=gen, dtype=f32).to(dtype).float()
+    grad = (torch.randn(n, generator=gen, dtype=f32) * 2.0**log_scale).to(dtype)
+    m = torch.randn(n, generator=gen, dtype=f32) * 2.0**log_scale * 0.1
+    v = torch.rand(n, generator=gen, dtype=f32) * 4.0**log_scale
     mv = v * 2
     hp = StepHyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                    maximize=maximize)

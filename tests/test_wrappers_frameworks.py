@@ -18,6 +18,15 @@ import torch
 
 from offload_adamw import OffloadAdamW
 
+
+@pytest.fixture(autouse=True)
+def _deterministic_algorithms_restored():
+    """Trainer(deterministic=True) switches deterministic algorithms on for the whole process: off again after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 MODES = {"kept": dict(transfer_pipeline=True), "freed": dict(transfer_pipeline=True, offload_gradients=True)}
 LR, WD = 1e-2, 0.1
 _REFERENCE: dict = {}
