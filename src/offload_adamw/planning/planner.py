@@ -1003,8 +1003,8 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
         f"{training.model_flops_utilization:.0%} of {hardware.gpu_flops_per_s / 1e12:.0f} TFLOP/s; the host update at the "
         "host-memory bandwidth, one group at a time; 'overlapped' starts each group's update as its gradient "
         "arrives" + (", but with clipping not before the last group's norm (end of backward), so only the copies "
-                     "are hidden" if training.clipping else "") + " (planning/overlap.py). OffloadAdamW overlaps on "
-        "one device (update_in_backward=True); under FSDP2 and DDP it updates after backward",
+                     "are hidden" if training.clipping else "") + " (planning/overlap.py). OffloadAdamW overlaps "
+        "with update_in_backward=True and freed gradients, on one device, under DDP and under FSDP2 (one FSDP unit at a time)",
     ]
     if isinstance(model, ParamCountModel):
         assumptions.append("--params gives no architecture: activations and FSDP gather buffers are not estimated (0)")
