@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"timeline: {cfg.timeline}")
             if final:
                 print(f"checkpoint: {final}")
+    # Every rank past its last collective before any tears its process group down: a rank whose peer has already
+    # closed its gloo connections can abort at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -203,3 +203,17 @@ def test_example_trains_saves_and_resumes_at_another_world_size(tmp_path):
     second = _torchrun(1, "--steps", "16", "--resume", "--ckpt-dir", ckpt)
     assert second["steps"] == [12, 16] and second["world"] == 1
     assert second["first_loss"] < first["first_loss"]  # it continued the trained model, not a fresh one
+
+
+@pytest.mark.slow
+def test_example_overlaps_draws_its_timeline_and_resumes(tmp_path):
+    """torchrun ... examples/fsdp_train.py --overlap --timeline: updates during backward, a Gantt PNG, a resume."""
+    ckpt, png = str(tmp_path / "ckpt"), tmp_path / "timeline.png"
+    first = _torchrun(2, "--overlap", "--max-grad-norm", "0", "--layers", "4", "--steps", "8", "--save-every", "0",
+                      "--ckpt-dir", ckpt, "--timeline", str(png))
+    assert first["last_loss"] < first["first_loss"]
+    assert first["overlap"] is not None and first["overlap"] > 0, first
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    second = _torchrun(1, "--overlap", "--layers", "4", "--steps", "10", "--resume", "--ckpt-dir", ckpt)
+    assert second["steps"] == [8, 10] and second["first_loss"] < first["first_loss"]
+    assert second["overlap"] == 0.0, "clipped (max_grad_norm 1.0): no update starts before backward ends"
