@@ -242,6 +242,37 @@ def check_head_outside_ddp(find_unused: bool, measured: dict) -> None:
     measured["overlaps"] = [round(t.overlap, 3) for t in timelines]
 
 
+BAD_STEP = 2  # a step follows it
+
+
+def check_nonfinite_skip(measured: dict) -> None:
+    """nonfinite='skip' + clipping during backward: an inf in rank 1's batch only (the all-reduce takes it to every
+    rank) skips the whole step before any update, on both ranks."""
+    rank = dist.get_rank()
+    reference = wrapped()
+    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    model = wrapped()
+    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                        update_in_backward=True, max_grad_norm=CLIP, nonfinite="skip")
+    ours.attach(model)
+    for step in range(STEPS):
+        x = batch(step, 0, rank)
+        if step == BAD_STEP and rank == 1:
+            x[3, 5] = float("inf")
+        model(x).square().mean().backward()
+        ours.step()
+        ours.zero_grad()
+        reference(batch(step, 0, rank)).square().mean().backward()
+        if step != BAD_STEP:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+            theirs.step()
+        theirs.zero_grad()
+    measured["skipped_steps"] = ours.skipped_steps
+    measured["overlaps"] = [round(t.overlap, 3) for t in [ours.last_step_timeline()] if t is not None]
+    assert ours.skipped_steps == 1, f"rank {rank} skipped {ours.skipped_steps} steps"
+    assert_same(reference, theirs, model, ours)
+
+
 def worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -267,6 +298,7 @@ def worker(rank: int, port: int, out: str) -> None:
     run(MISUSES[1], check_find_unused_parameters_exact)
     run(MIXED[0], lambda measured: check_head_outside_ddp(False, measured))
     run(MIXED[1], lambda measured: check_head_outside_ddp(True, measured))
+    run("nonfinite-skip", check_nonfinite_skip)
     (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

@@ -49,6 +49,9 @@ def case_name(clip: float | None, accumulation: int) -> str:
     return f"clip={clip}-accumulation={accumulation}"
 
 
+BAD_STEP = 2  # the nonfinite case: an inf in rank 1's batch of this step only
+
+
 def freed_case_name(clip_by: str | None, accumulation: int, sync_each: bool) -> str:
     return f"freed-clip_by={clip_by}-accumulation={accumulation}-sync_each={sync_each}"
 
@@ -63,6 +66,9 @@ class Blocks(nn.Module):
         )
         # The root's own group (its gradient is reduced by FSDP2's final callback, at the very end of backward).
         self.norm = nn.LayerNorm(WIDTH)
+        # A root parameter whose gradient is whatever loss_of puts there: an inf in one element lands in one
+        # rank's shard only (the nonfinite case), where an inf in the data would reach every shard.
+        self.probe = nn.Parameter(torch.zeros(64))
         torch.random.set_rng_state(generator_state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +90,15 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
     return torch.randn(ROWS, WIDTH, generator=g)
 
 
+def loss_of(model, step: int, micro: int, rank: int, poisoned: bool = False) -> torch.Tensor:
+    """The model's loss plus probe . c: c is zero, but on rank 0 at BAD_STEP (poisoned) it has an inf at index 40,
+    which after the reduce-scatter is in rank 1's shard of the probe's gradient only (Shard(0): 32 + 32)."""
+    c = torch.zeros(64)
+    if poisoned and step == BAD_STEP and rank == 0:
+        c[40] = float("inf")
+    return model(batch(step, micro, rank)).square().mean() + (model.probe * c).sum()
+
+
 def train(model, opt, clip: float | None, accumulation: int, torch_clips: bool, timelines: list | None = None,
           sync_each: bool = False) -> None:
     """Steps of ``accumulation`` micro-batches; ``torch_clips``: torch's clip_grad_norm_ on the model before step()."""
@@ -91,7 +106,7 @@ def train(model, opt, clip: float | None, accumulation: int, torch_clips: bool, 
     for step in range(STEPS):
         for micro in range(accumulation):
             model.set_requires_gradient_sync(sync_each or micro == accumulation - 1)
-            loss = model(batch(step, micro, rank)).square().mean() / accumulation
+            loss = loss_of(model, step, micro, rank) / accumulation
             loss.backward()
         if clip is not None and torch_clips:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -161,9 +176,31 @@ def check_freed_case(clip_by: str | None, accumulation: int, sync_each: bool, me
                         max_grad_norm=clip if clip_by == "optimizer" else None)
     train(model, ours, clip, accumulation, torch_clips=clip_by == "torch", sync_each=sync_each)
     assert_same(reference, theirs, model, ours)
-    model(batch(0, 0, dist.get_rank())).square().mean().backward()
+    loss_of(model, 0, 0, dist.get_rank()).backward()
     measured["grads_freed"] = all(type(p.grad._local_tensor).__name__ == "HostResidentGradient" for p in model.parameters())
     assert measured["grads_freed"], "each p.grad is a DTensor over a host-resident stand-in"
+
+
+def check_nonfinite_skip(mesh, measured: dict) -> None:
+    """nonfinite='skip' with updates during backward: an inf in rank 1's shard only skips the step on both ranks."""
+    rank = dist.get_rank()
+    reference = sharded(mesh)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    model = sharded(mesh)
+    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                        update_in_backward=True, nonfinite="skip", max_grad_norm=CLIP)
+    for step in range(STEPS):
+        loss_of(model, step, 0, rank, poisoned=True).backward()
+        ours.step()
+        ours.zero_grad()
+        loss_of(reference, step, 0, rank).backward()
+        if step != BAD_STEP:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+            theirs.step()
+        theirs.zero_grad()
+    measured["skipped_steps"] = ours.skipped_steps
+    assert ours.skipped_steps == 1, f"rank {rank} skipped {ours.skipped_steps} steps"
+    assert_same(reference, theirs, model, ours)
 
 
 def worker(rank: int, port: int, out: str) -> None:
@@ -191,6 +228,12 @@ def worker(rank: int, port: int, out: str) -> None:
             results[name] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
         with contextlib.suppress(Exception):
             dist.barrier()
+    measured = {}
+    try:
+        check_nonfinite_skip(mesh, measured)
+        results["nonfinite-skip"] = {"ok": True, "error": "", "measured": measured}
+    except Exception:  # noqa: BLE001 - recorded for the test to report
+        results["nonfinite-skip"] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
     (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

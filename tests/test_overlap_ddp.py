@@ -77,3 +77,11 @@ def test_ddp_with_parameters_outside_it_clips_exactly(results, name) -> None:
 def test_ddp_misuses_are_exact_or_refused(results, name) -> None:
     for rank, result in enumerate(results):
         assert result[name]["ok"], f"rank {rank}:\n{result[name]['error']}"
+
+
+def test_ddp_non_finite_step_is_skipped_before_any_update(results) -> None:
+    """nonfinite='skip' with updates during backward under DDP: counts of the reduced gradients, one decision."""
+    for rank, result in enumerate(results):
+        case = result["nonfinite-skip"]
+        assert case["ok"], f"rank {rank}:\n{case['error']}"
+        assert case["measured"]["skipped_steps"] == 1

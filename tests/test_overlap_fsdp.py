@@ -63,3 +63,11 @@ def test_fsdp2_freed_gradients_with_the_update_at_step(results, clip_by, accumul
     for rank, result in enumerate(results):
         case = result[freed_case_name(clip_by, accumulation, sync_each)]
         assert case["ok"], f"rank {rank}:\n{case['error']}"
+
+
+def test_fsdp2_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(results) -> None:
+    """nonfinite='skip' + max_grad_norm during backward: the inf counts are summed over the ranks before any update."""
+    for rank, result in enumerate(results):
+        case = result["nonfinite-skip"]
+        assert case["ok"], f"rank {rank}:\n{case['error']}"
+        assert case["measured"]["skipped_steps"] == 1

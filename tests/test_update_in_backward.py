@@ -134,8 +134,6 @@ def test_what_cannot_be_exact_is_refused_before_the_first_update() -> None:
     model = Blocks(width=16)
     with pytest.raises(ValueError, match="offload_gradients=True"):
         OffloadAdamW(model.parameters(), update_in_backward=True)
-    with pytest.raises(ValueError, match="nonfinite='propagate'"):
-        OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True, nonfinite="skip")
     opt = OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True)
     before = [p.detach().clone() for p in model.parameters()]
     scaler = OffloadGradScaler("cpu")
@@ -225,3 +223,64 @@ def test_gradients_cleared_between_backward_and_step_after_early_updates_are_ref
     model.zero_grad()  # torch's AdamW would now skip every parameter; their updates already ran during backward
     with pytest.raises(RuntimeError, match="cleared"):
         opt.step()
+
+
+def _poisoned(batches: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    """The batches with an inf in one row of step ``step``'s: that step's gradients are not finite."""
+    out = [b.clone() for b in batches]
+    out[step][3, 5] = float("inf")
+    return out
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_non_finite_step_is_skipped_before_any_update_during_backward(clip) -> None:
+    """nonfinite='skip' with updates during backward: counts taken in the hooks, the updates start when backward
+    ends if every gradient is finite; a step with an inf is skipped whole (nothing ran early), as GradScaler skips."""
+    torch.manual_seed(0)
+    reference = Blocks(width=64)
+    model = copy.deepcopy(reference)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, offload_gradients=True, update_in_backward=True,
+                        bucket_bytes=_block_bytes(model), nonfinite="skip", max_grad_norm=clip)
+    batches = _poisoned(_batches(6, width=64), step=3)
+    timelines = []
+    for step, x in enumerate(batches):
+        model(x).square().mean().backward()
+        before = [p.detach().clone() for p in model.parameters()] if step == 3 else None
+        ours.step()
+        ours.zero_grad()
+        timelines.append(ours.last_step_timeline())
+        if step == 3:
+            assert ours.skipped_steps == 1
+            assert all(same_bits(a, p.detach()) for a, p in zip(before, model.parameters())), "an update ran"
+        reference(x).square().mean().backward()
+        if step != 3:  # torch's AdamW, told to skip the bad step the way GradScaler would
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            theirs.step()
+        theirs.zero_grad()
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert same_bits(p.detach(), q.detach())
+        assert same_bits(theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"])
+    last = timelines[-1]
+    assert len(last.buckets) == BLOCKS and all(b.update_start >= last.backward_end for b in last.buckets)
+    assert ours.transfer_pipeline._gate_taken is False  # reset by the step
+
+
+def test_a_non_finite_gradient_raises_by_name_before_any_update_during_backward() -> None:
+    model = Blocks(width=64)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, offload_gradients=True, update_in_backward=True,
+                       bucket_bytes=_block_bytes(model), nonfinite="raise")
+    batches = _poisoned(_batches(3, width=64), step=2)
+    for x in batches[:2]:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(batches[2]).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy({k: v for k, v in enumerate(opt.state_dict()["state"].values())})
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        opt.step()
+    assert all(same_bits(a, p.detach()) for a, p in zip(before, model.parameters())), "an update ran"
+    after = {k: v for k, v in enumerate(opt.state_dict()["state"].values())}
+    assert all(same_bits(state[k]["exp_avg"], after[k]["exp_avg"]) for k in state)

@@ -70,7 +70,9 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import queue
 import threading
 import time
@@ -307,6 +309,10 @@ class GradientPipeline:
         self._norms_callback_queued = False
         self._norm_events: list[tuple[torch.device, Any]] = []
         self._norms_partial = False  # a reduced DDP bucket (find_unused_parameters) took no norms: the step clips
+        # A non-finite policy with updates during backward: each gradient's count of inf and NaN, taken in the hook;
+        # and whether the end of backward let the updates start.
+        self._nonfinite: dict[Tensor, Tensor] = {}
+        self._gate_taken = False
         self._clip_coef: Tensor | None = None
         self._norms_stale = False  # a gradient changed after its norm was taken: the coefficient must be taken anew
         self._clip_max_norm: float | None = None  # the max_grad_norm and the parameters the coefficient was taken for
@@ -540,8 +546,8 @@ class GradientPipeline:
                 # FSDP2 accumulates into an existing p.grad (our stand-in, on the host); a new DTensor here means
                 # p.grad was cleared (model.zero_grad()) or replaced since: this gradient starts afresh.
                 self._drop_host_gradient(slot)
-        if self._clips_in_backward():
-            if slot.has_grad or self._clip_coef is not None:
+        if self._gated_in_backward():
+            if slot.has_grad or self._gate_taken:
                 # Added onto a gradient of an earlier backward (the norm of the sum is the host's to take), or
                 # after a backward that already took the coefficient: the hooks' norms are not the step's.
                 self._norms_stale = True
@@ -580,13 +586,25 @@ class GradientPipeline:
     def _clips_in_backward(self) -> bool:
         return self.config.update_in_backward and self.optimizer.max_grad_norm is not None
 
+    def _checks_in_backward(self) -> bool:
+        """Whether the non-finite policy (skip or raise) decides, at backward's end, if the updates may start."""
+        return self.config.update_in_backward and self.optimizer.nonfinite != "propagate"
+
+    def _gated_in_backward(self) -> bool:
+        """Whether the updates of a step wait for the end of its backward (clipping, or a non-finite policy)."""
+        return self._clips_in_backward() or self._checks_in_backward()
+
     def _take_norm(self, param: Tensor, grad: Tensor) -> None:
-        """The gradient's norm on its device, before it leaves (accel/clipping.py); the coefficient follows backward."""
+        """The gradient's norm (clipping) and count of non-finite elements (a non-finite policy) on its device,
+        before it leaves (accel/clipping.py); the coefficient and the decision follow backward."""
         if self._updater is not None and not self._updater.gated() and not self._updater.started():
             # Made ungated (max_grad_norm was None at the last step): its updates cannot wait for the norm; step() runs them.
             self._updater.close()
             self._updater = None
-        self._norms[param] = (_clipping.gradient_norm(grad), grad.device, grad.dtype)
+        if self._clips_in_backward():
+            self._norms[param] = (_clipping.gradient_norm(grad), grad.device, grad.dtype)
+        if self._checks_in_backward():
+            self._nonfinite[param] = _nonfinite_count(grad)
         if grad.device.type == "cuda":
             # Taken on the stream the hook runs on (FSDP2: its post-reduce stream); read on the callback's stream.
             event = torch.cuda.Event()
@@ -610,25 +628,47 @@ class GradientPipeline:
                 return
             if self._ddp_callback_queued:
                 return  # DDP's final callback is still to come, and with it the norms of reduced buckets: see below
-            self._clip_coefficient_now()
+            self._decide_at_backward_end()
 
-    def _clip_coefficient_now(self) -> None:
-        """The global norm and the clip coefficient from every norm taken in this backward; open the gate."""
-        max_norm = self.optimizer.max_grad_norm
-        if not self._norms or max_norm is None or self._norms_stale or self._norms_partial:
-            self._clip_coef = None  # step() clips the gradients it has (torch's clipping), the gate still closed
+    def _decide_at_backward_end(self) -> None:
+        """From what the hooks took in this backward: no non-finite gradient (a skip or raise policy) and the
+        clip coefficient (clipping); then the gated updates may start. Otherwise the gate stays closed and
+        step() does it all (the policy's skip or error, torch's clipping) before any update."""
+        if self._norms_stale or self._norms_partial:
+            self._clip_coef = None
             return
         events, self._norm_events = self._norm_events, []
         for device, event in events:
             torch.cuda.current_stream(device).wait_event(event)
         where = self._where()
-        total, coef = _clipping.clip_coefficient([self._norms[p] for p in where if p in self._norms], max_norm)
-        self._clip_max_norm = max_norm
-        self._clip_params = frozenset(p for p in where if p in self._norms)
-        self.optimizer.last_grad_norm = total
-        self._clip_coef = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
+        if self._checks_in_backward():
+            if not self._nonfinite or self._any_nonfinite():
+                return
+        if self._clips_in_backward():
+            max_norm = self.optimizer.max_grad_norm
+            if not self._norms or max_norm is None:
+                self._clip_coef = None  # step() clips the gradients it has (torch's clipping), the gate still closed
+                return
+            total, coef = _clipping.clip_coefficient([self._norms[p] for p in where if p in self._norms], max_norm)
+            self._clip_max_norm = max_norm
+            self._clip_params = frozenset(p for p in where if p in self._norms)
+            self.optimizer.last_grad_norm = total
+            self._clip_coef = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
+        self._gate_taken = True
         if self._updater is not None:
             self._updater.open_gate()
+
+    def _any_nonfinite(self) -> bool:
+        """Whether a gradient of this backward holds inf or NaN on any rank (a DTensor count is summed over them)."""
+        sharded = [c for c in self._nonfinite.values() if _local(c) is not c]
+        plain = [c for c in self._nonfinite.values() if _local(c) is c]
+        total = 0
+        if sharded:
+            summed: Any = functools.reduce(operator.add, sharded)  # DTensor partial sums: one all-reduce below
+            total += int(summed.full_tensor().item())
+        for count in plain:
+            total += int(count.item())
+        return total > 0
 
     def _second_backward(self, slot: _Slot) -> str:
         return (
@@ -823,7 +863,8 @@ class GradientPipeline:
                 members.append((p, slot, grad))
         syncing = self._syncing and self.config.update_in_backward
         clips = lands and syncing and self._clips_in_backward()
-        if syncing and not lands and self._clips_in_backward():
+        checks = lands and syncing and self._checks_in_backward()
+        if syncing and not lands and self._gated_in_backward():
             self._norms_partial = True  # no coefficient in backward: other parameters' norms would miss these
         lands = lands and syncing
         # The copies and norms without the lock, which backward's hooks take for every parameter (a synchronous
@@ -832,25 +873,30 @@ class GradientPipeline:
         for p, slot, grad in members:
             assert slot.host_grad is not None  # allocated by _ensure_grad_buffer
             self._transfer(slot, grad, slot.host_grad)
-            norm, event = None, None
+            norm, count, event = None, None, None
             if clips:
                 norm = _clipping.gradient_norm(grad)
-                if grad.device.type == "cuda":  # read on the stream of DDP's final callback
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(grad.device))
-            done.append((p, slot, grad, norm, event, time.monotonic()))
+            if checks:
+                count = _nonfinite_count(grad)  # a reduced gradient: the same on every rank
+            if (clips or checks) and grad.device.type == "cuda":  # read on the stream of DDP's final callback
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(grad.device))
+            done.append((p, slot, grad, norm, count, event, time.monotonic()))
         with self._hook_lock:
             landing = []
-            for p, slot, grad, norm, event, now in done:
+            for p, slot, grad, norm, count, event, now in done:
                 slot.source = None
                 slot.ddp_written = True
                 self._landed_at[p] = now
                 if slot.d2h_event is None:
                     self._copied_at[p] = now  # a synchronous copy (no stream): complete now
-                if norm is not None:
-                    if self._clip_coef is not None or p in self._norms:
-                        self._norms_stale = True  # after the coefficient, or a second reduction: not the step's
-                    self._norms[p] = (norm, grad.device, grad.dtype)
+                if norm is not None or count is not None:
+                    if self._gate_taken or p in self._norms or p in self._nonfinite:
+                        self._norms_stale = True  # after the decision, or a second reduction: not the step's
+                    if norm is not None:
+                        self._norms[p] = (norm, grad.device, grad.dtype)
+                    if count is not None:
+                        self._nonfinite[p] = count
                     if event is not None:
                         self._norm_events.append((grad.device, event))
                 if lands:
@@ -871,8 +917,8 @@ class GradientPipeline:
         """
         with self._hook_lock:
             self._ddp_callback_queued = False
-            if self._clips_in_backward():
-                self._clip_coefficient_now()
+            if self._gated_in_backward():
+                self._decide_at_backward_end()
             written = [s for s in self._slots.values() if s.ddp_written]
             for slot in written:
                 slot.ddp_written = False
@@ -1100,8 +1146,15 @@ class GradientPipeline:
                 assert slot.host_grad is not None  # has_grad: host_grad holds it
                 opt.check_gradient(w[0], w[1], slot.host_grad)
         if opt.nonfinite != "propagate":
-            present = [(w[0], w[1], self._ready(self._slots[p], w)) for p, w in where.items()]
+            # After updates during backward (every gradient they used was found finite on the device) the policy
+            # reads only the gradients still to update; a skip is then too late.
+            present = [(w[0], w[1], self._ready(self._slots[p], w)) for p, w in where.items() if p not in early]
             if opt.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None]):
+                if early:
+                    raise RuntimeError(
+                        "a gradient the hooks did not see is not finite, but with update_in_backward=True the updates of "
+                        "the others already ran during backward; set gradients only through backward"
+                    )
                 return
         opt.preflight([w for p, w in where.items() if p not in early and p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
@@ -1180,11 +1233,13 @@ class GradientPipeline:
             if b
         ]
         self._early_buckets = buckets
-        self._updater = BackwardUpdater(buckets, self._early_update, gated=self._clips_in_backward())
+        self._updater = BackwardUpdater(buckets, self._early_update, gated=self._gated_in_backward())
 
     def _reset_norms(self) -> None:
         """Outside backward (step(), zero_grad()): no callback is pending, also when a backward raised before its end."""
         self._norms = {}
+        self._nonfinite = {}
+        self._gate_taken = False
         self._norm_events = []
         self._norms_callback_queued = False
         self._clip_coef = None
@@ -1368,6 +1423,11 @@ class GradientPipeline:
                 s.h2d_event = event
             events.append((device, event))
         return events
+
+
+def _nonfinite_count(grad: Tensor) -> Tensor:
+    """How many elements of ``grad`` are inf or NaN, on its device (a DTensor: a partial sum over the ranks)."""
+    return torch.isfinite(grad).logical_not().sum()
 
 
 def _hyper_of(group: dict[str, Any]) -> tuple:

@@ -102,7 +102,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     * ``update_in_backward`` (default False; needs ``offload_gradients``): start each
       bucket's (FSDP2: each group's) host update on a worker thread during backward,
       from the second step on (accel/overlap.py). Every backward outside ``no_sync()``
-      must be followed by ``step()``; loss scaling and the non-finite policies are refused.
+      must be followed by ``step()``; loss scaling is refused. With ``max_grad_norm`` or a
+      ``nonfinite`` policy the updates start when backward ends (norms and non-finite counts are
+      taken on the device in backward's hooks).
 
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
@@ -196,11 +198,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
         self._pipeline: GradientPipeline | None = None
-        if update_in_backward and nonfinite != "propagate":
-            raise ValueError(
-                f"update_in_backward=True needs nonfinite='propagate' (got {nonfinite!r}): skipping or raising for a "
-                "non-finite gradient needs every gradient before the first update"
-            )
         self._setup_pipeline(offload_gradients, transfer_pipeline, bucket_bytes, pin_memory, update_in_backward)
 
     # ------------------------------------------------------------------ groups
