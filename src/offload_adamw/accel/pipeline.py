@@ -16,7 +16,8 @@ Contract:
   from being reused before the copy ends): the host buffer is then the
   gradient, and ``p.grad`` its storage-less stand-in (accel/freed.py), through
   which torch's clipping, GradScaler and ``model.zero_grad()`` reach the host
-  buffer. Gradient accumulation over micro-batches works in both modes; with
+  buffer (for a DTensor parameter, FSDP2's, a DTensor over that stand-in, so
+  DTensor ops keep their cross-rank meaning). Gradient accumulation over micro-batches works in both modes; with
   freed device gradients it happens in host memory, in the gradient's dtype,
   which is bitwise what autograd's accumulation on the device computes
   (``old + new`` rounded once to the gradient dtype), on a worker thread: the
@@ -54,6 +55,17 @@ Contract:
   :mod:`offload_adamw.kernels.adamw`, and sends the updated parameters back with
   non-blocking copies on a second side stream; the compute stream waits on the
   buckets' events, so the next forward waits on the device, not the host.
+* **Updates during backward** (``update_in_backward``, freed gradients only). The
+  buckets of a step are those of the previous backward's order (an FSDP2 group, the
+  views of one reduce-scatter output, or a DDP bucket is one bucket); a bucket whose
+  gradients have all landed is updated by the worker of accel/overlap.py while
+  backward goes on, reading the host buffers it landed with, never ``p.grad``. With
+  ``max_grad_norm`` or a non-finite policy the updater is gated: each hook takes its
+  gradient's norm and count of inf/NaN on the device, an autograd callback at the
+  end of backward (after FSDP2's and DDP's own) reduces them as torch does and opens
+  the gate, or leaves it shut for step() to clip, skip or raise before any update.
+  What the protocol cannot make exact after updates ran (a second backward, cleared
+  or hand-set gradients, changed hyperparameters) is refused by name.
 * **CPU as device.** With CPU parameters the same pipeline runs without streams
   or events (copies are synchronous): this is how the tests exercise ordering,
   accumulation, clipping, scaling and parity on a machine without an accelerator.
