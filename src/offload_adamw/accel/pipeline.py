@@ -675,11 +675,21 @@ class GradientPipeline:
         sharded = [c for c in self._nonfinite.values() if _local(c) is not c]
         plain = [c for c in self._nonfinite.values() if _local(c) is c]
         total = 0
-        if sharded:
-            summed: Any = functools.reduce(operator.add, sharded)  # DTensor partial sums: one all-reduce below
-            total += int(summed.full_tensor().item())
         for count in plain:
             total += int(count.item())
+        if not sharded:
+            return total > 0
+        summed: Any = functools.reduce(operator.add, sharded)  # DTensor partial sums: one all-reduce below
+        total += int(summed.full_tensor().item())
+        if plain:
+            # A plain gradient beside FSDP2's (a module outside fully_shard) is this rank's own: every rank must
+            # still decide alike, as the step's policy does (distributed.any_rank), or one rank's updates run
+            # while another's step waits in that policy's all-reduce.
+            mesh = summed.device_mesh
+            flag = torch.tensor([1.0 if total > 0 else 0.0], device=mesh.device_type)
+            for dim in range(mesh.ndim):
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))
+            return bool(flag.item() > 0)
         return total > 0
 
     def _second_backward(self, slot: _Slot) -> str:
