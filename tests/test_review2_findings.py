@@ -15,7 +15,6 @@ WORKER = Path(__file__).resolve().parent / "_review2_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 from _review2_worker import CASES as FSDP_CASES  # noqa: E402
 
-
 # ----------------------------------------------------------------------------- FSDP2, 2 gloo ranks (one run of the worker)
 
 
@@ -31,3 +30,122 @@ def fsdp_results(tmp_path_factory) -> list[dict]:
 def test_fsdp2_update_in_backward_nonfinite_is_the_reference(fsdp_results, case: str) -> None:
     for rank, result in enumerate(fsdp_results):
         assert result[case]["ok"], f"rank {rank}: {result[case]['error']}"
+
+
+# ----------------------------------------------------------------------------- one process, the CPU as device
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from _parity import same_bits  # noqa: E402
+from offload_adamw import OffloadAdamW  # noqa: E402
+
+WIDTH = 32
+
+
+class Side(nn.Module):
+    """Blocks every micro-batch runs, and a side layer only the first micro-batch of a step runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.side = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        if side:
+            x = x + self.side(x)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return x
+
+
+def _side_steps(ours: bool, uib: bool, poisoned_step: int | None, **kw) -> tuple[Side, OffloadAdamW | None, str | None]:
+    """Two micro-batches a step, the first inside no_sync() (ours) and the only one through the side layer; an inf
+    reaches the side layer's gradient through backward in ``poisoned_step``. Returns the model, the optimizer and
+    the name of the error step() raised (the reference: torch's AdamW, with clipping by clip_grad_norm_)."""
+    model = Side()
+    step_of = [0]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if step_of[0] == poisoned_step:
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+        return grad
+
+    model.side.weight.register_hook(poison)
+    if ours:
+        opt = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_gradients=True,
+                           update_in_backward=uib, bucket_bytes=WIDTH * WIDTH * 4, **kw)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    g = torch.Generator().manual_seed(3)
+    error = None
+    for step in range(3):
+        step_of[0] = step
+        for micro in range(2):
+            x = torch.randn(16, WIDTH, generator=g)
+            context = opt.no_sync() if ours and micro == 0 else torch.enable_grad()
+            with context:
+                model(x, side=micro == 0).square().mean().backward()
+        if not ours and kw.get("max_grad_norm") is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), kw["max_grad_norm"])
+        try:
+            opt.step()
+        except (RuntimeError, FloatingPointError) as e:
+            error = f"{type(e).__name__}: {e}"
+            break
+        opt.zero_grad()
+    return model, opt, error
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_an_inf_in_a_gradient_accumulated_only_inside_no_sync_is_the_policys(policy: str) -> None:
+    """A layer only the no_sync() micro-batches reach: no hook counts its gradient in the synchronising backward,
+    so its inf must keep the updates waiting for step(), which then skips (or raises) before any update."""
+    reference, ref_opt, ref_error = _side_steps(True, False, 1, nonfinite=policy)
+    model, opt, error = _side_steps(True, True, 1, nonfinite=policy)
+    assert (error is None) == (ref_error is None), f"update_in_backward: {error}; reference: {ref_error}"
+    if error is not None:
+        assert error.startswith("FloatingPointError"), error
+    assert opt.skipped_steps == ref_opt.skipped_steps
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert same_bits(a.detach(), b.detach())
+
+
+def test_a_gradient_accumulated_only_inside_no_sync_is_clipped_with_the_rest() -> None:
+    """The same layer with max_grad_norm: its norm is not the hooks'; the step must clip as torch does, not run the
+    others early with a coefficient that left it out and then refuse."""
+    reference, _, ref_error = _side_steps(False, False, None, max_grad_norm=0.05)
+    model, _, error = _side_steps(True, True, None, max_grad_norm=0.05)
+    assert ref_error is None and error is None, error
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert same_bits(a.detach(), b.detach())
+
+
+def test_a_forward_between_backward_and_step_reads_the_parameters_torch_reads() -> None:
+    """A no_grad forward after backward, before step() (a metric, an EMA read): torch's parameters are still the
+    old ones. With update_in_backward the worker updates them meanwhile (whole or in part): the output must be
+    torch's, or the forward refused."""
+    import time
+
+    outputs = {}
+    for ours in (False, True):
+        model = Side()
+        if ours:
+            opt = OffloadAdamW(model.parameters(), lr=1e-2, offload_gradients=True, update_in_backward=True,
+                               bucket_bytes=WIDTH * WIDTH * 4)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        g = torch.Generator().manual_seed(5)
+        seen = []
+        for _ in range(3):
+            model(torch.randn(16, WIDTH, generator=g), side=True).square().mean().backward()
+            time.sleep(0.2)  # the worker's updates have ended by now
+            with torch.no_grad():
+                seen.append(model(torch.ones(4, WIDTH), side=True))
+            opt.step()
+            opt.zero_grad()
+        outputs[ours] = seen
+    for step, (a, b) in enumerate(zip(outputs[False], outputs[True])):
+        assert same_bits(a, b), f"step {step}: the forward read parameters updated before step()"

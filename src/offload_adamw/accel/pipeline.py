@@ -646,7 +646,7 @@ class GradientPipeline:
         """From what the hooks took in this backward: no non-finite gradient (a skip or raise policy) and the
         clip coefficient (clipping); then the gated updates may start. Otherwise the gate stays closed and
         step() does it all (the policy's skip or error, torch's clipping) before any update."""
-        if self._norms_stale or self._norms_partial:
+        if self._norms_stale or self._norms_partial or self._unseen_gradient():
             self._clip_coef = None
             return
         events, self._norm_events = self._norm_events, []
@@ -669,6 +669,15 @@ class GradientPipeline:
         self._gate_taken = True
         if self._updater is not None:
             self._updater.open_gate()
+
+    def _unseen_gradient(self) -> bool:
+        """Whether a parameter has a gradient no hook of this backward took: accumulated only inside ``no_sync()``
+        (a layer the last micro-batch does not reach) or set by hand. Its norm and count are not the hooks', so the
+        step's clipping and policy, which read it, must come before any update."""
+        return any(
+            not slot.ddp and slot.param.grad is not None and not is_host_resident(slot.param.grad)
+            for slot in self._slots.values()
+        )
 
     def _any_nonfinite(self) -> bool:
         """Whether a gradient of this backward holds inf or NaN on any rank (a DTensor count is summed over them)."""
