@@ -27,7 +27,6 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _review_fsdp_worker import LR, WEIGHT_DECAY, Net, differing, loss_of  # noqa: E402
-
 from offload_adamw import OffloadAdamW  # noqa: E402
 
 WORLD = 2
@@ -80,7 +79,47 @@ def case_plain_inf_on_one_rank(mesh, measured, policy: str):
     return out
 
 
+def case_ddp_with_a_head_outside_ddp(mesh, measured, uib: bool):
+    """DDP blocks and a head outside DDP (its gradient this rank's own) in one optimizer, nonfinite="skip": an inf
+    in rank 0's head gradient. The DDP replicas must stay identical: every rank skips, or none."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    blocks = Net().blocks
+    ddp = DistributedDataParallel(blocks[0])
+    head = torch.nn.Linear(blocks[0][0].in_features, blocks[0][0].in_features)
+    step_of = [0]
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 0 and step_of[0] == 1:
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+        return grad
+
+    head.weight.register_hook(hook)
+    opt = OffloadAdamW(list(ddp.parameters()) + list(head.parameters()), lr=LR, offload_gradients=True,
+                       update_in_backward=uib, nonfinite="skip")
+    opt.attach(ddp)
+    for step in range(3):
+        step_of[0] = step
+        g = torch.Generator().manual_seed(10_000 * step + dist.get_rank())
+        head(ddp(torch.randn(16, head.in_features, generator=g))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    measured["skipped"] = opt.skipped_steps
+    out = []
+    for name, p in ddp.module.named_parameters():
+        gathered = [torch.empty_like(p) for _ in range(WORLD)]
+        dist.all_gather(gathered, p.detach().contiguous())
+        if not torch.equal(gathered[0], gathered[1]):
+            out.append(f"DDP parameter {name} differs between the ranks (skipped {opt.skipped_steps} on this rank)")
+    return out
+
+
 CASES = {
+    "ddp_skip_with_inf_in_a_parameter_outside_ddp_on_one_rank_keeps_the_replicas_equal":
+        lambda mesh, m: case_ddp_with_a_head_outside_ddp(mesh, m, False),
+    "ddp_uib_skip_with_inf_in_a_parameter_outside_ddp_on_one_rank_keeps_the_replicas_equal":
+        lambda mesh, m: case_ddp_with_a_head_outside_ddp(mesh, m, True),
     "uib_skip_with_inf_in_a_plain_parameter_on_one_rank_skips_every_rank":
         lambda mesh, m: case_plain_inf_on_one_rank(mesh, m, "skip"),
     "uib_raise_with_inf_in_a_plain_parameter_on_one_rank_raises_on_every_rank":
