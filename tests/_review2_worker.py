@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _review_fsdp_worker import LR, WEIGHT_DECAY, Net, differing, loss_of  # noqa: E402
+from _review_fsdp_worker import CLIP, LR, WEIGHT_DECAY, Net, differing, loss_of, sharded  # noqa: E402
 from offload_adamw import OffloadAdamW  # noqa: E402
 
 WORLD = 2
@@ -115,7 +115,33 @@ def case_ddp_with_a_head_outside_ddp(mesh, measured, uib: bool):
     return out
 
 
+def case_gate_opens_under_fsdp2(mesh, measured, root: bool):
+    """Clipping (with a root fully_shard) and nonfinite="skip", finite gradients: the same result as without update_in_backward, and from
+    the second step on the updates start at backward's end (the gate opens on both ranks)."""
+    runs = []
+    for uib in (False, True):
+        model = sharded(mesh) if root else blocks_sharded(mesh)
+        opt = OffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY,
+                           offload_gradients=True, update_in_backward=uib, nonfinite="skip",
+                           max_grad_norm=CLIP if root else None)  # torch cannot clip plain tensors beside DTensors
+        gates = []
+        for step in range(3):
+            loss_of(model, step).backward()
+            gates.append(opt._pipeline._gate_taken and opt._pipeline._updater is not None)
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, gates))
+    (reference, _), (model, gates) = runs
+    measured["gates"] = gates
+    out = differing(reference, model)
+    if gates[1:] != [True, True]:
+        out.append(f"the gate did not open on rank {dist.get_rank()}: {gates}")
+    return out
+
+
 CASES = {
+    "uib_clip_skip_gate_opens_under_fsdp2": lambda mesh, m: case_gate_opens_under_fsdp2(mesh, m, True),
+    "uib_skip_gate_opens_under_fsdp2_with_a_plain_head": lambda mesh, m: case_gate_opens_under_fsdp2(mesh, m, False),
     "ddp_skip_with_inf_in_a_parameter_outside_ddp_on_one_rank_keeps_the_replicas_equal":
         lambda mesh, m: case_ddp_with_a_head_outside_ddp(mesh, m, False),
     "ddp_uib_skip_with_inf_in_a_parameter_outside_ddp_on_one_rank_keeps_the_replicas_equal":
