@@ -116,8 +116,8 @@ def case_ddp_with_a_head_outside_ddp(mesh, measured, uib: bool):
 
 
 def case_gate_opens_under_fsdp2(mesh, measured, root: bool):
-    """Clipping (with a root fully_shard) and nonfinite="skip", finite gradients: the same result as without update_in_backward, and from
-    the second step on the updates start at backward's end (the gate opens on both ranks)."""
+    """Clipping (with a root fully_shard) and nonfinite="skip", finite gradients: the same result as without
+    update_in_backward, and from the second step on the updates start at backward's end (the gate opens on both ranks)."""
     runs = []
     for uib in (False, True):
         model = sharded(mesh) if root else blocks_sharded(mesh)
