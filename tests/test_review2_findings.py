@@ -149,3 +149,61 @@ def test_a_forward_between_backward_and_step_reads_the_parameters_torch_reads() 
         outputs[ours] = seen
     for step, (a, b) in enumerate(zip(outputs[False], outputs[True])):
         assert same_bits(a, b), f"step {step}: the forward read parameters updated before step()"
+
+
+def test_nonfinite_switched_on_between_backward_and_step_after_early_updates_is_refused() -> None:
+    """nonfinite="skip" set after a backward whose updates already ran ungated (the policy was "propagate"): an inf
+    they consumed was never counted, so the step can neither skip nor pretend it checked; it must refuse, as a
+    max_grad_norm changed in that window is refused."""
+    model = Side()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, offload_gradients=True, update_in_backward=True,
+                       bucket_bytes=WIDTH * WIDTH * 4)
+    poisoned = [False]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if poisoned[0]:
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+        return grad
+
+    model.blocks[3].weight.register_hook(poison)  # the first gradient of backward: its bucket runs early
+    g = torch.Generator().manual_seed(9)
+    for step in range(2):
+        poisoned[0] = step == 1
+        model(torch.randn(16, WIDTH, generator=g), side=True).square().mean().backward()
+        if step == 1:
+            opt.nonfinite = "skip"
+            with pytest.raises(RuntimeError, match="nonfinite"):
+                opt.step()
+            return
+        opt.step()
+        opt.zero_grad()
+
+
+def test_last_grad_norm_of_a_skipped_clipped_step_is_the_reference() -> None:
+    """max_grad_norm with nonfinite="skip": the skipped step's last_grad_norm is the one without update_in_backward
+    (the non-finite total norm), not the previous step's."""
+    norms = {}
+    for uib in (False, True):
+        model = Side()
+        opt = OffloadAdamW(model.parameters(), lr=1e-2, offload_gradients=True, update_in_backward=uib,
+                           bucket_bytes=WIDTH * WIDTH * 4, max_grad_norm=0.05, nonfinite="skip")
+        step_of = [0]
+
+        def poison(grad: torch.Tensor, step_of=step_of) -> torch.Tensor:
+            if step_of[0] == 2:
+                grad = grad.clone()
+                grad[0, 0] = float("inf")
+            return grad
+
+        model.blocks[3].weight.register_hook(poison)
+        g = torch.Generator().manual_seed(11)
+        seen = []
+        for step in range(3):
+            step_of[0] = step
+            model(torch.randn(16, WIDTH, generator=g), side=True).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(float(opt.last_grad_norm))
+        norms[uib] = (seen, opt.skipped_steps)
+    assert norms[True] == norms[False]

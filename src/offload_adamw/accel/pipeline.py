@@ -325,6 +325,7 @@ class GradientPipeline:
         # and whether the end of backward let the updates start.
         self._nonfinite: dict[Tensor, Tensor] = {}
         self._gate_taken = False
+        self._checked_policy = "propagate"  # the non-finite policy the end of backward checked before the gate opened
         self._clip_coef: Tensor | None = None
         self._norms_stale = False  # a gradient changed after its norm was taken: the coefficient must be taken anew
         self._clip_max_norm: float | None = None  # the max_grad_norm and the parameters the coefficient was taken for
@@ -656,6 +657,7 @@ class GradientPipeline:
         if self._checks_in_backward():
             if not self._nonfinite or self._any_nonfinite():
                 return
+            self._checked_policy = self.optimizer.nonfinite
         if self._clips_in_backward():
             max_norm = self.optimizer.max_grad_norm
             if not self._norms or max_norm is None:
@@ -1176,6 +1178,16 @@ class GradientPipeline:
             elif slot.has_grad and p.grad is not None:
                 assert slot.host_grad is not None  # has_grad: host_grad holds it
                 opt.check_gradient(w[0], w[1], slot.host_grad)
+        if early and opt.nonfinite != "propagate" and self._checked_policy == "propagate":
+            raise RuntimeError(
+                f"nonfinite changed to {opt.nonfinite!r} between backward and step(), but with update_in_backward=True "
+                "updates already ran during backward without a non-finite check; set nonfinite before the backward "
+                "(the constructor's nonfinite=), or change it after optimizer.step()"
+            )
+        if self.config.update_in_backward:
+            # Before the policy, as OffloadAdamW clips before it without update_in_backward: a skipped step's
+            # last_grad_norm is its own (inf or NaN), not the previous step's.
+            self._clip_at_step(where, early)
         if opt.nonfinite != "propagate":
             # After updates during backward (every gradient they used was found finite on the device) the policy
             # reads only the gradients still to update; a skip is then too late.
@@ -1189,8 +1201,6 @@ class GradientPipeline:
                 return
         opt.preflight([w for p, w in where.items() if p not in early and p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
-        if self.config.update_in_backward:
-            self._clip_at_step(where, early)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
         devices = {s.param.device for s in self._slots.values() if s.param.device.type == "cuda"}
@@ -1271,6 +1281,7 @@ class GradientPipeline:
         self._norms = {}
         self._nonfinite = {}
         self._gate_taken = False
+        self._checked_policy = "propagate"
         self._norm_events = []
         self._norms_callback_queued = False
         self._clip_coef = None
