@@ -325,6 +325,7 @@ class GradientPipeline:
         # and whether the end of backward let the updates start.
         self._nonfinite: dict[Tensor, Tensor] = {}
         self._gate_taken = False
+        self._checked_policy = "propagate"  # the non-finite policy the end of backward checked before the gate opened
         self._clip_coef: Tensor | None = None
         self._norms_stale = False  # a gradient changed after its norm was taken: the coefficient must be taken anew
         self._clip_max_norm: float | None = None  # the max_grad_norm and the parameters the coefficient was taken for
@@ -646,7 +647,7 @@ class GradientPipeline:
         """From what the hooks took in this backward: no non-finite gradient (a skip or raise policy) and the
         clip coefficient (clipping); then the gated updates may start. Otherwise the gate stays closed and
         step() does it all (the policy's skip or error, torch's clipping) before any update."""
-        if self._norms_stale or self._norms_partial:
+        if self._norms_stale or self._norms_partial or self._unseen_gradient():
             self._clip_coef = None
             return
         events, self._norm_events = self._norm_events, []
@@ -656,6 +657,7 @@ class GradientPipeline:
         if self._checks_in_backward():
             if not self._nonfinite or self._any_nonfinite():
                 return
+            self._checked_policy = self.optimizer.nonfinite
         if self._clips_in_backward():
             max_norm = self.optimizer.max_grad_norm
             if not self._norms or max_norm is None:
@@ -670,16 +672,35 @@ class GradientPipeline:
         if self._updater is not None:
             self._updater.open_gate()
 
+    def _unseen_gradient(self) -> bool:
+        """Whether a parameter has a gradient no hook of this backward took: accumulated only inside ``no_sync()``
+        (a layer the last micro-batch does not reach) or set by hand. Its norm and count are not the hooks', so the
+        step's clipping and policy, which read it, must come before any update."""
+        return any(
+            not slot.ddp and slot.param.grad is not None and not is_host_resident(slot.param.grad)
+            for slot in self._slots.values()
+        )
+
     def _any_nonfinite(self) -> bool:
         """Whether a gradient of this backward holds inf or NaN on any rank (a DTensor count is summed over them)."""
         sharded = [c for c in self._nonfinite.values() if _local(c) is not c]
         plain = [c for c in self._nonfinite.values() if _local(c) is c]
         total = 0
-        if sharded:
-            summed: Any = functools.reduce(operator.add, sharded)  # DTensor partial sums: one all-reduce below
-            total += int(summed.full_tensor().item())
         for count in plain:
             total += int(count.item())
+        if not sharded:
+            return total > 0
+        summed: Any = functools.reduce(operator.add, sharded)  # DTensor partial sums: one all-reduce below
+        total += int(summed.full_tensor().item())
+        if plain:
+            # A plain gradient beside FSDP2's (a module outside fully_shard) is this rank's own: every rank must
+            # still decide alike, as the step's policy does (distributed.any_rank), or one rank's updates run
+            # while another's step waits in that policy's all-reduce.
+            mesh = summed.device_mesh
+            flag = torch.tensor([1.0 if total > 0 else 0.0], device=mesh.device_type)
+            for dim in range(mesh.ndim):
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))
+            return bool(flag.item() > 0)
         return total > 0
 
     def _second_backward(self, slot: _Slot) -> str:
@@ -1157,6 +1178,16 @@ class GradientPipeline:
             elif slot.has_grad and p.grad is not None:
                 assert slot.host_grad is not None  # has_grad: host_grad holds it
                 opt.check_gradient(w[0], w[1], slot.host_grad)
+        if early and opt.nonfinite != "propagate" and self._checked_policy == "propagate":
+            raise RuntimeError(
+                f"nonfinite changed to {opt.nonfinite!r} between backward and step(), but with update_in_backward=True "
+                "updates already ran during backward without a non-finite check; set nonfinite before the backward "
+                "(the constructor's nonfinite=), or change it after optimizer.step()"
+            )
+        if self.config.update_in_backward:
+            # Before the policy, as OffloadAdamW clips before it without update_in_backward: a skipped step's
+            # last_grad_norm is its own (inf or NaN), not the previous step's.
+            self._clip_at_step(where, early)
         if opt.nonfinite != "propagate":
             # After updates during backward (every gradient they used was found finite on the device) the policy
             # reads only the gradients still to update; a skip is then too late.
@@ -1170,8 +1201,6 @@ class GradientPipeline:
                 return
         opt.preflight([w for p, w in where.items() if p not in early and p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
-        if self.config.update_in_backward:
-            self._clip_at_step(where, early)
 
         # Parameters the device still reads in backward must not be overwritten: H2D streams wait for compute.
         devices = {s.param.device for s in self._slots.values() if s.param.device.type == "cuda"}
@@ -1252,6 +1281,7 @@ class GradientPipeline:
         self._norms = {}
         self._nonfinite = {}
         self._gate_taken = False
+        self._checked_policy = "propagate"
         self._norm_events = []
         self._norms_callback_queued = False
         self._clip_coef = None
