@@ -129,7 +129,8 @@ def test_a_forward_between_backward_and_step_reads_the_parameters_torch_reads() 
     torch's, or the forward refused."""
     import time
 
-    outputs = {}
+    outputs: dict[bool, list] = {}
+    refused = []
     for ours in (False, True):
         model = Side()
         if ours:
@@ -143,12 +144,18 @@ def test_a_forward_between_backward_and_step_reads_the_parameters_torch_reads() 
             model(torch.randn(16, WIDTH, generator=g), side=True).square().mean().backward()
             time.sleep(0.2)  # the worker's updates have ended by now
             with torch.no_grad():
-                seen.append(model(torch.ones(4, WIDTH), side=True))
+                try:
+                    seen.append(model(torch.ones(4, WIDTH), side=True))
+                except RuntimeError as error:
+                    assert ours and "opt.step() must come next" in str(error), error
+                    refused.append(str(error))
+                    seen.append(None)
             opt.step()
             opt.zero_grad()
         outputs[ours] = seen
     for step, (a, b) in enumerate(zip(outputs[False], outputs[True])):
-        assert same_bits(a, b), f"step {step}: the forward read parameters updated before step()"
+        assert b is None or same_bits(a, b), f"step {step}: the forward read parameters updated before step()"
+    assert refused, "from the second step on the updates run during backward: the forward must be refused"
 
 
 def test_nonfinite_switched_on_between_backward_and_step_after_early_updates_is_refused() -> None:

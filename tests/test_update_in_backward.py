@@ -284,3 +284,43 @@ def test_a_non_finite_gradient_raises_by_name_before_any_update_during_backward(
     assert all(same_bits(a, p.detach()) for a, p in zip(before, model.parameters())), "an update ran"
     after = {k: v for k, v in enumerate(opt.state_dict()["state"].values())}
     assert all(same_bits(state[k]["exp_avg"], after[k]["exp_avg"]) for k in state)
+
+
+class _Checkpointed(Blocks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_recomputation_inside_backward_is_not_a_forward_before_step() -> None:
+    """Activation checkpointing recomputes each block's forward during backward, after later blocks updated:
+    not the forward between backward and step() that is refused, and bitwise torch's."""
+    torch.manual_seed(0)
+    reference = _Checkpointed()
+    model = copy.deepcopy(reference)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, offload_gradients=True, update_in_backward=True,
+                        bucket_bytes=_block_bytes(model))
+    _train(reference, theirs, 4, 1, ours=False)
+    timelines = _train(model, ours, 4, 1, ours=True)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert same_bits(p.detach(), q.detach())
+    assert max(t.overlap for t in timelines[1:]) > 0, "the updates ran during backward"
+
+
+def test_a_forward_between_backward_and_step_is_refused() -> None:
+    model = Blocks(width=16)
+    opt = OffloadAdamW(model.parameters(), offload_gradients=True, update_in_backward=True, bucket_bytes=64)
+    x = _batches(1, width=16)[0]
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).square().mean().backward()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="opt.step\\(\\) must come next"):
+        model(x)  # an evaluation before step(): torch's parameters are still the old ones here
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model(x)  # after step(): fine

@@ -90,6 +90,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -129,7 +130,7 @@ class UpdateTarget(Protocol):
 
     def check_gradient(self, group_index: int, index: int, grad: Tensor) -> None: ...
 
-    def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]]) -> bool: ...
+    def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]], groups: Sequence[Any] = ()) -> bool: ...
 
     def preflight(self, fresh: list[tuple[int, int]]) -> None: ...
 
@@ -332,6 +333,8 @@ class GradientPipeline:
         self._clip_params: frozenset[Tensor] = frozenset()
         self._clipping_at_step = False  # the step's own clipping reads the stand-ins (no update has run yet)
         weakref.finalize(self, self._accumulator.stop)
+        if config.update_in_backward:
+            _watch_forwards(self)
         self.refresh()
 
     # ----------------------------------------------------------------- set-up
@@ -419,6 +422,7 @@ class GradientPipeline:
 
     def close(self) -> None:
         """Remove the hooks (the optimizer no longer sees gradients as they arrive)."""
+        _WATCHED.discard(self)
         for slot in self._slots.values():
             if slot.hook is not None:
                 slot.hook.remove()
@@ -681,6 +685,16 @@ class GradientPipeline:
             for slot in self._slots.values()
         )
 
+    def _decision_groups(self) -> list[Any]:
+        """The process groups of the attached DDP models: beside one, a parameter outside it has this rank's own
+        gradient, so a non-finite decision must be OR-reduced over the replicas (DDP's own gradients agree)."""
+        groups = []
+        for ref in self._ddp_models:
+            model = ref()
+            if model is not None and model.process_group not in groups:
+                groups.append(model.process_group)
+        return groups
+
     def _any_nonfinite(self) -> bool:
         """Whether a gradient of this backward holds inf or NaN on any rank (a DTensor count is summed over them)."""
         sharded = [c for c in self._nonfinite.values() if _local(c) is not c]
@@ -689,7 +703,13 @@ class GradientPipeline:
         for count in plain:
             total += int(count.item())
         if not sharded:
-            return total > 0
+            found = total > 0
+            for group in self._decision_groups():  # the DDP replicas decide alike
+                device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
+                flag = torch.tensor([1.0 if found else 0.0], device=device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+                found = bool(flag.item() > 0)
+            return found
         summed: Any = functools.reduce(operator.add, sharded)  # DTensor partial sums: one all-reduce below
         total += int(summed.full_tensor().item())
         if plain:
@@ -1192,7 +1212,7 @@ class GradientPipeline:
             # After updates during backward (every gradient they used was found finite on the device) the policy
             # reads only the gradients still to update; a skip is then too late.
             present = [(w[0], w[1], self._ready(self._slots[p], w)) for p, w in where.items() if p not in early]
-            if opt.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None]):
+            if opt.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None], self._decision_groups()):
                 if early:
                     raise RuntimeError(
                         "a gradient the hooks did not see is not finite, but with update_in_backward=True the updates of "
@@ -1378,6 +1398,21 @@ class GradientPipeline:
         done = {p for r in records for p in self._early_buckets[r.bucket]}
         return done, records
 
+    def _refuse_forward(self, module: torch.nn.Module) -> None:
+        """A forward after a backward whose updates ran, before step(): torch's optimizer has not changed the
+        parameters yet, ours has (some of them). Raised, naming the module's first updated parameter."""
+        updater = self._updater
+        if updater is None or not updater.started() or torch._C._current_autograd_node() is not None:
+            return  # no update ran, or a recomputation inside backward (activation checkpointing)
+        for p in module.parameters(recurse=False):
+            if updater.covers(p):
+                slot = self._slots[p]
+                raise RuntimeError(
+                    f"a forward of {type(module).__name__} reads {self._name(slot)}, whose update already ran during the "
+                    "last backward (update_in_backward=True): opt.step() must come next. Accumulate micro-batches inside "
+                    "opt.no_sync(), run other forwards (a metric, an EMA) after opt.step(), or use update_in_backward=False"
+                )
+
     def refuse_mid_step(self, what: str) -> None:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
         if self._updater is not None and self._updater.started() and not self._updater.gated():
@@ -1478,6 +1513,25 @@ def _hyper_of(group: dict[str, Any]) -> tuple:
     lr = float(lr) if isinstance(lr, Tensor) else lr
     betas = tuple(float(b) if isinstance(b, Tensor) else b for b in group["betas"])
     return (lr, betas, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
+
+
+# Pipelines with updates during backward, watched by one global forward pre-hook (registered with the first).
+_WATCHED: weakref.WeakSet[GradientPipeline] = weakref.WeakSet()
+_FORWARD_HOOK: Any = None
+
+
+def _watch_forwards(pipeline: GradientPipeline) -> None:
+    global _FORWARD_HOOK
+    _WATCHED.add(pipeline)
+    if _FORWARD_HOOK is None:
+        _FORWARD_HOOK = torch.nn.modules.module.register_module_forward_pre_hook(_forward_guard)
+
+
+def _forward_guard(module: torch.nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # traced as a constant: compiled forwards keep their graphs (and go unchecked)
+    for pipeline in list(_WATCHED):
+        pipeline._refuse_forward(module)
 
 
 class _NoSync:

@@ -191,16 +191,23 @@ def _meshes(params: Iterable[Tensor]) -> list[DeviceMesh]:
     return meshes
 
 
-def any_rank(flag: bool, params: Iterable[Tensor]) -> bool:
-    """``flag`` OR-reduced over every rank of the meshes of the DTensor ``params`` (``flag`` when there are none).
+def any_rank(flag: bool, params: Iterable[Tensor], groups: Iterable[Any] = ()) -> bool:
+    """``flag`` OR-reduced over every rank of the meshes of the DTensor ``params`` and of the process ``groups``
+    (``flag`` when there are none).
 
-    Each rank sees only its shards' gradients; a decision such as skipping the
-    step for a non-finite gradient must be the same on every rank.
+    Each rank sees only its shards' gradients (and, beside a DDP model, its own gradients of the parameters
+    outside it); a decision such as skipping the step for a non-finite gradient must be the same on every rank.
     """
     meshes = _meshes(params)
-    if not meshes:
+    groups = list(groups)
+    if not meshes and not groups:
         return flag
     result = flag
+    for group in groups:
+        device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
+        local = torch.tensor([1.0 if result else 0.0], device=device)
+        torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=group)
+        result = bool(local.item() > 0)
     for mesh in meshes:
         local = torch.tensor([1.0 if result else 0.0], device=mesh.device_type)
         for dim in range(mesh.ndim):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -390,13 +390,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             lambda: self._describe(group, index), local, _distributed.local_grad(grad, p), self.state.get(p, {})
         )
 
-    def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]]) -> bool:
+    def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]], groups: Sequence[Any] = ()) -> bool:
         """The non-finite policy over this step's gradients: True means skip (counted), raises under "raise"."""
         named = [
             (lambda gi=gi, i=i: self.describe_param(gi, i), _distributed.local_tensor(g)) for gi, i, g in gradients
         ]
         params = [self.param_groups[gi]["params"][i] for gi, i, _ in gradients]
-        skip = _update.nonfinite_decision(self.nonfinite, named, params)
+        skip = _update.nonfinite_decision(self.nonfinite, named, params, groups)
         if skip:
             self.skipped_steps += 1
         return skip

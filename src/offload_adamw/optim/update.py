@@ -95,11 +95,13 @@ def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, sta
             )
 
 
-def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str], Tensor]], params: Sequence[Tensor]) -> bool:
+def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str], Tensor]], params: Sequence[Tensor],
+                       groups: Sequence[Any] = ()) -> bool:
     """True when the step must be skipped for a non-finite gradient; raises under ``"raise"``.
 
     ``named_grads`` are (describe, local gradient) pairs; ``params`` the parameters with a gradient
-    (for the all-ranks decision under FSDP2).
+    (for the all-ranks decision under FSDP2); ``groups`` process groups whose ranks must decide alike too
+    (an attached DDP model's, when some parameters are outside it).
     """
     if policy not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
@@ -107,7 +109,7 @@ def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str
         return False
     culprits = [describe() for describe, grad in named_grads if not bool(torch.isfinite(grad).all())]
     # Shards: every rank must take the same decision, also when the bad values are on another rank.
-    if any_rank(bool(culprits), params) and not culprits:
+    if any_rank(bool(culprits), params, groups) and not culprits:
         culprits.append("a gradient shard held by another rank")
     if culprits and policy == "raise":
         raise FloatingPointError(
