@@ -7,7 +7,12 @@ that both sides train exactly the same model on exactly the same batches.
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.multiprocessing as mp
 from torch import nn
 
 VOCAB = 61  # odd on purpose: the embedding and the head shard unevenly over 2 ranks (31 + 30 rows)
@@ -87,3 +92,11 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         value = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name.removeprefix("module.")] = value.detach().clone()
     return out
+
+
+def spawn_ranks(worker: Callable[..., None], *args: Any, world: int = 2) -> None:
+    """Run ``worker(rank, port, *args)`` in ``world`` processes, with a free TCP port for their rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, *args), nprocs=world, join=True)

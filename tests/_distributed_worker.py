@@ -14,7 +14,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -23,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _distributed_common import ATOL, LR, RTOL, STEPS, WEIGHT_DECAY, TinyCausalLM, batch, full_params, loss_of, train  # noqa: E402
+from _distributed_common import ATOL, LR, RTOL, STEPS, WEIGHT_DECAY, TinyCausalLM, batch, full_params, loss_of, spawn_ranks, train  # noqa: E402
 from offload_adamw import OffloadAdamW, StateDictMismatch  # noqa: E402
 
 WORLD = 2
@@ -490,10 +488,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt-w1", default=None)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.out, args.ckpt_w1), nprocs=WORLD, join=True)
+    spawn_ranks(worker, args.out, args.ckpt_w1, world=WORLD)
 
 
 if __name__ == "__main__":

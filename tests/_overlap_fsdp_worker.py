@@ -16,19 +16,18 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _distributed_common import spawn_ranks  # noqa: E402
 from offload_adamw import OffloadAdamW  # noqa: E402
 
 WORLD = 2
@@ -242,10 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.out), nprocs=WORLD, join=True)
+    spawn_ranks(worker, args.out, world=WORLD)
 
 
 if __name__ == "__main__":

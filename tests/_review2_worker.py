@@ -14,18 +14,17 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _distributed_common import spawn_ranks  # noqa: E402
 from _review_fsdp_worker import CLIP, LR, WEIGHT_DECAY, Net, differing, loss_of, sharded  # noqa: E402
 from offload_adamw import OffloadAdamW  # noqa: E402
 
@@ -181,10 +180,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", default=[])
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.out, args.only), nprocs=WORLD, join=True)
+    spawn_ranks(worker, args.out, args.only, world=WORLD)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -22,12 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _distributed_common import spawn_ranks  # noqa: E402
 from offload_adamw import OffloadAdamW, OffloadGradScaler  # noqa: E402
 
 WORLD = 2
@@ -481,10 +480,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", default=[])
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.out, args.only), nprocs=WORLD, join=True)
+    spawn_ranks(worker, args.out, args.only, world=WORLD)
 
 
 if __name__ == "__main__":

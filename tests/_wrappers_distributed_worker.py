@@ -20,20 +20,18 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _distributed_common import LR, WEIGHT_DECAY, TinyCausalLM, batch, full_params, loss_of  # noqa: E402
+from _distributed_common import LR, WEIGHT_DECAY, TinyCausalLM, batch, full_params, loss_of, spawn_ranks  # noqa: E402
 from offload_adamw import OffloadAdamW  # noqa: E402
 
 WORLD = 2
@@ -235,10 +233,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="only the QUICK cases and the refusals")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.out, args.quick), nprocs=WORLD, join=True)
+    spawn_ranks(worker, args.out, args.quick, world=WORLD)
 
 
 if __name__ == "__main__":
