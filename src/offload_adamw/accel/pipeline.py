@@ -699,29 +699,18 @@ class GradientPipeline:
         """Whether a gradient of this backward holds inf or NaN on any rank (a DTensor count is summed over them)."""
         sharded = [c for c in self._nonfinite.values() if _local(c) is not c]
         plain = [c for c in self._nonfinite.values() if _local(c) is c]
-        total = 0
-        for count in plain:
-            total += int(count.item())
-        if not sharded:
-            found = total > 0
-            for group in self._decision_groups():  # the DDP replicas decide alike
-                device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
-                flag = torch.tensor([1.0 if found else 0.0], device=device)
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-                found = bool(flag.item() > 0)
-            return found
-        summed: Any = functools.reduce(operator.add, sharded)  # DTensor partial sums: one all-reduce below
-        total += int(summed.full_tensor().item())
-        if plain:
+        found = sum(int(count.item()) for count in plain) > 0
+        groups = self._decision_groups()  # beside an attached DDP model the replicas decide alike
+        if sharded:
+            summed: Any = functools.reduce(operator.add, sharded)  # DTensor partial sums: one all-reduce
+            sharded_found = int(summed.full_tensor().item()) > 0
+            found = found or sharded_found
             # A plain gradient beside FSDP2's (a module outside fully_shard) is this rank's own: every rank must
             # still decide alike, as the step's policy does (distributed.any_rank), or one rank's updates run
             # while another's step waits in that policy's all-reduce.
             mesh = summed.device_mesh
-            flag = torch.tensor([1.0 if total > 0 else 0.0], device=mesh.device_type)
-            for dim in range(mesh.ndim):
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))
-            return bool(flag.item() > 0)
-        return total > 0
+            groups = [mesh.get_group(dim) for dim in range(mesh.ndim)] if plain else []
+        return _or_over_ranks(found, groups)
 
     def _second_backward(self, slot: _Slot) -> str:
         return (
@@ -1500,6 +1489,17 @@ class GradientPipeline:
                 s.h2d_event = event
             events.append((device, event))
         return events
+
+
+def _or_over_ranks(flag: bool, groups: list[Any]) -> bool:
+    """``flag`` OR-reduced over the ranks of each process group in turn (the step's policy does the same in
+    distributed.any_rank, which this layer may not import)."""
+    for group in groups:
+        device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
+        local = torch.tensor([1.0 if flag else 0.0], device=device)
+        torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=group)
+        flag = bool(local.item() > 0)
+    return flag
 
 
 def _nonfinite_count(grad: Tensor) -> Tensor:
