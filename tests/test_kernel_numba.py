@@ -466,3 +466,18 @@ def test_traced_by_torch_compile_the_loop_steps_aside():
         warnings.simplefilter("ignore")
         assert int(torch.compile(taken, backend="eager")()) == 0
     assert int(taken()) == 1
+
+
+def test_float32_constants_keep_the_sign_of_zero_whatever_was_rounded_before() -> None:
+    """The kernel's float32 constants are cached by value; 0.0 == -0.0, so a cache keyed by the value alone
+    handed -0.0 back for 0.0 once -0.0 was rounded first (an lr of 0 gives a step size of -0.0), and the loop's
+    lerp coefficient for beta1 = 0 turned -0.0: exp_avg got -0.0 where torch's fused op writes 0.0."""
+    assert math.copysign(1.0, numba_loop._f32(-0.0)) == -1.0
+    assert math.copysign(1.0, numba_loop._f32(0.0)) == 1.0
+    assert math.copysign(1.0, numba_loop._f32(-0.0)) == -1.0
+    scalars = numba_loop._scalars(1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert math.copysign(1.0, scalars[1]) == 1.0, "the lerp coefficient of beta1 = 0 is +0.0, as torch computes it"
+    for lr in (0.0, -0.0):  # the cache answers each sign with that sign's own constants
+        args = (1.0, lr, 0.5, 0.5, 0.1, 1e-8)
+        cached, fresh = numba_loop._scalars(*args), numba_loop._scalars.__wrapped__(*args)
+        assert [math.copysign(1.0, x) for x in cached] == [math.copysign(1.0, x) for x in fresh] and cached == fresh

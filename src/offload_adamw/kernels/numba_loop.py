@@ -364,7 +364,25 @@ class _Variant:
         )
 
 
-@functools.lru_cache(maxsize=1024)
+def _float_cache(maxsize: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``functools.lru_cache`` for functions of floats, keyed by each argument's value and sign: 0.0 == -0.0
+    would share one entry, and whichever came first would answer for both (their float32 bits differ)."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.lru_cache(maxsize=maxsize)
+        def cached(signs: tuple[bool, ...], *args: float) -> Any:
+            return fn(*args)
+
+        @functools.wraps(fn)
+        def call(*args: float) -> Any:
+            return cached(tuple(math.copysign(1.0, a) < 0 for a in args), *args)
+
+        return call
+
+    return wrap
+
+
+@_float_cache(maxsize=1024)
 def _f32(x: float) -> float:
     """x rounded to float32 (as ``static_cast<float>`` of a double)."""
     return torch.tensor(x, dtype=torch.float64, device=_CPU).to(torch.float32).item()
@@ -375,7 +393,7 @@ def variant_key(grad_dtype, out_dtype, amsgrad: bool, maximize: bool, beta1: flo
     return _Variant(grad_dtype, out_dtype, bool(amsgrad), bool(maximize), abs(_f32(1 - beta1)) < 0.5, bool(tensor_lr))
 
 
-@functools.lru_cache(maxsize=256)
+@_float_cache(maxsize=256)
 def _decay_factor(lr: float, weight_decay: float) -> float:
     """The float32 factor ``1 - lr * weight_decay`` exactly as torch's fused op has it.
 
@@ -394,7 +412,7 @@ def _decay_factor(lr: float, weight_decay: float) -> float:
     return ones[0].item()
 
 
-@functools.lru_cache(maxsize=1024)
+@_float_cache(maxsize=1024)
 def _scalars(step: float, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float) -> tuple[float, ...]:
     """The float32 constants of torch's fused kernel at this step, computed as it does (in double)."""
     bias_correction1 = 1 - beta1**step
