@@ -272,13 +272,15 @@ def check_nonfinite_skip(measured: dict) -> None:
     assert_same(reference, theirs, model, ours)
 
 
-def worker(rank: int, port: int, out: str) -> None:
+def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     results: dict[str, dict] = {}
 
     def run(name: str, check, *args) -> None:
+        if only and name not in only:
+            return
         measured: dict = {}
         try:
             check(*args, measured)
@@ -305,8 +307,9 @@ def worker(rank: int, port: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="*", default=[], help="the cases to run (default: all)")
     args = parser.parse_args()
-    spawn_ranks(worker, args.out, world=WORLD)
+    spawn_ranks(worker, args.out, args.only, world=WORLD)
 
 
 if __name__ == "__main__":

@@ -202,37 +202,30 @@ def check_nonfinite_skip(mesh, measured: dict) -> None:
     assert_same(reference, theirs, model, ours)
 
 
-def worker(rank: int, port: int, out: str) -> None:
+def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (WORLD,))
     results: dict[str, dict] = {}
-    for clip, accumulation in CASES:
+
+    def run(name: str, check, *args) -> None:
+        if only and name not in only:
+            return
         measured: dict = {}
         try:
-            check_case(clip, accumulation, mesh, measured)
-            results[case_name(clip, accumulation)] = {"ok": True, "error": "", "measured": measured}
-        except Exception:  # noqa: BLE001 - recorded for the test to report, then the next case runs
-            results[case_name(clip, accumulation)] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
-        with contextlib.suppress(Exception):
-            dist.barrier()
-    for clip_by, accumulation, sync_each in FREED_CASES:
-        measured = {}
-        name = freed_case_name(clip_by, accumulation, sync_each)
-        try:
-            check_freed_case(clip_by, accumulation, sync_each, mesh, measured)
+            check(*args, mesh, measured)
             results[name] = {"ok": True, "error": "", "measured": measured}
         except Exception:  # noqa: BLE001 - recorded for the test to report, then the next case runs
             results[name] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
         with contextlib.suppress(Exception):
             dist.barrier()
-    measured = {}
-    try:
-        check_nonfinite_skip(mesh, measured)
-        results["nonfinite-skip"] = {"ok": True, "error": "", "measured": measured}
-    except Exception:  # noqa: BLE001 - recorded for the test to report
-        results["nonfinite-skip"] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
+
+    for clip, accumulation in CASES:
+        run(case_name(clip, accumulation), check_case, clip, accumulation)
+    for clip_by, accumulation, sync_each in FREED_CASES:
+        run(freed_case_name(clip_by, accumulation, sync_each), check_freed_case, clip_by, accumulation, sync_each)
+    run("nonfinite-skip", check_nonfinite_skip)
     (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
@@ -240,8 +233,9 @@ def worker(rank: int, port: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="*", default=[], help="the cases to run (default: all)")
     args = parser.parse_args()
-    spawn_ranks(worker, args.out, world=WORLD)
+    spawn_ranks(worker, args.out, args.only, world=WORLD)
 
 
 if __name__ == "__main__":

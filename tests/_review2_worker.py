@@ -126,7 +126,7 @@ def case_gate_opens_under_fsdp2(mesh, measured, root: bool):
         gates = []
         for step in range(3):
             loss_of(model, step).backward()
-            gates.append(opt._pipeline._gate_taken and opt._pipeline._updater is not None)
+            gates.append(opt._pipeline.gate_taken() and opt._pipeline.armed())
             opt.step()
             opt.zero_grad()
         runs.append((model, gates))

@@ -41,3 +41,18 @@ def _torch_settings_unchanged():
             elif key == "denormals kept":
                 torch.set_flush_denormal(not old)
         pytest.fail(f"the test changed torch's process-wide settings: {changed}", pytrace=False)
+
+
+@pytest.fixture
+def standin_device(request):
+    """Pipelines built in the test run on the asynchronous stand-in device (accel/standin.py), with the seed given
+    by indirect parametrisation (1 by default); the test fails if a copy read a buffer that changed under it."""
+    from offload_adamw.accel import standin
+
+    seed = getattr(request, "param", 1)
+    standin.clear_hazards()
+    with standin.use(seed):
+        yield seed
+    hazards = standin.hazards()
+    standin.clear_hazards()
+    assert not hazards, f"the stand-in device saw buffers change under pending copies: {hazards[:3]}"

@@ -55,7 +55,7 @@ def test_host_buffers_are_few_and_exactly_sized() -> None:
     opt = OffloadAdamW(model.parameters(), transfer_pipeline=True, offload_gradients=True)
     exact = sum(p.numel() * p.element_size() for p in model.parameters())
     assert opt._pipeline.host_buffer_bytes() == {"gradients": exact}
-    arena = opt._pipeline._arenas[0]
+    arena = opt._pipeline.slots.arenas()[0]
     assert len(arena.buffers) == 2, "one flat buffer per dtype"
     spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in arena.views.values())
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "views overlap"
@@ -303,7 +303,7 @@ def test_cuda_pipeline_matches_reference(dtype: torch.dtype, freed: bool) -> Non
     exact = sum(p.numel() * p.element_size() for p in model.parameters())
     assert opt._pipeline.host_buffer_bytes() == {"gradients": exact, "parameter staging": exact}
     assert opt.pinned_bytes() == 2 * exact, "page-locked bytes must be exact (no power-of-two rounding)"
-    assert all(a.rounded_bytes == 0 for a in opt._pipeline._arenas), "cudaHostRegister fell back to the pinned allocator"
+    assert all(a.rounded_bytes == 0 for a in opt._pipeline.slots.arenas()), "cudaHostRegister fell back to the pinned allocator"
     for step in range(10):
         for micro in range(2):
             x = torch.randn(8, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step * 7 + micro)).to(dtype)

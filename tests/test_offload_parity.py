@@ -162,7 +162,7 @@ def assert_same(net_a: Net, opt_a: OffloadAdamW, ref: Reference, where: str) -> 
             assert torch.equal(sa["master_param"], ref.copies[pb]), f"{where}: master of {name} differs"
 
 
-def run_case(case: Case) -> None:
+def run_case(case: Case, bucket_bytes: int = 32 << 20) -> None:
     torch.manual_seed(0)
     net_b = Net().to(case.dtype)
     net_a = copy.deepcopy(net_b)
@@ -171,7 +171,7 @@ def run_case(case: Case) -> None:
         always.requires_grad_(False)
         later.requires_grad_(False)
     ref = Reference(net_b)
-    opt_a = OffloadAdamW(groups(net_a), transfer_pipeline=True, offload_gradients=case.freed)
+    opt_a = OffloadAdamW(groups(net_a), transfer_pipeline=True, offload_gradients=case.freed, bucket_bytes=bucket_bytes)
     scaler_a = scaler_b = None
     if case.scaler != "none":
         kw = dict(init_scale=2.0**12, growth_interval=6)

@@ -251,7 +251,7 @@ def test_a_trainable_parameter_that_never_gets_a_gradient_leaves_updates_during_
         ours.step()
         ours.zero_grad()
     pipeline = ours.transfer_pipeline
-    assert pipeline is not None and pipeline._updater is not None, "the next step's updates wait for step()"
+    assert pipeline is not None and pipeline.armed(), "the next step's updates wait for step()"
 
 
 class _FailingBackward(torch.autograd.Function):

@@ -264,7 +264,7 @@ def test_a_non_finite_step_is_skipped_before_any_update_during_backward(clip) ->
         assert same_bits(theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"])
     last = timelines[-1]
     assert len(last.buckets) == BLOCKS and all(b.update_start >= last.backward_end for b in last.buckets)
-    assert ours.transfer_pipeline._gate_taken is False  # reset by the step
+    assert ours.transfer_pipeline.gate_taken() is False  # reset by the step
 
 
 def test_a_non_finite_gradient_raises_by_name_before_any_update_during_backward() -> None:

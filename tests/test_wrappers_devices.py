@@ -105,7 +105,7 @@ def test_accumulation_runs_off_the_backward_thread(micro):
     model(_x(0)).sum().backward()
     opt.zero_grad()
     pipeline = opt.transfer_pipeline
-    mode = _HostAdds([b for a in pipeline._arenas for b in a.buffers])
+    mode = _HostAdds([b for a in pipeline.slots.arenas() for b in a.buffers])
     with mode:
         for k in range(micro):
             model(_x(k)).square().mean().backward()

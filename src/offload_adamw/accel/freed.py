@@ -14,8 +14,10 @@ Contract:
   - the in-place scaling of ``clip_grads_with_norm_`` (``mul_``, ``_foreach_mul_``) scales the host
     buffer; GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` unscales and checks it;
   - ``zero_`` / ``_foreach_zero_`` (``zero_grad(set_to_none=False)``) zero it;
-  - an in-place ``add_`` of a gradient into it (autograd's accumulation as compiled autograd traces it)
-    adds onto the host buffer, in the gradient's dtype, as autograd's accumulation does;
+  - an in-place ``add_`` of a gradient into it (FSDP2's accumulation of a reduced micro-batch, autograd's
+    accumulation as compiled autograd traces it) adds onto the host buffer, in the gradient's dtype, as
+    autograd's accumulation does, through the owner's ``accumulate`` (the pipeline copies the addend to
+    the host without blocking and adds it on its accumulator thread);
   - ``p.grad = None`` (``model.zero_grad()``, what HF Trainer calls) is seen by the pipeline at the
     next backward or step, which then clears the host gradient as well.
 
@@ -52,15 +54,15 @@ class HostResidentGradient(Tensor):
     @staticmethod
     def __new__(cls, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str],
                 zero: Callable[[], None] | None = None,
-                accumulate: Callable[[], Tensor] | None = None) -> HostResidentGradient:
+                accumulate: Callable[[Tensor], None] | None = None) -> HostResidentGradient:
         return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
 
     def __init__(self, like: Tensor, resolve: Callable[[], Tensor], describe: Callable[[], str],
-                 zero: Callable[[], None] | None = None, accumulate: Callable[[], Tensor] | None = None) -> None:
+                 zero: Callable[[], None] | None = None, accumulate: Callable[[Tensor], None] | None = None) -> None:
         self._resolve = resolve  # -> the complete host gradient (waits for its copies)
         self._describe = describe
         self._zero = zero  # zeroes the host gradient (zero_grad(set_to_none=False)); None: through _resolve
-        self._accumulate = accumulate or resolve  # -> the host gradient an add into p.grad reaches (FSDP2's accumulation)
+        self._accumulate = accumulate  # adds a device tensor onto the host gradient (FSDP2's accumulation); None: here
 
     # torch's stub gives Tensor.__repr__ a tensor_contents keyword, which only torch's own printing passes
     def __repr__(self) -> str:  # type: ignore[override]  # no data to print: say where it is
@@ -99,10 +101,13 @@ class HostResidentGradient(Tensor):
             func(*host(args), **{k: host(v) for k, v in kwargs.items()})
             return None if func.__name__.startswith("_foreach") else args[0]
         into, other = (args[0], args[1]) if func is _aten.add_.Tensor else (None, None)
-        if isinstance(into, HostResidentGradient) and not isinstance(other, HostResidentGradient):
-            # Accumulation into p.grad that did not pass the pipeline's pre-accumulation hook (compiled
-            # autograd traces it as an in-place add): the same add, old + new in the gradient's dtype, on the host.
-            into._accumulate().add_(other.detach().to("cpu"), **kwargs)
+        if isinstance(into, HostResidentGradient) and isinstance(other, Tensor) and not isinstance(other, HostResidentGradient):
+            # Accumulation into p.grad that did not pass the pipeline's pre-accumulation hook (FSDP2's reduced
+            # micro-batch, compiled autograd's in-place add): the same add, old + new in the gradient's dtype.
+            if into._accumulate is not None and not kwargs:
+                into._accumulate(other.detach())
+            else:
+                into._resolve().add_(other.detach().to("cpu"), **kwargs)
             return into
         if func is _UNSCALE:
             grads, found_inf, inv_scale = args

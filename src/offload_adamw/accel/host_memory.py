@@ -8,9 +8,13 @@ registration fails, torch's pinned allocator is the fallback (``rounded_bytes`` 
 
 With ``defer_pin`` the exactly-sized buffers are allocated pageable and page-locked later by
 :meth:`HostArena.pin_now` (the pipeline does it outside backward: ``cudaHostRegister`` of gigabytes
-takes long). Before a registration is undone, only the streams that copy into or out of these pages
-(those given as ``streams``) are synchronised, not whole devices: no CUDA context is created on a
+takes long). Before a registration is undone, only the copies of the transfer engine that may touch
+these pages are waited for (its ``synchronize``), not whole devices: no CUDA context is created on a
 device the arena never served, and nothing else waits.
+
+Each tensor is carved with the strides it is given (those of the parameter it serves where that one is
+dense: ``channels_last``, a transposed view), so that an elementwise copy between the two is a copy of
+the same memory order.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import math
 import mmap
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,13 +33,12 @@ __all__ = ["HostArena"]
 _PAGE = mmap.PAGESIZE
 
 
-def _unregister(ptr: int, streams: dict) -> None:
+def _unregister(ptr: int, synchronize: Callable[[], None]) -> None:
     try:
         # A copy still in flight into or out of these pages (an optimizer dropped between backward
         # and step) would otherwise DMA into memory that is unpinned here and freed right after.
         # Those copies run on the pipeline's own streams only.
-        for stream in list(streams.values()):
-            stream.synchronize()
+        synchronize()
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # pragma: no cover - interpreter shutdown
         pass
@@ -54,6 +57,10 @@ def _clear_cuda_error() -> None:
         pass
 
 
+def _nothing() -> None:
+    return None
+
+
 class HostArena:
     """Flat host buffers, one per dtype, each exactly the sum of its tensors' sizes.
 
@@ -64,15 +71,18 @@ class HostArena:
 
     def __init__(
         self,
-        shapes: Iterable[tuple[Any, torch.Size, torch.dtype]],
+        shapes: Iterable[tuple[Any, torch.Size, torch.dtype, tuple[int, ...] | None]],
         *,
         pin: bool,
         label: str,
-        streams: dict | None = None,
+        synchronize: Callable[[], None] | None = None,
         defer_pin: bool = False,
+        field: str = "",
     ) -> None:
         self.label = label
-        self._streams = {} if streams is None else streams  # the copies that may touch these pages run here
+        self.field = field
+        """What the views are for (the slot field they fill), for the owner's bookkeeping."""
+        self._synchronize = synchronize or _nothing  # waits for the copies that may touch these pages
         self._defer = pin and defer_pin
         self._unpinned: list[tuple[Tensor, int, int, int]] = []  # deferred registrations: (raw, start, span, nbytes)
         self.views: dict[Any, Tensor] = {}
@@ -80,16 +90,20 @@ class HostArena:
         self.pinned_bytes = 0
         self.rounded_bytes = 0  # bytes requested through the rounding pinned allocator (fallback only)
         self._raw: list[Tensor] = []  # page-aligned allocations whose registration lives as long as they do
-        by_dtype: dict[torch.dtype, list[tuple[Any, torch.Size]]] = {}
-        for key, shape, dtype in shapes:
-            by_dtype.setdefault(dtype, []).append((key, shape))
+        by_dtype: dict[torch.dtype, list[tuple[Any, torch.Size, tuple[int, ...] | None]]] = {}
+        for key, shape, dtype, stride in shapes:
+            by_dtype.setdefault(dtype, []).append((key, shape, stride))
         for dtype, items in by_dtype.items():
-            numel = sum(math.prod(shape) for _, shape in items)
+            numel = sum(math.prod(shape) for _, shape, _ in items)
             buffer = self._allocate(numel, dtype, pin)
             offset = 0
-            for key, shape in items:
+            for key, shape, stride in items:
                 n = math.prod(shape)
-                self.views[key] = buffer[offset : offset + n].view(shape)
+                piece = buffer[offset : offset + n]
+                if stride is None or n == 0:
+                    self.views[key] = piece.view(shape)
+                else:  # a dense layout over exactly these n elements: the parameter's own
+                    self.views[key] = piece.as_strided(shape, stride)
                 offset += n
 
     def _allocate(self, numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
@@ -126,7 +140,7 @@ class HostArena:
         if error > 0:
             _clear_cuda_error()
         if error == 0:
-            weakref.finalize(raw, _unregister, raw.data_ptr() + start, self._streams)
+            weakref.finalize(raw, _unregister, raw.data_ptr() + start, self._synchronize)
         return error == 0
 
     @property

@@ -13,6 +13,8 @@ Contract:
 * :meth:`finish` (called by ``step()``) opens the gate, waits for the worker, re-raises the first
   error of an update, and returns the buckets not updated (those whose gradients did not all land,
   which the caller updates itself) and the timeline records of those that were.
+* The worker thread runs ``thread_init`` first (accel/transfer.py: on CUDA it makes the pipeline's
+  device current, so that no thread creates a context on device 0).
 * Buckets are updated in the order they completed; each bucket once per step. A disabled updater
   (``enabled=False``: accumulation micro-batches, or nothing known yet about the order) does nothing.
 """
@@ -50,6 +52,7 @@ class BackwardUpdater:
         *,
         gated: bool,
         enabled: bool = True,
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         self._buckets = [list(b) for b in buckets]
         self._update = update
@@ -62,7 +65,8 @@ class BackwardUpdater:
         self._futures: list[Future] = []
         self._enabled = enabled and bool(self._buckets)
         self._pool: ThreadPoolExecutor | None = (
-            ThreadPoolExecutor(1, thread_name_prefix="offload-adamw-update") if self._enabled else None
+            ThreadPoolExecutor(1, thread_name_prefix="offload-adamw-update", initializer=thread_init)
+            if self._enabled else None
         )
         self.last_landed = 0.0
 

@@ -7,12 +7,17 @@ back was complete (equal to the update's end where nothing goes back). :class:`S
 the end of backward and derives ``overlap``: the fraction of host-update time that ran before
 backward ended, 0 when every update starts after backward and 1 when all of it is hidden.
 
+:class:`Recorder` collects those moments during a step (when each parameter's gradient landed, when a
+synchronous copy of it ended) and turns the step's update records into its :class:`StepTimeline`.
+
 ``gantt_png`` draws the timeline as a Gantt chart, one row per stream or thread (gradients ready,
 device-to-host copies, host updates, host-to-device copies), with backward's end as a line.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -20,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.colors import ListedColormap
 
-__all__ = ["BucketTimes", "StepTimeline"]
+__all__ = ["BucketTimes", "Recorder", "StepTimeline"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,3 +127,42 @@ class StepTimeline:
         fig.savefig(out, dpi=120)
         plt.close(fig)
         return out
+
+
+class Recorder:
+    """The moments of one step, as they happen (monotonic seconds), keyed by parameter."""
+
+    def __init__(self) -> None:
+        self._landed: dict[Hashable, float] = {}
+        self._copied: dict[Hashable, float] = {}
+        self.latest: StepTimeline | None = None
+        """The timeline of the latest step, or None before the first."""
+
+    def landed(self, key: Hashable, *, copied: bool) -> None:
+        """``key``'s gradient landed now (``copied``: its copy to the host is already complete)."""
+        now = time.monotonic()
+        self._landed[key] = now
+        if copied:
+            self._copied[key] = now
+
+    def landed_at(self, keys: Iterable[Hashable], default: float) -> float:
+        return max((self._landed.get(k, default) for k in keys), default=default)
+
+    def copies_done(self, keys: Sequence[Hashable]) -> float:
+        """When the copies of ``keys`` were complete: the latest synchronous one, else now (their waits returned)."""
+        copied = [self._copied[k] for k in keys if k in self._copied]
+        return max(copied) if keys and len(copied) == len(keys) else time.monotonic()
+
+    def finish(self, records: Sequence[Any], step_called: float) -> None:
+        """The step's timeline from its update records (accel/overlap.py's UpdateRecord); a new step begins."""
+        backward_end = max(self._landed.values(), default=step_called)
+        buckets = []
+        for r in records:
+            d2h = r.extra.get("d2h_done", r.start)
+            buckets.append(BucketTimes(
+                label=str(r.bucket), grad_ready=min(r.ready, d2h), d2h_done=d2h, update_start=r.start,
+                update_end=r.end, h2d_done=max(r.end, r.extra.get("h2d_issued", r.end)),
+            ))
+        self.latest = StepTimeline(buckets=tuple(buckets), backward_end=backward_end)
+        self._landed = {}
+        self._copied = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -283,6 +284,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pipeline = GradientPipeline(self, PipelineConfig(
             offload_gradients=offload_gradients, bucket_bytes=bucket_bytes, update_in_backward=update_in_backward,
         ))
+        # The pipeline holds this optimizer weakly: when the user lets it go, its hooks and threads go with it.
+        weakref.finalize(self, self._pipeline.close)
         # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
         self._step_supports_amp_scaling = True
 
@@ -457,7 +460,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for p, grad, given_staging in updates:
             local = _distributed.local_tensor(p)
             staging = given_staging
-            if staging is None and local.device.type == "cpu" and not host_state.is_own_master(local):
+            if staging is None and host_state.on_host(local) and not host_state.is_own_master(local):
                 staging = local.data
             work.append(_update.TensorUpdate(local, self.state[p], grad, staging))
         _update.update_group(

@@ -41,7 +41,7 @@ from typing import Any
 
 from offload_adamw.contract import bills
 from offload_adamw.distributed import local_tensor
-from offload_adamw.optim.state import dtype_name
+from offload_adamw.optim.state import dtype_name, on_host
 
 try:
     import resource  # POSIX only: the locked-memory limit
@@ -135,7 +135,7 @@ def state_bill(fresh: Sequence[tuple[dict[str, Any], int]], *, pin_memory: bool)
         # A DTensor (FSDP2) parameter: this rank allocates state for its local shard only.
         p = local_tensor(group["params"][index])
         amsgrad = bool(group.get("amsgrad"))
-        bill = bills.tensor_state_bytes(p.numel(), dtype_name(p.dtype), on_host=p.device.type == "cpu", amsgrad=amsgrad)
+        bill = bills.tensor_state_bytes(p.numel(), dtype_name(p.dtype), on_host=on_host(p), amsgrad=amsgrad)
         moments += bill.moments
         masters += bill.master
         steps += bill.step

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offload_adamw.accel import standin
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import MASTER_KEY
 
@@ -21,6 +22,7 @@ __all__ = [
     "host_zeros",
     "host_copy",
     "is_own_master",
+    "on_host",
     "new_state",
     "state_dtype",
     "stored_master",
@@ -38,9 +40,15 @@ def state_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if bills.state_dtype_name(dtype_name(p.dtype)) == "float64" else torch.float32
 
 
+def on_host(p: Tensor) -> bool:
+    """Whether ``p`` (a local tensor) lives in host memory, where the update can write it: a CPU tensor, unless the
+    asynchronous stand-in device of the tests serves it as a device tensor (accel/standin.py)."""
+    return p.device.type == "cpu" and not standin.is_device_tensor(p)
+
+
 def is_own_master(p: Tensor) -> bool:
     """Whether ``p`` (a local tensor, not a DTensor) is its own master: float32/float64 in host memory."""
-    return bills.is_own_master(dtype_name(p.dtype), on_host=p.device.type == "cpu")
+    return bills.is_own_master(dtype_name(p.dtype), on_host=on_host(p))
 
 
 def host_zeros(shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> Tensor:

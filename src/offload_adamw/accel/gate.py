@@ -1,0 +1,235 @@
+"""The clip coefficient and the non-finite decision of a step whose updates may start during backward.
+
+Contract:
+
+* With ``update_in_backward`` and ``max_grad_norm`` or a non-finite policy (skip or raise), no update
+  may start before every gradient of the step is known: :meth:`Gate.take` records each gradient's norm
+  and count of inf/NaN on its device as it lands (before a freed gradient leaves), and an autograd
+  callback at the end of backward (after FSDP2's and DDP's own) reduces them as torch does
+  (accel/clipping.py) and opens the gate, or leaves it shut for ``step()`` to clip, skip or raise
+  before any update. The end-of-backward decision reads the device once per step, not once per
+  parameter.
+* The coefficient taken then is used only while it is the step's: every gradient the step updates is
+  the one whose norm a hook took, with the ``max_grad_norm`` of now. Otherwise (accumulated over more
+  than one backward, cleared or set by hand after backward, a nested reentrant backward, a changed
+  ``max_grad_norm``) a step before which no update ran clips as ``torch.nn.utils.clip_grad_norm_``
+  does (:meth:`Gate.clip_at_step`), and one after updates that used it is refused.
+* Beside an attached DDP model, or with a plain parameter beside FSDP2's shards, the non-finite
+  decision is OR-reduced over the ranks, so every rank decides alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offload_adamw.accel import clipping
+from offload_adamw.accel.freed import is_host_resident
+from offload_adamw.accel.slots import SlotTable, Source
+from offload_adamw.accel.transfer import Completion, TransferEngine
+from offload_adamw.distributed import any_rank, local_tensor
+
+__all__ = ["Gate"]
+
+
+def _nonfinite_count(grad: Tensor) -> Tensor:
+    """How many elements of ``grad`` are inf or NaN, on its device (a DTensor: a partial sum over the ranks)."""
+    return torch.isfinite(grad).logical_not().sum()
+
+
+class Gate:
+    """What the end of backward decided for a step's gated updates (see the module contract)."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        slots: SlotTable,
+        engine: TransferEngine,
+        *,
+        enabled: bool,
+        describe: Callable[[Tensor], str],
+    ) -> None:
+        self._optimizer = optimizer
+        self._slots = slots
+        self._engine = engine
+        self._enabled = enabled  # update_in_backward: only then do updates start before step()
+        self._describe = describe
+        self.on_open: Callable[[], None] = lambda: None
+        """Called when the end of backward lets the gated updates start (the schedule's gate)."""
+        self.decision_groups: Callable[[], list[Any]] = list
+        """The process groups whose ranks must take the same non-finite decision (attached DDP models')."""
+        self.ddp_pending = False
+        """DDP's final callback is still to come in this backward: the decision follows it."""
+        self.clipping_at_step = False
+        """The step's own clipping is reading the gradients (no update has run yet)."""
+        self.reset()
+
+    def reset(self) -> None:
+        """Outside backward (step(), zero_grad()): nothing pending, also when a backward raised before its end."""
+        self._norms: dict[Tensor, tuple[Tensor, torch.device, torch.dtype]] = {}
+        self._counts: dict[Tensor, Tensor] = {}
+        self._marks: list[tuple[torch.device, Completion]] = []
+        self._callback_queued = False
+        self.coefficient: Tensor | None = None
+        """The host clip coefficient every gradient of the step is multiplied by, when it is the step's."""
+        self._stale = False
+        self._partial = False
+        self._max_norm: float | None = None
+        self._params: frozenset[Tensor] = frozenset()
+        self.taken = False
+        """The end of a backward let the updates start."""
+        self.checked_policy = "propagate"
+        self.ddp_pending = False
+
+    # -------------------------------------------------------------- in backward
+
+    def clips(self) -> bool:
+        return self._enabled and self._optimizer.max_grad_norm is not None
+
+    def checks(self) -> bool:
+        """Whether the non-finite policy (skip or raise) decides, at backward's end, if the updates may start."""
+        return self._enabled and self._optimizer.nonfinite != "propagate"
+
+    def gated(self) -> bool:
+        """Whether the updates of a step wait for the end of its backward (clipping, or a non-finite policy)."""
+        return self.clips() or self.checks()
+
+    def take(self, param: Tensor, grad: Tensor, *, accumulated: bool) -> None:
+        """``param``'s gradient landed: its norm and count on its device, before it leaves (accumulated: added onto
+        a gradient of an earlier backward, whose sum's norm is the host's to take)."""
+        if accumulated or self.taken or param in self._norms or param in self._counts:
+            self._stale = True
+        if self.clips():
+            self._norms[param] = (clipping.gradient_norm(grad), grad.device, grad.dtype)
+        if self.checks():
+            self._counts[param] = _nonfinite_count(grad)
+        if grad.device.type != "cpu":
+            # Taken on the stream the hook runs on (FSDP2: its post-reduce stream); read on the callback's stream.
+            self._marks.append((grad.device, self._engine.mark(grad.device)))
+
+    def queue_decision(self) -> None:
+        """Once per backward: decide when it has ended, after every callback queued during it (queued from a
+        callback: FSDP2's final callbacks, one per root module, reduce the last groups)."""
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._backward_ended))
+
+    def incomplete(self) -> None:
+        """A reduced DDP bucket took no norm (find_unused_parameters): the step clips and checks."""
+        self._partial = True
+
+    def _backward_ended(self) -> None:
+        self._callback_queued = False
+        if torch._C._current_autograd_node() is not None:
+            # The end of a backward nested in another one (reentrant activation checkpointing): more gradients
+            # come; the next hook queues this again on the outer backward (or step() clips, the gate still closed).
+            return
+        if self.ddp_pending:
+            return  # DDP's final callback is still to come, and with it the norms of reduced buckets
+        self.decide()
+
+    def decide(self) -> None:
+        """From what the hooks took in this backward: no non-finite gradient (a skip or raise policy) and the
+        clip coefficient (clipping); then the gated updates may start. Otherwise the gate stays closed and
+        step() does it all (the policy's skip or error, torch's clipping) before any update."""
+        if self._stale or self._partial or self._unseen_gradient():
+            self.coefficient = None
+            return
+        marks, self._marks = self._marks, []
+        for device, mark in marks:
+            self._engine.current_stream_waits(device, mark)
+        if self.checks():
+            if not self._counts or self._any_nonfinite():
+                return
+            self.checked_policy = self._optimizer.nonfinite
+        if self.clips():
+            max_norm = self._optimizer.max_grad_norm
+            if not self._norms or max_norm is None:
+                self.coefficient = None  # step() clips the gradients it has (torch's clipping), the gate still closed
+                return
+            order = self._order()
+            total, coef = clipping.clip_coefficient([self._norms[p] for p in order if p in self._norms], max_norm)
+            self._max_norm = max_norm
+            self._params = frozenset(p for p in order if p in self._norms)
+            self._optimizer.last_grad_norm = total
+            self.coefficient = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
+        self.taken = True
+        self.on_open()
+
+    def _order(self) -> list[Tensor]:
+        return [p for g in self._optimizer.param_groups for p in g["params"]]
+
+    def _unseen_gradient(self) -> bool:
+        """Whether a parameter has a gradient no hook of this backward took: accumulated only inside ``no_sync()``
+        (a layer the last micro-batch does not reach) or set by hand. Its norm and count are not the hooks', so the
+        step's clipping and policy, which read it, must come before any update."""
+        return any(
+            slot.source is not Source.DDP and slot.param.grad is not None and not is_host_resident(slot.param.grad)
+            for slot in self._slots
+        )
+
+    def _any_nonfinite(self) -> bool:
+        """Whether a gradient of this backward holds inf or NaN on any rank, with one read of the device."""
+        sharded = [c for c in self._counts.values() if local_tensor(c) is not c]
+        plain = [c for c in self._counts.values() if local_tensor(c) is c]
+        found = bool(torch.stack([c.to(plain[0].device) for c in plain]).sum().item() > 0) if plain else False
+        groups = self.decision_groups()  # beside an attached DDP model the replicas decide alike
+        if sharded:
+            summed: Any = sharded[0]
+            for count in sharded[1:]:
+                summed = summed + count  # DTensor partial sums: one all-reduce at full_tensor()
+            sharded_found = int(summed.full_tensor().item()) > 0  # a collective: every rank calls it, whatever it found
+            found = found or sharded_found
+            # A plain gradient beside FSDP2's (a module outside fully_shard) is this rank's own: every rank must
+            # still decide alike, as the step's policy does, or one rank's updates run while another's step
+            # waits in that policy's all-reduce.
+            mesh = summed.device_mesh
+            groups = [mesh.get_group(dim) for dim in range(mesh.ndim)] if plain else []
+        return any_rank(found, (), groups)
+
+    # ------------------------------------------------------------------ at step
+
+    def clip_at_step(self, present: Sequence[Tensor], early: bool,
+                     gradients: Callable[[Sequence[Tensor]], list[Tensor]]) -> None:
+        """Clipping with update_in_backward: the coefficient taken after backward while it is the step's, else torch's
+        now over ``gradients(present)``; refused after updates ran with a coefficient that is not the step's."""
+        max_norm = self._optimizer.max_grad_norm
+        reason = self._not_the_steps(present, max_norm)
+        if reason is None:
+            return
+        if early:
+            raise RuntimeError(
+                f"{reason}, but with update_in_backward=True and max_grad_norm the updates that ran during backward "
+                "used the clip coefficient taken when backward ended; set gradients only through backward, one backward "
+                "per step (accumulate inside opt.no_sync()), and change max_grad_norm after opt.step()"
+            )
+        self.coefficient = None
+        if max_norm is None:
+            return
+        grads = gradients(present)
+        self.clipping_at_step = True
+        try:
+            self._optimizer.last_grad_norm = clipping.clip_gradients_(grads, max_norm)
+        finally:
+            self.clipping_at_step = False
+
+    def _not_the_steps(self, present: Sequence[Tensor], max_norm: float | None) -> str | None:
+        """Why the coefficient taken after backward does not fit this step's gradients, or None when it does."""
+        if self._stale:
+            return "a gradient was accumulated over more than one backward (or changed after its norm was taken)"
+        if self.coefficient is None:
+            return None if max_norm is None else "no backward ended with every gradient's norm taken"
+        if max_norm != self._max_norm:
+            return f"max_grad_norm changed from {self._max_norm} to {max_norm} between backward and step()"
+        for p in present:
+            if not is_host_resident(p.grad) or p not in self._params:
+                return f"{self._describe(p)} has a gradient that backward's hooks did not see"
+        gone = [p for p in self._params if p not in set(present)]
+        if gone:
+            return f"{self._describe(gone[0])}'s gradient was cleared after backward"
+        return None

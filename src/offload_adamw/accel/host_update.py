@@ -1,0 +1,90 @@
+"""The update of one bucket on the host: its gradients, the optimizer's update per group, the parameters back.
+
+Contract:
+
+* :meth:`HostUpdate.run` takes a bucket's parameters and, for each, its complete host gradient (the caller
+  has waited for its copy), multiplies it by the step's clip coefficient where one was taken after backward
+  (what ``clip_grads_with_norm_`` does to it, on the host where it is), and calls the optimizer's
+  ``update_group`` once per parameter group with (parameter, host gradient, staging buffer).
+* A device parameter's staging buffer receives round(master) and is sent back with one copy per device
+  and bucket; before a staging buffer is written again the host waits for the copy that still reads it.
+  A host parameter (none on the stand-in device) is written by the optimizer itself.
+* It returns the completions of the copies it sent; the compute stream waits for them before the next
+  forward, the host does not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offload_adamw.accel.slots import Slot, SlotTable
+from offload_adamw.accel.timeline import Recorder
+from offload_adamw.accel.transfer import Completion, TransferEngine
+
+__all__ = ["HostUpdate"]
+
+
+class HostUpdate:
+    """The host placement of a bucket's update (see the module contract)."""
+
+    def __init__(self, optimizer: Any, slots: SlotTable, engine: TransferEngine, recorder: Recorder,
+                 coefficient: Callable[[], Tensor | None]) -> None:
+        self._optimizer = optimizer
+        self._slots = slots
+        self._engine = engine
+        self._recorder = recorder
+        self._coefficient = coefficient
+
+    def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
+            gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None,
+            ) -> list[tuple[torch.device, Completion]]:
+        coef = self._coefficient()
+        by_group: dict[int, list[tuple[Slot, Tensor]]] = {}
+        for p in params:
+            slot = self._slots[p]
+            grad = gradient(slot)
+            if grad is not None:
+                if coef is not None:
+                    grad.mul_(coef)
+                by_group.setdefault(where[p][0], []).append((slot, grad))
+        if times is not None:
+            times["d2h_done"] = self._recorder.copies_done(params)
+        sent: list[tuple[torch.device, Completion]] = []
+        for gi, members in by_group.items():
+            updates: list[tuple[Tensor, Tensor, Tensor | None]] = []
+            to_device: list[Slot] = []
+            for slot, grad in members:
+                if not self._engine.is_device(slot.local.device):
+                    updates.append((slot.param, grad, None))  # the optimizer writes host parameters itself
+                else:
+                    slot.sending.wait()  # the previous copy out of staging has ended
+                    updates.append((slot.param, grad, slot.staging))
+                    to_device.append(slot)
+            self._optimizer.update_group(gi, updates, scale)
+            sent += self._send_back(to_device)
+        if times is not None:
+            times["h2d_issued"] = time.monotonic()
+        return sent
+
+    def _send_back(self, slots: list[Slot]) -> list[tuple[torch.device, Completion]]:
+        """Updated parameters host -> device, non-blocking; one completion per device for the bucket."""
+        by_device: dict[torch.device, list[Slot]] = {}
+        for s in slots:
+            by_device.setdefault(s.local.device, []).append(s)
+        sent = []
+        for device, members in by_device.items():
+            pairs = []
+            for s in members:
+                assert s.staging is not None  # laid out for every device parameter
+                pairs.append((s.local, s.staging))
+            done = self._engine.send_to_device(device, pairs)
+            for s in members:
+                s.sending = done
+            sent.append((device, done))
+        return sent
+

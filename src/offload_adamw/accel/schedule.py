@@ -1,0 +1,352 @@
+"""When the updates of a step run: all at ``step()``, or each bucket during backward as soon as it can.
+
+Contract, one schedule each, chosen once at construction:
+
+* :class:`AtStep`: every update runs in ``step()``; nothing is refused that torch allows.
+* :class:`DuringBackward` (``update_in_backward``, freed gradients only): the buckets of a step are those
+  of the previous backward's order (an FSDP2 group, or a DDP bucket, is one bucket); a bucket whose
+  gradients have all landed is updated by the worker of accel/overlap.py while backward goes on, reading
+  the host buffers it landed with. With clipping or a non-finite policy the worker waits for the gate
+  (accel/gate.py). Only parameters that had a gradient and state at the previous step are in a bucket:
+  creating state can fail, and it must fail before any update of the step. A landing parameter still
+  used later in this backward has its version moved, so that the use fails loudly (autograd's check)
+  instead of reading the updated value.
+* What the protocol cannot make exact after updates ran is refused by name: a second backward through
+  an updated parameter, reading or clearing a gradient after its update, a forward before ``step()``,
+  hyperparameters or the non-finite policy changed between backward and ``step()``, loss scaling.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offload_adamw.accel.freed import is_host_resident
+from offload_adamw.accel.gate import Gate
+from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
+from offload_adamw.accel.slots import Holding, Slot, SlotTable
+from offload_adamw.accel.sources import graph_task
+from offload_adamw.accel.transfer import Completion
+
+__all__ = ["AtStep", "DuringBackward", "Early", "hyper_of"]
+
+Sent = list[tuple[torch.device, Completion]]
+
+
+class Early:
+    """What ran during backward: the parameters updated, their records and the copies they sent back."""
+
+    __slots__ = ("params", "records", "sent")
+
+    def __init__(self, params: set[Tensor] | None = None, records: list[UpdateRecord] | None = None,
+                 sent: Sent | None = None) -> None:
+        self.params = params or set()
+        self.records = records or []
+        self.sent = sent or []
+
+
+def hyper_of(group: dict[str, Any]) -> tuple:
+    """The values an update reads from its group (a tensor lr by value)."""
+    lr = group["lr"]
+    lr = float(lr) if isinstance(lr, Tensor) else lr
+    betas = tuple(float(b) if isinstance(b, Tensor) else b for b in group["betas"])
+    return (lr, betas, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
+
+
+class AtStep:
+    """Every update runs in step()."""
+
+    early = False
+
+    def landed(self, slot: Slot) -> None:
+        return None
+
+    def check_second_backward(self, slot: Slot) -> None:
+        return None
+
+    def check_read(self, slot: Slot) -> None:
+        return None
+
+    def check_accumulate(self, slot: Slot) -> None:
+        return None
+
+    def check_zero(self, slot: Slot) -> None:
+        return None
+
+    def check_drop(self, slot: Slot) -> None:
+        return None
+
+    def refuse_mid_step(self, what: str) -> None:
+        return None
+
+    def refuse_loss_scaling(self) -> None:
+        return None
+
+    def before_step(self) -> Early:
+        return Early()
+
+    def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
+        return None
+
+    def prepare(self, buckets: list[list[Tensor]]) -> None:
+        return None
+
+    def zero_grad(self) -> None:
+        return None
+
+    def armed(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        return None
+
+
+class DuringBackward:
+    """Bucket updates during backward (see the module contract)."""
+
+    early = True
+
+    def __init__(self, optimizer: Any, slots: SlotTable, gate: Gate, *, describe: Callable[[Slot], str],
+                 run_early: Callable[[list[Tensor]], tuple[Sent, dict[str, float]]],
+                 thread_init: Callable[[], None]) -> None:
+        self._optimizer = optimizer
+        self._slots = slots
+        self._gate = gate
+        self._describe = describe
+        self._run_early = run_early
+        self._thread_init = thread_init
+        self._updater: BackwardUpdater | None = None
+        self._buckets: list[list[Tensor]] = []
+        self._sent: Sent = []
+        self._hyper: dict[int, tuple] = {}
+        self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
+        self._missing_state = False
+        self._checked_task: int | None = None
+        gate.on_open = self._open_gate
+        _watch_forwards(self)
+
+    # ------------------------------------------------------------ in backward
+
+    def _open_gate(self) -> None:
+        if self._updater is not None:
+            self._updater.open_gate()
+
+    def landed(self, slot: Slot) -> None:
+        """``slot``'s gradient is in host memory (or on its way): its bucket may start."""
+        updater = self._updater
+        if updater is None:
+            return
+        if self._gate.gated() and not updater.gated() and not updater.started():
+            # Made gated since the last step (max_grad_norm or a policy set): these updates cannot wait for the gate.
+            self._drop_updater()
+            return
+        self._drop_if_state_missing(slot.param)
+        if self._updater is not None:
+            self._updater.landed(slot.param)
+            # An early update runs in place: a use of the parameter still to come in this backward must fail
+            # loudly (autograd's saved-tensor check), not read the updated value.
+            torch.autograd.graph.increment_version(slot.param)
+
+    def _drop_if_state_missing(self, landing: Tensor) -> None:
+        """While no update has run: a parameter unfrozen since the last step (or ``landing``, reached for the first
+        time) needs state, whose creation may fail, so this step's updates wait for step(), where every state is
+        created before the first update. A trainable parameter no backward reached keeps nothing waiting until it is
+        reached; if that happens after updates ran, its state is created at step()."""
+        updater = self._updater
+        assert updater is not None
+        if updater.started() and not updater.gated():
+            return
+        state = self._optimizer.state
+        task = graph_task()
+        if task is None or task < 0 or task != self._checked_task:
+            # Once per backward: nothing is unfrozen or given state while it runs (DDP's gloo thread has no task).
+            self._checked_task = task
+            self._missing_state = any(
+                s.param.requires_grad and not state.get(s.param) and s.param not in self._unreached for s in self._slots
+            )
+        if not state.get(landing) or self._missing_state:
+            self._drop_updater()
+
+    def _drop_updater(self) -> None:
+        if self._updater is not None:
+            self._updater.close()
+            self._updater = None
+
+    def check_second_backward(self, slot: Slot) -> None:
+        if self._updater is not None and self._updater.covers(slot.param):
+            raise RuntimeError(self._second_backward(slot))
+
+    def _second_backward(self, slot: Slot) -> str:
+        return (
+            f"{self._describe(slot)}: a second backward reached this parameter after its update ran during the "
+            "previous one (update_in_backward=True); accumulate micro-batches inside opt.no_sync() (FSDP2: "
+            "model.set_requires_gradient_sync(False)) and call opt.step() after each backward that runs outside it"
+        )
+
+    def check_read(self, slot: Slot) -> None:
+        self.check_second_backward(slot)  # FSDP2 accumulating into p.grad after its update ran
+        if not self._gate.clipping_at_step:
+            # The update may already have consumed this gradient during backward: clipping or unscaling it now
+            # would change nothing the optimizer computes.
+            raise RuntimeError(
+                f"{self._describe(slot)}: with update_in_backward=True the host updates run during backward, so its "
+                "gradient cannot be clipped, unscaled or read through p.grad afterwards; use update_in_backward=False "
+                "for clipping or loss scaling"
+            )
+
+    def check_accumulate(self, slot: Slot) -> None:
+        raise RuntimeError(
+            f"{self._describe(slot)}: a second gradient was added into p.grad in this step (FSDP2 reduced another "
+            "micro-batch into it, or zero_grad(set_to_none=False) left it in place), but with update_in_backward=True "
+            "each parameter takes one gradient per step, during backward: run the micro-batches that only accumulate "
+            "with model.set_requires_gradient_sync(False) inside opt.no_sync(), and clear gradients with "
+            "zero_grad(set_to_none=True)"
+        )
+
+    def check_zero(self, slot: Slot) -> None:
+        self.refuse_mid_step("zero its gradient")
+
+    def check_drop(self, slot: Slot) -> None:
+        """In backward that is the previous step's gradient, even after other parameters' early updates of this step
+        ran; only a parameter whose own update already ran in this backward is refused (a second backward)."""
+        self.check_second_backward(slot)
+
+    def refuse_mid_step(self, what: str) -> None:
+        """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
+        updater = self._updater
+        if updater is not None and updater.started() and not updater.gated():
+            raise RuntimeError(
+                f"the optimizer cannot {what} now: with update_in_backward=True the last backward already updated "
+                "some parameters, so opt.step() must come next (every backward outside opt.no_sync() is followed by "
+                "step(); a backward that is not, such as one through another model's parameters, needs "
+                "update_in_backward=False)"
+            )
+
+    def refuse_loss_scaling(self) -> None:
+        raise RuntimeError(
+            "update_in_backward=True cannot be combined with loss scaling: the updates run during backward, "
+            "before GradScaler knows whether to skip the step; use bf16, or update_in_backward=False"
+        )
+
+    def refuse_forward(self, module: torch.nn.Module) -> None:
+        """A forward after a backward whose updates ran, before step(): torch's optimizer has not changed the
+        parameters yet, ours has (some of them). Raised, naming the module's first updated parameter."""
+        updater = self._updater
+        if updater is None or not updater.started() or torch._C._current_autograd_node() is not None:
+            return  # no update ran, or a recomputation inside backward (activation checkpointing)
+        for p in module.parameters(recurse=False):
+            if updater.covers(p):
+                raise RuntimeError(
+                    f"a forward of {type(module).__name__} reads {self._describe(self._slots[p])}, whose update already "
+                    "ran during the last backward (update_in_backward=True): opt.step() must come next. Accumulate "
+                    "micro-batches inside opt.no_sync(), run other forwards (a metric, an EMA) after opt.step(), or use "
+                    "update_in_backward=False"
+                )
+
+    def armed(self) -> bool:
+        """Whether the next backward's buckets are set (its updates may start during it)."""
+        return self._updater is not None
+
+    # ------------------------------------------------------------------ the step
+
+    def before_step(self) -> Early:
+        """Wait for the updates that ran during backward (a gate that never opened: none ran, step() updates all)."""
+        if self._updater is not None and self._updater.gated():
+            self._drop_updater()
+        updater, self._updater = self._updater, None
+        if updater is None:
+            return Early()
+        _, records = updater.finish()
+        sent, self._sent = self._sent, []  # after the worker has ended: its last bucket's copies are among them
+        for gi, used in self._hyper.items():
+            if hyper_of(self._optimizer.param_groups[gi]) != used:
+                raise RuntimeError(
+                    f"param_groups[{gi}]'s hyperparameters changed between backward and step(), but with "
+                    "update_in_backward=True the update ran during backward with the old ones; change lr, betas, "
+                    "eps or weight_decay (scheduler.step()) after optimizer.step()"
+                )
+        self._hyper = {}
+        return Early({p for r in records for p in self._buckets[r.bucket]}, records, sent)
+
+    def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
+        """What the step may not meet after early updates (before any update of its own)."""
+        describe = self._optimizer.describe_param
+        for p in early.params:
+            if p not in where:
+                continue
+            if p.grad is None:
+                raise RuntimeError(
+                    f"{describe(*where[p])}: its gradient was cleared between backward and step() "
+                    "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
+                    "clear gradients after optimizer.step()"
+                )
+            if not is_host_resident(p.grad):
+                raise RuntimeError(
+                    f"{describe(*where[p])} was given a gradient after backward, but with update_in_backward=True "
+                    "its update already ran during backward; set gradients only through backward"
+                )
+        if early.params and self._optimizer.nonfinite != "propagate" and self._gate.checked_policy == "propagate":
+            raise RuntimeError(
+                f"nonfinite changed to {self._optimizer.nonfinite!r} between backward and step(), but with "
+                "update_in_backward=True updates already ran during backward without a non-finite check; set nonfinite "
+                "before the backward (the constructor's nonfinite=), or change it after optimizer.step()"
+            )
+
+    def prepare(self, buckets: list[list[Tensor]]) -> None:
+        """The next step's early updates follow this step's buckets (the order of this backward), with only the
+        parameters that had a gradient in this step, and so have state. A trainable parameter that no backward reached
+        (an unused head) is in no bucket and keeps nothing waiting."""
+        state = self._optimizer.state
+        self._unreached = {s.param for s in self._slots if s.param.requires_grad and not state.get(s.param)}
+        self._checked_task = None
+        kept = [
+            b for b in ([p for p in bucket if self._slots[p].holding is not Holding.NOTHING and state.get(p)]
+                        for bucket in buckets)
+            if b
+        ]
+        self._buckets = kept
+        self._updater = BackwardUpdater(kept, self._early_update, gated=self._gate.gated(), thread_init=self._thread_init)
+
+    def _early_update(self, index: int) -> dict[str, float]:
+        """A bucket's update on the worker thread, while backward goes on."""
+        bucket = self._buckets[index]
+        members = set(bucket)
+        for gi, group in enumerate(self._optimizer.param_groups):
+            if any(p in members for p in group["params"]):
+                self._hyper[gi] = hyper_of(group)
+        sent, times = self._run_early(bucket)
+        self._sent += sent
+        return times
+
+    def zero_grad(self) -> None:
+        """Buckets complete in the cleared backward, waiting for a coefficient, would run on the next one's."""
+        self.refuse_mid_step("clear its gradients")
+        if self._updater is not None and self._updater.gated() and self._updater.started():
+            self._drop_updater()
+
+    def close(self) -> None:
+        _WATCHED.discard(self)
+        self._drop_updater()
+
+
+# Schedules with updates during backward, watched by one global forward pre-hook (registered with the first).
+_WATCHED: weakref.WeakSet[DuringBackward] = weakref.WeakSet()
+_FORWARD_HOOK: Any = None
+
+
+def _watch_forwards(schedule: DuringBackward) -> None:
+    global _FORWARD_HOOK
+    _WATCHED.add(schedule)
+    if _FORWARD_HOOK is None:
+        _FORWARD_HOOK = torch.nn.modules.module.register_module_forward_pre_hook(_forward_guard)
+
+
+def _forward_guard(module: torch.nn.Module, args: Sequence[Any]) -> None:
+    if torch.compiler.is_compiling():
+        return  # traced as a constant: compiled forwards keep their graphs (and go unchecked)
+    for schedule in list(_WATCHED):
+        schedule.refuse_forward(module)

@@ -1,0 +1,329 @@
+"""Every copy between a device and the host, and every wait on one: the transfer engine.
+
+Contract:
+
+* One :class:`TransferEngine` per pipeline owns every stream, event, ``record_stream`` and the
+  accumulator thread. Nothing else in the pipeline touches a stream: it asks for a copy and gets a
+  :class:`Completion` back, and it waits on that completion before it reads a buffer the copy fills
+  and before it overwrites a buffer a copy still reads. Those waits are the pipeline's ordering; the
+  engine only carries them out.
+* ``copy_to_host(src, dst)``: the host buffer ``dst`` receives the device tensor ``src``, ordered after
+  the work already issued on the current stream of ``src``'s device (the work that produced it);
+  ``src``'s memory is not handed to anyone else before the copy has read it.
+* ``add_on_host(after, dst, src)``: ``dst += src`` in host memory, on the accumulator thread, once
+  ``after`` is complete: ``old + new`` rounded once to the gradient's dtype, which is what autograd's
+  accumulation computes. The hook that asks for it never waits.
+* ``send_to_device(pairs)``: each device tensor receives its host source; :meth:`send_after_compute`
+  orders later sends after the compute stream's work issued so far (the parameters the device still
+  reads), and :meth:`compute_waits` makes the compute stream (the next forward) wait for a send
+  without the host waiting.
+* ``mark(device)`` is a completion for the work issued so far on the current stream of ``device``
+  (a gradient norm taken in a hook); :meth:`current_stream_waits` orders the current stream after it.
+* Lanes, one per device, chosen by the device's type, never by a flag: CUDA devices get side streams
+  and blocking events (a host that waits sleeps instead of spinning a core the host kernel wants);
+  every other device, the CPU included, gets synchronous copies (a completion that is complete when
+  returned). The asynchronous stand-in of accel/standin.py is a third lane, for tests on the CPU.
+* Worker threads (the accumulator here, the updater of accel/overlap.py) call :meth:`thread_init`
+  first: on CUDA it makes the pipeline's device current, so that a rank's threads never create a
+  context on device 0.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["Completion", "DONE", "HostCompletion", "Lane", "TransferEngine"]
+
+
+class Completion(Protocol):
+    """Work issued on a stream or a worker thread, complete at some later moment."""
+
+    def wait(self) -> None:
+        """Block the calling thread until the work is complete; raise what the work raised."""
+        ...
+
+    def done(self) -> bool:
+        """Whether the work is complete (never blocks)."""
+        ...
+
+
+class _Done:
+    """A completion that is complete from the start (a synchronous copy)."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "DONE"
+
+
+DONE: Completion = _Done()
+
+
+class HostCompletion:
+    """Work of a host thread; ``fail`` keeps the error for :meth:`wait` to raise on the waiting thread."""
+
+    __slots__ = ("_event", "_error")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def finish(self) -> None:
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+
+class _CudaCompletion:
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+
+class Lane(Protocol):
+    """The copies of one device (see the module contract)."""
+
+    def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion: ...
+
+    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion: ...
+
+    def send_after_compute(self) -> None: ...
+
+    def compute_waits(self, completion: Completion) -> None: ...
+
+    def mark(self) -> Completion: ...
+
+    def current_stream_waits(self, completion: Completion) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Synchronous:
+    """The CPU as device, or an accelerator without streams here: every copy is complete when it returns."""
+
+    def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
+        dst.copy_(src)
+        return DONE
+
+    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+        with torch.no_grad():
+            for device_tensor, host in pairs:
+                device_tensor.copy_(host)
+        return DONE
+
+    def send_after_compute(self) -> None:
+        return None
+
+    def compute_waits(self, completion: Completion) -> None:
+        completion.wait()
+
+    def mark(self) -> Completion:
+        return DONE
+
+    def current_stream_waits(self, completion: Completion) -> None:
+        completion.wait()
+
+    def synchronize(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class _CudaStreams:
+    """One CUDA device: a side stream for each direction, blocking events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.d2h = torch.cuda.Stream(device=device)
+        self.h2d = torch.cuda.Stream(device=device)
+
+    def _event(self, stream: Any) -> Completion:
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        return _CudaCompletion(event)
+
+    def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+        # The caching allocator must not hand src's memory to anyone before this copy has read it.
+        src.record_stream(self.d2h)
+        return self._event(self.d2h)
+
+    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+        with torch.cuda.stream(self.h2d), torch.no_grad():
+            for device_tensor, host in pairs:
+                device_tensor.copy_(host, non_blocking=True)
+        return self._event(self.h2d)
+
+    def send_after_compute(self) -> None:
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+
+    def compute_waits(self, completion: Completion) -> None:
+        if isinstance(completion, _CudaCompletion):
+            torch.cuda.current_stream(self.device).wait_event(completion.event)
+        else:
+            completion.wait()
+
+    def mark(self) -> Completion:
+        return self._event(torch.cuda.current_stream(self.device))
+
+    def current_stream_waits(self, completion: Completion) -> None:
+        self.compute_waits(completion)
+
+    def synchronize(self) -> None:
+        self.d2h.synchronize()
+        self.h2d.synchronize()
+
+    def close(self) -> None:
+        return None  # torch destroys the streams with the last reference
+
+
+class _Accumulator:
+    """Adds accumulation copies into their host gradients on a worker thread, never on autograd's."""
+
+    def __init__(self, thread_init: Callable[[], None]) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._thread_init = thread_init
+
+    def submit(self, after: Completion, dst: Tensor, src: Tensor) -> Completion:
+        done = HostCompletion()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_accumulate_forever, args=(self._jobs, self._thread_init), name="offload-adamw-accumulate", daemon=True
+            )
+            self._thread.start()
+        self._jobs.put((after, dst, src, done))
+        return done
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+
+def _accumulate_forever(jobs: queue.SimpleQueue[Any], thread_init: Callable[[], None]) -> None:
+    thread_init()
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        after, dst, src, done = job
+        try:
+            after.wait()  # the copy into src has landed
+            with torch.no_grad():
+                dst.add_(src)  # old + new, rounded once to the gradient's dtype: what autograd's accumulation computes
+        except BaseException as error:  # noqa: BLE001 - re-raised by the wait of the step that needs this gradient
+            done.fail(error)
+        else:
+            done.finish()
+
+
+class TransferEngine:
+    """The lanes of every device a pipeline copies to or from, and its accumulator (see the module contract)."""
+
+    def __init__(self, make_lane: Callable[[torch.device], Lane] | None = None, *, every_device: bool = False) -> None:
+        self._make_lane = make_lane or _lane_for
+        self._every_device = every_device
+        self._lanes: dict[torch.device, Lane] = {}
+        self._lock = threading.Lock()
+        self._home: torch.device | None = None  # the first CUDA device: worker threads make it current
+        self.accumulator = _Accumulator(self.thread_init)
+
+    def is_device(self, device: torch.device) -> bool:
+        """Whether a parameter on ``device`` lives apart from the host (it gets a staging buffer and a send-back)."""
+        return self._every_device or device.type not in ("cpu", "meta")
+
+    def claim(self, tensor: Tensor) -> None:
+        """``tensor`` is a parameter this engine's pipeline serves (the stand-in device counts it as a device tensor)."""
+        return None
+
+    def pins(self, device: torch.device) -> bool:
+        """Whether host buffers that serve ``device`` are page-locked (only CUDA copies them asynchronously)."""
+        return device.type == "cuda" and not self._every_device
+
+    def lane(self, device: torch.device) -> Lane:
+        lane = self._lanes.get(device)
+        if lane is None:
+            with self._lock:
+                lane = self._lanes.get(device)
+                if lane is None:
+                    lane = self._lanes[device] = self._make_lane(device)
+                    if device.type == "cuda" and self._home is None:
+                        self._home = device
+        return lane
+
+    def thread_init(self) -> None:
+        """Called first by every worker thread of the pipeline."""
+        if self._home is not None:
+            torch.cuda.set_device(self._home)
+
+    def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
+        return self.lane(src.device).copy_to_host(src, dst)
+
+    def add_on_host(self, after: Completion, dst: Tensor, src: Tensor) -> Completion:
+        return self.accumulator.submit(after, dst, src)
+
+    def send_to_device(self, device: torch.device, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+        return self.lane(device).send_to_device(pairs)
+
+    def send_after_compute(self, devices: set[torch.device]) -> None:
+        for device in devices:
+            self.lane(device).send_after_compute()
+
+    def compute_waits(self, device: torch.device, completion: Completion) -> None:
+        self.lane(device).compute_waits(completion)
+
+    def mark(self, device: torch.device) -> Completion:
+        return self.lane(device).mark()
+
+    def current_stream_waits(self, device: torch.device, completion: Completion) -> None:
+        self.lane(device).current_stream_waits(completion)
+
+    def synchronize(self) -> None:
+        """Every copy this engine issued has ended (before page-locked memory is released)."""
+        for lane in list(self._lanes.values()):
+            lane.synchronize()
+
+    def close(self) -> None:
+        """Stop the worker threads (the pipeline is being dropped)."""
+        self.accumulator.stop()
+        for lane in list(self._lanes.values()):
+            lane.close()
+
+
+def _lane_for(device: torch.device) -> Lane:
+    return _CudaStreams(device) if device.type == "cuda" else _Synchronous()
+

@@ -1,0 +1,104 @@
+"""Proof that the stand-in device bites: delete one wait of the pipeline, and a stand-in suite fails.
+
+Each mutation removes one wait (or moves a host read before its wait) in a copy of the sources; the named
+stand-in tests (tests/test_standin_suites.py) then run on that copy in a subprocess and must fail with a
+test failure, not a collection error, while the same tests pass on the unmutated copy. Marked slow: each
+mutation is a fresh interpreter (about half a minute); run with ``pytest -m slow tests/test_standin_mutations.py``.
+
+Waits the stand-in cannot catch by design, and why, are listed in NOT_CAUGHT: they are real on CUDA, where the
+host runs ahead of the device, but the stand-in's compute stream is the calling thread and blocks at the end of
+each step (as its contract says), so no later host write can meet a copy still in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCEL = "offload_adamw/accel"
+
+PARITY_FREED = "tests/test_standin_suites.py::test_parity_table_on_the_standin_device[fp32-acc4-freed-clip-scaler_none-seed12]"
+PARITY_KEPT = "tests/test_standin_suites.py::test_parity_table_on_the_standin_device[fp32-acc1-kept-noclip-scaler_none-seed11]"
+UIB = "tests/test_standin_suites.py::test_updates_during_backward_on_the_standin_device[acc1-noclip-seed21]"
+SCALER = "tests/test_standin_suites.py::test_loss_scaling_and_torch_clipping_on_the_standin_device"
+
+#: name -> (module under src/, the text removed or changed, its replacement, the tests that must catch it)
+MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
+    "slot: no wait for the copy into the host gradient": (
+        f"{ACCEL}/slots.py", "        self.landing.wait()\n", "", [PARITY_FREED, PARITY_KEPT]),
+    "slot: no wait for the accumulation add": (
+        f"{ACCEL}/slots.py", "        self.adding.wait()\n", "", [PARITY_FREED]),
+    "accumulator: adds before the copy of the addend landed": (
+        f"{ACCEL}/transfer.py", "            after.wait()  # the copy into src has landed\n", "", [PARITY_FREED]),
+    "freed: the accumulation buffer reused with its add pending": (
+        f"{ACCEL}/residency.py", "        slot.adding.wait()  # the accumulation buffer is about to be overwritten\n", "",
+        [PARITY_FREED]),
+    "step: the next forward does not wait for the parameters sent back": (
+        f"{ACCEL}/pipeline.py", "            self.engine.compute_waits(device, done)\n", "            pass\n",
+        [PARITY_KEPT]),
+    "kept: the host reads a gradient before its copy landed": (
+        f"{ACCEL}/residency.py", "        slot.complete()\n        slot.fetched = None\n        return slot.host_grad\n",
+        "        slot.fetched = None\n        return slot.host_grad\n", [PARITY_KEPT]),
+    "early update: reads the landed gradient before its copy ended": (
+        f"{ACCEL}/residency.py",
+        "        slot.complete()\n        assert slot.host_grad is not None  # the hook or the communication hook",
+        "        assert slot.host_grad is not None  # the hook or the communication hook", [UIB]),
+    "p.grad's stand-in: torch's clipping and GradScaler read the host gradient before its copy ended": (
+        f"{ACCEL}/residency.py", "        with self._lock:\n            slot.complete()\n        assert slot.host_grad",
+        "        assert slot.host_grad", [SCALER]),
+    "schedule: the step takes the early updates' copies before the worker has ended": (
+        f"{ACCEL}/schedule.py",
+        "        _, records = updater.finish()\n        sent, self._sent = self._sent, []",
+        "        sent, self._sent = self._sent, []\n        _, records = updater.finish()", [UIB]),
+}
+
+#: waits kept for CUDA that the stand-in cannot catch (see the module docstring)
+NOT_CAUGHT = {
+    "host update: staging written again before the previous copy out of it ended (slot.sending.wait())":
+        "within a step each staging buffer is written once, and every send-back is complete when the stand-in's "
+        "compute stream has waited for it at the end of the step",
+    "a reduced DDP bucket waits for a pending add before its copy (land_reduced's slot.complete())":
+        "DDP accumulates on the device, so no add is ever pending on a DDP parameter's buffer",
+}
+
+
+def _run(src: Path, tests: list[str]) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(src))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+
+
+def _copy(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return src
+
+
+@pytest.mark.slow
+def test_the_unmutated_pipeline_passes_every_test_the_mutations_use(tmp_path) -> None:
+    tests = sorted({t for *_, ts in MUTATIONS.values() for t in ts})
+    proc = _run(_copy(tmp_path), tests)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_removing_a_wait_fails_a_standin_suite(name: str, tmp_path) -> None:
+    module, old, new, tests = MUTATIONS[name]
+    src = _copy(tmp_path)
+    path = src / module
+    text = path.read_text()
+    assert text.count(old) == 1, f"the mutation of {module} no longer matches the code exactly once: update it"
+    path.write_text(text.replace(old, new))
+    proc = _run(src, tests)
+    assert proc.returncode == 1, (
+        f"{name}: expected a test failure (exit 1), got {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    )

@@ -1,0 +1,108 @@
+"""The pipeline's bitwise suites again, on the asynchronous stand-in device (accel/standin.py).
+
+On the CPU every copy is complete when issued, so the order of work is right by accident; here copies land
+late into poisoned buffers, on worker streams, after seeded random delays, and every parameter is a device
+parameter (staging buffers, copies back, host masters). The same configurations as the suites they come from
+must give the same bits: single device with kept and freed gradients, accumulation 1 and 4, clipping, fp16 loss
+scaling (the parity table of tests/test_offload_parity.py, with small buckets so that a kept gradient's copy of
+the next bucket is in flight while a bucket updates), updates during backward with and without clipping
+(tests/test_update_in_backward.py), zero_grad and accumulation in host memory (tests/test_offload.py), and DDP and
+FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and tests/test_overlap_fsdp.py). Each row has its
+own seed. tests/test_standin_mutations.py shows that removing any one wait of the pipeline fails one of these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload_adamw.accel import standin
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import test_offload  # noqa: E402
+import test_offload_parity  # noqa: E402
+import test_update_in_backward  # noqa: E402
+
+PARITY = [(case, seed) for seed, case in enumerate(test_offload_parity.CASES, start=11)]
+
+
+@pytest.mark.parametrize(("case", "standin_device"), PARITY, ids=[f"{c.id}-seed{s}" for c, s in PARITY],
+                         indirect=["standin_device"])
+def test_parity_table_on_the_standin_device(case, standin_device) -> None:
+    test_offload_parity.run_case(case, bucket_bytes=4096)
+
+
+UIB = [(accumulation, clipped, seed) for seed, (accumulation, clipped) in
+       enumerate([(1, False), (4, False), (1, True), (4, True)], start=21)]
+
+
+@pytest.mark.parametrize(("accumulation", "clipped", "standin_device"), UIB,
+                         ids=[f"acc{a}-{'clip' if c else 'noclip'}-seed{s}" for a, c, s in UIB],
+                         indirect=["standin_device"])
+def test_updates_during_backward_on_the_standin_device(accumulation, clipped, standin_device) -> None:
+    if clipped:
+        test_update_in_backward.test_clipped_updates_during_backward_are_bitwise_torch_clip_and_fused(accumulation)
+    else:
+        test_update_in_backward.test_updates_during_backward_are_bitwise_torch_fused(accumulation)
+
+
+@pytest.mark.parametrize("standin_device", [31, 32], indirect=True)
+@pytest.mark.parametrize("freed", [True, False], ids=["freed", "kept"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_on_the_standin_device(set_to_none, freed, standin_device) -> None:
+    test_offload.test_zero_grad_matches_torch(set_to_none, freed)
+
+
+@pytest.mark.parametrize("standin_device", [41, 42], indirect=True)
+def test_host_accumulation_on_the_standin_device(standin_device) -> None:
+    test_offload.test_host_accumulation_equals_autograd_accumulation()
+
+
+@pytest.mark.parametrize("standin_device", [51], indirect=True)
+def test_found_inf_skip_on_the_standin_device(standin_device) -> None:
+    test_offload.test_found_inf_skip_is_exact_with_freed_gradients()
+
+
+def _run_worker(worker: str, out: Path, seed: int, only: list[str]) -> list[dict]:
+    env = dict(os.environ, **{standin.ENV: str(seed)})
+    proc = subprocess.run([sys.executable, str(HERE / worker), "--out", str(out), "--only", *only], capture_output=True,
+                          text=True, timeout=400, env=env)
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
+
+
+import _overlap_ddp_worker as ddp_worker  # noqa: E402
+import _overlap_fsdp_worker as fsdp_worker  # noqa: E402
+
+DISTRIBUTED = {
+    # accumulation inside ddp_model.no_sync(), each reduced bucket landing during backward; clipping at its end
+    "ddp": ("_overlap_ddp_worker.py", 61, [ddp_worker.case_name(None, 4, True), ddp_worker.case_name(ddp_worker.CLIP, 1, True)]),
+    # groups landing during backward, clipped; FSDP2 reducing every micro-batch into the host shard (the accumulator)
+    "fsdp2": ("_overlap_fsdp_worker.py", 62, [fsdp_worker.case_name(None, 1), fsdp_worker.case_name(fsdp_worker.CLIP, 4),
+                                             fsdp_worker.freed_case_name("torch", 4, True)]),
+}
+
+
+@pytest.mark.parametrize("which", list(DISTRIBUTED))
+def test_distributed_suites_on_the_standin_device(which, tmp_path) -> None:
+    """The worker's cases are bitwise the reference on both ranks, the optimizer's copies on the stand-in device."""
+    worker, seed, only = DISTRIBUTED[which]
+    results = _run_worker(worker, tmp_path, seed, only)
+    assert all(set(result) == set(only) for result in results), "a case did not run"
+    failed = [f"rank {rank} {name}: {case['error'][-800:]}" for rank, result in enumerate(results)
+              for name, case in result.items() if not case["ok"]]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("standin_device", [71], indirect=True)
+@pytest.mark.parametrize("unscale", [True, False], ids=["unscale_then_clip", "step_only"])
+def test_loss_scaling_and_torch_clipping_on_the_standin_device(unscale, standin_device) -> None:
+    """GradScaler and torch's clip_grad_norm_ read the freed gradients through p.grad's stand-in."""
+    test_offload.test_plain_grad_scaler_with_freed_gradients_matches_torch(unscale)
