@@ -84,7 +84,11 @@ def take_over(param: Tensor, owner: Any) -> None:
         )
         previous.close()
     key = id(param)
-    _OWNERS[key] = (weakref.ref(param, lambda _, key=key: _OWNERS.pop(key, None)), weakref.ref(owner))
+
+    def forget(_: object) -> None:
+        _OWNERS.pop(key, None)
+
+    _OWNERS[key] = (weakref.ref(param, forget), weakref.ref(owner))
 
 
 def _remove_all(handles: list[Any]) -> None:

@@ -232,7 +232,11 @@ class _StandInLane:
 class _StandInEngine(TransferEngine):
     def claim(self, tensor: Tensor) -> None:
         key = id(tensor)
-        _device_tensors[key] = weakref.ref(tensor, lambda _, key=key: _device_tensors.pop(key, None))
+
+        def forget(_: object) -> None:
+            _device_tensors.pop(key, None)
+
+        _device_tensors[key] = weakref.ref(tensor, forget)
 
 
 atexit.register(_drain_at_exit)
