@@ -376,3 +376,71 @@ def test_torch_check_follows_imports_and_packages(tmp_path):
     closure = import_time_closure(src, "offload_adamw.conformance.report")
     assert "offload_adamw.conformance.checker" in closure  # reached through the package's __init__
     assert direct_torch_imports(src / "offload_adamw/conformance/checker.py") == [1]
+
+
+# ------------------------------------------------------------------ the transfer pipeline's components
+
+ACCEL = SRC / TOP / "accel"
+ACCEL_MAX_LINES = 500
+ACCEL_MAX_METHODS = 30
+#: the components of accel/, each built only by the front (accel/pipeline.py), which chooses them once
+ACCEL_COMPONENTS = {"SlotTable", "Gate", "HostUpdate", "AtStep", "DuringBackward", "FreedGradients", "KeptGradients",
+                    "AutogradHooks", "DdpSource", "Recorder", "TransferEngine"}
+#: the one other place that builds an engine: the stand-in device's factory
+ENGINE_FACTORIES = {"standin.py": {"TransferEngine"}}
+
+
+def accel_sizes(root: Path) -> list[str]:
+    """Modules over ACCEL_MAX_LINES lines and classes over ACCEL_MAX_METHODS methods in ``root``."""
+    problems = []
+    for path in sorted(root.glob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > ACCEL_MAX_LINES:
+            problems.append(f"accel/{path.name}: {lines} lines (at most {ACCEL_MAX_LINES})")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                if len(methods) > ACCEL_MAX_METHODS:
+                    problems.append(f"accel/{path.name}: class {node.name} has {len(methods)} methods "
+                                    f"(at most {ACCEL_MAX_METHODS})")
+    return problems
+
+
+def component_builders(root: Path) -> list[str]:
+    """Places outside accel/pipeline.py that build a component (a call of, or subclassing an engine for, its class)."""
+    problems = []
+    for path in sorted(root.glob("*.py")):
+        if path.name == "pipeline.py":
+            continue
+        allowed = ENGINE_FACTORIES.get(path.name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Call):
+                names = [node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")]
+            elif isinstance(node, ast.ClassDef):
+                names = [b.id for b in node.bases if isinstance(b, ast.Name)]
+            for name in names:
+                if name in ACCEL_COMPONENTS and name not in allowed:
+                    problems.append(f"accel/{path.name}:{node.lineno} builds {name}: only accel/pipeline.py wires "
+                                    "the components")
+    return problems
+
+
+def test_accel_modules_and_classes_stay_small():
+    problems = accel_sizes(ACCEL)
+    assert not problems, "\n".join(problems)
+
+
+def test_only_the_front_wires_the_pipelines_components():
+    problems = component_builders(ACCEL)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_accel_checks_can_fail(tmp_path):
+    big = tmp_path / "big.py"
+    big.write_text("class Wide:\n" + "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(31))
+                   + "\n" * ACCEL_MAX_LINES)
+    (tmp_path / "gate.py").write_text("from x import SlotTable\n\ndef make():\n    return SlotTable(None, None)\n")
+    sizes = accel_sizes(tmp_path)
+    assert any("big.py" in p and "lines" in p for p in sizes) and any("31 methods" in p for p in sizes), sizes
+    assert component_builders(tmp_path) == ["accel/gate.py:4 builds SlotTable: only accel/pipeline.py wires the components"]

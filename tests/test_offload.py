@@ -54,14 +54,14 @@ def test_host_buffers_are_few_and_exactly_sized() -> None:
     model = nn.Sequential(nn.Linear(7, 3), nn.Linear(3, 5).to(torch.bfloat16))
     opt = OffloadAdamW(model.parameters(), transfer_pipeline=True, offload_gradients=True)
     exact = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert opt._pipeline.host_buffer_bytes() == {"gradients": exact}
+    assert opt.host_buffer_bytes() == {"gradients": exact}
     arena = opt._pipeline.slots.arenas()[0]
     assert len(arena.buffers) == 2, "one flat buffer per dtype"
     spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in arena.views.values())
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "views overlap"
     for _ in range(2):  # a second micro-batch allocates the accumulation buffer, also exact
         model[1](model[0](torch.randn(2, 7)).to(torch.bfloat16)).float().sum().backward()
-    assert opt._pipeline.host_buffer_bytes() == {"gradients": exact, "accumulation": exact}
+    assert opt.host_buffer_bytes() == {"gradients": exact, "accumulation": exact}
     assert opt.pinned_bytes() == 0, "nothing is page-locked without an accelerator"
 
 
@@ -301,7 +301,7 @@ def test_cuda_pipeline_matches_reference(dtype: torch.dtype, freed: bool) -> Non
     ref_opt = torch.optim.AdamW(copies, lr=1e-3, fused=True)
     assert opt._pipeline is not None
     exact = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert opt._pipeline.host_buffer_bytes() == {"gradients": exact, "parameter staging": exact}
+    assert opt.host_buffer_bytes() == {"gradients": exact, "parameter staging": exact}
     assert opt.pinned_bytes() == 2 * exact, "page-locked bytes must be exact (no power-of-two rounding)"
     assert all(a.rounded_bytes == 0 for a in opt._pipeline.slots.arenas()), "cudaHostRegister fell back to the pinned allocator"
     for step in range(10):

@@ -57,11 +57,11 @@ def test_meta_parameters_get_no_buffers_and_the_step_refuses_them():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 3))
     opt = OffloadAdamW(model.parameters(), lr=1e-2, transfer_pipeline=True, offload_gradients=True)
-    assert opt.transfer_pipeline.host_buffer_bytes() == {}, "buffers were allocated for meta parameters"
+    assert opt.host_buffer_bytes() == {}, "buffers were allocated for meta parameters"
     model(torch.ones(2, 4096, device="meta")).sum().backward()
     with pytest.raises(ValueError, match="meta device.*materialize"):
         opt.step()
-    assert not opt.state and opt.transfer_pipeline.host_buffer_bytes() == {}
+    assert not opt.state and opt.host_buffer_bytes() == {}
 
 
 def test_pipeline_buffers_pass_the_host_memory_preflight(monkeypatch):
@@ -167,7 +167,7 @@ def test_accumulation_buffers_are_page_locked_after_backward_not_inside_it():
     before = opt.pinned_bytes()  # gradient and staging buffers, page-locked at construction
     for k in range(3):  # the second micro-batch lays out the accumulation buffers, inside backward
         model(_x(k, "cuda")).square().mean().backward()
-    assert opt.transfer_pipeline.host_buffer_bytes()["accumulation"] == exact
+    assert opt.host_buffer_bytes()["accumulation"] == exact
     assert opt.pinned_bytes() == before, "accumulation buffers were page-locked inside backward"
     opt.step()
     assert opt.pinned_bytes() == before + exact, "the step did not page-lock the accumulation buffers"

@@ -69,6 +69,7 @@ class BackwardUpdater:
             if self._enabled else None
         )
         self.last_landed = 0.0
+        self._worker: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
@@ -124,6 +125,7 @@ class BackwardUpdater:
         self._futures.append(self._pool.submit(self._run, index))
 
     def _run(self, index: int) -> None:
+        self._worker = threading.current_thread()
         record = self._records[index]
         record.start = time.monotonic()
         extra = self._update(index)
@@ -152,9 +154,10 @@ class BackwardUpdater:
         return remaining, [self._records[i] for i in done]
 
     def close(self) -> None:
-        """Drop the step without waiting for more gradients (used when the step is abandoned)."""
+        """Drop the step without waiting for more gradients (used when the step is abandoned). From the worker itself
+        (an optimizer let go while its update ran) nothing waits: the worker ends with its update."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=threading.current_thread() is not self._worker)
             self._pool = None
         self._enabled = False
 

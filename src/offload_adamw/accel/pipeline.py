@@ -130,10 +130,11 @@ class GradientPipeline:
         self._syncing = True
         self._arrival = 0
         opt = self.optimizer
-        self.slots = SlotTable(self.engine, getattr(opt, "check_host_buffers", None))
+        check = None if getattr(opt, "check_host_buffers", None) is None else self._check_host_buffers
+        self.slots = SlotTable(self.engine, check)
         self.recorder = Recorder()
         self._places: dict[Tensor, tuple[int, int]] = {}
-        self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe_param)
+        self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe)
         self.host = HostUpdate(opt, self.slots, self.engine, self.recorder, lambda: self.gate.coefficient)
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
@@ -146,15 +147,17 @@ class GradientPipeline:
         )
         self.hooks = AutogradHooks(
             self.slots, self, self._lock, freed=config.offload_gradients,
-            before_accumulate=self.residency.before_accumulate, first_hook=self._first_hook,
+            before_accumulate=self.residency.before_accumulate,
             second_backward=self.schedule.check_second_backward, relayout=lambda: self.slots.relayout(defer_pin=True),
         )
+
         self.ddp = DdpSource(
             self.slots, self, freed=config.offload_gradients, land_reduced=self.residency.land_reduced,
             after_ddp=self.residency.after_ddp, next_group=self.hooks.next_group, lock=self._lock, gate=self.gate,
             lands_early=config.update_in_backward,
         )
         self.gate.decision_groups = self.ddp.process_groups
+        self.hooks.first_hook = self.ddp.check_unattached
         self.refresh()
 
     # ------------------------------------------------------------------ set-up
@@ -177,17 +180,12 @@ class GradientPipeline:
         self.schedule.close()
         self.engine.close()
 
+    def _check_host_buffers(self, nbytes: int, label: str) -> None:
+        self.optimizer.check_host_buffers(nbytes, label)  # through the weak proxy: no bound method keeps it alive
+
     def is_device(self, device: torch.device) -> bool:
         """Whether a parameter on ``device`` lives apart from the host (its update is sent back to it)."""
         return self.engine.is_device(device)
-
-    def pinned_bytes(self) -> int:
-        """Page-locked host bytes held by the pipeline (exact: no allocator rounding unless the fallback ran)."""
-        return self.slots.pinned_bytes()
-
-    def host_buffer_bytes(self) -> dict[str, int]:
-        """Host bytes of the pipeline's buffers, by purpose."""
-        return self.slots.host_buffer_bytes()
 
     def attach_ddp(self, ddp: Any) -> None:
         """Take DDP's reduced gradients from its communication hook (accel/sources.py)."""
@@ -240,20 +238,15 @@ class GradientPipeline:
                 self.gate.take(slot.param, grad, accumulated=False)
             self.schedule.landed(slot)
 
-    def _first_hook(self) -> None:
-        self.ddp.check_unattached()
-
     # ---------------------------------------------------------------- gradients
 
     def _where(self) -> dict[Tensor, tuple[int, int]]:
         """Each parameter's (group, index) in ``param_groups``, as of the latest refresh() (every step begins with one)."""
         return self._places
 
-    def _describe(self, slot: Slot) -> str:
-        return self._describe_param(slot.param)
-
-    def _describe_param(self, param: Tensor) -> str:
-        where = self._where().get(param)
+    def _describe(self, which: Slot | Tensor) -> str:
+        """A slot's or parameter's name, as the optimizer's messages give it."""
+        where = self._where().get(which.param if isinstance(which, Slot) else which)
         return self.optimizer.describe_param(*where) if where is not None else "a parameter"
 
     def _validate(self, slot: Slot, grad: Tensor) -> None:
@@ -395,7 +388,10 @@ class GradientPipeline:
 
         # Parameters the device still reads in backward must not be overwritten: sends wait for compute.
         self.engine.send_after_compute({s.local.device for s in self.slots if self.engine.is_device(s.local.device)})
-        buckets = self._buckets(where)  # in the order this backward produced the gradients
+        # In the order this backward produced the gradients (stable: those it did not reach last, in optimizer order).
+        ordered = sorted(where, key=lambda p: self.slots[p].arrival)
+        buckets = bucketing.cut([(p, local_tensor(p).numel() * p.element_size(), self.slots[p].group) for p in ordered],
+                                self.config.bucket_bytes)
         todo = [b for b in ([p for p in bucket if p not in early.params] for bucket in buckets) if b]
         sent = list(early.sent)
         records = list(early.records)
@@ -451,12 +447,6 @@ class GradientPipeline:
                 "the others already ran during backward; set gradients only through backward"
             )
         return skip
-
-    def _buckets(self, where: dict[Tensor, tuple[int, int]]) -> list[list[Tensor]]:
-        """The parameters in the order of the latest backward, cut into buckets of about bucket_bytes."""
-        ordered = sorted(where, key=lambda p: self.slots[p].arrival)  # stable: unseen ones last, in order
-        order = [(p, local_tensor(p).numel() * p.element_size(), self.slots[p].group) for p in ordered]
-        return bucketing.cut(order, self.config.bucket_bytes)
 
     def _run_early(self, bucket: list[Tensor]) -> tuple[list[Any], dict[str, float]]:
         """A bucket's update on the worker thread, while backward goes on (accel/schedule.py)."""

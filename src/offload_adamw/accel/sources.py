@@ -101,14 +101,15 @@ class AutogradHooks:
     """Autograd's hooks on every trainable parameter (see the module contract)."""
 
     def __init__(self, slots: SlotTable, landing: Landing, lock: Any, *, freed: bool,
-                 before_accumulate: Callable[[Slot], None], first_hook: Callable[[], None],
-                 second_backward: Callable[[Slot], None], relayout: Callable[[], None]) -> None:
+                 before_accumulate: Callable[[Slot], None], second_backward: Callable[[Slot], None],
+                 relayout: Callable[[], None]) -> None:
         self._slots = slots
         self._landing = landing
         self._lock = lock
         self._freed = freed
         self._before_accumulate = before_accumulate
-        self._first_hook = first_hook
+        self.first_hook: Callable[[], None] = lambda: None
+        """Called at the first hook of every backward (the check for an unattached DDP model)."""
         self._second_backward = second_backward
         self._relayout = relayout
         self._unhooked: list[Slot] = []
@@ -149,10 +150,12 @@ class AutogradHooks:
             slot.handles.clear()
 
     def close(self) -> None:
-        """Remove every hook (the optimizer no longer sees gradients as they arrive)."""
+        """Remove every hook (the optimizer no longer sees gradients as they arrive) and give up the parameters."""
         _remove_all(self.handles)
         for slot in self._slots:
             slot.handles.clear()
+            if _owner_of(slot.param) is self:
+                _OWNERS.pop(id(slot.param), None)
 
     def new_step(self) -> None:
         """step() or zero_grad(): the next hook is a backward's first; the previous group's storage is let go."""
@@ -173,7 +176,7 @@ class AutogradHooks:
             # (unless their gradient was already accumulated: step() then picks that one up).
             self._backward = task
             self.hook_trainable()
-            self._first_hook()
+            self.first_hook()
         if not self._landing.syncing():
             return  # inside no_sync(): the gradient accumulates where autograd put it, copied once at the last micro-batch
         slot = self._slots.get(param)

@@ -341,12 +341,17 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes held for transfers (the pipeline's exactly-sized buffers, plus pinned state)."""
-        total = 0 if self._pipeline is None else self._pipeline.pinned_bytes()
+        total = 0 if self._pipeline is None else self._pipeline.slots.pinned_bytes()
         for state in self.state.values():
             for value in state.values():
                 if isinstance(value, Tensor) and value.device.type == "cpu" and value.is_pinned():
                     total += value.numel() * value.element_size()
         return total
+
+    def host_buffer_bytes(self) -> dict[str, int]:
+        """Host bytes of the transfer pipeline's buffers by purpose (gradients, accumulation, parameter staging),
+        exactly as allocated; empty without the pipeline. Optimizer state is :meth:`host_state_bytes`."""
+        return {} if self._pipeline is None else self._pipeline.slots.host_buffer_bytes()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's zero_grad, for device gradients and for gradients held in host memory."""
