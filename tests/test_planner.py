@@ -421,8 +421,9 @@ def test_console_entry_point_runs_in_a_subprocess():
     assert json.loads(done.stdout)["num_parameters"] == 8_030_261_248
 
 
-@pytest.mark.parametrize("content", [bytes(range(256)), b"\xff\xfe{\x00}\x00", b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 40])
-def test_cli_on_a_binary_config_names_the_file(tmp_path, capsys, content):
+@pytest.mark.parametrize("content", [bytes(range(256)), b"\xff\xfe{\x00}\x00", b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 40,
+                                     b"[" * 100_000], ids=["all_bytes", "utf16", "elf_header", "nested_deeply"])
+def test_cli_on_a_binary_or_unreadable_config_names_the_file(tmp_path, capsys, content):
     path = tmp_path / "weights.bin"
     path.write_bytes(content)
     assert cli.main(["plan", "--config", str(path)]) == 2

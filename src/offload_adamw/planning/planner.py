@@ -414,6 +414,10 @@ def read_hf_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
             raw = json.load(fh)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file}: not a JSON text file (byte {exc.start} is not UTF-8; a config.json is text)") from None
+    except RecursionError:
+        raise ValueError(f"{file}: not a config (JSON nested too deeply to read)") from None
     except OSError as exc:
         raise ValueError(f"{file}: cannot read ({exc.strerror or exc})") from exc
     if not isinstance(raw, dict):
