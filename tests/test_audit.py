@@ -440,3 +440,10 @@ def test_cli_steps_override_the_script_and_the_table_is_the_default(tmp_path, ca
     table = capsys.readouterr().out
     assert "over 10 updates" in table and "20 updates" in table and "frozen_with_grad" in table
     assert "1 error(s), 1 warning(s)" in table
+
+
+def test_the_command_names_the_set_up_function_the_room_calls():
+    from offload_adamw.auditing import inputs
+    from offload_adamw.cli import audit as audit_command
+
+    assert audit_command.DEFAULT_FUNCTION == inputs.DEFAULT_FUNCTION
