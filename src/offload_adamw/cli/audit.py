@@ -25,7 +25,9 @@ Contract:
   to FILE, or to stdout in place of the tables).
 * Exit status: 0 no fault (info findings allowed), 1 at least one error or
   warning, 2 the input could not be loaded or an argument is bad (one line naming the file or
-  argument and why, before anything runs).
+  argument and why, before anything runs): also a script that exits (``sys.exit``,
+  ``os._exit``) while it is run or set up, or whose set-up returns the wrong things; the
+  script's own exit status is never the command's.
 """
 
 from __future__ import annotations
