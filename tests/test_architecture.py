@@ -31,6 +31,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"kernels"}),
     frozenset({"distributed", "accel"}),
     frozenset({"optim"}),
+    # measurements of the machine and the optimizer: below the tool rooms, so the planner can read its probes
+    frozenset({"benchmarking"}),
     frozenset({"checkpoint", "conformance", "planning", "auditing"}),
     frozenset({"integrations"}),
     frozenset({"demo"}),

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload_adamw import cli
+from offload_adamw.benchmarking.bandwidth import measure_host_bandwidth
 from offload_adamw.cli.bench import ALL_CASES, parse_size, rotations, transformer_shapes
-from offload_adamw.planning.bandwidth import measure_host_bandwidth
 
 
 @settings(max_examples=60, deadline=None)

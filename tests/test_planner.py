@@ -397,17 +397,17 @@ def test_cli_plot_writes_a_png(tmp_path):
 
 
 def test_measure_without_the_probe_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "offload_adamw.planning.bandwidth", None)  # the import now fails as if absent
+    monkeypatch.setitem(sys.modules, "offload_adamw.benchmarking.bandwidth", None)  # the import now fails as if absent
     value, message = measured_host_bandwidth()
     assert value is None and "not available" in message
     assert cli.main(["plan", "--params", "7B", "--measure", "--json"]) == 0
     captured = capsys.readouterr()
-    assert "offload_adamw.planning.bandwidth is not available" in captured.err
+    assert "offload_adamw.benchmarking.bandwidth is not available" in captured.err
     assert json.loads(captured.out)["hardware"]["host_memory_bytes_per_s"] == HardwareConfig().host_memory_bytes_per_s
 
 
 def test_measure_with_the_probe():
-    pytest.importorskip("offload_adamw.planning.bandwidth")
+    pytest.importorskip("offload_adamw.benchmarking.bandwidth")
     value, message = measured_host_bandwidth(elements=1 << 18, repeats=2)
     assert value is not None and 1e8 < value < 1e13, message
 

@@ -3,7 +3,7 @@
 Contract: in one run the benchmark
 
 1. measures the machine's memory bandwidth (STREAM triad and in-place triad,
-   :mod:`offload_adamw.planning.bandwidth`) once, before the sizes;
+   :mod:`offload_adamw.benchmarking.bandwidth`) once, before the sizes;
 2. checks, on a 1 Mi-element workload, that the default mixed step gives
    bitwise the same master, moments and bf16 copy as the naive path (the
    parity definition), and reports the result;
@@ -71,11 +71,11 @@ from typing import Any
 
 import torch
 
+from offload_adamw.benchmarking.bandwidth import measure_host_bandwidth
 from offload_adamw.cli import common
 from offload_adamw.kernels.adamw import StepHyper, adamw_update_
 from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_, chunk_loop_status
 from offload_adamw.kernels.numba_loop import numba_kernel_status
-from offload_adamw.planning.bandwidth import measure_host_bandwidth
 
 BYTES_PER_ELEMENT = 28  # docs/contract.md#traffic-bill: the ideal traffic of one host step
 MIB = 2**20

@@ -14,7 +14,7 @@ another architecture is counted from the model built on the meta device (activat
 estimated). Without transformers such a config is refused, naming the model_type or key.
 
 No torch import unless ``--measure`` or the meta-device count needs it. ``--measure`` takes the
-host memory bandwidth from ``offload_adamw.planning.bandwidth.measure_host_bandwidth()``
+host memory bandwidth from ``offload_adamw.benchmarking.bandwidth.measure_host_bandwidth()``
 (imported only then); when that module is not installed it says so and keeps the default.
 """
 
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--gpu-tflops", type=float, default=hw.gpu_flops_per_s / 1e12,
                    help="peak dense 16-bit TFLOP/s of one GPU (H100 SXM), for the step-time estimate")
     h.add_argument("--measure", action="store_true",
-                   help="measure this machine's host memory bandwidth (offload_adamw.planning.bandwidth) instead")
+                   help="measure this machine's host memory bandwidth (offload_adamw.benchmarking.bandwidth) instead")
 
     t = parser.add_argument_group("training")
     t.add_argument("--dtype", default=tr.param_dtype, help="parameter/gradient dtype on the GPU: bf16, fp16, fp32")
@@ -104,23 +104,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measured_host_bandwidth(**probe_options: Any) -> tuple[float | None, str]:
-    """(bytes/s, where it came from) by offload_adamw.planning.bandwidth, or (None, why not).
+    """(bytes/s, where it came from) by offload_adamw.benchmarking.bandwidth, or (None, why not).
 
     The in-place triad (``a += s*b``) is the figure used: it has the optimizer
     step's access pattern (read-modify-write, no write-allocate); its median
     over the probe's passes where the probe reports one.
     """
     try:
-        module = importlib.import_module("offload_adamw.planning.bandwidth")
+        module = importlib.import_module("offload_adamw.benchmarking.bandwidth")
     except ModuleNotFoundError as exc:
-        if exc.name != "offload_adamw.planning.bandwidth":
+        if exc.name != "offload_adamw.benchmarking.bandwidth":
             raise  # the module is there but one of its own imports is broken: show that
-        return None, "--measure: offload_adamw.planning.bandwidth is not available in this installation; keeping the default"
+        return None, "--measure: offload_adamw.benchmarking.bandwidth is not available in this installation; keeping the default"
     result = module.measure_host_bandwidth(**probe_options)
     for key, scale in _BANDWIDTH_KEYS:
         value = result.get(key) if isinstance(result, dict) else getattr(result, key, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return float(value) * scale, f"host memory bandwidth: {key} measured by offload_adamw.planning.bandwidth"
+            return float(value) * scale, f"host memory bandwidth: {key} measured by offload_adamw.benchmarking.bandwidth"
     return None, f"--measure: no bandwidth in the probe's result {result!r}; keeping the default"
 
 
