@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from offload_adamw import cli
 from offload_adamw.benchmarking.bandwidth import measure_host_bandwidth
-from offload_adamw.cli.bench import ALL_CASES, parse_size, rotations, transformer_shapes
+from offload_adamw.benchmarking.host_step import ALL_CASES, rotations, transformer_shapes
+from offload_adamw.cli.bench import parse_size
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,7 +99,7 @@ def test_the_naive_path_is_preallocated_and_deepspeed_is_skipped_with_a_reason()
     a DeepSpeed case that cannot run here is absent with its reason, not silently dropped."""
     import torch
 
-    from offload_adamw.cli.bench import build_cases, make_workload, measure_step
+    from offload_adamw.benchmarking.host_step import build_cases, make_workload, measure_step
 
     w = make_workload(4 * 2**20)
     info = {"deepspeed_unavailable": "ModuleNotFoundError: No module named 'deepspeed'"}
