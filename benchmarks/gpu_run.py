@@ -989,7 +989,7 @@ def _host_workload(ctx: Context) -> dict:
     import torch
 
     from offload_adamw import OffloadAdamW
-    from offload_adamw.benchmarking.host_step import transformer_shapes
+    from offload_adamw.benchmarking.workload import transformer_shapes
 
     if "host" in ctx.cache:
         return ctx.cache["host"]

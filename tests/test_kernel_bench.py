@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from offload_adamw import cli
 from offload_adamw.benchmarking.bandwidth import measure_host_bandwidth
-from offload_adamw.benchmarking.host_step import ALL_CASES, rotations, transformer_shapes
+from offload_adamw.benchmarking.host_step import ALL_CASES
+from offload_adamw.benchmarking.timing import rotations
+from offload_adamw.benchmarking.workload import transformer_shapes
 from offload_adamw.cli.bench import parse_size
 
 
@@ -99,7 +101,9 @@ def test_the_naive_path_is_preallocated_and_deepspeed_is_skipped_with_a_reason()
     a DeepSpeed case that cannot run here is absent with its reason, not silently dropped."""
     import torch
 
-    from offload_adamw.benchmarking.host_step import build_cases, make_workload, measure_step
+    from offload_adamw.benchmarking.host_step import build_cases
+    from offload_adamw.benchmarking.timing import measure_step
+    from offload_adamw.benchmarking.workload import make_workload
 
     w = make_workload(4 * 2**20)
     info = {"deepspeed_unavailable": "ModuleNotFoundError: No module named 'deepspeed'"}

@@ -11,14 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload_adamw.benchmarking.host_step import (
-    ALL_CASES,
-    MIB,
-    BenchConfig,
-    format_report,
-    run_benchmark,
-    write_plot,
-)
+from offload_adamw.benchmarking.host_step import ALL_CASES, BenchConfig, run_benchmark
+from offload_adamw.benchmarking.host_step_report import format_report, write_plot
+from offload_adamw.benchmarking.workload import MIB
 from offload_adamw.cli import common
 
 
