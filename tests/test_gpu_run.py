@@ -20,15 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu_run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_run"] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the GPU run's modules import each other as siblings, as when run
+import gpu_run  # noqa: E402
+import gpu_run_report  # noqa: E402
+import gpu_run_rows  # noqa: E402
 
-
-gpu_run = _module()
+from offload_adamw.benchmarking.device_trace import overlap_from_trace  # noqa: E402
 
 
 def _run(outdir: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -39,8 +36,8 @@ def _run(outdir: Path, *args: str, env: dict | None = None, timeout: float = 300
 
 
 def _every_row_has_a_status(result: dict) -> None:
-    sizes = gpu_run.Sizes(**{**result["sizes"], "host_threads": tuple(result["sizes"]["host_threads"])})
-    for section in gpu_run.all_sections(sizes):
+    sizes = gpu_run_rows.Sizes(**{**result["sizes"], "host_threads": tuple(result["sizes"]["host_threads"])})
+    for section in gpu_run_rows.all_sections(sizes):
         rows = result["sections"][section.name]["rows"]
         assert list(rows) == [r.name for r in section.rows], f"{section.name}: rows missing or out of order"
         for name, row in rows.items():
@@ -50,7 +47,7 @@ def _every_row_has_a_status(result: dict) -> None:
 def test_a_hanging_row_and_a_crashing_row_lose_only_themselves(tmp_path: Path) -> None:
     """The driver kills a row past its limit and a child that dies, and runs the rows after each."""
     done = _run(tmp_path, "--cpu-rehearsal", "--quick", "--only", "selftest",
-                env={gpu_run.SELFTEST_ENV: "1", "GPU_RUN_SELFTEST_LIMIT": "2"}, timeout=120)
+                env={gpu_run_rows.SELFTEST_ENV: "1", "GPU_RUN_SELFTEST_LIMIT": "2"}, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr  # the two lost rows are reported
     result = json.loads((tmp_path / "gpu_run.json").read_text())
     assert result["schema_version"] == gpu_run.SCHEMA_VERSION and result["mode"] == "cpu-rehearsal"
@@ -82,7 +79,7 @@ def test_quick_cpu_rehearsal_runs_every_section(tmp_path: Path) -> None:
         else:
             assert row["status"].startswith("skipped: compile rows off"), (name, row)
     # FSDP2 with the host updates during backward: one bucket per FSDP group, a timeline for every step after the first
-    for name in gpu_run.FSDP_OVERLAP_CASES:
+    for name in gpu_run_rows.FSDP_OVERLAP_CASES:
         row = sections["parity"]["rows"][name]
         assert row["status"] == "ok" and row["buckets"] == row["fsdp_groups"] == 3, (name, row)
         overlaps = row["timeline_overlap_after_first_step"]
@@ -160,7 +157,7 @@ def _trace() -> dict:
 
 
 def test_overlap_from_a_kineto_trace() -> None:
-    out = gpu_run.overlap_from_trace(_trace())
+    out = overlap_from_trace(_trace())
     assert out["measured"] and out["backward_end_us"] == 100 and out["compute_streams"] == [7]
     assert out["d2h_copies"] == 2 and out["d2h_bytes"] == 5000 and out["d2h_busy_us"] == 50
     assert out["d2h_busy_before_backward_end_us"] == 30
@@ -172,10 +169,10 @@ def test_overlap_from_a_kineto_trace() -> None:
 
 
 def test_overlap_says_why_when_the_trace_has_no_ranges() -> None:
-    assert gpu_run.overlap_from_trace({"traceEvents": []}) == {
+    assert overlap_from_trace({"traceEvents": []}) == {
         "measured": False, "why": "no fwd_bwd#0/step#0 ranges in the trace"}
     only_ranges = {"traceEvents": _trace()["traceEvents"][:3]}
-    assert gpu_run.overlap_from_trace(only_ranges)["why"] == "no kernels correlated with the fwd_bwd range"
+    assert overlap_from_trace(only_ranges)["why"] == "no kernels correlated with the fwd_bwd range"
 
 
 def test_targets_and_pytest_summary() -> None:
@@ -190,14 +187,14 @@ def test_targets_and_pytest_summary() -> None:
             "per-tensor-1b-shapes": {"status": "ok", "h2d_GBps": 45.0, "d2h_GBps": 35.0},
         }},
     }}
-    got = {t["target"]: (t["value"], t["met"]) for t in gpu_run.targets(result)}
+    got = {t["target"]: (t["value"], t["met"]) for t in gpu_run_report.targets(result)}
     assert got["llama (d) freed step time / (a) fp32-master torch AdamW"] == (pytest.approx(1.1), True)
     assert got["llama (d) optimizer share of peak device memory, GiB"][1] is True  # 10 B <= 5% of 2000 B
     assert got["pcie h2d: per-tensor copies of the 1B shapes / pinned peak"] == (pytest.approx(0.9), True)
     assert got["pcie d2h: per-tensor copies of the 1B shapes / pinned peak"] == (pytest.approx(0.7), False)
     assert got["pcie h2d: the pipeline's own copies in (d) (profiler, while busy) / pinned peak"][1] is False
     assert all(met is None for _, met in (got[k] for k in got)) is False
-    assert gpu_run.targets({"sections": {}})[0]["met"] is None
+    assert gpu_run_report.targets({"sections": {}})[0]["met"] is None
     assert gpu_run.parse_pytest_summary("....\n8 passed, 3 skipped, 1 error in 4.20s\n") == {
         "passed": 8, "skipped": 3, "errors": 1}
     assert gpu_run.parse_pytest_summary("no tests ran") == {}
@@ -244,19 +241,19 @@ def _gpu_like_result() -> dict:
 
 def test_summary_targets_and_plots_of_a_gpu_result(tmp_path: Path) -> None:
     result = _gpu_like_result()
-    result["targets"] = gpu_run.targets(result)
+    result["targets"] = gpu_run_report.targets(result)
     verdicts = {t["target"]: t["met"] for t in result["targets"]}
     assert verdicts["llama (d) freed step time / (a) fp32-master torch AdamW"] is True  # 1.1 <= 1.15
     assert verdicts["llama (d) optimizer share of peak device memory, GiB"] is True  # below zero: freed gradients
-    table = gpu_run.summary_table(result)
+    table = gpu_run_report.summary_table(result)
     assert "NVIDIA H200" in table and "h2d 55.0 GB/s, d2h 55.0 GB/s, both 100.0 GB/s" in table
     assert "8 passed, 700 deselected" in table and "d2h before end of backward 90%, tail 1.5 ms" in table
     assert "optimizer share 8.00 GiB" in table and "timeout: over 110 s" in table
     assert "buckets=3/3 overlap=0.40" in table
-    assert gpu_run.bad_rows(result) == ["llama/e"]
+    assert gpu_run_report.bad_rows(result) == ["llama/e"]
     path = tmp_path / "gpu_run.json"
     path.write_text(json.dumps(result))
-    notes = gpu_run.plot(path)
+    notes = gpu_run_report.plot(path)
     if importlib.util.find_spec("matplotlib") is None:
         assert "matplotlib is not installed" in notes[0]
     else:
