@@ -45,9 +45,11 @@ Contract:
 * **Modules**: this one is the driver (the children, the limits, the JSON); ``gpu_run_rows.py`` holds the sizes,
   the table of sections and rows and the function each row runs; ``gpu_run_report.py`` the targets, the summary
   table and the PNGs; the trace analysis is :mod:`offload_adamw.benchmarking.device_trace`.
-* Only public APIs of the library are used (OffloadAdamW and its options, clip_grad_norm_,
+* Of the library only public APIs are used (OffloadAdamW and its options, clip_grad_norm_,
   OffloadGradScaler, master_param, gradient, last_grad_norm, last_step_timeline, is_host_resident,
-  measure_host_bandwidth), so its internals may change freely.
+  measure_host_bandwidth), besides what the benchmarks share
+  (``offload_adamw.benchmarking``: the workload's shapes, the timing loop, bitwise comparison, the machine's CPU,
+  the trace analysis) and torch's clipping over bare gradient tensors (``accel.clipping.clip_gradients_``).
 """
 
 from __future__ import annotations
@@ -360,6 +362,8 @@ def parse_pytest_summary(text: str) -> dict[str, int]:
 def machine_info(cuda: bool) -> dict:
     import torch
 
+    from offload_adamw.benchmarking.machine import cpu_model
+
     info: dict[str, Any] = {
         "hostname": platform.node(),
         "python": platform.python_version(),
@@ -369,11 +373,9 @@ def machine_info(cuda: bool) -> dict:
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
     }
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+    model = cpu_model()
+    if model is not None:
+        info["cpu"] = model
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):

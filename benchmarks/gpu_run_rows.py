@@ -87,7 +87,7 @@ class Sizes:
     host_warmup: int = 1
     """Untimed host steps per case and thread count."""
     host_repeats: int = 3
-    """Timed, interleaved host steps per case and thread count."""
+    """Timed host steps per case and thread count, the cases in rotated order."""
     compile_rows: bool = True
     """Run the rows that torch.compile (they need a C++ compiler on the CPU; compilation takes tens of seconds)."""
 
@@ -248,30 +248,6 @@ class Context:
             torch.cuda.synchronize()
 
 
-def _same_bits(a, b) -> bool:
-    import torch
-
-    a, b = a.detach().cpu(), b.detach().cpu()
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.numel() == 0:
-        return True
-    view = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-    return torch.equal(a.contiguous().view(view[a.dtype]), b.contiguous().view(view[b.dtype]))
-
-
-def _max_abs(a, b) -> float:
-    d = (a.detach().cpu().double() - b.detach().cpu().double()).abs()
-    return float(d.max()) if d.numel() else 0.0
-
-
-class _GradHolder:
-    """A gradient where torch's clipping looks for one (``.grad``), wherever the tensor lives."""
-
-    def __init__(self, grad) -> None:
-        self.grad = grad
-
-
 def _full(t):
     """A DTensor's whole value (world size 1: the local shard), else the tensor."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -335,6 +311,8 @@ def parity_row(ctx: Context, case: str) -> dict:
     import torch
 
     from offload_adamw import OffloadAdamW, OffloadGradScaler, is_host_resident
+    from offload_adamw.accel.clipping import clip_gradients_
+    from offload_adamw.benchmarking.bitwise import max_abs_difference, same_bits
 
     dtype_name, accumulate, freed, clip, scaler, amsgrad, compiled, fsdp, small_buckets = PARITY_CASES[case]
     sizes, dev = ctx.sizes, ctx.device
@@ -396,7 +374,7 @@ def parity_row(ctx: Context, case: str) -> dict:
         if first_grads_equal is None:
             params_a = [p for g in opt_a.param_groups for p in g["params"]]
             first_grads_equal = all(
-                _same_bits(_full(opt_a.gradient(pa)), gb) for pa, gb in zip(params_a, live_b)
+                same_bits(_full(opt_a.gradient(pa)), gb) for pa, gb in zip(params_a, live_b)
             )
         if scaler:
             for p in params_b:  # float32 parameters: the copies take the gradients unchanged
@@ -406,7 +384,7 @@ def parity_row(ctx: Context, case: str) -> dict:
             if clip:
                 norm_a = opt_a.clip_grad_norm_(clip_norm)
                 norm_b = torch.nn.utils.clip_grad_norm_([copies[p] for p in params_b], clip_norm)
-                norms_equal &= _same_bits(_full(norm_a).float(), norm_b.float())
+                norms_equal &= same_bits(_full(norm_a).float(), norm_b.float())
             scaler_a.step(opt_a)
             scaler_a.update()
             scaler_b.step(ref_opt)
@@ -415,8 +393,8 @@ def parity_row(ctx: Context, case: str) -> dict:
         else:
             if clip:
                 norm_a = opt_a.clip_grad_norm_(clip_norm)
-                norm_b = torch.nn.utils.clip_grad_norm_([_GradHolder(g) for g in live_b], clip_norm)
-                norms_equal &= _same_bits(_full(norm_a).float(), norm_b.float())
+                norm_b = clip_gradients_(live_b, clip_norm)  # torch's get_total_norm and clip_grads_with_norm_
+                norms_equal &= same_bits(_full(norm_a).float(), norm_b.float())
             for p, g in zip(params_b, live_b):
                 copies[p].grad = g.detach().to("cpu", torch.float32, copy=True)
             opt_a.step()
@@ -434,17 +412,17 @@ def parity_row(ctx: Context, case: str) -> dict:
     worst = 0.0
     for index, (pa, pb) in enumerate(zip(params_a, params_b)):
         whole = _full(pa)
-        if not _same_bits(whole, pb):
+        if not same_bits(whole, pb):
             mismatches.append(f"param {index}")
-            worst = max(worst, _max_abs(whole, pb))
+            worst = max(worst, max_abs_difference(whole, pb))
         sa, sb = opt_a.state.get(pa, {}), ref_opt.state.get(copies[pb], {})
         if bool(sa) != bool(sb):
             mismatches.append(f"state presence {index}")
             continue
         for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if key in sb and not _same_bits(_full(sa[key]), sb[key]):
+            if key in sb and not same_bits(_full(sa[key]), sb[key]):
                 mismatches.append(f"{key} {index}")
-        if not _same_bits(_full(opt_a.master_param(pa)).cpu(), copies[pb]):
+        if not same_bits(_full(opt_a.master_param(pa)).cpu(), copies[pb]):
             mismatches.append(f"master {index}")
     bitwise = not mismatches and norms_equal and scales_equal
     out = {
@@ -495,6 +473,7 @@ def fsdp_overlap_row(ctx: Context, case: str) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from offload_adamw import OffloadAdamW, is_host_resident
+    from offload_adamw.benchmarking.bitwise import max_abs_difference, same_bits
 
     dtype_name, accumulate, clip = FSDP_OVERLAP_CASES[case]
     sizes, dev = ctx.sizes, ctx.device
@@ -534,7 +513,7 @@ def fsdp_overlap_row(ctx: Context, case: str) -> dict:
         if first_grads_equal is None:
             # Only the first step's gradients can be read: in later steps their updates ran during backward.
             first_grads_equal = all(
-                _same_bits(_shard(opt_a.gradient(pa)), _shard(pb.grad)) for pa, pb in zip(params_a, params_b)
+                same_bits(_shard(opt_a.gradient(pa)), _shard(pb.grad)) for pa, pb in zip(params_a, params_b)
             )
         if clip_norm is not None:
             norm_b = torch.nn.utils.clip_grad_norm_(params_b, clip_norm)
@@ -543,7 +522,7 @@ def fsdp_overlap_row(ctx: Context, case: str) -> dict:
         opt_a.step()
         ref_opt.step()
         if clip_norm is not None:
-            norms_equal &= opt_a.last_grad_norm is not None and _same_bits(
+            norms_equal &= opt_a.last_grad_norm is not None and same_bits(
                 _full(opt_a.last_grad_norm).float(), _full(norm_b).float())
         with torch.no_grad():
             for p in params_b:
@@ -562,17 +541,17 @@ def fsdp_overlap_row(ctx: Context, case: str) -> dict:
     worst = 0.0
     for index, (pa, pb) in enumerate(zip(params_a, params_b)):
         shard_a, shard_b = _shard(pa.detach()), _shard(pb.detach())
-        if not _same_bits(shard_a, shard_b):
+        if not same_bits(shard_a, shard_b):
             mismatches.append(f"param {index}")
-            worst = max(worst, _max_abs(shard_a, shard_b))
+            worst = max(worst, max_abs_difference(shard_a, shard_b))
         sa, sb = opt_a.state.get(pa, {}), ref_opt.state.get(copies[pb], {})
         if bool(sa) != bool(sb):
             mismatches.append(f"state presence {index}")
             continue
         for key in ("step", "exp_avg", "exp_avg_sq"):
-            if key in sb and not _same_bits(_shard(sa[key]), sb[key]):
+            if key in sb and not same_bits(_shard(sa[key]), sb[key]):
                 mismatches.append(f"{key} {index}")
-        if not _same_bits(_shard(opt_a.master_param(pa)).cpu(), copies[pb]):
+        if not same_bits(_shard(opt_a.master_param(pa)).cpu(), copies[pb]):
             mismatches.append(f"master {index}")
     bitwise = not mismatches and norms_equal
     one_bucket_per_group = bool(buckets) and all(n == fsdp_groups for n in buckets)
@@ -899,29 +878,24 @@ def _host_workload(ctx: Context) -> dict:
 
 
 def host_threads(ctx: Context, threads: int) -> dict:
+    """The host-step cases at ``threads`` torch threads, timed as ``offload-adamw bench`` times them (rotated)."""
     import torch
+
+    from offload_adamw.benchmarking.timing import summary, time_rotated
 
     work = _host_workload(ctx)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        samples: dict[str, list[float]] = {name: [] for name in work["cases"]}
-        for _ in range(ctx.sizes.host_warmup):
-            for fn in work["cases"].values():
-                fn()
-        for _ in range(ctx.sizes.host_repeats):
-            for name, fn in work["cases"].items():  # interleaved, so machine noise hits every case alike
-                start = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - start)
+        samples, _ = time_rotated(work["cases"], ctx.sizes.host_warmup, ctx.sizes.host_repeats, f"{threads} thread(s)")
     finally:
         torch.set_num_threads(previous)
     n = work["elements"]
     cases = {}
     for name, times in samples.items():
-        med = statistics.median(times)
-        cases[name] = {"ms_per_step": med * 1e3, "ms_all": [t * 1e3 for t in times],
-                       "GBps_at_28B": 28 * n / med / 1e9}
+        figures = summary(times, n)
+        cases[name] = {"ms_per_step": figures["ms_per_step"], "ms_all": figures["ms_all"],
+                       "GBps_at_28B": figures["effective_gbps"]}
     return {"status": "ok", "threads": threads, "elements": n, "tensors": work["tensors"], "cases": cases}
 
 

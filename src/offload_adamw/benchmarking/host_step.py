@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from offload_adamw.benchmarking.bandwidth import measure_host_bandwidth
+from offload_adamw.benchmarking.bitwise import differing_elements
 from offload_adamw.benchmarking.machine import machine_info
 from offload_adamw.benchmarking.timing import summary, time_rotated, usable_cpus
 from offload_adamw.benchmarking.workload import (
@@ -331,8 +332,7 @@ def parity_check(elements: int) -> dict:
     differ = 0
     for key in ("master", "exp_avg", "exp_avg_sq", "model16"):
         for a, b in zip(getattr(results[0], key), getattr(results[1], key)):
-            view = torch.int16 if a.element_size() == 2 else torch.int32
-            differ += int((a.view(view) != b.view(view)).sum())
+            differ += differing_elements(a, b)
     return {"elements": results[0].elements, "differing_elements": differ, "bitwise_equal": differ == 0}
 
 

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import os
 import platform
+from typing import Any
 
 import torch
 
-__all__ = ["machine_info"]
+__all__ = ["cpu_model", "machine_info"]
 
 
-def machine_info() -> dict:
-    model = platform.processor()
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo, or None where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """The host-step benchmark's description of the machine (the CPU, its threads, torch, Python, the load)."""
     return {
-        "cpu": model,
+        "cpu": cpu_model() or platform.processor(),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
