@@ -42,7 +42,8 @@ LAYERS: tuple[frozenset[str], ...] = (
 )
 FACADE_MODULES = {TOP, f"{TOP}.__main__", f"{TOP}.reference"}
 #: modules that must import without torch, and everything they pull in at import time must too.
-TORCH_FREE = ("offload_adamw.contract", "offload_adamw.planning.planner", "offload_adamw.conformance.report")
+TORCH_FREE = ("offload_adamw.contract", "offload_adamw.planning.planner", "offload_adamw.planning.models",
+              "offload_adamw.conformance.report")
 
 
 def layer_line() -> str:

@@ -19,17 +19,13 @@ from hypothesis import strategies as st
 
 from offload_adamw import cli
 from offload_adamw.cli.plan import measured_host_bandwidth, parse_count
-from offload_adamw.planning import planner
+from offload_adamw.planning import models, planner
+from offload_adamw.planning.models import PRESETS, ModelConfig, ParamCountModel, ParamSpec, model_from_hf_config
 from offload_adamw.planning.planner import (
     GB,
-    PRESETS,
     HardwareConfig,
-    ModelConfig,
-    ParamCountModel,
-    ParamSpec,
     TrainingConfig,
     activation_bytes,
-    model_from_hf_config,
     plan,
     predict_host_optimizer_bytes,
 )
@@ -109,7 +105,7 @@ def test_unsharded_bill_is_the_contract_bill(model, dtype, per_element, amsgrad)
 def test_one_gpu_offload_traffic_is_the_contract_single_pass(dtype):
     # world 1: the shard is the whole model, so traffic is per element times n
     n = SMALL.num_parameters()
-    p = planner.dtype_bytes(dtype)
+    p = models.dtype_bytes(dtype)
     result = plan(SMALL, ONE_GPU, TrainingConfig(param_dtype=dtype))
     s = result.strategy("fsdp+offload-adamw")
     assert (s.pcie_d2h_bytes, s.pcie_h2d_bytes) == (p * n, p * n)
@@ -369,7 +365,7 @@ def test_configs_the_planner_would_count_wrong_are_refused_naming_the_key(tmp_pa
     path = tmp_path / "config.json"
     path.write_text(json.dumps(fields))
     with pytest.raises(ValueError, match=key):
-        planner.model_from_hf_config(path)
+        models.model_from_hf_config(path)
 
 
 def test_an_unknown_architecture_without_transformers_is_refused_on_one_line(tmp_path):

@@ -28,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "compiled_kernel_status": "offload_adamw.kernels.numba_loop",
     "plan": "offload_adamw.planning.planner",
     "predict_host_optimizer_bytes": "offload_adamw.planning.planner",
-    "ModelConfig": "offload_adamw.planning.planner",
+    "ModelConfig": "offload_adamw.planning.models",
     "HardwareConfig": "offload_adamw.planning.planner",
     "TrainingConfig": "offload_adamw.planning.planner",
     "measure_host_bandwidth": "offload_adamw.benchmarking.bandwidth",
@@ -86,9 +86,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from offload_adamw.optim.named_groups import named_param_groups as param_groups  # noqa: F401
     from offload_adamw.optim.optimizer import OffloadAdamW  # noqa: F401
     from offload_adamw.optim.preflight import HostMemoryError  # noqa: F401
+    from offload_adamw.planning.models import ModelConfig  # noqa: F401
     from offload_adamw.planning.planner import (  # noqa: F401
         HardwareConfig,
-        ModelConfig,
         TrainingConfig,
         plan,
         predict_host_optimizer_bytes,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.colors import ListedColormap
 
 from offload_adamw.cli import common
-from offload_adamw.planning import planner
+from offload_adamw.planning import models, planner
 from offload_adamw.planning.planner import GB, HardwareConfig, Plan, TrainingConfig
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -59,7 +59,7 @@ def _defaults() -> tuple[HardwareConfig, TrainingConfig]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw, tr = _defaults()
     model = parser.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
-    model.add_argument("--preset", choices=sorted(planner.PRESETS), help="a built-in model configuration")
+    model.add_argument("--preset", choices=sorted(models.PRESETS), help="a built-in model configuration")
     model.add_argument("--config", metavar="CONFIG",
                        help="a Hugging Face config.json or a directory holding one (Llama, Mistral, Qwen2, Mixtral, "
                             "Qwen2-MoE, DeepSeek-V3); with transformers installed, whatever AutoConfig reads")
@@ -139,13 +139,13 @@ def _transformers_installed() -> bool:
         return False
 
 
-def model_from_config_argument(text: str) -> planner.Model:
+def model_from_config_argument(text: str) -> models.Model:
     """The model of ``--config``: a config.json, a directory holding one, or (with transformers) what AutoConfig reads."""
     if os.path.exists(text):
-        raw, name = planner.read_hf_config(text)
+        raw, name = models.read_hf_config(text)
         try:
-            return planner.model_from_hf_dict(raw, name=name, source=text)
-        except planner.UnsupportedConfig as exc:
+            return models.model_from_hf_dict(raw, name=name, source=text)
+        except models.UnsupportedConfig as exc:
             if not _transformers_installed():
                 raise ValueError(f"{exc}; with transformers installed it is counted from the model itself") from None
             from transformers import AutoConfig
@@ -165,12 +165,12 @@ def model_from_config_argument(text: str) -> planner.Model:
                          f"{str(exc).splitlines()[0]}") from None
     name = text.rstrip("/").split("/")[-1]
     try:
-        return planner.model_from_hf_dict(config.to_dict(), name=name, source=text)
-    except planner.UnsupportedConfig:
+        return models.model_from_hf_dict(config.to_dict(), name=name, source=text)
+    except models.UnsupportedConfig:
         return _meta_device_model(config, name)
 
 
-def _meta_device_model(config: Any, name: str) -> planner.ParamShapesModel:
+def _meta_device_model(config: Any, name: str) -> models.ParamShapesModel:
     """Names and shapes of the trainable tensors of the transformers model for ``config``, built on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -182,18 +182,18 @@ def _meta_device_model(config: Any, name: str) -> planner.ParamShapesModel:
         raise ValueError(f"--config: transformers cannot build a causal LM for model_type "
                          f"{getattr(config, 'model_type', '?')!r}: {str(exc).splitlines()[0]}") from None
     shapes = tuple((n, tuple(int(d) for d in p.shape)) for n, p in model.named_parameters() if p.requires_grad)
-    return planner.ParamShapesModel(name=name, shapes=shapes)
+    return models.ParamShapesModel(name=name, shapes=shapes)
 
 
 def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     """The plan for parsed arguments, and messages for the user. Raises ValueError/OSError on bad input."""
     messages: list[str] = []
     if args.preset:
-        model: planner.Model = planner.PRESETS[args.preset]
+        model: models.Model = models.PRESETS[args.preset]
     elif args.config:
         model = model_from_config_argument(args.config)
     else:
-        model = planner.ParamCountModel(name=f"--params {args.params:,}", params=args.params)
+        model = models.ParamCountModel(name=f"--params {args.params:,}", params=args.params)
     host_bw = args.host_bandwidth_gbps * GB
     if args.measure:
         value, source = measured_host_bandwidth()
