@@ -111,7 +111,7 @@ def child_main(work: list[tuple[str, str]], sizes: Sizes, device: str, outdir: P
         started = time.perf_counter()
         try:
             result = ROW_FUNCTIONS[section_name](ctx, rows[section_name, name])
-        except Exception:  # noqa: BLE001 - recorded; the next row still runs
+        except Exception:  # recorded; the next row still runs
             result = {"status": "error", "error": traceback.format_exc()}
         result["seconds"] = time.perf_counter() - started
         _emit(events, {"section": section_name, "row": name, "event": "done", "result": result})

@@ -55,7 +55,7 @@ def weight_decay_for(lrs: Sequence[float], target: float) -> float | None:
 class _StandInOptimizer(torch.optim.Optimizer):
     """Holds copies of the user's group hyperparameters so a scheduler copy can step without touching anything."""
 
-    def __init__(self, groups: list[dict[str, Any]]):  # noqa: D107 - no Optimizer.__init__: no params to register
+    def __init__(self, groups: list[dict[str, Any]]):  # no Optimizer.__init__: no parameters to register
         self.defaults = {}
         self.state = defaultdict(dict)
         self.param_groups = groups

@@ -154,12 +154,12 @@ def _deepspeed_class(info: dict):
         return None
     try:
         start = time.perf_counter()
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 (optional dependency)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # an optional dependency: imported where it is used
 
         # the first construction JIT-builds (or loads) the CPU Adam extension: timed here, once
         DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(64))], adamw_mode=True, **HYPER)
         info.setdefault("deepspeed_load_s", round(time.perf_counter() - start, 2))
-        import deepspeed  # noqa: PLC0415
+        import deepspeed
 
         info["deepspeed_version"] = deepspeed.__version__
         return DeepSpeedCPUAdam

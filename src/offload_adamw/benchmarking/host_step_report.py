@@ -71,10 +71,10 @@ def format_report(result: dict) -> str:
 
 
 def write_plot(result: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     sizes = result["sizes"]
     names = list(sizes[0]["cases"])

@@ -58,7 +58,7 @@ def _progress(iterable, show: bool, **kw):
     if not show:
         return iterable
     try:
-        from tqdm import tqdm  # noqa: PLC0415
+        from tqdm import tqdm
 
         return tqdm(iterable, file=sys.stderr, leave=False, **kw)
     except ImportError:  # pragma: no cover
