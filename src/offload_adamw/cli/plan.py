@@ -11,7 +11,8 @@ others (``planner.COMPARISONS``) are shown marked as comparisons.
 (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V3). With transformers installed it also
 takes whatever ``AutoConfig.from_pretrained`` reads (a model id, a cached model), and a config of
 another architecture is counted from the model built on the meta device (activations then not
-estimated). Without transformers such a config is refused, naming the model_type or key.
+estimated); :mod:`offload_adamw.planning.from_transformers`. Without transformers such a config is
+refused, naming the model_type or key.
 
 No torch import unless ``--measure`` or the meta-device count needs it. ``--measure`` takes the
 host memory bandwidth from ``offload_adamw.benchmarking.bandwidth.measure_host_bandwidth()``
@@ -22,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import math
-import os
 import re
 import sys
 from typing import TYPE_CHECKING, Any, cast
@@ -34,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from offload_adamw.cli import common
 from offload_adamw.planning import models, planner
+from offload_adamw.planning.from_transformers import model_from_config
 from offload_adamw.planning.planner import GB, HardwareConfig, Plan, TrainingConfig
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -132,66 +132,13 @@ _BANDWIDTH_KEYS = (
 )
 
 
-def _transformers_installed() -> bool:
-    try:
-        return importlib.util.find_spec("transformers") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def model_from_config_argument(text: str) -> models.Model:
-    """The model of ``--config``: a config.json, a directory holding one, or (with transformers) what AutoConfig reads."""
-    if os.path.exists(text):
-        raw, name = models.read_hf_config(text)
-        try:
-            return models.model_from_hf_dict(raw, name=name, source=text)
-        except models.UnsupportedConfig as exc:
-            if not _transformers_installed():
-                raise ValueError(f"{exc}; with transformers installed it is counted from the model itself") from None
-            from transformers import AutoConfig
-
-            config = AutoConfig.for_model(**raw) if "model_type" in raw else None
-            if config is None:
-                raise
-            return _meta_device_model(config, name)
-    if not _transformers_installed():
-        raise ValueError(f"--config {text!r}: no such file or directory (a model id needs transformers installed)")
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(text)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--config {text!r}: neither a file nor a directory, and AutoConfig cannot read it: "
-                         f"{str(exc).splitlines()[0]}") from None
-    name = text.rstrip("/").split("/")[-1]
-    try:
-        return models.model_from_hf_dict(config.to_dict(), name=name, source=text)
-    except models.UnsupportedConfig:
-        return _meta_device_model(config, name)
-
-
-def _meta_device_model(config: Any, name: str) -> models.ParamShapesModel:
-    """Names and shapes of the trainable tensors of the transformers model for ``config``, built on the meta device."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"--config: transformers cannot build a causal LM for model_type "
-                         f"{getattr(config, 'model_type', '?')!r}: {str(exc).splitlines()[0]}") from None
-    shapes = tuple((n, tuple(int(d) for d in p.shape)) for n, p in model.named_parameters() if p.requires_grad)
-    return models.ParamShapesModel(name=name, shapes=shapes)
-
-
 def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     """The plan for parsed arguments, and messages for the user. Raises ValueError/OSError on bad input."""
     messages: list[str] = []
     if args.preset:
         model: models.Model = models.PRESETS[args.preset]
     elif args.config:
-        model = model_from_config_argument(args.config)
+        model = model_from_config(args.config)
     else:
         model = models.ParamCountModel(name=f"--params {args.params:,}", params=args.params)
     host_bw = args.host_bandwidth_gbps * GB
