@@ -75,7 +75,6 @@ from gpu_run_rows import (
     GPU_SIZES,
     QUICK_SIZES,
     REHEARSAL_SIZES,
-    ROW_FUNCTIONS,
     Context,
     Row,
     Sizes,
@@ -110,7 +109,10 @@ def child_main(work: list[tuple[str, str]], sizes: Sizes, device: str, outdir: P
         _emit(events, {"section": section_name, "row": name, "event": "start"})
         started = time.perf_counter()
         try:
-            result = ROW_FUNCTIONS[section_name](ctx, rows[section_name, name])
+            row = rows[section_name, name]
+            if row.run is None:
+                raise RuntimeError(f"{section_name}/{name} is a command: the driver runs it, not a child")
+            result = row.run(ctx, row)
         except Exception:  # recorded; the next row still runs
             result = {"status": "error", "error": traceback.format_exc()}
         result["seconds"] = time.perf_counter() - started

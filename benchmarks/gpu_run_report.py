@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpu_run_rows import GIB, LLAMA_SHORT
+from gpu_run_rows import GIB, LLAMA_VARIANTS
 
 # ------------------------------------------------------------------------------ targets, table
 
@@ -144,7 +144,7 @@ def plot(json_path: Path) -> list[str]:
     if llama:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
         keys = list(llama)
-        labels = [f"({k}) {LLAMA_SHORT.get(k, k)}" for k in keys]
+        labels = [f"({k}) {LLAMA_VARIANTS[k].short if k in LLAMA_VARIANTS else k}" for k in keys]
         x = list(range(len(keys)))
         ax1.bar(x, [llama[k]["step_s_median"] * 1e3 for k in keys], 0.6, label="full step")
         ax1.bar(x, [llama[k]["forward_backward_s_median"] * 1e3 for k in keys], 0.3, label="forward+backward only")

@@ -1,7 +1,7 @@
 """The GPU run's rows: the sizes, the table of sections and rows, and the function each row runs (in a child).
 
 Contract: :func:`all_sections` is the run's table, in the order the rows run; each :class:`Row` is run by
-:data:`ROW_FUNCTIONS` of its section with a :class:`Context` and returns a JSON-ready dict whose
+its ``run`` function with a :class:`Context` and returns a JSON-ready dict whose
 ``status`` is ``ok`` or ``failed`` (a row that raises is recorded as ``error`` by the driver).
 What every section measures: benchmarks/gpu_run.py.
 """
@@ -120,8 +120,11 @@ class Row:
     """Skipped without CUDA (the CPU rehearsal)."""
     needs_compile: bool = False
     """Uses torch.compile (skipped when Sizes.compile_rows is off)."""
+    run: Callable[[Context, Row], dict] | None = None
+    """The row function: measures in a child and returns the row's JSON (``status`` ok or failed); None for the
+    row of a command section, which the driver runs itself."""
     args: dict = field(default_factory=dict)
-    """What the row function receives."""
+    """What the row function reads from ``row.args``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,17 +162,37 @@ FSDP_OVERLAP_CASES = {
     "bf16-fsdp2-ws1-freed-inbwd-acc4-clip": ("bfloat16", True, True),
 }
 
-LLAMA_VARIANTS = {
-    "a": "torch.optim.AdamW(fused=True), float32 params + moments, bf16 autocast (16 B/param)",
-    "b": "torch.optim.AdamW(fused=True) on bf16 params",
-    "c": "OffloadAdamW, bf16 params, device gradients kept",
-    "d": "OffloadAdamW(offload_gradients=True), bf16 params",
-    "e": "OffloadAdamW(offload_gradients=True, update_in_backward=True), bf16 params",
+@dataclass(frozen=True, kw_only=True)
+class LlamaVariant:
+    """One optimizer set-up timed on the ~1B Llama: a row of the ``llama`` section."""
+
+    description: str
+    """What the row runs, for the JSON."""
+    short: str
+    """Its label in the plot."""
+    torch_adamw: bool = False
+    """torch.optim.AdamW(fused=True) on the device instead of OffloadAdamW."""
+    param_dtype: str = "bfloat16"
+    """The model's parameter dtype."""
+    autocast: bool = False
+    """Forward and backward under bf16 autocast (float32 parameters)."""
+    options: dict = field(default_factory=dict)
+    """OffloadAdamW's keyword options (besides lr and weight_decay)."""
+    keep_trace: bool = False
+    """Keep the profiler trace of its two profiled steps (traces/llama-KEY.json.gz)."""
+
+
+# A placement of the host state ("stream", mixed) is one more entry here, its OffloadAdamW options in `options`.
+LLAMA_VARIANTS: dict[str, LlamaVariant] = {
+    "a": LlamaVariant(description="torch.optim.AdamW(fused=True), float32 params + moments, bf16 autocast (16 B/param)",
+                      short="torch, fp32 master", torch_adamw=True, param_dtype="float32", autocast=True),
+    "b": LlamaVariant(description="torch.optim.AdamW(fused=True) on bf16 params", short="torch, bf16", torch_adamw=True),
+    "c": LlamaVariant(description="OffloadAdamW, bf16 params, device gradients kept", short="offload, kept"),
+    "d": LlamaVariant(description="OffloadAdamW(offload_gradients=True), bf16 params", short="offload, freed",
+                      options={"offload_gradients": True}, keep_trace=True),
+    "e": LlamaVariant(description="OffloadAdamW(offload_gradients=True, update_in_backward=True), bf16 params",
+                      short="freed, in backward", options={"offload_gradients": True, "update_in_backward": True}),
 }
-
-
-LLAMA_SHORT = {"a": "torch, fp32 master", "b": "torch, bf16", "c": "offload, kept", "d": "offload, freed",
-               "e": "freed, in backward"}
 
 
 def sections(sizes: Sizes) -> tuple[Section, ...]:
@@ -177,23 +200,25 @@ def sections(sizes: Sizes) -> tuple[Section, ...]:
     for name, case in PARITY_CASES.items():
         compiled, fsdp = case[6], case[7]
         parity_rows.append(Row(name=name, limit_s=180.0 if compiled else 90.0 if fsdp else 60.0,
-                               needs_compile=compiled, args={"case": name}))
+                               needs_compile=compiled, run=parity_row, args={"case": name}))
     for name in FSDP_OVERLAP_CASES:
         # A few seconds on the GPU; the limit is what a worker thread that never finishes may cost the run.
-        parity_rows.append(Row(name=name, limit_s=45.0, args={"fsdp_overlap_case": name}))
+        parity_rows.append(Row(name=name, limit_s=45.0, run=fsdp_overlap_row, args={"case": name}))
     return (
         Section(name="pcie", rows=(
-            Row(name="pinned-peak", limit_s=60.0, needs_cuda=True),
-            Row(name="per-tensor-1b-shapes", limit_s=60.0, needs_cuda=True),
+            Row(name="pinned-peak", limit_s=60.0, needs_cuda=True, run=pcie_row, args={"kind": "peak"}),
+            Row(name="per-tensor-1b-shapes", limit_s=60.0, needs_cuda=True, run=pcie_row, args={"kind": "per-tensor"}),
         )),
-        Section(name="gpu_tests", command=True, rows=(Row(name="pytest -m gpu", limit_s=150.0, needs_cuda=True),)),
+        Section(name="gpu_tests", command=True, rows=(
+            Row(name="pytest -m gpu", limit_s=150.0, needs_cuda=True),
+        )),
         Section(name="parity", rows=tuple(parity_rows)),
         Section(name="llama", fresh_process=True, rows=tuple(
-            Row(name=f"{key}", limit_s=110.0, args={"variant": key}) for key in LLAMA_VARIANTS
+            Row(name=key, limit_s=110.0, run=llama_row, args={"variant": key}) for key in LLAMA_VARIANTS
         )),
         Section(name="host", rows=(
-            Row(name="triad", limit_s=40.0),
-            *(Row(name=f"threads-{n}", limit_s=60.0, args={"threads": n}) for n in sizes.host_threads),
+            Row(name="triad", limit_s=40.0, run=host_triad),
+            *(Row(name=f"threads-{n}", limit_s=60.0, run=host_threads, args={"threads": n}) for n in sizes.host_threads),
         )),
     )
 
@@ -206,9 +231,9 @@ def all_sections(sizes: Sizes) -> tuple[Section, ...]:
     if os.environ.get(SELFTEST_ENV) != "1":
         return sections(sizes)
     selftest = Section(name="selftest", rows=(
-        Row(name="hangs", limit_s=float(os.environ.get("GPU_RUN_SELFTEST_LIMIT", "3"))),
-        Row(name="crashes", limit_s=30.0),
-        Row(name="after", limit_s=30.0),
+        Row(name="hangs", limit_s=float(os.environ.get("GPU_RUN_SELFTEST_LIMIT", "3")), run=selftest_row),
+        Row(name="crashes", limit_s=30.0, run=selftest_row),
+        Row(name="after", limit_s=30.0, run=selftest_row),
     ))
     return (selftest, *sections(sizes))
 
@@ -306,8 +331,9 @@ def _deterministic(dev: str) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def parity_row(ctx: Context, case: str) -> dict:
+def parity_row(ctx: Context, row: Row) -> dict:
     """OffloadAdamW against torch AdamW(fused=True) on host float32 copies, the same user calls on both sides."""
+    case = row.args["case"]
     import torch
 
     from offload_adamw import OffloadAdamW, OffloadGradScaler, is_host_resident
@@ -456,7 +482,7 @@ def _shard(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def fsdp_overlap_row(ctx: Context, case: str) -> dict:
+def fsdp_overlap_row(ctx: Context, row: Row) -> dict:
     """FSDP2 at world size 1, freed gradients, host updates during backward: against FSDP2 + torch AdamW(fused=True).
 
     Both models are the parity Llama sharded alike (each decoder layer and the root: one FSDP group each) on the
@@ -475,7 +501,7 @@ def fsdp_overlap_row(ctx: Context, case: str) -> dict:
     from offload_adamw import OffloadAdamW, is_host_resident
     from offload_adamw.benchmarking.bitwise import max_abs_difference, same_bits
 
-    dtype_name, accumulate, clip = FSDP_OVERLAP_CASES[case]
+    dtype_name, accumulate, clip = FSDP_OVERLAP_CASES[row.args["case"]]
     sizes, dev = ctx.sizes, ctx.device
     dtype = getattr(torch, dtype_name)
     accum = sizes.parity_accum if accumulate else 1
@@ -627,20 +653,21 @@ def _reset_memory(ctx: Context) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def llama_row(ctx: Context, variant: str) -> dict:
+def llama_row(ctx: Context, row: Row) -> dict:
     """One optimizer set-up on the ~1B model: forward+backward alone, then full steps; time and peak memory."""
     import torch
 
     from offload_adamw import OffloadAdamW
 
     sizes, dev = ctx.sizes, ctx.device
-    param_dtype = torch.float32 if variant == "a" else torch.bfloat16
-    model = _llama(sizes, dev, param_dtype)
+    key = row.args["variant"]
+    variant = LLAMA_VARIANTS[key]
+    model = _llama(sizes, dev, getattr(torch, variant.param_dtype))
     n_params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, sizes.llama_vocab, (sizes.llama_batch, sizes.llama_seq), generator=gen).to(dev)
                for _ in range(4)]
-    autocast = variant == "a"
+    autocast = variant.autocast
 
     def forward_backward(i: int) -> None:
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
@@ -666,11 +693,11 @@ def llama_row(ctx: Context, variant: str) -> dict:
     fb_times = timed(sizes.llama_timed, fb_only)
     fb_memory = _memory(ctx)
 
-    if variant in ("a", "b"):
+    opt: Any
+    if variant.torch_adamw:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     else:
-        opt = OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, offload_gradients=variant in ("d", "e"),
-                           update_in_backward=variant == "e")
+        opt = OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **variant.options)
 
     def full_step(i: int) -> None:
         forward_backward(i)
@@ -686,7 +713,7 @@ def llama_row(ctx: Context, variant: str) -> dict:
     step_memory = _memory(ctx)
     out: dict[str, Any] = {
         "status": "ok",
-        "variant": LLAMA_VARIANTS[variant],
+        "variant": variant.description,
         "device": dev,
         "parameters": n_params,
         "tokens_per_step": sizes.llama_batch * sizes.llama_seq,
@@ -717,7 +744,7 @@ def llama_row(ctx: Context, variant: str) -> dict:
             ctx.partial(out)
             try:
                 out["overlap"] = _profile_overlap(
-                    ctx, forward_backward, opt, keep_trace=f"llama-{variant}" if variant == "d" else None
+                    ctx, forward_backward, opt, keep_trace=f"llama-{key}" if variant.keep_trace else None
                 )
             except Exception:  # the timed figures stand without it
                 out["overlap"] = {"measured": False, "why": traceback.format_exc()[-2000:]}
@@ -782,9 +809,11 @@ def _best_copy_s(pairs: list[tuple[Any, Any]], repeats: int, streams: list) -> f
     return best
 
 
-def pcie_row(ctx: Context, kind: str) -> dict:
+def pcie_row(ctx: Context, row: Row) -> dict:
+    """Pinned host <-> device copies: one large copy (``kind`` peak) or the ~1B model's tensors one by one."""
     import torch
 
+    kind = row.args["kind"]
     sizes = ctx.sizes
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     if kind == "peak":
@@ -822,7 +851,7 @@ def pcie_row(ctx: Context, kind: str) -> dict:
 # ------------------------------------------------------------------------------------- host
 
 
-def host_triad(ctx: Context) -> dict:
+def host_triad(ctx: Context, row: Row) -> dict:
     from offload_adamw import measure_host_bandwidth
 
     result = measure_host_bandwidth(elements=ctx.sizes.triad_elements, repeats=5)
@@ -877,12 +906,13 @@ def _host_workload(ctx: Context) -> dict:
     return ctx.cache["host"]
 
 
-def host_threads(ctx: Context, threads: int) -> dict:
+def host_threads(ctx: Context, row: Row) -> dict:
     """The host-step cases at ``threads`` torch threads, timed as ``offload-adamw bench`` times them (rotated)."""
     import torch
 
     from offload_adamw.benchmarking.timing import summary, time_rotated
 
+    threads = row.args["threads"]
     work = _host_workload(ctx)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -897,14 +927,3 @@ def host_threads(ctx: Context, threads: int) -> dict:
         cases[name] = {"ms_per_step": figures["ms_per_step"], "ms_all": figures["ms_all"],
                        "GBps_at_28B": figures["effective_gbps"]}
     return {"status": "ok", "threads": threads, "elements": n, "tensors": work["tensors"], "cases": cases}
-
-
-ROW_FUNCTIONS: dict[str, Callable[..., dict]] = {
-    "parity": lambda ctx, row: (fsdp_overlap_row(ctx, row.args["fsdp_overlap_case"]) if "fsdp_overlap_case" in row.args
-                                else parity_row(ctx, **row.args)),
-    "llama": lambda ctx, row: llama_row(ctx, **row.args),
-    "pcie": lambda ctx, row: pcie_row(ctx, "peak" if row.name == "pinned-peak" else "per-tensor"),
-    "host": lambda ctx, row: host_triad(ctx) if row.name == "triad" else host_threads(ctx, **row.args),
-    "selftest": selftest_row,
-}
-
