@@ -6,15 +6,20 @@
 
 Contract:
 
-* **Sections of rows, each row time-limited.** On CUDA a section's rows run in one child process (one
-  per row where a clean process matters: the ~1B model's peak memory); without CUDA all rows share one
-  child. The driver kills a child's process group when its row passes the row's limit or the run's
-  budget, records the row as ``timeout`` (with the figures it reported before, under ``partial``) and
-  starts a new child for the rows after it, so one hang loses one row; a child that dies loses only the
-  row it was in (``error: child exited with N``). A row that raises is ``error`` (the traceback is in
-  the JSON), one whose check fails is ``failed``; a row that needs CUDA on a machine without it is
-  ``skipped: no CUDA``; one that would start after the budget is ``skipped: time budget``.
-  ``GPU_RUN_SELFTEST=1`` adds a first section whose rows hang and crash on purpose (the tests use it).
+* **Sections of rows, each row time-limited, run by value.** The rows run phase by phase
+  (``gpu_run_rows.Phase``), so that a budget cut loses what is worth least: the gpu tests, the ~1B rows the
+  targets read (freed gradients: (d), (e)), the on-device fp32-master reference (a), the other ~1B rows,
+  parity without torch.compile and FSDP2, PCIe and the host, the compiled parity row last. On CUDA consecutive
+  rows of one section run in one child process (one per row where a clean process matters: the ~1B model's
+  peak memory); without CUDA consecutive rows share one child. The children get ``NCCL_SOCKET_IFNAME=lo`` and
+  ``NCCL_IB_DISABLE=1`` unless the environment sets them (NCCL at world size 1 in a VM may otherwise pick a
+  virtual NIC). The driver kills a child's process group when its row passes the row's limit or the run's
+  budget, records the row as ``timeout`` (with the figures it reported before, under ``partial``) and starts a
+  new child for the rows after it, so one hang loses one row; a child that dies loses only the row it was in
+  (``error: child exited with N``). A row that raises is ``error`` (the traceback is in the JSON), one whose
+  check fails is ``failed``; a row that needs CUDA on a machine without it is ``skipped: no CUDA``; one that
+  would start after the budget is ``skipped: time budget``. ``GPU_RUN_SELFTEST=1`` adds a first section whose
+  rows hang and crash on purpose (the tests use it).
 * **Outputs in OUTDIR**: ``gpu_run.json`` (``schema_version``, the machine, the sizes, every row's
   status, seconds and figures, the targets; rewritten after every row, so a killed run keeps what it
   measured), ``gpu_run.log`` (stdout, from gpu_run.sh), ``logs/*.log`` (the children's output),
@@ -77,8 +82,10 @@ from gpu_run_rows import (
     REHEARSAL_SIZES,
     Context,
     Row,
+    Section,
     Sizes,
     all_sections,
+    run_order,
 )
 
 SCHEMA_VERSION = 1
@@ -130,6 +137,27 @@ def child_main(work: list[tuple[str, str]], sizes: Sizes, device: str, outdir: P
 # ============================================================================ driver side
 
 
+def child_batches(order: list[tuple[Section, Row]], *, cuda: bool) -> list[tuple[str, list[tuple[str, Row]]]]:
+    """The children the run starts, in ``order``, as (kind, rows): a command's row alone (kind ``command``);
+    on CUDA one child per row of a fresh-process section and one for each run of consecutive rows of another
+    section (kind: the section); without CUDA one child for each run of consecutive rows (kind ``cpu``)."""
+    batches: list[tuple[str, list[tuple[str, Row]]]] = []
+    joinable = False  # whether the last batch takes the next row of the same kind
+    for section, row in order:
+        item = (section.name, row)
+        if section.command:
+            batches.append(("command", [item]))
+            joinable = False
+            continue
+        kind = section.name if cuda else "cpu"
+        if joinable and batches[-1][0] == kind:
+            batches[-1][1].append(item)
+        else:
+            batches.append((kind, [item]))
+        joinable = not (cuda and section.fresh_process)
+    return batches
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -137,7 +165,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-def _child_env() -> dict:
+def child_env() -> dict:
     env = dict(os.environ)
     src = str(ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -145,6 +173,9 @@ def _child_env() -> dict:
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # world size 1 on one machine: loopback, no InfiniBand probing (a VM's virtual NIC can hang NCCL's start)
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    env.setdefault("NCCL_IB_DISABLE", "1")
     return env
 
 
@@ -189,30 +220,24 @@ class Driver:
         self.save()
 
     def run(self) -> dict:
-        """Every section in order; the rows without CUDA all in one child (one start-up for the rehearsal)."""
-        batches: list[tuple[str, list[tuple[str, Row]]]] = []
-        for section in all_sections(self.sizes):
+        """Every row, phase by phase (run_order); rows that share a child are started together (child_batches)."""
+        table = all_sections(self.sizes)
+        pending: list[tuple[Section, Row]] = []
+        for section in table:  # the JSON in the table's order
             rows = self.result["sections"].setdefault(section.name, {"rows": {}})["rows"]
-            pending = []
             for row in section.rows:
                 rows[row.name] = {"status": "not run"}
-                if self.only is not None and section.name not in self.only:
-                    rows[row.name] = {"status": "skipped: not selected (--only)"}
-                elif row.needs_cuda and not self.cuda:
-                    rows[row.name] = {"status": "skipped: no CUDA"}
-                elif row.needs_compile and not self.sizes.compile_rows:
-                    rows[row.name] = {"status": "skipped: compile rows off (--quick)"}
-                else:
-                    pending.append((section.name, row))
-            if section.command:
-                batches += [("command", [item]) for item in pending]
-            elif section.fresh_process and self.cuda:
-                batches += [(section.name, [item]) for item in pending]
-            elif pending:
-                if not self.cuda and batches and batches[-1][0] == "cpu":
-                    batches[-1][1].extend(pending)
-                else:
-                    batches.append(("cpu" if not self.cuda else section.name, pending))
+        for section, row in run_order(table):
+            rows = self.result["sections"][section.name]["rows"]
+            if self.only is not None and section.name not in self.only:
+                rows[row.name] = {"status": "skipped: not selected (--only)"}
+            elif row.needs_cuda and not self.cuda:
+                rows[row.name] = {"status": "skipped: no CUDA"}
+            elif row.needs_compile and not self.sizes.compile_rows:
+                rows[row.name] = {"status": "skipped: compile rows off (--quick)"}
+            else:
+                pending.append((section, row))
+        batches = child_batches(pending, cuda=self.cuda)
         self.save()
         for kind, items in batches:
             if kind == "command":
@@ -240,7 +265,7 @@ class Driver:
             log.write(f"\n=== {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} "
                       f"rows {[f'{s}/{r.name}' for s, r in items]}\n")
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env={**_child_env(), "GPU_RUN_EVENTS": str(events)}, stdout=log,
+            proc = subprocess.Popen(cmd, cwd=ROOT, env={**child_env(), "GPU_RUN_EVENTS": str(events)}, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             spawned = last_event = time.monotonic()
             seen = 0
@@ -322,7 +347,7 @@ class Driver:
         log_path = self.outdir / "logs" / f"{section}.log"
         started = time.monotonic()
         with log_path.open("a") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
                 rc = proc.wait(timeout=limit)

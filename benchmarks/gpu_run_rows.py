@@ -1,6 +1,7 @@
 """The GPU run's rows: the sizes, the table of sections and rows, and the function each row runs (in a child).
 
-Contract: :func:`all_sections` is the run's table, in the order the rows run; each :class:`Row` is run by
+Contract: :func:`all_sections` is the run's table (the JSON's order), :func:`run_order` the order its rows
+run in (by :class:`Phase`: what a cut budget loses is worth the least); each :class:`Row` is run by
 its ``run`` function with a :class:`Context` and returns a JSON-ready dict whose
 ``status`` is ``ok`` or ``failed`` (a row that raises is recorded as ``error`` by the driver).
 What every section measures: benchmarks/gpu_run.py.
@@ -22,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,29 @@ QUICK_SIZES = replace(
 # -------------------------------------------------------------------------------- the rows
 
 
+class Phase(IntEnum):
+    """When a row runs. The run goes phase by phase, so what the time budget cuts off is worth the least:
+    the gpu tests, then the ~1B rows the targets read, their reference, the other ~1B rows, parity, the
+    links and the host, and the row whose compilation alone can take minutes last."""
+
+    SELFTEST = 0
+    """The driver's own limits (GPU_RUN_SELFTEST=1)."""
+    GPU_TESTS = 1
+    """``pytest -m gpu``."""
+    TARGETS = 2
+    """The ~1B rows the targets read: freed gradients (and updates during backward; a streamed placement)."""
+    REFERENCE = 3
+    """The on-device torch AdamW with float32 masters that the targets compare with."""
+    LLAMA = 4
+    """The other ~1B rows."""
+    PARITY = 5
+    """Parity without torch.compile, a checkpoint after device steps, FSDP2."""
+    LINKS_AND_HOST = 6
+    """PCIe, the host's bandwidth and its threads."""
+    LAST = 7
+    """Parity of a torch.compile'd model."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Row:
     """One measurement: a row of the JSON and of the summary table."""
@@ -116,6 +141,8 @@ class Row:
     """Unique within its section."""
     limit_s: float
     """Seconds this row may run (on the GPU machine) before it is killed."""
+    phase: Phase
+    """When it runs (the rows of one phase in the order their sections declare them)."""
     needs_cuda: bool = False
     """Skipped without CUDA (the CPU rehearsal)."""
     needs_compile: bool = False
@@ -134,7 +161,7 @@ class Section:
     name: str
     """Key in the JSON."""
     rows: tuple[Row, ...]
-    """In the order they run."""
+    """In the order of the JSON and the summary (the run takes them by :class:`Phase`)."""
     fresh_process: bool = False
     """One child per row on CUDA (clean peak-memory figures); on the CPU one child for all."""
     command: bool = False
@@ -170,6 +197,8 @@ class LlamaVariant:
     """What the row runs, for the JSON."""
     short: str
     """Its label in the plot."""
+    phase: Phase
+    """When it runs: Phase.TARGETS, REFERENCE or LLAMA."""
     torch_adamw: bool = False
     """torch.optim.AdamW(fused=True) on the device instead of OffloadAdamW."""
     param_dtype: str = "bfloat16"
@@ -182,16 +211,20 @@ class LlamaVariant:
     """Keep the profiler trace of its two profiled steps (traces/llama-KEY.json.gz)."""
 
 
-# A placement of the host state ("stream", mixed) is one more entry here, its OffloadAdamW options in `options`.
+# A placement of the host state ("stream", mixed) is one more entry here: its OffloadAdamW options in `options`,
+# Phase.TARGETS for a placement the targets read.
 LLAMA_VARIANTS: dict[str, LlamaVariant] = {
     "a": LlamaVariant(description="torch.optim.AdamW(fused=True), float32 params + moments, bf16 autocast (16 B/param)",
-                      short="torch, fp32 master", torch_adamw=True, param_dtype="float32", autocast=True),
-    "b": LlamaVariant(description="torch.optim.AdamW(fused=True) on bf16 params", short="torch, bf16", torch_adamw=True),
-    "c": LlamaVariant(description="OffloadAdamW, bf16 params, device gradients kept", short="offload, kept"),
+                      short="torch, fp32 master", phase=Phase.REFERENCE, torch_adamw=True, param_dtype="float32", autocast=True),
+    "b": LlamaVariant(description="torch.optim.AdamW(fused=True) on bf16 params", short="torch, bf16", phase=Phase.LLAMA,
+                      torch_adamw=True),
+    "c": LlamaVariant(description="OffloadAdamW, bf16 params, device gradients kept", short="offload, kept",
+                      phase=Phase.LLAMA),
     "d": LlamaVariant(description="OffloadAdamW(offload_gradients=True), bf16 params", short="offload, freed",
-                      options={"offload_gradients": True}, keep_trace=True),
+                      phase=Phase.TARGETS, options={"offload_gradients": True}, keep_trace=True),
     "e": LlamaVariant(description="OffloadAdamW(offload_gradients=True, update_in_backward=True), bf16 params",
-                      short="freed, in backward", options={"offload_gradients": True, "update_in_backward": True}),
+                      short="freed, in backward", phase=Phase.TARGETS,
+                      options={"offload_gradients": True, "update_in_backward": True}),
 }
 
 
@@ -200,28 +233,37 @@ def sections(sizes: Sizes) -> tuple[Section, ...]:
     for name, case in PARITY_CASES.items():
         compiled, fsdp = case[6], case[7]
         parity_rows.append(Row(name=name, limit_s=180.0 if compiled else 90.0 if fsdp else 60.0,
-                               needs_compile=compiled, run=parity_row, args={"case": name}))
+                               phase=Phase.LAST if compiled else Phase.PARITY, needs_compile=compiled, run=parity_row,
+                               args={"case": name}))
     for name in FSDP_OVERLAP_CASES:
         # A few seconds on the GPU; the limit is what a worker thread that never finishes may cost the run.
-        parity_rows.append(Row(name=name, limit_s=45.0, run=fsdp_overlap_row, args={"case": name}))
+        parity_rows.append(Row(name=name, limit_s=45.0, phase=Phase.PARITY, run=fsdp_overlap_row, args={"case": name}))
     return (
-        Section(name="pcie", rows=(
-            Row(name="pinned-peak", limit_s=60.0, needs_cuda=True, run=pcie_row, args={"kind": "peak"}),
-            Row(name="per-tensor-1b-shapes", limit_s=60.0, needs_cuda=True, run=pcie_row, args={"kind": "per-tensor"}),
-        )),
         Section(name="gpu_tests", command=True, rows=(
-            Row(name="pytest -m gpu", limit_s=150.0, needs_cuda=True),
+            Row(name="pytest -m gpu", limit_s=150.0, phase=Phase.GPU_TESTS, needs_cuda=True),
+        )),
+        Section(name="llama", fresh_process=True, rows=tuple(
+            Row(name=key, limit_s=110.0, phase=variant.phase, run=llama_row, args={"variant": key})
+            for key, variant in LLAMA_VARIANTS.items()
         )),
         Section(name="parity", rows=tuple(parity_rows)),
-        Section(name="llama", fresh_process=True, rows=tuple(
-            Row(name=key, limit_s=110.0, run=llama_row, args={"variant": key}) for key in LLAMA_VARIANTS
+        Section(name="pcie", rows=(
+            Row(name="pinned-peak", limit_s=60.0, phase=Phase.LINKS_AND_HOST, needs_cuda=True, run=pcie_row,
+                args={"kind": "peak"}),
+            Row(name="per-tensor-1b-shapes", limit_s=60.0, phase=Phase.LINKS_AND_HOST, needs_cuda=True, run=pcie_row,
+                args={"kind": "per-tensor"}),
         )),
         Section(name="host", rows=(
-            Row(name="triad", limit_s=40.0, run=host_triad),
-            *(Row(name=f"threads-{n}", limit_s=60.0, run=host_threads, args={"threads": n}) for n in sizes.host_threads),
+            Row(name="triad", limit_s=40.0, phase=Phase.LINKS_AND_HOST, run=host_triad),
+            *(Row(name=f"threads-{n}", limit_s=60.0, phase=Phase.LINKS_AND_HOST, run=host_threads, args={"threads": n})
+              for n in sizes.host_threads),
         )),
     )
 
+
+def run_order(sections: tuple[Section, ...]) -> list[tuple[Section, Row]]:
+    """Every row of ``sections`` in the order the run takes them: by :class:`Phase`, then as declared."""
+    return sorted(((section, row) for section in sections for row in section.rows), key=lambda item: item[1].phase)
 
 SELFTEST_ENV = "GPU_RUN_SELFTEST"
 
@@ -231,9 +273,10 @@ def all_sections(sizes: Sizes) -> tuple[Section, ...]:
     if os.environ.get(SELFTEST_ENV) != "1":
         return sections(sizes)
     selftest = Section(name="selftest", rows=(
-        Row(name="hangs", limit_s=float(os.environ.get("GPU_RUN_SELFTEST_LIMIT", "3")), run=selftest_row),
-        Row(name="crashes", limit_s=30.0, run=selftest_row),
-        Row(name="after", limit_s=30.0, run=selftest_row),
+        Row(name="hangs", limit_s=float(os.environ.get("GPU_RUN_SELFTEST_LIMIT", "3")), phase=Phase.SELFTEST,
+            run=selftest_row),
+        Row(name="crashes", limit_s=30.0, phase=Phase.SELFTEST, run=selftest_row),
+        Row(name="after", limit_s=30.0, phase=Phase.SELFTEST, run=selftest_row),
     ))
     return (selftest, *sections(sizes))
 

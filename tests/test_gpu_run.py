@@ -259,3 +259,40 @@ def test_summary_targets_and_plots_of_a_gpu_result(tmp_path: Path) -> None:
     else:
         assert sorted(p.name for p in tmp_path.glob("*.png")) == [
             "gpu_run_host_threads.png", "gpu_run_llama.png", "gpu_run_pcie.png"]
+
+
+# ------------------------------------------------------------------------ the order and the children
+
+
+def test_the_run_takes_its_rows_by_value_and_groups_them_into_children() -> None:
+    table = gpu_run_rows.sections(gpu_run_rows.GPU_SIZES)
+    order = [(section.name, row.name) for section, row in gpu_run_rows.run_order(table)]
+    assert sorted(order) == sorted((s.name, r.name) for s in table for r in s.rows)  # every row once
+    assert order[0] == ("gpu_tests", "pytest -m gpu")
+    assert order[1:6] == [("llama", key) for key in ("d", "e", "a", "b", "c")]  # the targets' rows, their reference
+    compiled = [name for name, case in gpu_run_rows.PARITY_CASES.items() if case[6]]
+    assert order[-len(compiled):] == [("parity", name) for name in compiled]
+    sections_in_order = [name for name, _ in order[6:-len(compiled)]]
+    assert sections_in_order == sorted(sections_in_order, key=["parity", "pcie", "host"].index)
+    assert {("parity", name) for name in gpu_run_rows.FSDP_OVERLAP_CASES} <= set(order[6:-len(compiled)])
+
+    pending = gpu_run_rows.run_order(table)
+    on_gpu = [(kind, [name for _, row in items for name in [row.name]]) for kind, items in
+              gpu_run.child_batches(pending, cuda=True)]
+    assert on_gpu[0] == ("command", ["pytest -m gpu"])
+    assert on_gpu[1:6] == [("llama", [key]) for key in ("d", "e", "a", "b", "c")]  # a clean process each
+    assert [kind for kind, _ in on_gpu[6:]] == ["parity", "pcie", "host", "parity"]  # the compiled row alone, last
+    assert on_gpu[-1][1] == compiled
+    on_cpu = gpu_run.child_batches([item for item in pending if not item[0].command], cuda=False)
+    assert len(on_cpu) == 1 and on_cpu[0][0] == "cpu"  # the rehearsal starts one child
+
+
+def test_children_talk_nccl_over_loopback_unless_told_otherwise(monkeypatch) -> None:
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_IB_DISABLE", raising=False)
+    env = gpu_run.child_env()
+    assert env["NCCL_SOCKET_IFNAME"] == "lo" and env["NCCL_IB_DISABLE"] == "1"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    monkeypatch.setenv("NCCL_IB_DISABLE", "0")
+    env = gpu_run.child_env()
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["NCCL_IB_DISABLE"] == "0"
