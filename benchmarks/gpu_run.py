@@ -25,25 +25,27 @@ Contract:
   measured), ``gpu_run.log`` (stdout, from gpu_run.sh), ``logs/*.log`` (the children's output),
   ``traces/llama-d.json.gz`` (the profiler trace of two freed-gradient steps), PNGs (``--plot``; skipped with a note
   when matplotlib is missing), and a summary table on stdout. Exit status 0 when no row failed, errored or timed out; 1 otherwise.
-* **Sections.** ``pcie``: host-to-device, device-to-host and both at once from pinned memory, as one
-  large copy (the peak) and as the ~1B model's tensors one by one (what the pipeline issues).
-  ``gpu_tests``: ``pytest -m gpu tests``. ``parity``: small Llamas trained with OffloadAdamW against
-  ``torch.optim.AdamW(fused=True)`` as the README defines parity (bitwise: float32 parameters; for bf16,
-  fused AdamW on float32 copies then round-to-nearest), with several buckets, accumulation 4, gradients
-  kept and freed, clipping, fp16 autocast with OffloadGradScaler, amsgrad, ``torch.compile(model)`` and
-  FSDP2 at world size 1 (NCCL; gloo on the CPU); then FSDP2 at world size 1 with freed gradients and the host
-  updates during backward (``update_in_backward``), float32 without clipping and bf16 with ``max_grad_norm`` and
-  accumulation 4 (``set_requires_gradient_sync(False)``), against a model sharded alike whose shards fused AdamW
-  updates on float32 host copies, clipped by torch's ``clip_grad_norm_`` on that model; those two rows also report
-  each step's timeline overlap after the first and the buckets (one per FSDP group). ``llama``: a bf16 Llama
-  of about 1B parameters, step time and peak device memory of (a) torch AdamW(fused) with float32 parameters
-  and moments under bf16 autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
+* **Sections.** ``pcie``: host-to-device, device-to-host and both at once from pinned memory, as one large copy
+  (the peak) and as the ~1B model's tensors one by one (what the pipeline issues). ``gpu_tests``: ``pytest -m
+  gpu tests``. ``parity``: small Llamas trained with OffloadAdamW against ``torch.optim.AdamW(fused=True)`` as
+  the README defines parity (bitwise: float32 parameters; for bf16, fused AdamW on float32 copies then
+  round-to-nearest), with several buckets, accumulation 4, gradients kept and freed, clipping, fp16 autocast
+  with OffloadGradScaler, amsgrad, ``torch.compile(model)`` and FSDP2 at world size 1 (NCCL; gloo on the CPU); a
+  checkpoint (``offload_adamw.checkpoint``) saved after device steps and loaded into a fresh model, optimizer
+  and scheduler, whose continuation must be bitwise the uninterrupted run's, with the RNG states (the device's
+  too) restored; then FSDP2 at world size 1 with freed gradients and the host updates during backward
+  (``update_in_backward``), float32 without clipping and bf16 with ``max_grad_norm`` and accumulation 4
+  (``set_requires_gradient_sync(False)``), against a model sharded alike whose shards fused AdamW updates on
+  float32 host copies, clipped by torch's ``clip_grad_norm_`` on that model; those two rows also report each
+  step's timeline overlap after the first and the buckets (one per FSDP group). ``llama``: a bf16 Llama of about
+  1B parameters, step time and peak device memory of (a) torch AdamW(fused) with float32 parameters and moments
+  under bf16 autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
   (d) freed, (e) freed with the host updates started during backward (update_in_backward); each row also times a
-  forward+backward-only step in the same process (the exposed optimizer time is the difference) and, for (c)-(e),
-  profiles two steps and reads from the device timeline how much of the gradient copies ran before backward ended and
-  the copies' own bandwidth (the pipeline's CUDA events are internal and untimed, so they are not read). ``host``:
-  the in-place triad and the host step over 1 to 16 threads (the default kernel through OffloadAdamW, torch fused
-  float32, the naive path with preallocated float32 gradients).
+  forward+backward-only step in the same process (the exposed optimizer time is the difference) and, for
+  (c)-(e), profiles two steps and reads from the device timeline how much of the gradient copies ran before
+  backward ended and the copies' own bandwidth (the pipeline's CUDA events are internal and untimed, so they are
+  not read). ``host``: the in-place triad and the host step over 1 to 16 threads (the default kernel through
+  OffloadAdamW, torch fused float32, the naive path with preallocated float32 gradients).
 * **The CPU rehearsal** runs the parity, llama and host sections with the CPU as device and small sizes
   (the pipeline's CPU mode, gloo for FSDP2); ``--quick`` shrinks them further for the test suite.
   ``--only SECTIONS`` reruns some sections (the others are ``skipped: not selected``).
@@ -52,7 +54,7 @@ Contract:
   table and the PNGs; the trace analysis is :mod:`offload_adamw.benchmarking.device_trace`.
 * Of the library only public APIs are used (OffloadAdamW and its options, clip_grad_norm_,
   OffloadGradScaler, master_param, gradient, last_grad_norm, last_step_timeline, is_host_resident,
-  measure_host_bandwidth), besides what the benchmarks share
+  measure_host_bandwidth, offload_adamw.checkpoint), besides what the benchmarks share
   (``offload_adamw.benchmarking``: the workload's shapes, the timing loop, bitwise comparison, the machine's CPU,
   the trace analysis) and torch's clipping over bare gradient tensors (``accel.clipping.clip_gradients_``).
 """

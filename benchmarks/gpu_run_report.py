@@ -63,6 +63,10 @@ def headline(section: str, row: str, r: dict) -> str:
 
 
 def _headline(section: str, row: str, r: dict) -> str:
+    if section == "parity" and "continuation_bitwise" in r:  # the checkpoint row
+        return (f"resumed bitwise={r['continuation_bitwise']} rng={r['rng_restored']} "
+                f"(device rng saved: {r['device_rng_saved']}) schedule={r['schedule_restored']} "
+                f"mismatches={r['mismatch_count']} load problems={len(r['load_problems'])}")
     if section == "parity":
         text = (f"bitwise={r.get('bitwise')} grads@1={r.get('first_step_gradients_bitwise')} "
                 f"clip={r.get('clip_norms_bitwise')} scale={r.get('loss_scales_equal')} "

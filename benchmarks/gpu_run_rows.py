@@ -235,6 +235,8 @@ def sections(sizes: Sizes) -> tuple[Section, ...]:
         parity_rows.append(Row(name=name, limit_s=180.0 if compiled else 90.0 if fsdp else 60.0,
                                phase=Phase.LAST if compiled else Phase.PARITY, needs_compile=compiled, run=parity_row,
                                args={"case": name}))
+    # a checkpoint in a process that ran device steps: a load that fails there loses a user's run
+    parity_rows.insert(0, Row(name="bf16-freed-checkpoint-resume", limit_s=60.0, phase=Phase.PARITY, run=checkpoint_row))
     for name in FSDP_OVERLAP_CASES:
         # A few seconds on the GPU; the limit is what a worker thread that never finishes may cost the run.
         parity_rows.append(Row(name=name, limit_s=45.0, phase=Phase.PARITY, run=fsdp_overlap_row, args={"case": name}))
@@ -518,6 +520,89 @@ def parity_row(ctx: Context, row: Row) -> dict:
     if dev == "cuda":
         out["tensor_count"] = len(params_a)
     return out
+
+
+def checkpoint_row(ctx: Context, row: Row) -> dict:
+    """offload_adamw.checkpoint after device steps: saved mid-run, loaded into a fresh model, optimizer and
+    scheduler, both runs continue bitwise alike, and the RNG states (the device's too) come back.
+
+    The parity Llama in bf16 with freed gradients (the transfer pipeline; on the CPU rehearsal its CPU
+    mode), two parameter groups and a LambdaLR schedule. Between the save and the load the RNG is moved
+    on, so that only the load can bring it back.
+    """
+    import torch
+
+    from offload_adamw import OffloadAdamW, checkpoint
+    from offload_adamw.benchmarking.bitwise import same_bits
+
+    sizes, dev = ctx.sizes, ctx.device
+    _deterministic(dev)
+    before_save, after_load = max(2, sizes.parity_steps // 2), 2
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, sizes.parity_vocab, (2, sizes.parity_seq), generator=gen)
+               for _ in range(before_save + after_load)]
+
+    def build(seed: int) -> tuple[Any, Any, Any]:
+        model = _parity_llama(sizes, seed=seed).to(device=dev, dtype=torch.bfloat16)
+        opt = OffloadAdamW(_groups(model, False), offload_gradients=True, transfer_pipeline=True)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + t))
+
+    def train(run: tuple[Any, Any, Any], ids: Any) -> None:
+        model, opt, sched = run
+        ids = ids.to(dev)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    original = build(0)
+    for ids in batches[:before_save]:
+        train(original, ids)
+    ctx.sync()
+    rng_cpu = torch.get_rng_state()
+    rng_device = torch.cuda.get_rng_state() if dev == "cuda" else None
+    with tempfile.TemporaryDirectory(dir=ctx.outdir) as tmp:
+        path = checkpoint.save(Path(tmp) / "checkpoint", *original, step=before_save)
+        saved_files = sorted(p.name for p in path.iterdir())
+        torch.manual_seed(12345)  # moves the CPU and the device generators on
+        restored = build(1)
+        report = checkpoint.load(path, *restored)
+    rng_back = torch.equal(torch.get_rng_state(), rng_cpu) and (
+        rng_device is None or torch.equal(torch.cuda.get_rng_state(), rng_device))
+    for ids in batches[before_save:]:
+        train(original, ids)
+        train(restored, ids)
+    ctx.sync()
+    mismatches: list[str] = []
+    opt_a, opt_b = original[1], restored[1]
+    params_a = [p for g in opt_a.param_groups for p in g["params"]]
+    params_b = [p for g in opt_b.param_groups for p in g["params"]]
+    for index, (pa, pb) in enumerate(zip(params_a, params_b)):
+        if not same_bits(pa, pb):
+            mismatches.append(f"param {index}")
+        if not same_bits(opt_a.master_param(pa), opt_b.master_param(pb)):
+            mismatches.append(f"master {index}")
+        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            if key in sa and not (key in sb and same_bits(sa[key], sb[key])):
+                mismatches.append(f"{key} {index}")
+    same_schedule = original[2].get_last_lr() == restored[2].get_last_lr()
+    ok = not mismatches and rng_back and same_schedule and not report.problems
+    return {
+        "status": "ok" if ok else "failed",
+        "device": dev,
+        "steps_before_save": before_save,
+        "steps_after_load": after_load,
+        "saved_files": saved_files,
+        "load_problems": report.problems,
+        "optimizer_restored": report.optimizer_restored,
+        "continuation_bitwise": not mismatches,
+        "mismatches": mismatches[:20],
+        "mismatch_count": len(mismatches),
+        "rng_restored": rng_back,
+        "device_rng_saved": rng_device is not None,
+        "schedule_restored": same_schedule,
+    }
 
 
 def _shard(t):

@@ -73,7 +73,11 @@ def test_quick_cpu_rehearsal_runs_every_section(tmp_path: Path) -> None:
     sections = result["sections"]
     assert {r["status"] for r in sections["pcie"]["rows"].values()} == {"skipped: no CUDA"}
     assert sections["gpu_tests"]["rows"]["pytest -m gpu"]["status"] == "skipped: no CUDA"
+    resumed = sections["parity"]["rows"]["bf16-freed-checkpoint-resume"]  # a checkpoint after the device's steps
+    assert resumed["status"] == "ok" and resumed["continuation_bitwise"] and resumed["rng_restored"], resumed
     for name, row in sections["parity"]["rows"].items():
+        if name == "bf16-freed-checkpoint-resume":
+            continue
         if row["status"] == "ok":
             assert row["bitwise"] and row["first_step_gradients_bitwise"], name
         else:
@@ -296,3 +300,28 @@ def test_children_talk_nccl_over_loopback_unless_told_otherwise(monkeypatch) -> 
     monkeypatch.setenv("NCCL_IB_DISABLE", "0")
     env = gpu_run.child_env()
     assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["NCCL_IB_DISABLE"] == "0"
+
+
+def test_the_checkpoint_row_resumes_bitwise_and_fails_when_the_load_restores_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The row passes on the CPU, and a load that leaves the fresh model, optimizer and RNG as they were fails it."""
+    import torch
+
+    from offload_adamw import checkpoint
+
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        _checkpoint_row_passes_and_can_fail(tmp_path, monkeypatch, checkpoint)
+    finally:  # the row makes the process deterministic, as parity rows do in their child
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+
+
+def _checkpoint_row_passes_and_can_fail(tmp_path: Path, monkeypatch, checkpoint) -> None:
+    sizes = gpu_run_rows.QUICK_SIZES
+    row = next(r for s in gpu_run_rows.sections(sizes) for r in s.rows if r.name == "bf16-freed-checkpoint-resume")
+    result = row.run(gpu_run_rows.Context(sizes, "cpu", tmp_path), row)
+    assert result["status"] == "ok", result
+    assert result["continuation_bitwise"] and result["rng_restored"] and result["optimizer_restored"], result
+    assert list(tmp_path.iterdir()) == []  # the checkpoint was written to a temporary directory and removed
+    monkeypatch.setattr(checkpoint, "load", lambda path, *objects, **kw: checkpoint.LoadReport(path=str(path)))
+    broken = row.run(gpu_run_rows.Context(sizes, "cpu", tmp_path), row)
+    assert broken["status"] == "failed" and not broken["continuation_bitwise"] and not broken["rng_restored"], broken
