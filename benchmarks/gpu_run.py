@@ -40,12 +40,13 @@ Contract:
   step's timeline overlap after the first and the buckets (one per FSDP group). ``llama``: a bf16 Llama of about
   1B parameters, step time and peak device memory of (a) torch AdamW(fused) with float32 parameters and moments
   under bf16 autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
-  (d) freed, (e) freed with the host updates started during backward (update_in_backward); each row also times a
-  forward+backward-only step in the same process (the exposed optimizer time is the difference) and, for
-  (c)-(e), profiles two steps and reads from the device timeline how much of the gradient copies ran before
-  backward ended and the copies' own bandwidth (the pipeline's CUDA events are internal and untimed, so they are
-  not read). ``host``: the in-place triad and the host step over 1 to 16 threads (the default kernel through
-  OffloadAdamW, torch fused float32, the naive path with preallocated float32 gradients).
+  (d) freed, (e) freed with the host updates started during backward (update_in_backward), (f) the same with
+  max_grad_norm (``gpu_run_rows.LLAMA_VARIANTS``); each row also times a forward+backward-only step in the same
+  process (the exposed optimizer time is the difference) and, for (c)-(f), profiles two steps and reads from the
+  device timeline how much of the gradient copies ran before backward ended and the copies' own bandwidth (the
+  pipeline's CUDA events are internal and untimed, so they are not read). ``host``: the in-place triad and the
+  host step over 1 to 16 threads (the default kernel through OffloadAdamW, torch fused float32, the naive path
+  with preallocated float32 gradients).
 * **The CPU rehearsal** runs the parity, llama and host sections with the CPU as device and small sizes
   (the pipeline's CPU mode, gloo for FSDP2); ``--quick`` shrinks them further for the test suite.
   ``--only SECTIONS`` reruns some sections (the others are ``skipped: not selected``).
@@ -83,6 +84,7 @@ from gpu_run_rows import (
     QUICK_SIZES,
     REHEARSAL_SIZES,
     Context,
+    Phase,
     Row,
     Section,
     Sizes,
@@ -142,9 +144,12 @@ def child_main(work: list[tuple[str, str]], sizes: Sizes, device: str, outdir: P
 def child_batches(order: list[tuple[Section, Row]], *, cuda: bool) -> list[tuple[str, list[tuple[str, Row]]]]:
     """The children the run starts, in ``order``, as (kind, rows): a command's row alone (kind ``command``);
     on CUDA one child per row of a fresh-process section and one for each run of consecutive rows of another
-    section (kind: the section); without CUDA one child for each run of consecutive rows (kind ``cpu``)."""
+    section (kind: the section); without CUDA one child for each run of consecutive rows (kind ``cpu``). The
+    rows of Phase.LAST start a child of their own on the CPU too, as they do on CUDA: what the rows before
+    leave in a process (a process group, compiled code) is not what the GPU run gives them."""
     batches: list[tuple[str, list[tuple[str, Row]]]] = []
     joinable = False  # whether the last batch takes the next row of the same kind
+    last_phase: Phase | None = None
     for section, row in order:
         item = (section.name, row)
         if section.command:
@@ -152,11 +157,12 @@ def child_batches(order: list[tuple[Section, Row]], *, cuda: bool) -> list[tuple
             joinable = False
             continue
         kind = section.name if cuda else "cpu"
-        if joinable and batches[-1][0] == kind:
+        if joinable and batches[-1][0] == kind and (row.phase is Phase.LAST) == (last_phase is Phase.LAST):
             batches[-1][1].append(item)
         else:
             batches.append((kind, [item]))
         joinable = not (cuda and section.fresh_process)
+        last_phase = row.phase
     return batches
 
 

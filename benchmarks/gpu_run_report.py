@@ -16,7 +16,8 @@ def _row(result: dict, section: str, row: str) -> dict:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's targets, reported against (not tuned to). met is None where a figure is missing."""
+    """The targets of the ~1B run, reported against (never tuned to), each against torch AdamW(fused=True) with
+    float32 masters and moments on the device measured in the same run; met is None where a figure is missing."""
     out = []
     rehearsal = result.get("mode", "gpu") != "gpu"
 
@@ -25,26 +26,38 @@ def targets(result: dict) -> list[dict]:
             met = None
         out.append({"target": name, "value": value, "required": required, "met": met})
 
-    a, d = _row(result, "llama", "a"), _row(result, "llama", "d")
-    ratio = d["step_s_median"] / a["step_s_median"] if a and d else None
-    add("llama (d) freed step time / (a) fp32-master torch AdamW", ratio, "<= 1.15", None if ratio is None else ratio <= 1.15)
-    share = d.get("optimizer_share_bytes") if d else None
-    param_bytes = 2 * d["parameters"] if d else None
-    add("llama (d) optimizer share of peak device memory, GiB", None if share is None else share / GIB,
-        "about 0 (<= 5% of the bf16 parameter bytes)", None if share is None else share <= 0.05 * param_bytes)
+    a = _row(result, "llama", "a")
+    for key, label, limit in (("e", "freed, updates in backward, no clipping", 1.10),
+                              ("f", "the same with max_grad_norm", 1.20)):
+        r = _row(result, "llama", key)
+        ratio = r["step_s_median"] / a["step_s_median"] if a and r else None
+        add(f"llama ({key}) {label}: step time / (a) fp32-master torch AdamW", ratio, f"<= {limit:.2f}",
+            None if ratio is None else ratio <= limit)
+    for key in ("d", "e"):
+        r = _row(result, "llama", key)
+        share = r.get("optimizer_share_bytes") if r else None
+        param_bytes = 2 * r["parameters"] if r else None
+        add(f"llama ({key}) optimizer share of peak device memory, GiB", None if share is None else share / GIB,
+            "about 0: parameters and transient gradients only (<= 5% of the bf16 parameter bytes)",
+            None if share is None else share <= 0.05 * param_bytes)
+    e = _row(result, "llama", "e")
+    hidden = e.get("timeline_overlap") if e else None
+    add("llama (e) share of the host update hidden behind backward (the optimizer's timeline, host clock)", hidden,
+        ">= 0.75", None if hidden is None else hidden >= 0.75)
     peak = _row(result, "pcie", "pinned-peak")
     per_tensor = _row(result, "pcie", "per-tensor-1b-shapes")
+    d = _row(result, "llama", "d")
     overlap = d.get("overlap", {}) if d else {}
     for tag in ("h2d", "d2h"):
         p = peak.get(f"{tag}_GBps")
         t = per_tensor.get(f"{tag}_GBps")
         frac = t / p if p and t else None
-        add(f"pcie {tag}: per-tensor copies of the 1B shapes / pinned peak", frac, ">= 0.80",
-            None if frac is None else frac >= 0.8)
+        add(f"pcie {tag}: per-tensor copies of the 1B shapes / pinned peak", frac, ">= 0.85",
+            None if frac is None else frac >= 0.85)
         busy = overlap.get(f"{tag}_GBps_while_busy")
         frac = busy / p if p and busy else None
-        add(f"pcie {tag}: the pipeline's own copies in (d) (profiler, while busy) / pinned peak", frac, ">= 0.80",
-            None if frac is None else frac >= 0.8)
+        add(f"pcie {tag}: the pipeline's own copies in (d) (profiler, while busy) / pinned peak", frac, ">= 0.85",
+            None if frac is None else frac >= 0.85)
     return out
 
 

@@ -225,6 +225,9 @@ LLAMA_VARIANTS: dict[str, LlamaVariant] = {
     "e": LlamaVariant(description="OffloadAdamW(offload_gradients=True, update_in_backward=True), bf16 params",
                       short="freed, in backward", phase=Phase.TARGETS,
                       options={"offload_gradients": True, "update_in_backward": True}),
+    "f": LlamaVariant(description="OffloadAdamW(offload_gradients=True, update_in_backward=True, max_grad_norm=1.0), "
+                                  "bf16 params", short="freed, in backward, clipped", phase=Phase.TARGETS,
+                      options={"offload_gradients": True, "update_in_backward": True, "max_grad_norm": 1.0}),
 }
 
 
