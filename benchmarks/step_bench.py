@@ -2,7 +2,7 @@
 
     python benchmarks/step_bench.py --sizes 16M,64M,256M --repeats 7 --json step.json --plot step.png
 
-See offload_adamw/cli/bench.py for what is measured and how.
+See offload_adamw/benchmarking/host_step.py for what is measured and how.
 """
 
 import argparse

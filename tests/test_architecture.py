@@ -32,6 +32,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"distributed"}),
     frozenset({"accel"}),
     frozenset({"optim"}),
+    # measurements of the machine and the optimizer: below the tool rooms, so the planner can read its probes
+    frozenset({"benchmarking"}),
     frozenset({"checkpoint", "conformance", "planning", "auditing"}),
     frozenset({"integrations"}),
     frozenset({"demo"}),
@@ -41,7 +43,11 @@ LAYERS: tuple[frozenset[str], ...] = (
 )
 FACADE_MODULES = {TOP, f"{TOP}.__main__", f"{TOP}.reference"}
 #: modules that must import without torch, and everything they pull in at import time must too.
-TORCH_FREE = ("offload_adamw.contract", "offload_adamw.planning.planner", "offload_adamw.conformance.report")
+TORCH_FREE = ("offload_adamw.contract", "offload_adamw.planning.planner", "offload_adamw.planning.models",
+              "offload_adamw.conformance.report", "offload_adamw.benchmarking.device_trace")
+#: what a cli/ module may import: it parses and prints, the work is done by the room it is about.
+CLI_REACHES = frozenset({"_version", "_output", "cli", "benchmarking", "checkpoint", "conformance", "planning",
+                         "auditing", "integrations", "demo"})
 
 
 def layer_line() -> str:
@@ -164,6 +170,22 @@ def check_layers(src: Path) -> list[str]:
     return problems
 
 
+def check_cli_imports(src: Path) -> list[str]:
+    """Every import of a cli/ module that reaches past the rooms the commands are about (into the optimizer,
+    the kernels, accel, distributed or the contract), as one line each."""
+    modules = module_names(src)
+    problems = []
+    for name, path in modules.items():
+        if package_of(name) != "cli":
+            continue
+        for imp in imports_of(name, path, modules):
+            target = package_of(imp.target)
+            if target not in CLI_REACHES:
+                problems.append(f"{path.relative_to(src)}:{imp.line}: {imp.importer} imports {imp.target}: a command "
+                                f"parses and prints; what it runs belongs in a room of {sorted(CLI_REACHES - {'cli'})}")
+    return problems
+
+
 def import_time_graph(src: Path) -> dict[str, set[str]]:
     """Module -> the modules its import runs, including the packages (__init__) above each target."""
     modules = module_names(src)
@@ -256,6 +278,11 @@ def test_layer_table_knows_every_package():
 def test_imports_run_one_way():
     problems = check_layers(SRC)
     assert not problems, "imports against the layer table (tests/test_architecture.py, LAYERS):\n" + "\n".join(problems)
+
+
+def test_the_command_line_only_parses_and_prints():
+    problems = check_cli_imports(SRC)
+    assert not problems, "\n".join(problems)
 
 
 def test_no_import_time_cycle_among_modules():
@@ -444,3 +471,17 @@ def test_the_accel_checks_can_fail(tmp_path):
     sizes = accel_sizes(tmp_path)
     assert any("big.py" in p and "lines" in p for p in sizes) and any("31 methods" in p for p in sizes), sizes
     assert component_builders(tmp_path) == ["accel/gate.py:4 builds SlotTable: only accel/pipeline.py wires the components"]
+
+
+def test_checker_reports_a_command_that_does_the_work_itself(tmp_path):
+    src = _tree(tmp_path, {
+        "offload_adamw/cli/__init__.py": "",
+        "offload_adamw/cli/bench.py": "from offload_adamw.kernels.adamw import adamw_update_\n"
+                                      "from offload_adamw.benchmarking import host_step\n",
+        "offload_adamw/kernels/__init__.py": "",
+        "offload_adamw/kernels/adamw.py": "",
+        "offload_adamw/benchmarking/__init__.py": "",
+        "offload_adamw/benchmarking/host_step.py": "",
+    })
+    problems = check_cli_imports(src)
+    assert len(problems) == 1 and "cli/bench.py:1" in problems[0] and "offload_adamw.kernels.adamw" in problems[0]

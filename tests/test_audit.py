@@ -440,3 +440,29 @@ def test_cli_steps_override_the_script_and_the_table_is_the_default(tmp_path, ca
     table = capsys.readouterr().out
     assert "over 10 updates" in table and "20 updates" in table and "frozen_with_grad" in table
     assert "1 error(s), 1 warning(s)" in table
+
+
+def test_the_command_names_the_set_up_function_the_room_calls():
+    from offload_adamw.auditing import inputs
+    from offload_adamw.cli import audit as audit_command
+
+    assert audit_command.DEFAULT_FUNCTION == inputs.DEFAULT_FUNCTION
+
+
+def test_the_registry_names_every_kind_once_and_a_state_dict_shows_only_what_it_can():
+    from offload_adamw.auditing.findings import CHECKS
+
+    kinds = [check.kind for check in CHECKS]
+    assert len(kinds) == len(set(kinds)) and set(kinds) == set(KINDS)
+    assert all(check.of_setup or check.of_state_dict for check in CHECKS)
+    saved_kinds = {check.kind for check in CHECKS if check.of_state_dict is not None}
+    assert {"missing_from_optimizer", "frozen_with_grad", "not_in_model"}.isdisjoint(saved_kinds)
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, weight_decay=0.1)
+    layer(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved["state"][7] = saved["state"][0]
+    report = audit_state_dict(saved, steps=10)
+    assert {f.kind for f in report.findings} == {"decay_on_1d", "state_without_group", "weight_decay_shrink"}
+    assert {f.kind for f in report.findings} <= saved_kinds

@@ -13,8 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload_adamw import cli
-from offload_adamw.cli.bench import ALL_CASES, parse_size, rotations, transformer_shapes
-from offload_adamw.planning.bandwidth import measure_host_bandwidth
+from offload_adamw.benchmarking.bandwidth import measure_host_bandwidth
+from offload_adamw.benchmarking.host_step import ALL_CASES
+from offload_adamw.benchmarking.timing import rotations
+from offload_adamw.benchmarking.workload import transformer_shapes
+from offload_adamw.cli.bench import parse_size
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,7 +101,9 @@ def test_the_naive_path_is_preallocated_and_deepspeed_is_skipped_with_a_reason()
     a DeepSpeed case that cannot run here is absent with its reason, not silently dropped."""
     import torch
 
-    from offload_adamw.cli.bench import build_cases, make_workload, measure_step
+    from offload_adamw.benchmarking.host_step import build_cases
+    from offload_adamw.benchmarking.timing import measure_step
+    from offload_adamw.benchmarking.workload import make_workload
 
     w = make_workload(4 * 2**20)
     info = {"deepspeed_unavailable": "ModuleNotFoundError: No module named 'deepspeed'"}
@@ -130,3 +135,22 @@ def test_bench_script_is_the_same_command(capsys):
     for option in ("--sizes", "--repeats", "--json", "--plot", "--quick", "--cases"):
         assert option in out
     assert module.bench_cli is importlib.import_module("offload_adamw.cli.bench")
+
+
+def test_bitwise_comparison_sees_signed_zeros_and_nans_and_counts_elements():
+    import torch
+
+    from offload_adamw.benchmarking.bitwise import differing_elements, max_abs_difference, same_bits
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        a = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=dtype)
+        b = a.clone()
+        assert same_bits(a, b) and differing_elements(a, b) == 0
+        b[0] = -0.0  # equal as numbers, not as bits
+        assert not same_bits(a, b) and differing_elements(a, b) == 1
+        assert max_abs_difference(a[:2], b[:2]) == 0.0 and max_abs_difference(a[1:2], a[3:]) == 1.0
+        assert not same_bits(a, a.to(torch.float32 if dtype != torch.float32 else torch.float64))
+    wide = torch.arange(12.0).reshape(3, 4)
+    assert same_bits(wide.t(), wide.t().contiguous())  # compared by value, whatever the layout
+    with pytest.raises(ValueError, match="cannot compare"):
+        differing_elements(wide, wide.t())

@@ -19,17 +19,13 @@ from hypothesis import strategies as st
 
 from offload_adamw import cli
 from offload_adamw.cli.plan import measured_host_bandwidth, parse_count
-from offload_adamw.planning import planner
+from offload_adamw.planning import models, planner
+from offload_adamw.planning.models import PRESETS, ModelConfig, ParamCountModel, ParamSpec, model_from_hf_config
 from offload_adamw.planning.planner import (
     GB,
-    PRESETS,
     HardwareConfig,
-    ModelConfig,
-    ParamCountModel,
-    ParamSpec,
     TrainingConfig,
     activation_bytes,
-    model_from_hf_config,
     plan,
     predict_host_optimizer_bytes,
 )
@@ -109,7 +105,7 @@ def test_unsharded_bill_is_the_contract_bill(model, dtype, per_element, amsgrad)
 def test_one_gpu_offload_traffic_is_the_contract_single_pass(dtype):
     # world 1: the shard is the whole model, so traffic is per element times n
     n = SMALL.num_parameters()
-    p = planner.dtype_bytes(dtype)
+    p = models.dtype_bytes(dtype)
     result = plan(SMALL, ONE_GPU, TrainingConfig(param_dtype=dtype))
     s = result.strategy("fsdp+offload-adamw")
     assert (s.pcie_d2h_bytes, s.pcie_h2d_bytes) == (p * n, p * n)
@@ -369,7 +365,7 @@ def test_configs_the_planner_would_count_wrong_are_refused_naming_the_key(tmp_pa
     path = tmp_path / "config.json"
     path.write_text(json.dumps(fields))
     with pytest.raises(ValueError, match=key):
-        planner.model_from_hf_config(path)
+        models.model_from_hf_config(path)
 
 
 def test_an_unknown_architecture_without_transformers_is_refused_on_one_line(tmp_path):
@@ -397,17 +393,17 @@ def test_cli_plot_writes_a_png(tmp_path):
 
 
 def test_measure_without_the_probe_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "offload_adamw.planning.bandwidth", None)  # the import now fails as if absent
+    monkeypatch.setitem(sys.modules, "offload_adamw.benchmarking.bandwidth", None)  # the import now fails as if absent
     value, message = measured_host_bandwidth()
     assert value is None and "not available" in message
     assert cli.main(["plan", "--params", "7B", "--measure", "--json"]) == 0
     captured = capsys.readouterr()
-    assert "offload_adamw.planning.bandwidth is not available" in captured.err
+    assert "offload_adamw.benchmarking.bandwidth is not available" in captured.err
     assert json.loads(captured.out)["hardware"]["host_memory_bytes_per_s"] == HardwareConfig().host_memory_bytes_per_s
 
 
 def test_measure_with_the_probe():
-    pytest.importorskip("offload_adamw.planning.bandwidth")
+    pytest.importorskip("offload_adamw.benchmarking.bandwidth")
     value, message = measured_host_bandwidth(elements=1 << 18, repeats=2)
     assert value is not None and 1e8 < value < 1e13, message
 
@@ -419,3 +415,13 @@ def test_console_entry_point_runs_in_a_subprocess():
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["num_parameters"] == 8_030_261_248
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)), b"\xff\xfe{\x00}\x00", b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 40,
+                                     b"[" * 100_000], ids=["all_bytes", "utf16", "elf_header", "nested_deeply"])
+def test_cli_on_a_binary_or_unreadable_config_names_the_file(tmp_path, capsys, content):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(content)
+    assert cli.main(["plan", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith(f"offload-adamw plan: {path}: not "), err

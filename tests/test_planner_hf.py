@@ -10,17 +10,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from offload_adamw import OffloadAdamW
-from offload_adamw.planning.planner import (
-    PRESETS,
-    HardwareConfig,
-    ModelConfig,
-    ParamSpec,
-    TrainingConfig,
-    model_from_hf_config,
-    param_specs_from_tensors,
-    plan,
-    predict_host_optimizer_bytes,
-)
+from offload_adamw.planning.models import PRESETS, ModelConfig, ParamSpec, model_from_hf_config, param_specs_from_tensors
+from offload_adamw.planning.planner import HardwareConfig, TrainingConfig, plan, predict_host_optimizer_bytes
 
 
 def llama_config(model: ModelConfig, **extra) -> LlamaConfig:

@@ -76,7 +76,8 @@ def test_a_training_step_counts_six_or_eight_flops_per_parameter_and_token() -> 
 
 
 def test_the_70b_plan_estimates_serial_and_overlapped_step_times() -> None:
-    from offload_adamw.planning.planner import PRESETS, TrainingConfig, plan
+    from offload_adamw.planning.models import PRESETS
+    from offload_adamw.planning.planner import TrainingConfig, plan
 
     clipped = plan(PRESETS["llama-3-70b"])
     free = plan(PRESETS["llama-3-70b"], training=TrainingConfig(clipping=False))

@@ -85,8 +85,8 @@ def test_every_tensor_the_stand_in_serves_is_a_device_tensor() -> None:
         opt = OffloadAdamW([p], transfer_pipeline=True)
     plain = OffloadAdamW([q], transfer_pipeline=True)
     assert standin.is_device_tensor(p) and not standin.is_device_tensor(q)
-    assert opt.transfer_pipeline is not None and opt.transfer_pipeline.is_device(p.device)
-    assert plain.transfer_pipeline is not None and not plain.transfer_pipeline.is_device(q.device)
+    assert opt.transfer_pipeline is not None and opt.transfer_pipeline.engine.is_device(p.device)
+    assert plain.transfer_pipeline is not None and not plain.transfer_pipeline.engine.is_device(q.device)
     p.grad = torch.ones_like(p)
     opt.step()
     assert "master_param" in opt.state[p], "a float32 parameter on a device has a host master"

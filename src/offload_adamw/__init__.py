@@ -28,10 +28,10 @@ _EXPORTS: dict[str, str] = {
     "compiled_kernel_status": "offload_adamw.kernels.numba_loop",
     "plan": "offload_adamw.planning.planner",
     "predict_host_optimizer_bytes": "offload_adamw.planning.planner",
-    "ModelConfig": "offload_adamw.planning.planner",
+    "ModelConfig": "offload_adamw.planning.models",
     "HardwareConfig": "offload_adamw.planning.planner",
     "TrainingConfig": "offload_adamw.planning.planner",
-    "measure_host_bandwidth": "offload_adamw.planning.bandwidth",
+    "measure_host_bandwidth": "offload_adamw.benchmarking.bandwidth",
     "audit": "offload_adamw.auditing.audit",
     "audit_state_dict": "offload_adamw.auditing.audit",
     "AuditReport": "offload_adamw.auditing.audit",
@@ -49,7 +49,7 @@ _EXPORTS: dict[str, str] = {
 _RENAMED = {"check_conformance": "check", "Finding": "AuditFinding", "param_groups": "named_param_groups"}
 # subpackages reachable as attributes (offload_adamw.checkpoint.save, ...)
 _SUBMODULES = ("checkpoint", "conformance", "reference", "contract", "kernels", "optim", "accel", "distributed",
-               "planning", "auditing", "integrations", "demo", "cli")
+               "benchmarking", "planning", "auditing", "integrations", "demo", "cli")
 
 __all__ = ["__version__", *_EXPORTS]  # noqa: PLE0604 - the names are the keys of _EXPORTS, all strings
 
@@ -75,6 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from offload_adamw.accel.freed import HostResidentGradient, is_host_resident  # noqa: F401
     from offload_adamw.auditing.audit import AuditFinding, AuditReport, audit, audit_state_dict  # noqa: F401
     from offload_adamw.auditing.audit import AuditFinding as Finding  # noqa: F401
+    from offload_adamw.benchmarking.bandwidth import measure_host_bandwidth  # noqa: F401
     from offload_adamw.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport  # noqa: F401
     from offload_adamw.conformance.checker import CandidateLoadError  # noqa: F401
     from offload_adamw.conformance.checker import check as check_conformance  # noqa: F401
@@ -85,10 +86,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from offload_adamw.optim.named_groups import named_param_groups as param_groups  # noqa: F401
     from offload_adamw.optim.optimizer import OffloadAdamW  # noqa: F401
     from offload_adamw.optim.preflight import HostMemoryError  # noqa: F401
-    from offload_adamw.planning.bandwidth import measure_host_bandwidth  # noqa: F401
+    from offload_adamw.planning.models import ModelConfig  # noqa: F401
     from offload_adamw.planning.planner import (  # noqa: F401
         HardwareConfig,
-        ModelConfig,
         TrainingConfig,
         plan,
         predict_host_optimizer_bytes,

@@ -183,10 +183,6 @@ class GradientPipeline:
     def _check_host_buffers(self, nbytes: int, label: str) -> None:
         self.optimizer.check_host_buffers(nbytes, label)  # through the weak proxy: no bound method keeps it alive
 
-    def is_device(self, device: torch.device) -> bool:
-        """Whether a parameter on ``device`` lives apart from the host (its update is sent back to it)."""
-        return self.engine.is_device(device)
-
     def attach_ddp(self, ddp: Any) -> None:
         """Take DDP's reduced gradients from its communication hook (accel/sources.py)."""
         self.refresh()

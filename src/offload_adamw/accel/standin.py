@@ -166,7 +166,7 @@ class _Stream:
                 time.sleep(SLOW_DELAY_S if slow else self._rng.uniform(0.0, MAX_DELAY_S))
             try:
                 work()
-            except BaseException as error:  # noqa: BLE001 - raised by whoever waits for it
+            except BaseException as error:
                 done.fail(error)
             else:
                 done.finish()

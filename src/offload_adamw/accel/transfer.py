@@ -245,7 +245,7 @@ def _accumulate_forever(jobs: queue.SimpleQueue[Any], thread_init: Callable[[], 
             after.wait()  # the copy into src has landed
             with torch.no_grad():
                 dst.add_(src)  # old + new, rounded once to the gradient's dtype: what autograd's accumulation computes
-        except BaseException as error:  # noqa: BLE001 - re-raised by the wait of the step that needs this gradient
+        except BaseException as error:
             done.fail(error)
         else:
             done.finish()

@@ -24,6 +24,8 @@ Contract:
   scripts that derive the total step count from the data do), i.e. update j
   uses the replayed lr at the same fraction of the run, and the report gives the
   new shrink and the weight_decay that would keep the old one.
+* Each kind is looked for by one function of :mod:`offload_adamw.auditing.findings`, whose registry
+  ``CHECKS`` says which kinds a saved state_dict can show.
 * :func:`audit_state_dict` audits a saved optimizer state_dict alone: groups,
   names, state dtypes, decay on 1-D state, empty groups, duplicates and state
   that belongs to no group. What it cannot know (parameters missing from the
@@ -34,417 +36,19 @@ Contract:
 
 from __future__ import annotations
 
-import copy
-import json
 import math
-import sys
-import warnings
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from offload_adamw._output import render_table
-from offload_adamw.optim.named_groups import named_tensors
+from offload_adamw.auditing.decay import accumulation_pair, shrink_factor
+from offload_adamw.auditing.findings import CHECKS, KINDS, LiveSetup, SavedSetup
+from offload_adamw.auditing.report import AuditFinding, AuditReport, GroupSummary
+from offload_adamw.auditing.values import as_float, dtype_label, group_label, is_number
 
 __all__ = ["AuditFinding", "GroupSummary", "AuditReport", "audit", "audit_state_dict", "shrink_factor", "KINDS"]
-
-#: every kind of finding -> its severity.
-KINDS: dict[str, str] = {
-    "missing_from_optimizer": "error",
-    "duplicate_in_optimizer": "error",
-    "not_in_model": "error",
-    "frozen_with_grad": "error",
-    "name_mismatch": "error",
-    "state_without_group": "error",
-    "invalid_hyperparameter": "error",
-    "decay_on_1d": "warning",
-    "empty_group": "warning",
-    "low_precision_state": "warning",
-    "weight_decay_shrink": "info",
-}
-_STATE_WIDTH_BYTES = 4  # state narrower than float32 loses the small updates (docs/contract.md#state-precision)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AuditFinding:
-    """One fault (or, with severity ``info``, one fact) of the set-up."""
-
-    kind: str
-    """One of :data:`KINDS`."""
-    severity: str
-    """``error`` (the run computes something else than intended), ``warning`` (probably unintended) or ``info``."""
-    message: str
-    """One sentence for a person, naming the culprits."""
-    params: tuple[str, ...] = ()
-    """The culprit tensors, one canonical name each, each once."""
-    group: int | None = None
-    """The parameter group for group-level findings."""
-    details: dict[str, Any] = field(default_factory=dict)
-    """Machine-readable facts (JSON-serialisable)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupSummary:
-    """What one parameter group holds."""
-
-    index: int
-    """Position in ``optimizer.param_groups``."""
-    label: str
-    """The group's ``rule`` (from :func:`param_groups`) or ``group <index>``."""
-    lr: float | None
-    """The group's current learning rate."""
-    weight_decay: float | None
-    """The group's weight decay."""
-    tensors: int
-    """Number of parameter entries in the group."""
-    elements: int | None
-    """Number of elements in the group (None when unknown, from a state_dict without state)."""
-    param_dtypes: tuple[str, ...]
-    """dtypes of the parameters (empty when unknown)."""
-    state_dtypes: tuple[str, ...]
-    """dtypes of the floating-point state tensors that exist (moments, masters, steps)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class AuditReport:
-    """The result of an audit: findings, per-group summary and what could not be checked."""
-
-    source: str
-    """What was audited (``model + optimizer`` or a file)."""
-    findings: tuple[AuditFinding, ...]
-    """Every finding, errors first."""
-    groups: tuple[GroupSummary, ...]
-    """One row per parameter group."""
-    notes: tuple[str, ...] = ()
-    """Checks that could not be made, and why."""
-
-    @property
-    def faults(self) -> tuple[AuditFinding, ...]:
-        """Findings of severity ``error`` or ``warning``."""
-        return tuple(f for f in self.findings if f.severity != "info")
-
-    def of_kind(self, kind: str) -> tuple[AuditFinding, ...]:
-        """The findings of one kind."""
-        return tuple(f for f in self.findings if f.kind == kind)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "faults": len(self.faults),
-            "findings": [asdict(f) for f in self.findings],
-            "groups": [asdict(g) for g in self.groups],
-            "notes": list(self.notes),
-        }
-
-    def to_json(self) -> str:
-        """The report as JSON (findings, groups, notes)."""
-        return json.dumps(self.to_dict(), indent=2)
-
-    def to_table(self) -> str:
-        """The report as terminal tables: the groups, then the findings."""
-        rows = [
-            [
-                str(g.index),
-                g.label,
-                _fmt(g.lr),
-                _fmt(g.weight_decay),
-                str(g.tensors),
-                "?" if g.elements is None else f"{g.elements:,}",
-                ",".join(g.param_dtypes) or "?",
-                ",".join(g.state_dtypes) or "-",
-            ]
-            for g in self.groups
-        ]
-        lines = [f"audit of {self.source}", ""]
-        lines += _table(["group", "rule", "lr", "weight_decay", "tensors", "elements", "param dtype", "state dtype"], rows)
-        lines.append("")
-        if self.findings:
-            lines += _table(
-                ["severity", "kind", "group", "finding"],
-                [[f.severity, f.kind, "" if f.group is None else str(f.group), f.message] for f in self.findings],
-            )
-        else:
-            lines.append("no findings")
-        errors = sum(f.severity == "error" for f in self.findings)
-        warns = sum(f.severity == "warning" for f in self.findings)
-        lines += ["", f"{errors} error(s), {warns} warning(s)"]
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- formatting
-
-
-def _fmt(x: float | None) -> str:
-    return "?" if x is None else f"{x:.6g}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    # The last column (a message) is wrapped to the terminal instead of widening every row.
-    return render_table(header, rows, wrap=len(header) - 1).splitlines()
-
-
-def _dtype(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
-
-
-def _few(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _by_dtype(narrow: Mapping[str, Mapping[str, str]]) -> str:
-    """``{name: {state key: dtype}}`` -> "exp_avg bfloat16, exp_avg_sq bfloat16: a, b and 3 more; ..."."""
-    by_kind: dict[str, list[str]] = defaultdict(list)
-    for name, low in narrow.items():
-        by_kind[", ".join(f"{k} {d}" for k, d in low.items())].append(name)
-    return "; ".join(f"{kind}: {_few(names)}" for kind, names in by_kind.items())
-
-
-def _float(x: Any) -> float | None:
-    if x is None:
-        return None
-    if isinstance(x, Tensor):
-        return float(x.item())
-    return float(x)
-
-
-def _number(x: Any) -> float:
-    """``x``, a number or a one-element tensor (``_is_number``, or an lr of a param group), as a float."""
-    return float(x.item()) if isinstance(x, Tensor) else float(x)
-
-
-def _is_number(x: Any) -> bool:
-    if isinstance(x, Tensor):
-        return x.numel() == 1 and not x.is_complex()
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _hyperparameter_findings(groups: Sequence[Mapping[str, Any]]) -> list[AuditFinding]:
-    """One finding per group whose lr, betas, eps or weight_decay torch.optim.AdamW's constructor refuses."""
-    out = []
-    for gi, group in enumerate(groups):
-        bad: dict[str, str] = {}
-        for key in ("lr", "eps", "weight_decay"):
-            if key in group and _is_number(group[key]) and not 0.0 <= _number(group[key]):
-                bad[key] = repr(_number(group[key]))
-        betas = group.get("betas")
-        if betas is not None and not (
-            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0.0 <= _number(b) < 1.0 for b in betas)
-        ):
-            shown = tuple(_float(b) if _is_number(b) else b for b in betas) if isinstance(betas, (tuple, list)) else betas
-            bad["betas"] = repr(shown)
-        if bad:
-            out.append(
-                _finding(
-                    "invalid_hyperparameter",
-                    f"group {gi} ({_label(group, gi)}) has " + ", ".join(f"{k} {v}" for k, v in bad.items())
-                    + ": torch.optim.AdamW refuses these (lr, eps, weight_decay >= 0 and 0 <= betas < 1); "
-                    "the update computes nonsense or NaN",
-                    group=gi,
-                    values=bad,
-                )
-            )
-    return out
-
-
-def _check_state_dict_layout(state_dict: Mapping[str, Any], source: str) -> None:
-    """ValueError naming ``source`` and the entry for anything audit_state_dict could not read."""
-
-    def fail(what: str) -> None:
-        raise ValueError(f"{source}: malformed optimizer state_dict: {what}")
-
-    groups, state = state_dict["param_groups"], state_dict["state"]
-    if not isinstance(groups, (list, tuple)):
-        fail(f"param_groups must be a list, got {type(groups).__name__}")
-    for gi, group in enumerate(groups):
-        if not isinstance(group, Mapping):
-            fail(f"param_groups[{gi}] must be a dict, got {type(group).__name__}")
-        params = group.get("params", [])
-        if not isinstance(params, (list, tuple)):
-            fail(f"param_groups[{gi}]['params'] must be a list of ids, got {type(params).__name__}")
-        for pid in params:
-            try:
-                hash(pid)
-            except TypeError:
-                fail(f"param_groups[{gi}]['params'] holds {pid!r}, which is not an id")
-        names = group.get("param_names")
-        if names is not None and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
-            fail(f"param_groups[{gi}]['param_names'] must be a list of names, got {names!r}")
-        for key in ("lr", "eps", "weight_decay"):
-            if group.get(key) is not None and not _is_number(group[key]):
-                fail(f"param_groups[{gi}][{key!r}] must be a number, got {group[key]!r}")
-        betas = group.get("betas")
-        if betas is not None and not (isinstance(betas, (list, tuple)) and all(_is_number(b) for b in betas)):
-            fail(f"param_groups[{gi}]['betas'] must be a pair of numbers, got {betas!r}")
-    if not isinstance(state, Mapping):
-        fail(f"state must be a dict, got {type(state).__name__}")
-    for pid, entry in state.items():
-        if entry is not None and not isinstance(entry, Mapping):
-            fail(f"state entry {pid!r} must be a dict, got {type(entry).__name__}")
-
-
-def _label(group: Mapping[str, Any], index: int) -> str:
-    rule = group.get("rule")
-    return str(rule) if rule is not None else f"group {index}"
-
-
-# -------------------------------------------------------------- decay shrink
-
-
-def shrink_factor(lrs: Sequence[float], weight_decay: float) -> float:
-    """``prod_t (1 - lrs[t] * weight_decay)``, in float64."""
-    if len(lrs) == 0:
-        return 1.0
-    factors = 1.0 - torch.as_tensor(lrs, dtype=torch.float64) * weight_decay
-    if bool((factors <= 0).any()):
-        return float(torch.prod(factors))  # lr*wd >= 1 flips or zeroes the weights; no logarithm
-    return math.exp(float(torch.log(factors).sum()))
-
-
-def _weight_decay_for(lrs: Sequence[float], target: float) -> float | None:
-    """The weight_decay whose shrink over ``lrs`` equals ``target`` (bisection), or None."""
-    top = max(lrs, default=0.0)
-    if top <= 0 or not 0.0 < target <= 1.0:
-        return None
-    lo, hi = 0.0, 1.0 / top  # shrink falls monotonically from 1 to 0 on [0, 1/max lr]
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if shrink_factor(lrs, mid) > target:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-15 * hi:
-            break
-    return 0.5 * (lo + hi)
-
-
-class _StandInOptimizer(torch.optim.Optimizer):
-    """Holds copies of the user's group hyperparameters so a scheduler copy can step without touching anything."""
-
-    def __init__(self, groups: list[dict[str, Any]]):  # noqa: D107 - no Optimizer.__init__: no params to register
-        self.defaults = {}
-        self.state = defaultdict(dict)
-        self.param_groups = groups
-        self._opt_called = True
-
-    def step(self, closure: Any = None) -> Any:  # pragma: no cover - never called
-        return None
-
-
-def replay_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> tuple[list[list[float]], str]:
-    """The learning rate of every group at each of the next ``steps`` updates, and where it came from.
-
-    The scheduler is deep-copied with the optimizer, its groups and their dicts
-    replaced by stand-ins, so neither the user's scheduler nor the optimizer's
-    learning rates change.
-    """
-    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} | {"params": []} for g in optimizer.param_groups]
-    current = [[_number(g["lr"]) for g in groups]] if steps > 0 else []
-    if scheduler is None:
-        return current * steps, "constant (no scheduler)"
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        return current * steps, "constant (ReduceLROnPlateau depends on the metrics; the current lr is assumed)"
-    stand_in = _StandInOptimizer(groups)
-    memo: dict[int, Any] = {id(optimizer): stand_in, id(optimizer.param_groups): groups}
-    for own, theirs in zip(optimizer.param_groups, groups):
-        memo[id(own)] = theirs
-    for own in optimizer.param_groups:  # the tensors must not be copied
-        for p in own["params"]:
-            memo[id(p)] = p
-    shadow = copy.deepcopy(scheduler, memo)
-    lrs: list[list[float]] = []
-    from tqdm.auto import tqdm
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # order warnings about optimizer.step(): the stand-in never steps
-        for t in tqdm(range(steps), desc="replaying the lr schedule", disable=steps < 100_000 or not sys.stderr.isatty(),
-                      leave=False):
-            lrs.append([_number(g["lr"]) for g in groups])
-            if t + 1 < steps:
-                shadow.step()
-    return lrs, f"replay of {type(scheduler).__name__}"
-
-
-def _accumulation(grad_accumulation: int | Sequence[int] | None) -> tuple[int, int] | None:
-    if grad_accumulation is None:
-        return None
-    pair: tuple[int, ...]
-    if isinstance(grad_accumulation, int):
-        pair = (1, grad_accumulation)
-    else:
-        pair = tuple(int(x) for x in grad_accumulation)
-    if len(pair) != 2 or pair[0] < 1 or pair[1] < 1:
-        raise ValueError(f"grad_accumulation must be a positive int or a (current, new) pair of them, got {grad_accumulation!r}")
-    return pair[0], pair[1]
-
-
-def _shrink_findings(
-    groups: Sequence[Mapping[str, Any]],
-    lrs: list[list[float]],
-    source: str,
-    accumulation: tuple[int, int] | None,
-) -> list[AuditFinding]:
-    steps = len(lrs)
-    findings = []
-    for gi, group in enumerate(groups):
-        wd = _float(group.get("weight_decay")) or 0.0
-        if wd <= 0 or not group["params"]:
-            continue
-        seq = [row[gi] for row in lrs]
-        shrink = shrink_factor(seq, wd)
-        details: dict[str, Any] = {
-            "updates": steps,
-            "weight_decay": wd,
-            "shrink": shrink,
-            "lr_source": source,
-            "lr_first": seq[0] if seq else None,
-            "lr_last": seq[-1] if seq else None,
-        }
-        message = f"over {steps} updates weight decay {wd:g} scales the weights by {shrink:.6g} ({source})"
-        if accumulation is not None:
-            current, new = accumulation
-            new_steps = max(1, round(steps * current / new))
-            resampled = [seq[min(steps - 1, (j * steps) // new_steps)] for j in range(new_steps)] if steps else []
-            new_shrink = shrink_factor(resampled, wd)
-            keep = _weight_decay_for(resampled, shrink)
-            details["accumulation"] = {
-                "current": current,
-                "new": new,
-                "updates": new_steps,
-                "shrink": new_shrink,
-                "weight_decay_for_same_shrink": keep,
-            }
-            message += (
-                f"; with gradient accumulation {new} instead of {current}: {new_steps} updates, {new_shrink:.6g}"
-                + (f" (weight_decay {keep:.6g} keeps {shrink:.6g})" if keep is not None else "")
-            )
-        findings.append(
-            AuditFinding(kind="weight_decay_shrink", severity="info", message=message, group=gi, details=details)
-        )
-    return findings
-
-
-# --------------------------------------------------------------------- audit
-
-
-def _finding(kind: str, message: str, params: Sequence[str] = (), group: int | None = None, **details: Any) -> AuditFinding:
-    return AuditFinding(kind=kind, severity=KINDS[kind], message=message, params=tuple(params), group=group, details=details)
-
-
-def _predicted_state_dtype(optimizer: torch.optim.Optimizer, p: Tensor) -> torch.dtype | None:
-    """The dtype of the moments the optimizer will create for ``p``, where it is known before any step."""
-    from offload_adamw.optim.optimizer import OffloadAdamW
-
-    if isinstance(optimizer, OffloadAdamW):
-        return torch.float64 if p.dtype == torch.float64 else torch.float32
-    if type(optimizer).__module__.startswith("torch.optim"):
-        return p.dtype  # torch's optimizers allocate their state with zeros_like(param)
-    return None
 
 
 def audit(
@@ -472,163 +76,23 @@ def audit(
         raise ValueError("the shrink of weight decay needs steps= (the number of optimizer updates of the run)")
     if steps is not None and steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
-    accumulation = _accumulation(grad_accumulation)
+    accumulation = accumulation_pair(grad_accumulation)
 
-    model_names = named_tensors(model)
-    where: dict[Tensor, list[tuple[int, int]]] = {}
-    display: dict[Tensor, str] = {}
-    findings: list[AuditFinding] = _hyperparameter_findings(optimizer.param_groups)
-    mismatched: dict[str, str] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        given = group.get("param_names")
-        for j, p in enumerate(group["params"]):
-            where.setdefault(p, []).append((gi, j))
-            names = model_names.get(p)
-            if names is not None:
-                display[p] = names[0]
-                if given is not None and j < len(given) and given[j] not in names:
-                    mismatched[f"param_groups[{gi}][{j}]"] = f"named {given[j]!r}, but the model calls it {names[0]!r}"
-            else:
-                display.setdefault(
-                    p, given[j] if given is not None and j < len(given) else f"param_groups[{gi}][{j}] {tuple(p.shape)}"
-                )
-
-    def name_of(p: Tensor) -> str:
-        return display[p] if p in display else model_names[p][0]
-
-    def aliases(tensors: Sequence[Tensor]) -> dict[str, list[str]]:
-        return {model_names[p][0]: model_names[p] for p in tensors if len(model_names.get(p, ())) > 1}
-
-    missing = [p for p, names in model_names.items() if p.requires_grad and p not in where]
-    if missing:
-        names = [name_of(p) for p in missing]
-        findings.append(
-            _finding(
-                "missing_from_optimizer",
-                f"{len(missing)} trainable parameter(s) are in no parameter group and will never be updated: {_few(names)}",
-                names,
-                tied_names=aliases(missing),
-            )
-        )
-    twice = [p for p, places in where.items() if len(places) > 1]
-    if twice:
-        names = [name_of(p) for p in twice]
-        findings.append(
-            _finding(
-                "duplicate_in_optimizer",
-                f"{len(twice)} tensor(s) appear more than once in the optimizer and are updated once per appearance: "
-                + "; ".join(f"{name_of(p)} at {[f'param_groups[{gj[0]}][{gj[1]}]' for gj in where[p]]}" for p in twice[:6]),
-                names,
-                places={name_of(p): [list(gj) for gj in where[p]] for p in twice},
-                tied_names=aliases(twice),
-            )
-        )
-    foreign = [p for p in where if p not in model_names]
-    if foreign:
-        names = [name_of(p) for p in foreign]
-        findings.append(
-            _finding(
-                "not_in_model",
-                f"{len(foreign)} optimized tensor(s) are not parameters of the model (a stale or another model?): {_few(names)}",
-                names,
-            )
-        )
-    frozen = [p for p in where if not p.requires_grad and p.grad is not None]
-    if frozen:
-        names = [name_of(p) for p in frozen]
-        findings.append(
-            _finding(
-                "frozen_with_grad",
-                f"{len(frozen)} frozen parameter(s) (requires_grad=False) still hold a .grad and will be updated "
-                f"by the next step (set .grad = None or zero_grad(set_to_none=True)): {_few(names)}",
-                names,
-            )
-        )
-    if mismatched:
-        findings.append(
-            _finding(
-                "name_mismatch",
-                f"{len(mismatched)} param_names entr(y/ies) do not name their tensor, so a state_dict keyed by name "
-                f"puts state on the wrong tensor: " + "; ".join(f"{k} {v}" for k, v in list(mismatched.items())[:6]),
-                list(mismatched),
-                entries=mismatched,
-            )
-        )
-
-    def updated(p: Tensor) -> bool:
-        return p.requires_grad or p.grad is not None
-
-    decayed: dict[Tensor, list[float]] = {}
-    for group in optimizer.param_groups:
-        wd = _float(group.get("weight_decay")) or 0.0
-        for p in group["params"]:
-            if wd > 0 and p.ndim <= 1 and updated(p) and wd not in decayed.setdefault(p, []):
-                decayed[p].append(wd)
-    decayed = {p: wds for p, wds in decayed.items() if wds}
-    if decayed:
-        names = [name_of(p) for p in decayed]
-        findings.append(
-            _finding(
-                "decay_on_1d",
-                f"weight decay on {len(decayed)} 1-D parameter(s) (biases, norm weights), which usually should not "
-                f"decay: {_few(names)}",
-                names,
-                weight_decay={name_of(p): wds for p, wds in decayed.items()},
-                groups={name_of(p): sorted({gi for gi, _ in where[p]}) for p in decayed},
-            )
-        )
-
-    narrow: dict[str, dict[str, str]] = {}
-    for p in where:
-        state = optimizer.state.get(p) or {}
-        low = {
-            k: _dtype(v.dtype)
-            for k, v in state.items()
-            if isinstance(v, Tensor) and v.is_floating_point() and v.element_size() < _STATE_WIDTH_BYTES
-        }
-        if not state and updated(p):
-            predicted = _predicted_state_dtype(optimizer, p)
-            if predicted is not None and predicted.is_floating_point and predicted.itemsize < _STATE_WIDTH_BYTES:
-                low = {"moments (at the first step)": _dtype(predicted)}
-        if low:
-            narrow[name_of(p)] = low
-    if narrow:
-        names = list(narrow)
-        findings.append(
-            _finding(
-                "low_precision_state",
-                f"{len(narrow)} parameter(s) have optimizer state narrower than float32: small updates and weight "
-                f"decay round away, and no float32 master exists (docs/contract.md, section State precision): "
-                f"{_by_dtype(narrow)}",
-                names,
-                dtypes=narrow,
-            )
-        )
-
-    for gi, group in enumerate(optimizer.param_groups):
-        if not group["params"]:
-            findings.append(
-                _finding("empty_group", f"group {gi} ({_label(group, gi)}) has no parameter", group=gi, label=_label(group, gi))
-            )
-
-    if steps is not None:
-        lrs, source = replay_lrs(optimizer, scheduler, steps)
-        findings += _shrink_findings(optimizer.param_groups, lrs, source, accumulation)
-
+    setup = LiveSetup.of(model, optimizer, scheduler, steps, accumulation)
+    findings = [f for check in CHECKS if check.of_setup is not None for f in check.of_setup(setup)]
     summaries = []
     for gi, group in enumerate(optimizer.param_groups):
         params = group["params"]
-        state_dtypes = _state_dtypes(optimizer.state.get(p) for p in params)
         summaries.append(
             GroupSummary(
                 index=gi,
-                label=_label(group, gi),
-                lr=_float(group.get("lr")),
-                weight_decay=_float(group.get("weight_decay")),
+                label=group_label(group, gi),
+                lr=as_float(group.get("lr")),
+                weight_decay=as_float(group.get("weight_decay")),
                 tensors=len(params),
                 elements=sum(p.numel() for p in params),
-                param_dtypes=tuple(sorted({_dtype(p.dtype) for p in params})),
-                state_dtypes=state_dtypes,
+                param_dtypes=tuple(sorted({dtype_label(p.dtype) for p in params})),
+                state_dtypes=_state_dtypes(optimizer.state.get(p) for p in params),
             )
         )
     return AuditReport(source="model + optimizer", findings=_by_severity(findings), groups=tuple(summaries))
@@ -637,7 +101,7 @@ def audit(
 def _state_dtypes(entries: Iterable[Mapping[str, Any] | None]) -> tuple[str, ...]:
     """The floating dtypes of the state tensors in ``entries`` (per-parameter state dicts or None), sorted."""
     return tuple(sorted({
-        _dtype(v.dtype)
+        dtype_label(v.dtype)
         for entry in entries
         for v in (entry or {}).values()
         if isinstance(v, Tensor) and v.is_floating_point()
@@ -668,128 +132,62 @@ def audit_state_dict(
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError(f"{source}: not an optimizer state_dict (expected the keys 'state' and 'param_groups')")
     _check_state_dict_layout(state_dict, source)
-    accumulation = _accumulation(grad_accumulation)
+    accumulation = accumulation_pair(grad_accumulation)
     groups = state_dict["param_groups"]
     state = state_dict["state"]
-    findings: list[AuditFinding] = _hyperparameter_findings(groups)
-    notes = [
-        "from a state_dict alone, trainable parameters missing from the optimizer, frozen parameters that hold a "
-        "gradient and tied parameters cannot be checked: audit the training script for those",
-    ]
-
-    # torch numbers each tensor once, so a tensor listed twice has one id in two places; two ids under one
-    # name make a by-name load ambiguous. Both are duplicates, each reported once under its name.
-    names: dict[Any, str] = {}
-    id_places: dict[Any, list[tuple[int, int]]] = defaultdict(list)
-    name_ids: dict[str, set[Any]] = defaultdict(set)
-    for gi, group in enumerate(groups):
-        given = group.get("param_names")
-        for j, pid in enumerate(group.get("params", [])):
-            name = given[j] if given is not None and j < len(given) else f"id {pid}"
-            if pid in names and name not in names[pid].split(" = "):
-                names[pid] += f" = {name}"  # one id listed under two names: show both
-            names.setdefault(pid, name)
-            id_places[pid].append((gi, j))
-            name_ids[name].add(pid)
-    twice: dict[str, list[tuple[int, int]]] = {}
-    for pid, pl in id_places.items():
-        if len(pl) > 1:
-            twice[names[pid]] = pl
-    for name, pids in name_ids.items():
-        if len(pids) > 1:
-            twice.setdefault(name, sorted(gj for pid in pids for gj in id_places[pid]))
-    if twice:
-        findings.append(
-            _finding(
-                "duplicate_in_optimizer",
-                f"{len(twice)} parameter(s) appear more than once in the saved groups: {_few(list(twice))}",
-                list(twice),
-                places={n: [list(gj) for gj in pl] for n, pl in twice.items()},
-            )
-        )
-    orphans = [pid for pid in state if pid not in names]
-    if orphans:
-        findings.append(
-            _finding(
-                "state_without_group",
-                f"{len(orphans)} state entr(y/ies) belong to no parameter group: ids {_few([str(o) for o in orphans])}",
-                [f"id {o}" for o in orphans],
-            )
-        )
-
-    def shape_of(pid: Any) -> torch.Size | None:
-        for key in ("exp_avg", "exp_avg_sq", "master_param", "momentum_buffer"):
-            value = (state.get(pid) or {}).get(key)
-            if isinstance(value, Tensor):
-                return value.shape
-        return None
-
-    decayed: dict[str, float] = {}
-    unknown_shape = 0
-    for group in groups:
-        wd = _float(group.get("weight_decay")) or 0.0
-        for pid in group.get("params", []):
-            shape = shape_of(pid)
-            if shape is None:
-                unknown_shape += 1
-            elif wd > 0 and len(shape) <= 1:
-                decayed.setdefault(names[pid], wd)
-    if decayed:
-        findings.append(
-            _finding(
-                "decay_on_1d",
-                f"weight decay on {len(decayed)} 1-D parameter(s) (by the shape of their state): {_few(list(decayed))}",
-                list(decayed),
-                weight_decay=decayed,
-            )
-        )
-    if unknown_shape:
-        notes.append(f"{unknown_shape} parameter(s) have no state yet (never stepped, or frozen): their shape is unknown")
-
-    narrow: dict[str, dict[str, str]] = {}
-    for pid, entry in state.items():
-        low = {
-            k: _dtype(v.dtype)
-            for k, v in (entry or {}).items()
-            if isinstance(v, Tensor) and v.is_floating_point() and v.element_size() < _STATE_WIDTH_BYTES
-        }
-        if low:
-            narrow[names.get(pid, f"id {pid}")] = low
-    if narrow:
-        findings.append(
-            _finding(
-                "low_precision_state",
-                f"{len(narrow)} parameter(s) have state narrower than float32: {_by_dtype(narrow)}",
-                list(narrow),
-                dtypes=narrow,
-            )
-        )
-    for gi, group in enumerate(groups):
-        if not group.get("params"):
-            findings.append(
-                _finding("empty_group", f"group {gi} ({_label(group, gi)}) has no parameter", group=gi, label=_label(group, gi))
-            )
-    if steps is not None:
-        current = [_float(g.get("lr")) or 0.0 for g in groups]
-        findings += _shrink_findings(
-            groups, [current] * steps, "constant: the saved lr (no scheduler in a state_dict)", accumulation
-        )
-
+    setup = SavedSetup.of(groups, state, steps, accumulation)
+    findings = [f for check in CHECKS if check.of_state_dict is not None for f in check.of_state_dict(setup)]
     summaries = []
     for gi, group in enumerate(groups):
         pids = group.get("params", [])
-        shapes = [shape_of(pid) for pid in pids]
+        shapes = [setup.shape_of(pid) for pid in pids]
         known = [s for s in shapes if s is not None]
         summaries.append(
             GroupSummary(
                 index=gi,
-                label=_label(group, gi),
-                lr=_float(group.get("lr")),
-                weight_decay=_float(group.get("weight_decay")),
+                label=group_label(group, gi),
+                lr=as_float(group.get("lr")),
+                weight_decay=as_float(group.get("weight_decay")),
                 tensors=len(pids),
                 elements=None if len(known) != len(shapes) else sum(math.prod(s) for s in known),
                 param_dtypes=(),
                 state_dtypes=_state_dtypes(state.get(pid) for pid in pids),
             )
         )
-    return AuditReport(source=source, findings=_by_severity(findings), groups=tuple(summaries), notes=tuple(notes))
+    return AuditReport(source=source, findings=_by_severity(findings), groups=tuple(summaries), notes=tuple(setup.notes))
+
+
+def _check_state_dict_layout(state_dict: Mapping[str, Any], source: str) -> None:
+    """ValueError naming ``source`` and the entry for anything audit_state_dict could not read."""
+
+    def fail(what: str) -> None:
+        raise ValueError(f"{source}: malformed optimizer state_dict: {what}")
+
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(groups, (list, tuple)):
+        fail(f"param_groups must be a list, got {type(groups).__name__}")
+    for gi, group in enumerate(groups):
+        if not isinstance(group, Mapping):
+            fail(f"param_groups[{gi}] must be a dict, got {type(group).__name__}")
+        params = group.get("params", [])
+        if not isinstance(params, (list, tuple)):
+            fail(f"param_groups[{gi}]['params'] must be a list of ids, got {type(params).__name__}")
+        for pid in params:
+            try:
+                hash(pid)
+            except TypeError:
+                fail(f"param_groups[{gi}]['params'] holds {pid!r}, which is not an id")
+        names = group.get("param_names")
+        if names is not None and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
+            fail(f"param_groups[{gi}]['param_names'] must be a list of names, got {names!r}")
+        for key in ("lr", "eps", "weight_decay"):
+            if group.get(key) is not None and not is_number(group[key]):
+                fail(f"param_groups[{gi}][{key!r}] must be a number, got {group[key]!r}")
+        betas = group.get("betas")
+        if betas is not None and not (isinstance(betas, (list, tuple)) and all(is_number(b) for b in betas)):
+            fail(f"param_groups[{gi}]['betas'] must be a pair of numbers, got {betas!r}")
+    if not isinstance(state, Mapping):
+        fail(f"state must be a dict, got {type(state).__name__}")
+    for pid, entry in state.items():
+        if entry is not None and not isinstance(entry, Mapping):
+            fail(f"state entry {pid!r} must be a dict, got {type(entry).__name__}")

@@ -11,10 +11,11 @@ others (``planner.COMPARISONS``) are shown marked as comparisons.
 (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V3). With transformers installed it also
 takes whatever ``AutoConfig.from_pretrained`` reads (a model id, a cached model), and a config of
 another architecture is counted from the model built on the meta device (activations then not
-estimated). Without transformers such a config is refused, naming the model_type or key.
+estimated); :mod:`offload_adamw.planning.from_transformers`. Without transformers such a config is
+refused, naming the model_type or key.
 
 No torch import unless ``--measure`` or the meta-device count needs it. ``--measure`` takes the
-host memory bandwidth from ``offload_adamw.planning.bandwidth.measure_host_bandwidth()``
+host memory bandwidth from ``offload_adamw.benchmarking.bandwidth.measure_host_bandwidth()``
 (imported only then); when that module is not installed it says so and keeps the default.
 """
 
@@ -22,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import math
-import os
 import re
 import sys
 from typing import TYPE_CHECKING, Any, cast
@@ -33,7 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.colors import ListedColormap
 
 from offload_adamw.cli import common
-from offload_adamw.planning import planner
+from offload_adamw.planning import models, planner
+from offload_adamw.planning.from_transformers import model_from_config
 from offload_adamw.planning.planner import GB, HardwareConfig, Plan, TrainingConfig
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -59,7 +59,7 @@ def _defaults() -> tuple[HardwareConfig, TrainingConfig]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw, tr = _defaults()
     model = parser.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
-    model.add_argument("--preset", choices=sorted(planner.PRESETS), help="a built-in model configuration")
+    model.add_argument("--preset", choices=sorted(models.PRESETS), help="a built-in model configuration")
     model.add_argument("--config", metavar="CONFIG",
                        help="a Hugging Face config.json or a directory holding one (Llama, Mistral, Qwen2, Mixtral, "
                             "Qwen2-MoE, DeepSeek-V3); with transformers installed, whatever AutoConfig reads")
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--gpu-tflops", type=float, default=hw.gpu_flops_per_s / 1e12,
                    help="peak dense 16-bit TFLOP/s of one GPU (H100 SXM), for the step-time estimate")
     h.add_argument("--measure", action="store_true",
-                   help="measure this machine's host memory bandwidth (offload_adamw.planning.bandwidth) instead")
+                   help="measure this machine's host memory bandwidth (offload_adamw.benchmarking.bandwidth) instead")
 
     t = parser.add_argument_group("training")
     t.add_argument("--dtype", default=tr.param_dtype, help="parameter/gradient dtype on the GPU: bf16, fp16, fp32")
@@ -104,23 +104,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measured_host_bandwidth(**probe_options: Any) -> tuple[float | None, str]:
-    """(bytes/s, where it came from) by offload_adamw.planning.bandwidth, or (None, why not).
+    """(bytes/s, where it came from) by offload_adamw.benchmarking.bandwidth, or (None, why not).
 
     The in-place triad (``a += s*b``) is the figure used: it has the optimizer
     step's access pattern (read-modify-write, no write-allocate); its median
     over the probe's passes where the probe reports one.
     """
     try:
-        module = importlib.import_module("offload_adamw.planning.bandwidth")
+        module = importlib.import_module("offload_adamw.benchmarking.bandwidth")
     except ModuleNotFoundError as exc:
-        if exc.name != "offload_adamw.planning.bandwidth":
+        if exc.name != "offload_adamw.benchmarking.bandwidth":
             raise  # the module is there but one of its own imports is broken: show that
-        return None, "--measure: offload_adamw.planning.bandwidth is not available in this installation; keeping the default"
+        return None, "--measure: offload_adamw.benchmarking.bandwidth is not available in this installation; keeping the default"
     result = module.measure_host_bandwidth(**probe_options)
     for key, scale in _BANDWIDTH_KEYS:
         value = result.get(key) if isinstance(result, dict) else getattr(result, key, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return float(value) * scale, f"host memory bandwidth: {key} measured by offload_adamw.planning.bandwidth"
+            return float(value) * scale, f"host memory bandwidth: {key} measured by offload_adamw.benchmarking.bandwidth"
     return None, f"--measure: no bandwidth in the probe's result {result!r}; keeping the default"
 
 
@@ -132,68 +132,15 @@ _BANDWIDTH_KEYS = (
 )
 
 
-def _transformers_installed() -> bool:
-    try:
-        return importlib.util.find_spec("transformers") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def model_from_config_argument(text: str) -> planner.Model:
-    """The model of ``--config``: a config.json, a directory holding one, or (with transformers) what AutoConfig reads."""
-    if os.path.exists(text):
-        raw, name = planner.read_hf_config(text)
-        try:
-            return planner.model_from_hf_dict(raw, name=name, source=text)
-        except planner.UnsupportedConfig as exc:
-            if not _transformers_installed():
-                raise ValueError(f"{exc}; with transformers installed it is counted from the model itself") from None
-            from transformers import AutoConfig
-
-            config = AutoConfig.for_model(**raw) if "model_type" in raw else None
-            if config is None:
-                raise
-            return _meta_device_model(config, name)
-    if not _transformers_installed():
-        raise ValueError(f"--config {text!r}: no such file or directory (a model id needs transformers installed)")
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(text)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--config {text!r}: neither a file nor a directory, and AutoConfig cannot read it: "
-                         f"{str(exc).splitlines()[0]}") from None
-    name = text.rstrip("/").split("/")[-1]
-    try:
-        return planner.model_from_hf_dict(config.to_dict(), name=name, source=text)
-    except planner.UnsupportedConfig:
-        return _meta_device_model(config, name)
-
-
-def _meta_device_model(config: Any, name: str) -> planner.ParamShapesModel:
-    """Names and shapes of the trainable tensors of the transformers model for ``config``, built on the meta device."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"--config: transformers cannot build a causal LM for model_type "
-                         f"{getattr(config, 'model_type', '?')!r}: {str(exc).splitlines()[0]}") from None
-    shapes = tuple((n, tuple(int(d) for d in p.shape)) for n, p in model.named_parameters() if p.requires_grad)
-    return planner.ParamShapesModel(name=name, shapes=shapes)
-
-
 def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     """The plan for parsed arguments, and messages for the user. Raises ValueError/OSError on bad input."""
     messages: list[str] = []
     if args.preset:
-        model: planner.Model = planner.PRESETS[args.preset]
+        model: models.Model = models.PRESETS[args.preset]
     elif args.config:
-        model = model_from_config_argument(args.config)
+        model = model_from_config(args.config)
     else:
-        model = planner.ParamCountModel(name=f"--params {args.params:,}", params=args.params)
+        model = models.ParamCountModel(name=f"--params {args.params:,}", params=args.params)
     host_bw = args.host_bandwidth_gbps * GB
     if args.measure:
         value, source = measured_host_bandwidth()

@@ -1,1 +1,1 @@
-"""What fits where, and how fast a step can be: the planner and the host bandwidth probe."""
+"""What fits where, and how fast a step can be: the planner on plain numbers."""
