@@ -61,3 +61,23 @@ def test_ddp_quick(quick_results, name):
 @pytest.mark.parametrize("name", [case_name(c) for c in CASES] + FSDP_ALL)
 def test_ddp_matrix(all_results, name):
     _assert_ok(all_results, name)
+
+
+def test_a_dead_weak_proxy_does_not_break_the_search_for_an_unattached_ddp_model(tmp_path) -> None:
+    """The search walks gc.get_objects(); a dead weakref.proxy among them (torch.compile leaves some) raised
+    ReferenceError from isinstance() inside backward's hook."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import socket, weakref, torch, torch.distributed as dist\n"
+        "from offload_adamw import OffloadAdamW\n"
+        "with socket.socket() as s:\n    s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+        "class Thing:\n    pass\n"
+        "thing = Thing(); dead = weakref.proxy(thing); keep = [dead]; del thing\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        "opt = OffloadAdamW(model.parameters(), offload_gradients=True)\n"
+        "model(torch.randn(2, 4)).sum().backward(); opt.step()\n"
+        "print('ok'); dist.destroy_process_group()\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -44,7 +44,9 @@ def unwrap(model: Any) -> Any:
 
 
 def is_ddp(model: Any) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    # type(), not isinstance(): isinstance() reads __class__, which a dead weakref.proxy (gc.get_objects() finds
+    # them) answers with ReferenceError.
+    return issubclass(type(model), torch.nn.parallel.DistributedDataParallel)
 
 
 def ddp_parameters(ddp: Any) -> list[Tensor]:
