@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _distributed_common import LR, WEIGHT_DECAY, TinyCausalLM, batch, full_params, loss_of, train  # noqa: E402
-from _distributed_worker import RESUME_AT, RESUME_END  # noqa: E402
-from offload_adamw import OffloadAdamW  # noqa: E402
-from offload_adamw import distributed as offload_distributed  # noqa: E402
+from _distributed_common import LR, WEIGHT_DECAY, TinyCausalLM, batch, full_params, loss_of, train
+from _distributed_worker import RESUME_AT, RESUME_END
+from offload_adamw import OffloadAdamW
+from offload_adamw import distributed as offload_distributed
 
 WORKER = Path(__file__).resolve().parent / "_distributed_worker.py"
 CHECKS = [

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _overlap_ddp_worker import CASES, MISUSES, MIXED, SETTINGS, case_name  # noqa: E402
+from _overlap_ddp_worker import CASES, MISUSES, MIXED, SETTINGS, case_name
 
 WORKER = Path(__file__).resolve().parent / "_overlap_ddp_worker.py"
 

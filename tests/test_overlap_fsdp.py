@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _overlap_fsdp_worker import BLOCKS, CASES, FREED_CASES, case_name, freed_case_name  # noqa: E402
+from _overlap_fsdp_worker import BLOCKS, CASES, FREED_CASES, case_name, freed_case_name
 
 WORKER = Path(__file__).resolve().parent / "_overlap_fsdp_worker.py"
 

@@ -72,7 +72,7 @@ class HostResidentGradient(Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _DETACH:
             return args[0]
