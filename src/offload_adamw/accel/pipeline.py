@@ -157,7 +157,7 @@ class GradientPipeline:
             lands_early=config.update_in_backward,
         )
         self.gate.decision_groups = self.ddp.process_groups
-        self.hooks.first_hook = self.ddp.check_unattached
+        self.hooks.on_backward = [self.ddp.check_unattached, self.schedule.backward_began]
         self.refresh()
 
     # ------------------------------------------------------------------ set-up
@@ -456,7 +456,8 @@ class GradientPipeline:
             opt.check_gradient(*where[p], slot.host_grad)
         opt.preflight([where[p] for p in landed if not opt.state.get(p)])
         times: dict[str, float] = {}
-        sent = self.host.run(members, where, None, self.residency.landed, times)
+        with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
+            sent = self.host.run(members, where, None, self.residency.landed, times)
         return sent, times
 
 

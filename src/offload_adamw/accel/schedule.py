@@ -18,6 +18,7 @@ Contract, one schedule each, chosen once at construction:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,6 +87,15 @@ class AtStep:
     def refuse_loss_scaling(self) -> None:
         return None
 
+    def backward_began(self) -> None:
+        return None
+
+    def before_load(self) -> None:
+        return None
+
+    def loaded(self) -> None:
+        return None
+
     def before_step(self) -> Early:
         return Early()
 
@@ -126,10 +136,56 @@ class DuringBackward:
         self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
         self._missing_state = False
         self._checked_task: int | None = None
+        self._open = 0  # backwards whose hooks ran and whose end has not come: one that raised stays open
+        self._torn = 0  # parameters updated during a backward that raised: the step is refused until a load
         gate.on_open = self._open_gate
         _watch_forwards(self)
 
     # ------------------------------------------------------------ in backward
+
+    def backward_began(self) -> None:
+        """At the first hook of a backward: counted open until its end (a backward that raises never ends)."""
+        self._open += 1
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._open = max(0, self._open - 1)
+
+    def _failed_backward(self) -> None:
+        """Before step(), zero_grad() or a load: a backward that raised. Nothing ran early: it is dropped as torch drops
+        it (the gradients as it left them). Updates ran during it: the worker is waited for (nothing changes after this
+        call), and the step is refused until a load_state_dict restores a checkpoint."""
+        if self._open and not self._torn:
+            updater = self._updater
+            if updater is not None and updater.started() and not updater.gated():
+                self._torn = sum(1 for bucket in self._buckets for p in bucket if updater.covers(p))
+            self._open = 0
+            self._drop_updater()
+        if self._torn:
+            raise RuntimeError(
+                f"backward raised after the updates of {self._torn} parameter(s) had run during it "
+                "(update_in_backward=True): they are one update ahead of the others, and the batch cannot be dropped "
+                "exactly. Restore the last checkpoint (offload_adamw.checkpoint.load, or the model's weights and "
+                "opt.load_state_dict), or train with update_in_backward=False if your loop skips batches whose backward "
+                "fails (with max_grad_norm or nonfinite='skip'/'raise' no update starts before backward has ended, so "
+                "such a batch is dropped exactly)"
+            )
+
+    def before_load(self) -> None:
+        """Before a load_state_dict changes anything: refused mid-step, except after a backward that raised (loading a
+        checkpoint is the way back from one after which updates had run)."""
+        if self._open or self._torn:
+            with contextlib.suppress(RuntimeError):
+                self._failed_backward()  # waits for the worker; a torn step is what the load repairs
+        if not self._torn:
+            self.refuse_mid_step("load a state_dict")
+
+    def loaded(self) -> None:
+        """A load_state_dict was committed: whatever a failed backward left is forgotten."""
+        self._open = 0
+        self._torn = 0
+        self._drop_updater()
 
     def _open_gate(self) -> None:
         if self._updater is not None:
@@ -217,6 +273,8 @@ class DuringBackward:
 
     def refuse_mid_step(self, what: str) -> None:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
+        if self._torn:
+            self._failed_backward()
         updater = self._updater
         if updater is not None and updater.started() and not updater.gated():
             raise RuntimeError(
@@ -255,6 +313,7 @@ class DuringBackward:
 
     def before_step(self) -> Early:
         """Wait for the updates that ran during backward (a gate that never opened: none ran, step() updates all)."""
+        self._failed_backward()
         if self._updater is not None and self._updater.gated():
             self._drop_updater()
         updater, self._updater = self._updater, None
@@ -324,6 +383,7 @@ class DuringBackward:
 
     def zero_grad(self) -> None:
         """Buckets complete in the cleared backward, waiting for a coefficient, would run on the next one's."""
+        self._failed_backward()
         self.refuse_mid_step("clear its gradients")
         if self._updater is not None and self._updater.gated() and self._updater.started():
             self._drop_updater()

@@ -60,7 +60,7 @@ class Slot:
 
     __slots__ = (
         "param", "host_grad", "incoming", "staging", "layout", "holding", "landing", "adding", "sending",
-        "fetched", "arrival", "group", "source", "handles", "__weakref__",
+        "fetched", "arrival", "group", "source", "handles", "grad_node", "__weakref__",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -89,6 +89,8 @@ class Slot:
         self.source = Source.HOOKS
         self.handles: list[Any] = []
         """The hooks registered for it (accel/sources.py)."""
+        self.grad_node: Any = None
+        """Its AccumulateGrad node (freed gradients: whether a backward will accumulate into ``p.grad``)."""
 
     @property
     def local(self) -> Tensor:

@@ -38,7 +38,7 @@ from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.slots import Holding, Slot, SlotTable, Source
 from offload_adamw.distributed import local_tensor
 
-__all__ = ["AutogradHooks", "DdpSource", "Landing", "graph_task", "take_over"]
+__all__ = ["AutogradHooks", "DdpSource", "Landing", "accumulates", "graph_task", "take_over"]
 
 
 class Landing(Protocol):
@@ -108,8 +108,9 @@ class AutogradHooks:
         self._lock = lock
         self._freed = freed
         self._before_accumulate = before_accumulate
-        self.first_hook: Callable[[], None] = lambda: None
-        """Called at the first hook of every backward (the check for an unattached DDP model)."""
+        self.on_backward: list[Callable[[], None]] = []
+        """Called at the first hook of every backward (the check for an unattached DDP model, the schedule's count
+        of backwards that have not ended)."""
         self._second_backward = second_backward
         self._relayout = relayout
         self._unhooked: list[Slot] = []
@@ -133,6 +134,7 @@ class AutogradHooks:
                 slot.handles.append(slot.param.register_post_accumulate_grad_hook(_post_hook(ref)))
                 if self._freed:
                     slot.handles.append(slot.param.register_hook(_pre_hook(ref, slot)))
+                    slot.grad_node = _grad_accumulator(slot.param)
                 self.handles += slot.handles[-2:] if self._freed else slot.handles[-1:]
             else:
                 still.append(slot)
@@ -176,7 +178,8 @@ class AutogradHooks:
             # (unless their gradient was already accumulated: step() then picks that one up).
             self._backward = task
             self.hook_trainable()
-            self.first_hook()
+            for began in self.on_backward:
+                began()
         if not self._landing.syncing():
             return  # inside no_sync(): the gradient accumulates where autograd put it, copied once at the last micro-batch
         slot = self._slots.get(param)
@@ -206,7 +209,7 @@ class AutogradHooks:
 
     def pre_accumulate(self, slot: Slot) -> None:
         with self._lock:
-            if self._slots.get(slot.param) is slot:
+            if self._slots.get(slot.param) is slot and accumulates(slot):
                 self._before_accumulate(slot)
 
     def _fsdp_group_of(self, grad: Tensor) -> int:
@@ -225,6 +228,24 @@ class AutogradHooks:
         """A new group id (a DDP bucket lands as one group)."""
         self._group_id += 1
         return self._group_id
+
+
+def _grad_accumulator(param: Tensor) -> Any:
+    """The AccumulateGrad node of the leaf ``param`` (built outside backward, where grad mode is on)."""
+    with torch.enable_grad():
+        fn = param.view_as(param).grad_fn
+    return None if fn is None else fn.next_functions[0][0]
+
+
+def accumulates(slot: Slot) -> bool:
+    """Whether the running backward will accumulate into ``slot``'s ``p.grad`` (``torch.autograd.grad`` does not: its
+    gradients go to the caller)."""
+    if slot.grad_node is None:
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(slot.grad_node))
+    except RuntimeError:  # torch refuses the question inside autograd.grad(), which never accumulates into p.grad
+        return False
 
 
 def graph_task() -> int | None:

@@ -204,6 +204,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        pipeline = getattr(self, "_pipeline", None)  # None while torch's constructor adds the first groups
+        if pipeline is not None:
+            pipeline.refuse_mid_step("add a parameter group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for index, p in enumerate(group["params"]):
@@ -214,6 +217,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
             if not p.is_floating_point():
                 raise ValueError(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
+        if pipeline is not None:
+            pipeline.refresh()  # hooks for the new parameters before the next backward, whose clipping must count them
 
     def _describe(self, group: dict[str, Any], index: int) -> str:
         """The parameter's name where names were given, else its place and shape."""
@@ -562,7 +567,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """
         pipeline = getattr(self, "_pipeline", None)
         if pipeline is not None:
-            pipeline.refuse_mid_step("load a state_dict")
+            pipeline.schedule.before_load()  # also the way back from a backward that raised after updates ran
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
@@ -572,5 +577,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.param_groups = new_groups
         self.state = new_state
         _loading.write_masters_back(self.state)
+        if pipeline is not None:
+            pipeline.schedule.loaded()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
