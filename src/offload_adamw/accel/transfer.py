@@ -133,6 +133,10 @@ class _Synchronous:
     """The CPU as device, or an accelerator without streams here: every copy is complete when it returns."""
 
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
+        if src.device.type == "cpu" and torch.cuda.is_initialized() and src.is_pinned():
+            # A pinned host gradient may still be the target of a CUDA copy (FSDP2's CPUOffloadPolicy copies each
+            # reduced shard to the host without blocking, and torch 2.11 calls the hook before that copy has ended).
+            torch.cuda.synchronize()
         dst.copy_(src)
         return DONE
 
