@@ -44,34 +44,57 @@ Contract:
   loads what matches, leaves the rest as it is, and returns the
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
   ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
+
+The pieces: :mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
+:mod:`~offload_adamw.checkpoint.publication` (fsync, exchange, locks, clean-up; no torch),
+:mod:`~offload_adamw.checkpoint.layout` (file names) and :mod:`~offload_adamw.checkpoint.errors`.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
-import errno
 import hashlib
 import json
 import os
 import random
-import re
-import secrets
 import shutil
-import socket
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias, cast
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from offload_adamw.checkpoint import codec, publication
+from offload_adamw.checkpoint.codec import check_meta, decode, encode, malformed, part
+from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
+from offload_adamw.checkpoint.layout import (
+    AUX_FILE,
+    COMMIT_FILE,
+    DATA_FILES,
+    FORMAT,
+    MANIFEST_FILE,
+    META_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    VERSION,
+    dumps,
+    is_count,
+)
+from offload_adamw.checkpoint.publication import ENV_EXCHANGE, TEMPORARY, TMP_TAG
 from offload_adamw.contract.rules import MASTER_KEY
 
 __all__ = [
+    "AUX_FILE",
+    "COMMIT_FILE",
+    "DATA_FILES",
+    "ENV_EXCHANGE",
+    "FORMAT",
+    "MANIFEST_FILE",
+    "META_FILE",
+    "MODEL_FILE",
+    "OPTIMIZER_FILE",
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointMismatch",
@@ -83,397 +106,14 @@ __all__ = [
     "verify",
 ]
 
-FORMAT = "offload-adamw-checkpoint"
-VERSION = 1
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
-AUX_FILE = "aux.safetensors"
-META_FILE = "meta.json"
-MANIFEST_FILE = "manifest.json"
-COMMIT_FILE = "COMMIT"
-DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, AUX_FILE, META_FILE)
-ENV_EXCHANGE = "OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE"
 _KEY_SEP = "::"
-_TMP_TAG = ".tmp-"
-_SAFETENSORS_TEMPORARY = re.compile(r"\.tmp[A-Za-z0-9]{6}")
-_PREV_TAG = ".prev-"
 
 PathLike: TypeAlias = str | os.PathLike
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A checkpoint is incomplete or damaged (no commit marker, a checksum or size mismatch)."""
-
-
-class CheckpointMismatch(CheckpointError, ValueError):
-    """A checkpoint that does not fit the model/optimizer/scheduler; ``report`` names every culprit."""
-
-    def __init__(self, report: LoadReport):
-        self.report = report
-        lines = "\n  - ".join(report.problems)
-        super().__init__(
-            f"cannot load checkpoint {report.path} ({len(report.problems)} problem(s)); "
-            f"model, optimizer and scheduler were not changed:\n  - {lines}"
-        )
-
-
-@dataclass
-class LoadReport:
-    """What ``load`` found and did. Entry names are fully qualified model state names."""
-
-    path: str
-    """The checkpoint directory read (the kept previous one where :func:`resolve` found only that)."""
-    step: int | None = None
-    """The training step recorded at save time."""
-    extra: Any = None
-    """The ``extra`` object given to ``save``."""
-    loaded: list[str] = field(default_factory=list)
-    """Model entries restored from the checkpoint."""
-    missing: list[str] = field(default_factory=list)
-    """Model entries with no counterpart in the checkpoint."""
-    unexpected: list[str] = field(default_factory=list)
-    """Checkpoint entries with no counterpart in the model."""
-    wrong_shape: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    """name -> (shape in the checkpoint, shape in the model)."""
-    wrong_dtype: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """name -> (dtype in the checkpoint, dtype in the model)."""
-    group_mismatch: list[str] = field(default_factory=list)
-    """Parameters optimized in another group (or not at all) on one side."""
-    problems: list[str] = field(default_factory=list)
-    """One sentence per problem, naming its culprit; empty when everything matched."""
-    optimizer_restored: bool = False
-    """Whether the optimizer's groups and states were replaced."""
-    scheduler_restored: bool = False
-    """Whether the scheduler's state was replaced."""
-    rng_restored: bool = False
-    """Whether the RNG states were restored."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-# --------------------------------------------------------------- JSON codec
-# Tensors go to a safetensors file and JSON keeps a reference; tuples, dicts
-# with non-string keys and numpy arrays are tagged so that they come back as
-# the same types. Nothing else is accepted: no pickling, ever.
-
-
-def _part(key: str) -> str:
-    """A dict key as one component of a tensor's storage name: "/" escaped, so that no two paths collide."""
-    return key.replace("%", "%25").replace("/", "%2F")
-
-
-def _encode(obj: Any, tensors: dict[str, Tensor], where: str) -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, Tensor):
-        if where in tensors:  # unreachable with escaped keys; a collision would silently drop a tensor
-            raise CheckpointError(f"cannot save {where!r}: two values would be stored under the same name")
-        tensors[where] = obj.detach()
-        return {"__tensor__": where}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{where}/{i}") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, tensors, f"{where}/{i}") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: _encode(v, tensors, f"{where}/{_part(k)}") for k, v in obj.items()}
-        return {
-            "__items__": [
-                [_encode(k, tensors, f"{where}/k{i}"), _encode(v, tensors, f"{where}/v{i}")]
-                for i, (k, v) in enumerate(obj.items())
-            ]
-        }
-    if isinstance(obj, torch.dtype):
-        return {"__dtype__": str(obj).removeprefix("torch.")}
-    if type(obj).__module__ == "numpy":
-        import numpy as np
-
-        if isinstance(obj, np.ndarray):
-            if where in tensors:
-                raise CheckpointError(f"cannot save {where!r}: two values would be stored under the same name")
-            tensors[where] = torch.from_numpy(obj.astype(np.int64) if obj.dtype.kind in "ui" else obj.copy())
-            return {"__ndarray__": where, "dtype": str(obj.dtype)}
-        if isinstance(obj, np.generic):
-            return obj.item()
-    raise CheckpointError(
-        f"cannot save {where!r}: a {type(obj).__name__} is neither a tensor nor a JSON value "
-        "(checkpoints never pickle)"
-    )
-
-
-def _decode(obj: Any, tensors: dict[str, Tensor], where: str) -> Any:
-    """The value :func:`_encode` wrote; CheckpointCorrupt naming ``where`` (file: key path) for anything else."""
-    try:
-        return _decode_value(obj, tensors, where)
-    except RecursionError:
-        raise CheckpointCorrupt(f"{where}: nested too deeply to read") from None
-
-
-def _bad(where: str, what: str) -> CheckpointCorrupt:
-    return CheckpointCorrupt(f"{where}: {what} (malformed metadata)")
-
-
-def _tensor_ref(key: Any, tensors: dict[str, Tensor], where: str) -> Tensor:
-    if not isinstance(key, str) or key not in tensors:
-        raise _bad(where, f"refers to a tensor {key!r} that the checkpoint does not hold")
-    return tensors[key]
-
-
-def _decode_value(obj: Any, tensors: dict[str, Tensor], where: str) -> Any:
-    if isinstance(obj, list):
-        return [_decode_value(v, tensors, f"{where}/{i}") for i, v in enumerate(obj)]
-    if not isinstance(obj, dict):
-        return obj
-    if "__tensor__" in obj:
-        return _tensor_ref(obj["__tensor__"], tensors, where)
-    if "__tuple__" in obj:
-        if not isinstance(obj["__tuple__"], list):
-            raise _bad(where, f"a tuple must be a list, got {type(obj['__tuple__']).__name__}")
-        return tuple(_decode_value(v, tensors, f"{where}/{i}") for i, v in enumerate(obj["__tuple__"]))
-    if "__items__" in obj:
-        items = obj["__items__"]
-        if not isinstance(items, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
-            raise _bad(where, "dict items must be a list of [key, value] pairs")
-        out = {}
-        for i, (k, v) in enumerate(items):
-            key = _decode_value(k, tensors, f"{where}/k{i}")
-            try:
-                hash(key)
-            except TypeError:
-                raise _bad(where, f"dict key {i} is a {type(key).__name__}, which cannot be a key") from None
-            out[key] = _decode_value(v, tensors, f"{where}/v{i}")
-        return out
-    if "__dtype__" in obj:
-        name = obj["__dtype__"]
-        dtype = getattr(torch, name, None) if isinstance(name, str) else None
-        if not isinstance(dtype, torch.dtype):
-            raise _bad(where, f"{name!r} is not a torch dtype")
-        return dtype
-    if "__ndarray__" in obj:
-        import numpy as np
-
-        tensor = _tensor_ref(obj["__ndarray__"], tensors, where)
-        try:
-            return tensor.numpy().astype(np.dtype(obj["dtype"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _bad(where, f"not a numpy array ({exc})") from None
-    return {k: _decode_value(v, tensors, f"{where}/{_part(k)}") for k, v in obj.items()}
-
-
-# ------------------------------------------------------------------ files
-# Module-level functions so that the fault tests can stop a process between any two of them.
-
-
-def _fsync_path(path: Path, *, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _host_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Contiguous host tensors with no two sharing memory (safetensors refuses shared storage)."""
-    out: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for key, tensor in tensors.items():
-        t = tensor.detach().to("cpu").contiguous()
-        if t.numel():
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
-                t = t.clone()
-            seen.add(t.untyped_storage().data_ptr())
-        out[key] = t
-    return out
-
-
-def _write_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
-    save_file(_host_tensors(tensors), str(path), metadata={"format": FORMAT})
-    _fsync_path(path)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, indent=1, allow_nan=True).encode()
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directory entries atomically; False where the OS or filesystem cannot."""
-    if not sys.platform.startswith("linux") or os.environ.get(ENV_EXCHANGE, "1").strip().lower() in ("0", "off", "false", "no"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _owner() -> str:
-    """This machine, boot and PID namespace, hashed (16 hex digits): with the PID, who wrote a temporary.
-
-    A PID says nothing about a process of another host or container sharing the directory (NFS, a
-    bind mount); only temporaries of this very machine, boot and namespace are judged by their PID.
-    """
-    parts = [socket.gethostname()]
-    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
-        try:
-            parts.append(Path(source).read_text().strip() if source.endswith("boot_id") else str(os.stat(source).st_ino))
-        except OSError:
-            parts.append("")
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def _temporary_name(final: Path, tag: str) -> Path:
-    return final.with_name(f".{final.name}{tag}{_owner()}-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-_TEMPORARY = re.compile(r"^\.(?P<target>.+)\.(?P<kind>tmp|prev)-(?P<owner>[0-9a-f]{16})-(?P<pid>[0-9]+)-[0-9a-f]{8}$")
-
-
-def _lock(directory: Path) -> int | None:
-    """An exclusive lock on ``directory`` held by this process until :func:`_unlock` (None where unsupported)."""
-    try:
-        import fcntl
-
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except (ImportError, OSError):
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _unlock(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
-def _publish(tmp: Path, final: Path) -> Path | None:
-    """Move the finished ``tmp`` onto ``final``; return the directory that now holds the old one."""
-    if not final.exists():
-        os.rename(tmp, final)
-        return None
-    if _exchange(tmp, final):
-        return tmp  # after the swap the temporary name holds the previous checkpoint
-    # No atomic exchange here: for a moment ``final`` is absent and the previous
-    # checkpoint sits at the .prev- name. resolve(), latest() and load() find it
-    # there, and no clean-up deletes it until ``final`` is complete again.
-    previous = _temporary_name(final, _PREV_TAG)
-    os.rename(final, previous)
-    try:
-        os.rename(tmp, final)
-    except BaseException:
-        os.rename(previous, final)  # put the previous checkpoint back where it was
-        raise
-    return previous
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _ours_and_abandoned(entry: Path, owner: str, pid: int) -> bool:
-    """Whether ``entry`` was written by a save of a process of this machine that no longer runs."""
-    if owner != _owner() or pid == os.getpid() or _pid_alive(pid):
-        return False
-    ours = {*DATA_FILES, MANIFEST_FILE, COMMIT_FILE}
-
-    def written_by_a_save(name: str) -> bool:
-        # safetensors writes each file through a temporary beside it (".tmp" and 6 characters, Rust's tempfile),
-        # which a kill during that write leaves behind.
-        return name in ours or _SAFETENSORS_TEMPORARY.fullmatch(name) is not None
-
-    try:
-        if entry.is_symlink() or not entry.is_dir():
-            return False
-        if not all(written_by_a_save(child.name) and child.is_file() and not child.is_symlink() for child in entry.iterdir()):
-            return False  # something a save never writes: not ours to delete
-    except OSError:
-        return False
-    fd = _lock(entry)  # a writer holds this lock while it fills its temporary
-    if fd is None:
-        return False
-    _unlock(fd)
-    return True
-
-
-def _remove_stale(parent: Path) -> None:
-    """Delete what killed saves of this machine left in ``parent``, and nothing else.
-
-    A name ``.NAME.tmp-OWNER-PID-TOKEN`` / ``.NAME.prev-OWNER-PID-TOKEN`` is
-    judged only where OWNER is this machine, boot and PID namespace, its PID no
-    longer runs, no process holds the directory's lock, and it holds nothing but
-    checkpoint files. A ``.tmp-`` directory is then never the only complete copy
-    of anything (after an exchange it holds the replaced checkpoint); a
-    ``.prev-`` directory (no atomic exchange) may be, so it goes only once
-    ``NAME`` is complete again.
-    """
-    try:
-        entries = list(parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        match = _TEMPORARY.match(entry.name)
-        if match is None:
-            continue
-        if match["kind"] == "prev" and not (parent / match["target"] / COMMIT_FILE).is_file():
-            continue
-        if _ours_and_abandoned(entry, match["owner"], int(match["pid"])):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _previous_copies(final: Path) -> list[Path]:
-    """The ``.prev-`` directories of ``final`` (a save without atomic exchange that was interrupted)."""
-    try:
-        entries = list(final.parent.iterdir())
-    except OSError:
-        return []
-    out = []
-    for entry in entries:
-        match = _TEMPORARY.match(entry.name)
-        if match is not None and match["kind"] == "prev" and match["target"] == final.name:
-            out.append(entry)
-    return out
-
+# The private names tests/test_faults_input.py reaches through this module.
+_owner = publication.owner
+_encode = encode
+_decode = decode
 
 def resolve(path: PathLike) -> Path | None:
     """The complete checkpoint that ``path`` stands for, or None.
@@ -487,7 +127,7 @@ def resolve(path: PathLike) -> Path | None:
     if (final / COMMIT_FILE).is_file():
         return final
     best: tuple[int, str, Path] | None = None
-    for entry in _previous_copies(final):
+    for entry in publication.previous_copies(final):
         try:
             meta = verify(entry)
         except CheckpointError:
@@ -522,14 +162,14 @@ def _model_entries(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str,
 
 def _rng_states(aux: dict[str, Tensor]) -> dict[str, Any]:
     states: dict[str, Any] = {
-        "torch": _encode(torch.get_rng_state(), aux, "rng/torch"),
-        "python": _encode(random.getstate(), aux, "rng/python"),
+        "torch": encode(torch.get_rng_state(), aux, "rng/torch"),
+        "python": encode(random.getstate(), aux, "rng/python"),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = _encode(torch.cuda.get_rng_state_all(), aux, "rng/cuda")
+        states["cuda"] = encode(torch.cuda.get_rng_state_all(), aux, "rng/cuda")
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        states["numpy"] = _encode(numpy.random.get_state(), aux, "rng/numpy")
+        states["numpy"] = encode(numpy.random.get_state(), aux, "rng/numpy")
     return states
 
 
@@ -586,11 +226,11 @@ def save(
                 state = optimizer.state.get(p)
                 if state:
                     states[name] = {
-                        key: _encode(value, optimizer_tensors, f"{name}{_KEY_SEP}{key}")
+                        key: encode(value, optimizer_tensors, f"{name}{_KEY_SEP}{key}")
                         for key, value in state.items()
                         if key != MASTER_KEY  # the master is the model entry
                     }
-            hyper = {k: _encode(v, aux, f"optimizer/{gi}/{k}") for k, v in group.items() if k not in ("params", "param_names")}
+            hyper = {k: encode(v, aux, f"optimizer/{gi}/{k}") for k, v in group.items() if k not in ("params", "param_names")}
             groups.append({"param_names": names, "hyper": hyper})
     entries = {}
     for name, value in canonical.items():
@@ -619,37 +259,41 @@ def save(
         "optimizer": None if optimizer is None else {"class": type(optimizer).__name__, "groups": groups, "states": states},
         "scheduler": None
         if scheduler is None
-        else {"class": type(scheduler).__name__, "state": _encode(scheduler.state_dict(), aux, "scheduler")},
+        else {"class": type(scheduler).__name__, "state": encode(scheduler.state_dict(), aux, "scheduler")},
         "rng": _rng_states(aux) if rng else None,
-        "extra": _encode(extra, aux, "extra"),
+        "extra": encode(extra, aux, "extra"),
     }
-    meta_bytes = _dumps(meta)
+    meta_bytes = dumps(meta)
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(final.parent)
-    tmp = _temporary_name(final, _TMP_TAG)
+    publication.remove_stale(final.parent)
+    tmp = publication.temporary_name(final, TMP_TAG)
     lock = None
     try:
         tmp.mkdir()
-        lock = _lock(tmp)
-        _write_tensors(tmp / MODEL_FILE, model_tensors)
-        _write_tensors(tmp / OPTIMIZER_FILE, optimizer_tensors)
-        _write_tensors(tmp / AUX_FILE, aux)
-        _write_bytes(tmp / META_FILE, meta_bytes)
+        lock = publication.lock(tmp)
+        codec.write_tensors(tmp / MODEL_FILE, model_tensors)
+        codec.write_tensors(tmp / OPTIMIZER_FILE, optimizer_tensors)
+        codec.write_tensors(tmp / AUX_FILE, aux)
+        publication.write_bytes(tmp / META_FILE, meta_bytes)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
-            "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in DATA_FILES},
+            "files": {
+                name: {"bytes": (tmp / name).stat().st_size, "sha256": publication.file_sha256(tmp / name)}
+                for name in DATA_FILES
+            },
         }
-        manifest_bytes = _dumps(manifest)
-        _write_bytes(tmp / MANIFEST_FILE, manifest_bytes)
-        _write_bytes(tmp / COMMIT_FILE, _dumps({"format": FORMAT, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}))
-        _fsync_path(tmp, directory=True)
+        manifest_bytes = dumps(manifest)
+        publication.write_bytes(tmp / MANIFEST_FILE, manifest_bytes)
+        marker = {"format": FORMAT, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+        publication.write_bytes(tmp / COMMIT_FILE, dumps(marker))
+        publication.fsync_path(tmp, directory=True)
         if final.exists() and not overwrite:
             raise CheckpointError(f"{final} appeared while saving; pass overwrite=True to replace it")
-        previous = _publish(tmp, final)
+        previous = publication.publish(tmp, final)
     except Exception as exc:
-        _unlock(lock)
+        publication.unlock(lock)
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, CheckpointError):
             raise
@@ -657,11 +301,11 @@ def save(
             f"could not write checkpoint {final}: {exc}; nothing was published and any previous checkpoint there is intact"
         ) from exc
     except BaseException:
-        _unlock(lock)
+        publication.unlock(lock)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _unlock(lock)
-    _fsync_path(final.parent, directory=True)  # make the rename itself durable
+    publication.unlock(lock)
+    publication.fsync_path(final.parent, directory=True)  # make the rename itself durable
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
     return final
@@ -691,7 +335,7 @@ def verify(path: PathLike) -> dict[str, Any]:
     manifest_path = root / MANIFEST_FILE
     if not manifest_path.is_file():
         raise CheckpointCorrupt(f"{root}: {MANIFEST_FILE} is missing")
-    found = _sha256(manifest_path)
+    found = publication.file_sha256(manifest_path)
     if found != expected_manifest:
         raise CheckpointCorrupt(f"{manifest_path}: sha256 {found} does not match the commit marker ({expected_manifest})")
     try:
@@ -700,7 +344,7 @@ def verify(path: PathLike) -> dict[str, Any]:
         for name in DATA_FILES:
             entry = files.get(name)
             if entry is not None and not (
-                isinstance(entry, dict) and _is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
+                isinstance(entry, dict) and is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
             ):
                 raise ValueError(f"the entry of {name} is not {{'bytes': int, 'sha256': str}}")
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
@@ -720,7 +364,7 @@ def verify(path: PathLike) -> dict[str, Any]:
             damaged.append(f"{name}: missing")
         elif file.stat().st_size != entry["bytes"]:
             damaged.append(f"{name}: {file.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)")
-        elif _sha256(file) != entry["sha256"]:
+        elif publication.file_sha256(file) != entry["sha256"]:
             damaged.append(f"{name}: sha256 mismatch (the file changed after it was written)")
     if damaged:
         raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(damaged))
@@ -730,66 +374,8 @@ def verify(path: PathLike) -> dict[str, Any]:
         raise CheckpointCorrupt(f"{root / META_FILE}: nested too deeply to read (malformed metadata)") from None
     except ValueError as exc:
         raise CheckpointCorrupt(f"{root / META_FILE}: not JSON ({exc})") from exc
-    _check_meta(root / META_FILE, meta)
+    check_meta(root / META_FILE, meta)
     return meta
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _is_dtype_name(x: Any) -> bool:
-    return isinstance(x, str) and isinstance(getattr(torch, x, None), torch.dtype)
-
-
-def _check_meta(file: Path, meta: Any) -> None:
-    """The layout :func:`save` writes, checked before anything reads it: CheckpointCorrupt naming the key."""
-
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise CheckpointCorrupt(f"{file}: {key} {what} (malformed metadata)")
-
-    need(isinstance(meta, dict), "the top level", "must be an object")
-    need(meta.get("format") == FORMAT, "'format'", f"must be {FORMAT!r}, got {meta.get('format')!r}")
-    need(meta.get("version") == VERSION, "'version'", f"must be {VERSION}, got {meta.get('version')!r}")
-    for key in ("step", "model", "aliases", "optimizer", "scheduler", "rng", "extra"):
-        need(key in meta, repr(key), "is missing")
-    need(_is_count(meta["step"]), "'step'", f"must be a non-negative integer, got {meta['step']!r}")
-    need(isinstance(meta["model"], dict), "'model'", "must be an object")
-    for name, info in meta["model"].items():
-        where = f"model[{name!r}]"
-        need(isinstance(info, dict), where, "must be an object")
-        need(_is_dtype_name(info.get("dtype")), f"{where}['dtype']", f"must name a torch dtype, got {info.get('dtype')!r}")
-        need(
-            _is_dtype_name(info.get("stored_dtype", info.get("dtype"))),
-            f"{where}['stored_dtype']",
-            f"must name a torch dtype, got {info.get('stored_dtype')!r}",
-        )
-        shape = info.get("shape")
-        sizes = isinstance(shape, list) and all(_is_count(d) for d in shape)
-        need(sizes, f"{where}['shape']", f"must be a list of sizes, got {shape!r}")
-    aliases = meta["aliases"]
-    need(isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values()), "'aliases'", "must map names to names")
-    opt = meta["optimizer"]
-    if opt is not None:
-        need(isinstance(opt, dict), "'optimizer'", "must be an object or null")
-        need(isinstance(opt.get("class"), str), "optimizer['class']", "must be a string")
-        need(isinstance(opt.get("groups"), list), "optimizer['groups']", "must be a list")
-        for gi, group in enumerate(opt["groups"]):
-            where = f"optimizer['groups'][{gi}]"
-            need(isinstance(group, dict), where, "must be an object")
-            names = group.get("param_names")
-            named = isinstance(names, list) and all(isinstance(n, str) for n in names)
-            need(named, f"{where}['param_names']", "must be a list of names")
-            need(isinstance(group.get("hyper"), dict), f"{where}['hyper']", "must be an object")
-        need(isinstance(opt.get("states"), dict), "optimizer['states']", "must be an object")
-        for name, state in opt["states"].items():
-            need(isinstance(state, dict), f"optimizer['states'][{name!r}]", "must be an object")
-    sched = meta["scheduler"]
-    if sched is not None:
-        well_formed = isinstance(sched, dict) and isinstance(sched.get("class"), str) and "state" in sched
-        need(well_formed, "'scheduler'", "must be {'class': str, 'state': ...} or null")
-    need(meta["rng"] is None or isinstance(meta["rng"], dict), "'rng'", "must be an object or null")
 
 
 def _recorded_step(entry: Path) -> int:
@@ -798,7 +384,7 @@ def _recorded_step(entry: Path) -> int:
         step = json.loads((entry / META_FILE).read_bytes())["step"]
     except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
         return -1
-    return step if _is_count(step) else -1
+    return step if is_count(step) else -1
 
 
 def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
@@ -815,7 +401,7 @@ def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
         return None
     for entry in base.iterdir():
         if entry.name.startswith("."):
-            match = _TEMPORARY.match(entry.name)
+            match = TEMPORARY.match(entry.name)
             if match is None or match["kind"] != "prev" or (base / match["target"] / COMMIT_FILE).is_file():
                 continue
         if not (entry / COMMIT_FILE).is_file():
@@ -831,13 +417,6 @@ def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
             continue
         return entry
     return None
-
-
-def _read(root: Path, name: str) -> dict[str, Tensor]:
-    try:
-        return load_file(str(root / name))
-    except Exception as exc:  # checksums passed, so this is a writer bug or a foreign file
-        raise CheckpointCorrupt(f"{root / name}: not a readable safetensors file ({exc})") from exc
 
 
 def load(
@@ -871,16 +450,16 @@ def load(
     root = resolve(requested) or requested
     meta = verify(root)
     meta_file = root / META_FILE
-    model_saved = _read(root, MODEL_FILE)
-    optimizer_saved = _read(root, OPTIMIZER_FILE)
-    aux = _read(root, AUX_FILE)
-    extra = _decode(meta["extra"], aux, f"{meta_file}: extra")
+    model_saved = codec.read_tensors(root, MODEL_FILE)
+    optimizer_saved = codec.read_tensors(root, OPTIMIZER_FILE)
+    aux = codec.read_tensors(root, AUX_FILE)
+    extra = decode(meta["extra"], aux, f"{meta_file}: extra")
     saved_entries: dict[str, Any] = meta["model"]
     saved_opt = meta["optimizer"]
     saved_sched = meta["scheduler"]
     rng_state = None
     if rng and meta["rng"] is not None:
-        rng_state = _decode(meta["rng"], aux, f"{meta_file}: rng")
+        rng_state = decode(meta["rng"], aux, f"{meta_file}: rng")
         _check_rng(rng_state, meta_file)
     report = LoadReport(path=str(root), step=meta["step"], extra=extra)
     problems = report.problems
@@ -986,9 +565,9 @@ def load(
         elif saved_sched["class"] != type(scheduler).__name__:
             problems.append(f"scheduler: the checkpoint holds a {saved_sched['class']}, this is a {type(scheduler).__name__}")
         else:
-            sched_state = _decode(saved_sched["state"], aux, f"{meta_file}: scheduler/state")
+            sched_state = decode(saved_sched["state"], aux, f"{meta_file}: scheduler/state")
             if not isinstance(sched_state, dict):
-                raise _bad(f"{meta_file}: scheduler/state", f"must be an object, got {type(sched_state).__name__}")
+                raise malformed(f"{meta_file}: scheduler/state", f"must be an object, got {type(sched_state).__name__}")
             own_keys, saved_keys = set(scheduler.state_dict()), set(sched_state)
             if own_keys != saved_keys:
                 problems.append(
@@ -1080,7 +659,7 @@ def _optimizer_state_dict(
     pid = 0
     for gi, group in enumerate(optimizer.param_groups):
         if same_count:
-            hyper = _decode(saved_groups[gi]["hyper"], aux, f"{meta_file}: optimizer/groups/{gi}/hyper")
+            hyper = decode(saved_groups[gi]["hyper"], aux, f"{meta_file}: optimizer/groups/{gi}/hyper")
         else:
             hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         ids = []
@@ -1088,8 +667,8 @@ def _optimizer_state_dict(
             name = name_of.get(id(p))
             if name in loadable:
                 saved = saved_opt["states"].get(name)
-                where = f"{meta_file}: optimizer/states/{_part(name)}"
-                entry = None if saved is None else dict(_decode(saved, optimizer_saved, where))
+                where = f"{meta_file}: optimizer/states/{part(name)}"
+                entry = None if saved is None else dict(decode(saved, optimizer_saved, where))
             else:
                 own = optimizer.state.get(p)
                 entry = dict(own) if own else None
