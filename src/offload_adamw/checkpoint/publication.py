@@ -9,6 +9,9 @@ Contract:
   atomic exchange where the OS has ``renameat2(RENAME_EXCHANGE)`` (Linux; the environment variable
   ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off). Elsewhere it is two renames, and between them
   the previous checkpoint waits at ``.NAME.prev-OWNER-PID-TOKEN`` (:func:`previous_copies` finds it).
+* :func:`seal` writes the manifest (size and sha256 of every data file), then the commit marker
+  (the sha256 of the manifest); :func:`check_seal` checks both and every file, and refuses with
+  :class:`CheckpointCorrupt` naming every damaged file.
 * :func:`remove_stale` deletes what killed saves left, but only temporaries of this machine whose
   writer no longer runs, whose lock nobody holds and which hold nothing but checkpoint files.
 """
@@ -18,15 +21,19 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import json
 import os
 import re
 import secrets
 import shutil
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
-from offload_adamw.checkpoint.layout import CHECKPOINT_FILES, COMMIT_FILE
+from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from offload_adamw.checkpoint.layout import CHECKPOINT_FILES, COMMIT_FILE, FORMAT, MANIFEST_FILE, VERSION, dumps, is_count
 
 ENV_EXCHANGE = "OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE"
 TMP_TAG = ".tmp-"
@@ -214,3 +221,84 @@ def previous_copies(final: Path) -> list[Path]:
         if match is not None and match["kind"] == "prev" and match["target"] == final.name:
             out.append(entry)
     return out
+
+
+# ----------------------------------------------------------------- the seal
+
+
+def seal(directory: Path, files: Sequence[str]) -> None:
+    """Write the manifest (size and sha256 of each of ``files``), then the commit marker that vouches for it."""
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "files": {
+            name: {"bytes": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)} for name in files
+        },
+    }
+    manifest_bytes = dumps(manifest)
+    write_bytes(directory / MANIFEST_FILE, manifest_bytes)
+    write_bytes(directory / COMMIT_FILE, dumps({"format": FORMAT, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}))
+
+
+def check_seal(root: Path, files: Sequence[str]) -> None:
+    """The commit marker, the manifest it vouches for, and the size and sha256 of each of ``files``.
+
+    :class:`CheckpointError` where ``root`` is no directory; :class:`CheckpointCorrupt` naming what is
+    damaged otherwise (every damaged file at once).
+    """
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no checkpoint directory there")
+    manifest = _manifest(root, _manifest_sha256(root), files)
+    damaged = []
+    for name in files:
+        entry = manifest["files"].get(name)
+        file = root / name
+        if entry is None:
+            damaged.append(f"{name}: not in the manifest")
+        elif not file.is_file():
+            damaged.append(f"{name}: missing")
+        elif file.stat().st_size != entry["bytes"]:
+            damaged.append(f"{name}: {file.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)")
+        elif file_sha256(file) != entry["sha256"]:
+            damaged.append(f"{name}: sha256 mismatch (the file changed after it was written)")
+    if damaged:
+        raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(damaged))
+
+
+def _manifest_sha256(root: Path) -> str:
+    """The manifest's sha256 as the commit marker records it."""
+    commit = root / COMMIT_FILE
+    if not commit.is_file():
+        raise CheckpointCorrupt(
+            f"{root} is incomplete: it has no {COMMIT_FILE} marker (its save was interrupted); use an earlier checkpoint"
+        )
+    try:
+        return str(json.loads(commit.read_bytes())["manifest_sha256"])
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{commit}: unreadable commit marker ({exc})") from exc
+
+
+def _manifest(root: Path, expected_sha256: str, files: Sequence[str]) -> dict[str, Any]:
+    """The manifest, matching the commit marker, well formed, of this format and version."""
+    manifest_path = root / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointCorrupt(f"{root}: {MANIFEST_FILE} is missing")
+    found = file_sha256(manifest_path)
+    if found != expected_sha256:
+        raise CheckpointCorrupt(f"{manifest_path}: sha256 {found} does not match the commit marker ({expected_sha256})")
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+        for name in files:
+            entry = manifest["files"].get(name)
+            if entry is not None and not (
+                isinstance(entry, dict) and is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
+            ):
+                raise ValueError(f"the entry of {name} is not {{'bytes': int, 'sha256': str}}")
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{manifest_path}: malformed manifest ({exc!r})") from exc
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointCorrupt(
+            f"{root}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+            f"expected {FORMAT!r} version {VERSION}"
+        )
+    return cast(dict[str, Any], manifest)

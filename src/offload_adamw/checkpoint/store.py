@@ -45,6 +45,12 @@ Contract:
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
   ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
 
+``load`` runs in named stages: read (:func:`_read`: the files, behind a verified seal), verify
+(:func:`_verify`: the checkpoint agrees with itself), validate (:func:`_validate`: it fits the model,
+optimizer and scheduler, by name), commit (:func:`_commit`) and roll back (:func:`_roll_back`: what
+was committed before a refusal). ``save`` gathers everything (:func:`_gather`) before it writes and
+publishes (:func:`_write_and_publish`).
+
 The pieces: :mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
 :mod:`~offload_adamw.checkpoint.publication` (fsync, exchange, locks, clean-up; no torch),
 :mod:`~offload_adamw.checkpoint.layout` (file names) and :mod:`~offload_adamw.checkpoint.errors`.
@@ -53,13 +59,13 @@ The pieces: :mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetenso
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import random
 import shutil
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias, cast
 
@@ -71,6 +77,7 @@ from offload_adamw.checkpoint.codec import check_meta, decode, encode, malformed
 from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
 from offload_adamw.checkpoint.layout import (
     AUX_FILE,
+    CHECKPOINT_FILES,
     COMMIT_FILE,
     DATA_FILES,
     FORMAT,
@@ -115,6 +122,10 @@ _owner = publication.owner
 _encode = encode
 _decode = decode
 
+
+# ------------------------------------------------------------------ finding
+
+
 def resolve(path: PathLike) -> Path | None:
     """The complete checkpoint that ``path`` stands for, or None.
 
@@ -138,244 +149,25 @@ def resolve(path: PathLike) -> Path | None:
     return None if best is None else best[2]
 
 
-# ------------------------------------------------------------------- save
-
-
-def _model_entries(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, str], dict[str, Tensor]]:
-    """(canonical name -> tensor, alias -> canonical name, every name -> tensor) of the model's state."""
-    everything = model.state_dict(keep_vars=True)
-    canonical: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    first_name: dict[int, str] = {}
-    for name, value in everything.items():
-        if not isinstance(value, Tensor):
-            raise CheckpointError(
-                f"model state {name!r} is a {type(value).__name__}, not a tensor; it cannot be saved without pickling"
-            )
-        if id(value) in first_name:
-            aliases[name] = first_name[id(value)]  # a tied weight: stored once
-            continue
-        first_name[id(value)] = name
-        canonical[name] = value
-    return canonical, aliases, everything
-
-
-def _rng_states(aux: dict[str, Tensor]) -> dict[str, Any]:
-    states: dict[str, Any] = {
-        "torch": encode(torch.get_rng_state(), aux, "rng/torch"),
-        "python": encode(random.getstate(), aux, "rng/python"),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = encode(torch.cuda.get_rng_state_all(), aux, "rng/cuda")
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states["numpy"] = encode(numpy.random.get_state(), aux, "rng/numpy")
-    return states
-
-
-def save(
-    path: PathLike,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any = None,
-    extra: Any = None,
-    *,
-    step: int | None = None,
-    overwrite: bool = False,
-    rng: bool = True,
-) -> Path:
-    """Write a checkpoint directory at ``path`` atomically; return its path.
-
-    ``extra`` is any JSON value (tensors allowed inside). ``step`` defaults to
-    the largest per-parameter update count of the optimizer. An existing
-    ``path`` is replaced only with ``overwrite=True``. ``rng`` saves the torch,
-    CUDA, Python and numpy RNG states. Raises :class:`CheckpointError` if
-    something cannot be stored or written; then nothing was published.
-    """
-    final = Path(path).absolute()
-    if final.exists() and not overwrite:
-        raise CheckpointError(f"{final} exists; pass overwrite=True to replace it atomically")
-    if final.exists():
-        # overwrite=True replaces (and then deletes) only what a save could have written there.
-        ours = {*DATA_FILES, MANIFEST_FILE, COMMIT_FILE}
-        if not final.is_dir() or not {entry.name for entry in final.iterdir()} <= ours:
-            raise CheckpointError(f"{final} is not a checkpoint directory; refusing to replace it")
-
-    # Gather everything first: an unsaveable object fails before the disk is touched.
-    canonical, aliases, _ = _model_entries(model)
-    name_of = {id(t): name for name, t in canonical.items()}
-    model_tensors: dict[str, Tensor] = {}
-    optimizer_tensors: dict[str, Tensor] = {}
-    aux: dict[str, Tensor] = {}
-    has_masters = optimizer is not None and hasattr(optimizer, "master_value")
-    optimized: set[int] = set()
-    groups: list[dict[str, Any]] = []
-    states: dict[str, Any] = {}
-    if optimizer is not None:
-        for gi, group in enumerate(optimizer.param_groups):
-            names = []
-            for index, p in enumerate(group["params"]):
-                name = name_of.get(id(p))
-                if name is None:
-                    raise CheckpointError(
-                        f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in "
-                        "model.state_dict(): every optimized tensor needs a name"
-                    )
-                names.append(name)
-                optimized.add(id(p))
-                state = optimizer.state.get(p)
-                if state:
-                    states[name] = {
-                        key: encode(value, optimizer_tensors, f"{name}{_KEY_SEP}{key}")
-                        for key, value in state.items()
-                        if key != MASTER_KEY  # the master is the model entry
-                    }
-            hyper = {k: encode(v, aux, f"optimizer/{gi}/{k}") for k, v in group.items() if k not in ("params", "param_names")}
-            groups.append({"param_names": names, "hyper": hyper})
-    entries = {}
-    for name, value in canonical.items():
-        # has_masters: the optimizer defines master_value
-        stored = cast(Any, optimizer).master_value(value) if has_masters and id(value) in optimized else value
-        model_tensors[name] = stored
-        entries[name] = {
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "shape": list(value.shape),
-            "stored_dtype": str(stored.dtype).removeprefix("torch."),
-        }
-    if step is None:
-        counts = [
-            int(s["step"])
-            for s in (optimizer.state.values() if optimizer is not None else ())
-            if isinstance(s.get("step"), (Tensor, int, float))
-        ]
-        step = max(counts, default=0)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": int(step),
-        "torch": torch.__version__,
-        "model": entries,
-        "aliases": aliases,
-        "optimizer": None if optimizer is None else {"class": type(optimizer).__name__, "groups": groups, "states": states},
-        "scheduler": None
-        if scheduler is None
-        else {"class": type(scheduler).__name__, "state": encode(scheduler.state_dict(), aux, "scheduler")},
-        "rng": _rng_states(aux) if rng else None,
-        "extra": encode(extra, aux, "extra"),
-    }
-    meta_bytes = dumps(meta)
-
-    final.parent.mkdir(parents=True, exist_ok=True)
-    publication.remove_stale(final.parent)
-    tmp = publication.temporary_name(final, TMP_TAG)
-    lock = None
-    try:
-        tmp.mkdir()
-        lock = publication.lock(tmp)
-        codec.write_tensors(tmp / MODEL_FILE, model_tensors)
-        codec.write_tensors(tmp / OPTIMIZER_FILE, optimizer_tensors)
-        codec.write_tensors(tmp / AUX_FILE, aux)
-        publication.write_bytes(tmp / META_FILE, meta_bytes)
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "files": {
-                name: {"bytes": (tmp / name).stat().st_size, "sha256": publication.file_sha256(tmp / name)}
-                for name in DATA_FILES
-            },
-        }
-        manifest_bytes = dumps(manifest)
-        publication.write_bytes(tmp / MANIFEST_FILE, manifest_bytes)
-        marker = {"format": FORMAT, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
-        publication.write_bytes(tmp / COMMIT_FILE, dumps(marker))
-        publication.fsync_path(tmp, directory=True)
-        if final.exists() and not overwrite:
-            raise CheckpointError(f"{final} appeared while saving; pass overwrite=True to replace it")
-        previous = publication.publish(tmp, final)
-    except Exception as exc:
-        publication.unlock(lock)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, CheckpointError):
-            raise
-        raise CheckpointError(
-            f"could not write checkpoint {final}: {exc}; nothing was published and any previous checkpoint there is intact"
-        ) from exc
-    except BaseException:
-        publication.unlock(lock)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publication.unlock(lock)
-    publication.fsync_path(final.parent, directory=True)  # make the rename itself durable
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
-    return final
-
-
-# ------------------------------------------------------------------- load
-
-
 def verify(path: PathLike) -> dict[str, Any]:
     """Check the commit marker, the manifest and every file's size and sha256; return the metadata.
 
     Raises :class:`CheckpointCorrupt` naming every damaged file.
     """
     root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: no checkpoint directory there")
-    commit = root / COMMIT_FILE
-    if not commit.is_file():
-        raise CheckpointCorrupt(
-            f"{root} is incomplete: it has no {COMMIT_FILE} marker (its save was interrupted); use an earlier checkpoint"
-        )
+    publication.check_seal(root, DATA_FILES)
+    return _parse_meta(root / META_FILE, (root / META_FILE).read_bytes())
+
+
+def _parse_meta(file: Path, data: bytes) -> dict[str, Any]:
     try:
-        marker = json.loads(commit.read_bytes())
-        expected_manifest = marker["manifest_sha256"]
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
-        raise CheckpointCorrupt(f"{commit}: unreadable commit marker ({exc})") from exc
-    manifest_path = root / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise CheckpointCorrupt(f"{root}: {MANIFEST_FILE} is missing")
-    found = publication.file_sha256(manifest_path)
-    if found != expected_manifest:
-        raise CheckpointCorrupt(f"{manifest_path}: sha256 {found} does not match the commit marker ({expected_manifest})")
-    try:
-        manifest = json.loads(manifest_path.read_bytes())
-        files = manifest["files"]
-        for name in DATA_FILES:
-            entry = files.get(name)
-            if entry is not None and not (
-                isinstance(entry, dict) and is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
-            ):
-                raise ValueError(f"the entry of {name} is not {{'bytes': int, 'sha256': str}}")
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
-        raise CheckpointCorrupt(f"{manifest_path}: malformed manifest ({exc!r})") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointCorrupt(
-            f"{root}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
-            f"expected {FORMAT!r} version {VERSION}"
-        )
-    damaged = []
-    for name in DATA_FILES:
-        entry = manifest["files"].get(name)
-        file = root / name
-        if entry is None:
-            damaged.append(f"{name}: not in the manifest")
-        elif not file.is_file():
-            damaged.append(f"{name}: missing")
-        elif file.stat().st_size != entry["bytes"]:
-            damaged.append(f"{name}: {file.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)")
-        elif publication.file_sha256(file) != entry["sha256"]:
-            damaged.append(f"{name}: sha256 mismatch (the file changed after it was written)")
-    if damaged:
-        raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(damaged))
-    try:
-        meta = json.loads((root / META_FILE).read_bytes())
+        meta = json.loads(data)
     except RecursionError:
-        raise CheckpointCorrupt(f"{root / META_FILE}: nested too deeply to read (malformed metadata)") from None
+        raise CheckpointCorrupt(f"{file}: nested too deeply to read (malformed metadata)") from None
     except ValueError as exc:
-        raise CheckpointCorrupt(f"{root / META_FILE}: not JSON ({exc})") from exc
-    check_meta(root / META_FILE, meta)
-    return meta
+        raise CheckpointCorrupt(f"{file}: not JSON ({exc})") from exc
+    check_meta(file, meta)
+    return cast(dict[str, Any], meta)
 
 
 def _recorded_step(entry: Path) -> int:
@@ -419,6 +211,246 @@ def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
     return None
 
 
+# ------------------------------------------------------------------- save
+
+
+def _model_entries(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, str], dict[str, Tensor]]:
+    """(canonical name -> tensor, alias -> canonical name, every name -> tensor) of the model's state."""
+    everything = model.state_dict(keep_vars=True)
+    canonical: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, value in everything.items():
+        if not isinstance(value, Tensor):
+            raise CheckpointError(
+                f"model state {name!r} is a {type(value).__name__}, not a tensor; it cannot be saved without pickling"
+            )
+        if id(value) in first_name:
+            aliases[name] = first_name[id(value)]  # a tied weight: stored once
+            continue
+        first_name[id(value)] = name
+        canonical[name] = value
+    return canonical, aliases, everything
+
+
+def _rng_states(aux: dict[str, Tensor]) -> dict[str, Any]:
+    states: dict[str, Any] = {
+        "torch": encode(torch.get_rng_state(), aux, "rng/torch"),
+        "python": encode(random.getstate(), aux, "rng/python"),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = encode(torch.cuda.get_rng_state_all(), aux, "rng/cuda")
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = encode(numpy.random.get_state(), aux, "rng/numpy")
+    return states
+
+
+@dataclass
+class _Contents:
+    """Everything a checkpoint directory will hold, gathered before the disk is touched."""
+
+    model: dict[str, Tensor]
+    optimizer: dict[str, Tensor]
+    aux: dict[str, Tensor]
+    meta: bytes
+
+
+def save(
+    path: PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any = None,
+    extra: Any = None,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    rng: bool = True,
+) -> Path:
+    """Write a checkpoint directory at ``path`` atomically; return its path.
+
+    ``extra`` is any JSON value (tensors allowed inside). ``step`` defaults to
+    the largest per-parameter update count of the optimizer. An existing
+    ``path`` is replaced only with ``overwrite=True``. ``rng`` saves the torch,
+    CUDA, Python and numpy RNG states. Raises :class:`CheckpointError` if
+    something cannot be stored or written; then nothing was published.
+    """
+    final = Path(path).absolute()
+    _check_target(final, overwrite)
+    contents = _gather(model, optimizer, scheduler, extra, step=step, rng=rng)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    publication.remove_stale(final.parent)
+    previous = _write_and_publish(final, contents, overwrite)
+    publication.fsync_path(final.parent, directory=True)  # make the rename itself durable
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def _check_target(final: Path, overwrite: bool) -> None:
+    if final.exists() and not overwrite:
+        raise CheckpointError(f"{final} exists; pass overwrite=True to replace it atomically")
+    if final.exists():
+        # overwrite=True replaces (and then deletes) only what a save could have written there.
+        if not final.is_dir() or not {entry.name for entry in final.iterdir()} <= CHECKPOINT_FILES:
+            raise CheckpointError(f"{final} is not a checkpoint directory; refusing to replace it")
+
+
+def _gather(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, extra: Any, *, step: int | None, rng: bool
+) -> _Contents:
+    """Every tensor and the metadata, encoded: an unsaveable object fails here, before the disk is touched."""
+    canonical, aliases, _ = _model_entries(model)
+    optimizer_tensors: dict[str, Tensor] = {}
+    aux: dict[str, Tensor] = {}
+    optimized, optimizer_meta = _gather_optimizer(optimizer, canonical, optimizer_tensors, aux)
+    model_tensors, entries = _gather_model(canonical, optimizer, optimized)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(_largest_step(optimizer) if step is None else step),
+        "torch": torch.__version__,
+        "model": entries,
+        "aliases": aliases,
+        "optimizer": optimizer_meta,
+        "scheduler": None
+        if scheduler is None
+        else {"class": type(scheduler).__name__, "state": encode(scheduler.state_dict(), aux, "scheduler")},
+        "rng": _rng_states(aux) if rng else None,
+        "extra": encode(extra, aux, "extra"),
+    }
+    return _Contents(model=model_tensors, optimizer=optimizer_tensors, aux=aux, meta=dumps(meta))
+
+
+def _gather_optimizer(
+    optimizer: torch.optim.Optimizer | None, canonical: dict[str, Tensor], tensors: dict[str, Tensor], aux: dict[str, Tensor]
+) -> tuple[set[int], dict[str, Any] | None]:
+    """(ids of the optimized tensors, the optimizer's metadata): groups by name, states keyed "<name>::<key>"."""
+    if optimizer is None:
+        return set(), None
+    name_of = {id(t): name for name, t in canonical.items()}
+    optimized: set[int] = set()
+    groups: list[dict[str, Any]] = []
+    states: dict[str, Any] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        names = []
+        for index, p in enumerate(group["params"]):
+            name = name_of.get(id(p))
+            if name is None:
+                raise CheckpointError(
+                    f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in "
+                    "model.state_dict(): every optimized tensor needs a name"
+                )
+            names.append(name)
+            optimized.add(id(p))
+            state = optimizer.state.get(p)
+            if state:
+                states[name] = {
+                    key: encode(value, tensors, f"{name}{_KEY_SEP}{key}")
+                    for key, value in state.items()
+                    if key != MASTER_KEY  # the master is the model entry
+                }
+        hyper = {k: encode(v, aux, f"optimizer/{gi}/{k}") for k, v in group.items() if k not in ("params", "param_names")}
+        groups.append({"param_names": names, "hyper": hyper})
+    return optimized, {"class": type(optimizer).__name__, "groups": groups, "states": states}
+
+
+def _gather_model(
+    canonical: dict[str, Tensor], optimizer: torch.optim.Optimizer | None, optimized: set[int]
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """(the stored tensor of each model entry, its metadata): an optimized tensor with a master is stored as that."""
+    has_masters = optimizer is not None and hasattr(optimizer, "master_value")
+    tensors: dict[str, Tensor] = {}
+    entries: dict[str, Any] = {}
+    for name, value in canonical.items():
+        # has_masters: the optimizer defines master_value
+        stored = cast(Any, optimizer).master_value(value) if has_masters and id(value) in optimized else value
+        tensors[name] = stored
+        entries[name] = {
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+            "stored_dtype": str(stored.dtype).removeprefix("torch."),
+        }
+    return tensors, entries
+
+
+def _largest_step(optimizer: torch.optim.Optimizer | None) -> int:
+    counts = [
+        int(s["step"])
+        for s in (optimizer.state.values() if optimizer is not None else ())
+        if isinstance(s.get("step"), (Tensor, int, float))
+    ]
+    return max(counts, default=0)
+
+
+def _write_and_publish(final: Path, contents: _Contents, overwrite: bool) -> Path | None:
+    """Write a locked temporary, seal it, publish it onto ``final``; return where the replaced one now is.
+
+    Any failure removes the temporary and raises :class:`CheckpointError`; ``final`` is then as it was.
+    """
+    tmp = publication.temporary_name(final, TMP_TAG)
+    lock = None
+    try:
+        tmp.mkdir()
+        lock = publication.lock(tmp)
+        codec.write_tensors(tmp / MODEL_FILE, contents.model)
+        codec.write_tensors(tmp / OPTIMIZER_FILE, contents.optimizer)
+        codec.write_tensors(tmp / AUX_FILE, contents.aux)
+        publication.write_bytes(tmp / META_FILE, contents.meta)
+        publication.seal(tmp, DATA_FILES)
+        publication.fsync_path(tmp, directory=True)
+        if final.exists() and not overwrite:
+            raise CheckpointError(f"{final} appeared while saving; pass overwrite=True to replace it")
+        previous = publication.publish(tmp, final)
+    except Exception as exc:
+        publication.unlock(lock)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {exc}; nothing was published and any previous checkpoint there is intact"
+        ) from exc
+    except BaseException:
+        publication.unlock(lock)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publication.unlock(lock)
+    return previous
+
+
+# ------------------------------------------------------------------- load
+
+
+@dataclass
+class _Saved:
+    """What the read stage found: the directory read, its metadata and its three tensor files."""
+
+    root: Path
+    meta: dict[str, Any]
+    model: dict[str, Tensor]
+    optimizer: dict[str, Tensor]
+    aux: dict[str, Tensor]
+
+    @property
+    def meta_file(self) -> Path:
+        return self.root / META_FILE
+
+
+@dataclass
+class _Plan:
+    """What the validate stage decided: the report so far and what the commit stage writes."""
+
+    report: LoadReport
+    matched: dict[str, Tensor]
+    """Model tensors that receive their saved value, by name."""
+    name_of: dict[int, str]
+    """id of each canonical model tensor -> its name."""
+    loadable: set[str]
+    """Parameters whose optimizer state is taken from the checkpoint."""
+    scheduler_state: dict[str, Any] | None
+    rng_state: Any
+
+
 def load(
     path: PathLike,
     model: torch.nn.Module,
@@ -446,171 +478,60 @@ def load(
     interrupted, the previous checkpoint it kept is loaded (:func:`resolve`);
     ``report.path`` says which directory was read.
     """
-    requested = Path(path)
+    saved = _read(Path(path))
+    extra, rng_state = _verify(saved, rng=rng)
+    report = LoadReport(path=str(saved.root), step=saved.meta["step"], extra=extra)
+    plan = _validate(saved, report, model, optimizer, scheduler, rng_state)
+    if report.problems and strict:
+        raise CheckpointMismatch(report)
+    optimizer_state_dict = None
+    if optimizer is not None and saved.meta["optimizer"] is not None:
+        optimizer_state_dict = _optimizer_state_dict(optimizer, saved, plan)
+    _commit(saved, plan, optimizer, scheduler, optimizer_state_dict)
+    return report
+
+
+# --- read: the files of one checkpoint, behind a verified seal
+
+
+def _read(requested: Path) -> _Saved:
     root = resolve(requested) or requested
     meta = verify(root)
-    meta_file = root / META_FILE
-    model_saved = codec.read_tensors(root, MODEL_FILE)
-    optimizer_saved = codec.read_tensors(root, OPTIMIZER_FILE)
-    aux = codec.read_tensors(root, AUX_FILE)
-    extra = decode(meta["extra"], aux, f"{meta_file}: extra")
-    saved_entries: dict[str, Any] = meta["model"]
-    saved_opt = meta["optimizer"]
-    saved_sched = meta["scheduler"]
+    return _Saved(
+        root=root,
+        meta=meta,
+        model=codec.read_tensors(root, MODEL_FILE),
+        optimizer=codec.read_tensors(root, OPTIMIZER_FILE),
+        aux=codec.read_tensors(root, AUX_FILE),
+    )
+
+
+# --- verify: the checkpoint agrees with itself
+
+
+def _verify(saved: _Saved, *, rng: bool) -> tuple[Any, Any]:
+    """(``extra``, the RNG states or None), decoded; the stored tensors are what meta.json says they are."""
+    meta, meta_file = saved.meta, saved.meta_file
+    extra = decode(meta["extra"], saved.aux, f"{meta_file}: extra")
     rng_state = None
     if rng and meta["rng"] is not None:
-        rng_state = decode(meta["rng"], aux, f"{meta_file}: rng")
+        rng_state = decode(meta["rng"], saved.aux, f"{meta_file}: rng")
         _check_rng(rng_state, meta_file)
-    report = LoadReport(path=str(root), step=meta["step"], extra=extra)
-    problems = report.problems
-
-    # --- the stored tensors are what they are said to be
-    for name, info in saved_entries.items():
-        stored = model_saved.get(name)
+    model_file = saved.root / MODEL_FILE
+    for name, info in meta["model"].items():
+        stored = saved.model.get(name)
         if stored is None:
-            raise CheckpointCorrupt(f"{root / MODEL_FILE}: holds no tensor {name!r}, which {META_FILE} lists")
+            raise CheckpointCorrupt(f"{model_file}: holds no tensor {name!r}, which {META_FILE} lists")
         declared = getattr(torch, info.get("stored_dtype", info["dtype"]))
         if list(stored.shape) != info["shape"] or stored.dtype != declared:
             raise CheckpointCorrupt(
-                f"{root / MODEL_FILE}: {name!r} is {str(stored.dtype).removeprefix('torch.')} {tuple(stored.shape)}, "
+                f"{model_file}: {name!r} is {str(stored.dtype).removeprefix('torch.')} {tuple(stored.shape)}, "
                 f"{META_FILE} says {str(declared).removeprefix('torch.')} {tuple(info['shape'])} (malformed metadata)"
             )
-    for name in model_saved:
-        if name not in saved_entries:
-            raise CheckpointCorrupt(f"{root / MODEL_FILE}: holds {name!r}, which {META_FILE} does not list")
-
-    # --- model entries, by name
-    canonical, _, everything = _model_entries(model)
-    matched: dict[str, Tensor] = {}
-    present: set[int] = set()
-    for name, info in saved_entries.items():
-        target = everything.get(name)
-        if target is None:
-            report.unexpected.append(name)
-            problems.append(f"unexpected {name!r}: in the checkpoint, not in the model")
-            continue
-        present.add(id(target))
-        if target.is_meta:
-            problems.append(
-                f"meta device {name!r}: the model's tensor holds no storage, nothing can be loaded into it; "
-                "materialize the model first (module.to_empty(device=...))"
-            )
-            continue
-        if target.is_inference() or torch._debug_has_internal_overlap(target) == 1:
-            # copy_ would raise half-way through the commit: refuse before anything changes
-            problems.append(f"unwritable {name!r}: an inference-mode tensor or one whose elements share memory (expand)")
-            continue
-        saved_shape = tuple(model_saved[name].shape)  # the tensor's own shape, not the one meta.json declares
-        if saved_shape != tuple(target.shape):
-            report.wrong_shape[name] = (saved_shape, tuple(target.shape))
-            problems.append(f"wrong shape {name!r}: {saved_shape} in the checkpoint, {tuple(target.shape)} in the model")
-            continue
-        own_dtype = str(target.dtype).removeprefix("torch.")
-        if info["dtype"] != own_dtype:
-            report.wrong_dtype[name] = (info["dtype"], own_dtype)
-            problems.append(f"wrong dtype {name!r}: {info['dtype']} in the checkpoint, {own_dtype} in the model")
-            continue
-        matched[name] = target
-    for name, target in canonical.items():
-        if id(target) not in present:
-            report.missing.append(name)
-            problems.append(f"missing {name!r}: in the model, not in the checkpoint")
-
-    # --- optimizer groups, by name
-    name_of = {id(t): name for name, t in canonical.items()}
-    loadable: set[str] = set()
-    if optimizer is not None:
-        if saved_opt is None:
-            problems.append("the checkpoint has no optimizer state (it was saved with optimizer=None)")
-        else:
-            saved_groups = saved_opt["groups"]
-            saved_group_of = {n: gi for gi, g in enumerate(saved_groups) for n in g["param_names"]}
-            same_count = len(saved_groups) == len(optimizer.param_groups)
-            if not same_count:
-                problems.append(
-                    f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer has {len(optimizer.param_groups)}"
-                )
-            optimized_here: set[str] = set()
-            for gi, group in enumerate(optimizer.param_groups):
-                for index, p in enumerate(group["params"]):
-                    found = name_of.get(id(p))
-                    if found is None:
-                        problems.append(
-                            f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in model.state_dict()"
-                        )
-                        continue
-                    name = found
-                    optimized_here.add(name)
-                    saved_gi = saved_group_of.get(name)
-                    if name not in matched:
-                        continue  # already reported as missing / wrong shape / wrong dtype
-                    if saved_gi is None:
-                        report.group_mismatch.append(name)
-                        problems.append(f"group mismatch {name!r}: optimized in group {gi} here, not optimized in the checkpoint")
-                    elif saved_gi != gi:
-                        report.group_mismatch.append(name)
-                        problems.append(f"group mismatch {name!r}: in group {saved_gi} of the checkpoint, group {gi} here")
-                    elif same_count:
-                        loadable.add(name)
-            for name, saved_gi in saved_group_of.items():
-                if name not in optimized_here and name in everything:
-                    report.group_mismatch.append(name)
-                    problems.append(
-                        f"group mismatch {name!r}: optimized in group {saved_gi} of the checkpoint, not by this optimizer"
-                    )
-    sched_state = None
-    if scheduler is not None:
-        if saved_sched is None:
-            problems.append("the checkpoint has no scheduler state (it was saved with scheduler=None)")
-        elif saved_sched["class"] != type(scheduler).__name__:
-            problems.append(f"scheduler: the checkpoint holds a {saved_sched['class']}, this is a {type(scheduler).__name__}")
-        else:
-            sched_state = decode(saved_sched["state"], aux, f"{meta_file}: scheduler/state")
-            if not isinstance(sched_state, dict):
-                raise malformed(f"{meta_file}: scheduler/state", f"must be an object, got {type(sched_state).__name__}")
-            own_keys, saved_keys = set(scheduler.state_dict()), set(sched_state)
-            if own_keys != saved_keys:
-                problems.append(
-                    f"scheduler {type(scheduler).__name__}: keys {sorted(saved_keys - own_keys)} only in the checkpoint, "
-                    f"{sorted(own_keys - saved_keys)} only here"
-                )
-                sched_state = None
-    if problems and strict:
-        raise CheckpointMismatch(report)
-    optimizer_state_dict = None
-    if optimizer is not None and saved_opt is not None:
-        optimizer_state_dict = _optimizer_state_dict(
-            optimizer, saved_opt, name_of, loadable, matched, model_saved, optimizer_saved, aux, meta_file
-        )
-
-    # --- commit. Only the scheduler's and the optimizer's own load_state_dict can
-    # still refuse: the scheduler goes first and is put back if the optimizer
-    # refuses (which changes nothing of its own); model copies and RNG states were checked above.
-    scheduler_before = copy.deepcopy(scheduler.state_dict()) if sched_state is not None else None
-    if sched_state is not None:
-        try:
-            scheduler.load_state_dict(sched_state)
-        except Exception as exc:
-            scheduler.load_state_dict(scheduler_before)
-            problems.append(f"scheduler {type(scheduler).__name__} refused its state: {type(exc).__name__}: {exc}")
-            raise CheckpointMismatch(report) from exc
-    if optimizer is not None and optimizer_state_dict is not None:  # the second implies the first
-        try:
-            optimizer.load_state_dict(optimizer_state_dict)
-        except Exception as exc:  # StateDictMismatch, or torch's own checks
-            if scheduler_before is not None:
-                scheduler.load_state_dict(scheduler_before)
-            problems.extend(getattr(exc, "problems", [f"{type(exc).__name__}: {exc}"]))
-            raise CheckpointMismatch(report) from exc
-        report.optimizer_restored = True
-    report.scheduler_restored = sched_state is not None
-    with torch.no_grad():
-        for name, target in matched.items():
-            target.copy_(model_saved[name])  # a bf16 parameter gets round-to-nearest of its master
-    report.loaded = sorted(matched)
-    if rng_state is not None:
-        _restore_rng(rng_state, report)
-    return report
+    for name in saved.model:
+        if name not in meta["model"]:
+            raise CheckpointCorrupt(f"{model_file}: holds {name!r}, which {META_FILE} does not list")
+    return extra, rng_state
 
 
 def _check_rng(states: Any, file: Path) -> None:
@@ -635,23 +556,162 @@ def _check_rng(states: Any, file: Path) -> None:
             ) from exc
 
 
-def _optimizer_state_dict(
+# --- validate: the checkpoint fits this model, optimizer and scheduler, by name
+
+
+def _validate(
+    saved: _Saved,
+    report: LoadReport,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    rng_state: Any,
+) -> _Plan:
+    """Every problem into ``report``; what may be committed into the plan. Changes nothing."""
+    canonical, _, everything = _model_entries(model)
+    matched = _match_model(saved, report, canonical, everything)
+    name_of = {id(t): name for name, t in canonical.items()}
+    loadable: set[str] = set()
+    if optimizer is not None:
+        loadable = _match_groups(saved, report, optimizer, name_of, matched, everything)
+    scheduler_state = None if scheduler is None else _match_scheduler(saved, report, scheduler)
+    return _Plan(report, matched, name_of, loadable, scheduler_state, rng_state)
+
+
+def _match_model(
+    saved: _Saved, report: LoadReport, canonical: dict[str, Tensor], everything: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """The model tensors that can take their saved entry, by name; a problem for every other entry."""
+    matched: dict[str, Tensor] = {}
+    present: set[int] = set()
+    for name, info in saved.meta["model"].items():
+        target = everything.get(name)
+        if target is None:
+            report.unexpected.append(name)
+            report.problems.append(f"unexpected {name!r}: in the checkpoint, not in the model")
+            continue
+        present.add(id(target))
+        if _entry_fits(name, info, saved.model[name], target, report):
+            matched[name] = target
+    for name, target in canonical.items():
+        if id(target) not in present:
+            report.missing.append(name)
+            report.problems.append(f"missing {name!r}: in the model, not in the checkpoint")
+    return matched
+
+
+def _entry_fits(name: str, info: dict[str, Any], stored: Tensor, target: Tensor, report: LoadReport) -> bool:
+    """Whether ``target`` can take the saved entry ``name``; else its problem goes into ``report``."""
+    problems = report.problems
+    if target.is_meta:
+        problems.append(
+            f"meta device {name!r}: the model's tensor holds no storage, nothing can be loaded into it; "
+            "materialize the model first (module.to_empty(device=...))"
+        )
+        return False
+    if target.is_inference() or torch._debug_has_internal_overlap(target) == 1:
+        # copy_ would raise half-way through the commit: refuse before anything changes
+        problems.append(f"unwritable {name!r}: an inference-mode tensor or one whose elements share memory (expand)")
+        return False
+    saved_shape = tuple(stored.shape)  # the tensor's own shape, not the one meta.json declares
+    if saved_shape != tuple(target.shape):
+        report.wrong_shape[name] = (saved_shape, tuple(target.shape))
+        problems.append(f"wrong shape {name!r}: {saved_shape} in the checkpoint, {tuple(target.shape)} in the model")
+        return False
+    own_dtype = str(target.dtype).removeprefix("torch.")
+    if info["dtype"] != own_dtype:
+        report.wrong_dtype[name] = (info["dtype"], own_dtype)
+        problems.append(f"wrong dtype {name!r}: {info['dtype']} in the checkpoint, {own_dtype} in the model")
+        return False
+    return True
+
+
+def _match_groups(
+    saved: _Saved,
+    report: LoadReport,
     optimizer: torch.optim.Optimizer,
-    saved_opt: dict[str, Any],
     name_of: dict[int, str],
-    loadable: set[str],
     matched: dict[str, Tensor],
-    model_saved: dict[str, Tensor],
-    optimizer_saved: dict[str, Tensor],
-    aux: dict[str, Tensor],
-    meta_file: Path,
-) -> dict[str, Any]:
+    everything: dict[str, Tensor],
+) -> set[str]:
+    """The parameters whose saved optimizer state can be loaded: same name, same group, same group count."""
+    saved_opt = saved.meta["optimizer"]
+    if saved_opt is None:
+        report.problems.append("the checkpoint has no optimizer state (it was saved with optimizer=None)")
+        return set()
+    saved_groups = saved_opt["groups"]
+    saved_group_of = {n: gi for gi, g in enumerate(saved_groups) for n in g["param_names"]}
+    same_count = len(saved_groups) == len(optimizer.param_groups)
+    if not same_count:
+        report.problems.append(
+            f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer has {len(optimizer.param_groups)}"
+        )
+    loadable: set[str] = set()
+    optimized_here: set[str] = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for index, p in enumerate(group["params"]):
+            name = name_of.get(id(p))
+            if name is None:
+                report.problems.append(
+                    f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in model.state_dict()"
+                )
+                continue
+            optimized_here.add(name)
+            if name in matched and _same_group(name, gi, saved_group_of.get(name), report) and same_count:
+                loadable.add(name)
+    for name, saved_gi in saved_group_of.items():
+        if name not in optimized_here and name in everything:
+            report.group_mismatch.append(name)
+            report.problems.append(
+                f"group mismatch {name!r}: optimized in group {saved_gi} of the checkpoint, not by this optimizer"
+            )
+    return loadable
+
+
+def _same_group(name: str, gi: int, saved_gi: int | None, report: LoadReport) -> bool:
+    """Whether ``name`` is optimized in group ``gi`` on both sides; else the mismatch goes into ``report``."""
+    if saved_gi is None:
+        report.group_mismatch.append(name)
+        report.problems.append(f"group mismatch {name!r}: optimized in group {gi} here, not optimized in the checkpoint")
+        return False
+    if saved_gi != gi:
+        report.group_mismatch.append(name)
+        report.problems.append(f"group mismatch {name!r}: in group {saved_gi} of the checkpoint, group {gi} here")
+        return False
+    return True
+
+
+def _match_scheduler(saved: _Saved, report: LoadReport, scheduler: Any) -> dict[str, Any] | None:
+    """The saved scheduler state where it is this scheduler's class with the same keys; else a problem and None."""
+    saved_sched = saved.meta["scheduler"]
+    if saved_sched is None:
+        report.problems.append("the checkpoint has no scheduler state (it was saved with scheduler=None)")
+        return None
+    if saved_sched["class"] != type(scheduler).__name__:
+        report.problems.append(f"scheduler: the checkpoint holds a {saved_sched['class']}, this is a {type(scheduler).__name__}")
+        return None
+    where = f"{saved.meta_file}: scheduler/state"
+    state = decode(saved_sched["state"], saved.aux, where)
+    if not isinstance(state, dict):
+        raise malformed(where, f"must be an object, got {type(state).__name__}")
+    own_keys, saved_keys = set(scheduler.state_dict()), set(state)
+    if own_keys != saved_keys:
+        report.problems.append(
+            f"scheduler {type(scheduler).__name__}: keys {sorted(saved_keys - own_keys)} only in the checkpoint, "
+            f"{sorted(own_keys - saved_keys)} only here"
+        )
+        return None
+    return state
+
+
+def _optimizer_state_dict(optimizer: torch.optim.Optimizer, saved: _Saved, plan: _Plan) -> dict[str, Any]:
     """A state_dict laid out in the optimizer's own current order, filled by name from the checkpoint.
 
     Parameters that do not match (strict=False only) keep their current state.
     Where a parameter's model value is loaded, its master is that value, so
     that model and optimizer agree.
     """
+    saved_opt = saved.meta["optimizer"]
     saved_groups = saved_opt["groups"]
     same_count = len(saved_groups) == len(optimizer.param_groups)
     with_masters = hasattr(optimizer, "master_param")
@@ -659,22 +719,20 @@ def _optimizer_state_dict(
     pid = 0
     for gi, group in enumerate(optimizer.param_groups):
         if same_count:
-            hyper = decode(saved_groups[gi]["hyper"], aux, f"{meta_file}: optimizer/groups/{gi}/hyper")
+            hyper = decode(saved_groups[gi]["hyper"], saved.aux, f"{saved.meta_file}: optimizer/groups/{gi}/hyper")
         else:
             hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         ids = []
         for p in group["params"]:
-            name = name_of.get(id(p))
-            if name in loadable:
-                saved = saved_opt["states"].get(name)
-                where = f"{meta_file}: optimizer/states/{part(name)}"
-                entry = None if saved is None else dict(decode(saved, optimizer_saved, where))
+            name = plan.name_of.get(id(p))
+            if name in plan.loadable:
+                entry = _saved_state(saved, name)
             else:
                 own = optimizer.state.get(p)
                 entry = dict(own) if own else None
             if entry is not None:
-                if with_masters and name in matched:
-                    entry[MASTER_KEY] = model_saved[name]
+                if with_masters and name in plan.matched:
+                    entry[MASTER_KEY] = saved.model[name]
                 state[pid] = entry
             ids.append(pid)
             pid += 1
@@ -684,6 +742,62 @@ def _optimizer_state_dict(
             out["param_names"] = list(group["param_names"])
         groups.append(out)
     return {"state": state, "param_groups": groups}
+
+
+def _saved_state(saved: _Saved, name: str) -> dict[str, Any] | None:
+    entry = saved.meta["optimizer"]["states"].get(name)
+    if entry is None:
+        return None
+    return dict(decode(entry, saved.optimizer, f"{saved.meta_file}: optimizer/states/{part(name)}"))
+
+
+# --- commit, and roll back what was committed before a refusal
+
+
+def _commit(
+    saved: _Saved,
+    plan: _Plan,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    optimizer_state_dict: dict[str, Any] | None,
+) -> None:
+    """Scheduler, optimizer, model, RNG, in this order.
+
+    Only the scheduler's and the optimizer's own load_state_dict can still refuse: the scheduler goes
+    first and is put back if the optimizer refuses (which changes nothing of its own); model copies
+    and RNG states were checked before.
+    """
+    report = plan.report
+    scheduler_before = None
+    if plan.scheduler_state is not None:
+        scheduler_before = copy.deepcopy(scheduler.state_dict())
+        try:
+            scheduler.load_state_dict(plan.scheduler_state)
+        except Exception as exc:
+            _roll_back(scheduler, scheduler_before)
+            report.problems.append(f"scheduler {type(scheduler).__name__} refused its state: {type(exc).__name__}: {exc}")
+            raise CheckpointMismatch(report) from exc
+    if optimizer is not None and optimizer_state_dict is not None:  # the second implies the first
+        try:
+            optimizer.load_state_dict(optimizer_state_dict)
+        except Exception as exc:  # StateDictMismatch, or torch's own checks
+            _roll_back(scheduler, scheduler_before)
+            report.problems.extend(getattr(exc, "problems", [f"{type(exc).__name__}: {exc}"]))
+            raise CheckpointMismatch(report) from exc
+        report.optimizer_restored = True
+    report.scheduler_restored = plan.scheduler_state is not None
+    with torch.no_grad():
+        for name, target in plan.matched.items():
+            target.copy_(saved.model[name])  # a bf16 parameter gets round-to-nearest of its master
+    report.loaded = sorted(plan.matched)
+    if plan.rng_state is not None:
+        _restore_rng(plan.rng_state, report)
+
+
+def _roll_back(scheduler: Any, scheduler_before: dict[str, Any] | None) -> None:
+    """Put back what the commit changed before a refusal: the scheduler's state (the only part committed first)."""
+    if scheduler_before is not None:
+        scheduler.load_state_dict(scheduler_before)
 
 
 def _restore_rng(states: dict[str, Any], report: LoadReport) -> None:
