@@ -1,11 +1,12 @@
 """A process that replaces one checkpoint over and over (``overwrite=True``), for tests/test_checkpoint_races.py.
 
-    python _overwrite_worker.py PATH STOP_FILE MAX_SAVES
+    python _overwrite_worker.py PATH STOP_FILE MAX_SAVES [READY_FILE]
 
 Save ``i`` (1, 2, ...) holds the value ``i`` everywhere a load could read it: every model entry, every
 optimizer state (moments and step count), the recorded step, ``extra["id"]`` and the tensor
 ``extra["t"]``, so a load that mixes two saves is seen in its result. Runs until STOP_FILE exists or
-MAX_SAVES saves are done; prints the number of saves. ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` in the
+MAX_SAVES saves are done, creating READY_FILE after its first save;
+prints the number of saves. ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` in the
 environment selects the two-rename publication.
 """
 
@@ -39,7 +40,7 @@ def fill(model: torch.nn.Module, optimizer: OffloadAdamW, value: int) -> None:
                 optimizer.state[p][key].fill_(value)
 
 
-def main(path: Path, stop: Path, max_saves: int) -> int:
+def main(path: Path, stop: Path, max_saves: int, ready: Path | None) -> int:
     torch.set_num_threads(1)
     model, optimizer = build()
     saves = 0
@@ -48,9 +49,11 @@ def main(path: Path, stop: Path, max_saves: int) -> int:
         fill(model, optimizer, saves)
         extra = {"id": saves, "t": torch.full((WIDTH,), float(saves))}
         checkpoint.save(path, model, optimizer, extra=extra, step=saves, overwrite=True, rng=False)
+        if ready is not None and saves == 1:
+            ready.touch()
     print(saves)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]) if len(sys.argv) > 4 else None))

@@ -9,7 +9,8 @@ Contract:
 * :func:`decode` accepts only what :func:`encode` writes; anything else is :class:`CheckpointCorrupt`
   naming the file and key path, never a bare TypeError or KeyError.
 * :func:`write_tensors` / :func:`read_tensors` store a dict of tensors as one safetensors file
-  (fsynced; contiguous host copies, no two sharing memory) and read it back.
+  (fsynced; contiguous host copies, no two sharing memory) and read it back from an opened
+  :class:`~offload_adamw.checkpoint.publication.Snapshot` (the file its seal was checked on).
 * :func:`check_meta` checks the layout of ``meta.json`` before anything reads it.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 from torch import Tensor
 
 from offload_adamw.checkpoint import publication
@@ -158,11 +159,13 @@ def write_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
     publication.fsync_path(path)
 
 
-def read_tensors(root: Path, name: str) -> dict[str, Tensor]:
+def read_tensors(snapshot: publication.Snapshot, name: str) -> dict[str, Tensor]:
+    """The tensors of the file ``name`` of ``snapshot``: the very file its seal was checked on."""
     try:
-        return load_file(str(root / name))
+        again = snapshot.reopenable(name)
+        return load_file(again) if again is not None else load(snapshot.read(name))
     except Exception as exc:  # checksums passed, so this is a writer bug or a foreign file
-        raise CheckpointCorrupt(f"{root / name}: not a readable safetensors file ({exc})") from exc
+        raise CheckpointCorrupt(f"{snapshot.root / name}: not a readable safetensors file ({exc})") from exc
 
 
 # ---------------------------------------------------------------- meta.json

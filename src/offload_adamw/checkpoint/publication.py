@@ -10,8 +10,11 @@ Contract:
   ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off). Elsewhere it is two renames, and between them
   the previous checkpoint waits at ``.NAME.prev-OWNER-PID-TOKEN`` (:func:`previous_copies` finds it).
 * :func:`seal` writes the manifest (size and sha256 of every data file), then the commit marker
-  (the sha256 of the manifest); :func:`check_seal` checks both and every file, and refuses with
-  :class:`CheckpointCorrupt` naming every damaged file.
+  (the sha256 of the manifest). A reader opens a published directory once as a :class:`Snapshot`
+  (the directory and every file through descriptors) and reads only through it: :func:`check_seal`
+  checks the marker, the manifest and every file there, refusing with :class:`CheckpointCorrupt`
+  naming every damaged file, and what it checked is what the reader then parses, even while a save
+  replaces or deletes the directory.
 * :func:`remove_stale` deletes what killed saves left, but only temporaries of this machine whose
   writer no longer runs, whose lock nobody holds and which hold nothing but checkpoint files.
 """
@@ -27,12 +30,13 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from offload_adamw.checkpoint.errors import CheckpointCorrupt
 from offload_adamw.checkpoint.layout import CHECKPOINT_FILES, COMMIT_FILE, FORMAT, MANIFEST_FILE, VERSION, dumps, is_count
 
 ENV_EXCHANGE = "OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE"
@@ -223,6 +227,91 @@ def previous_copies(final: Path) -> list[Path]:
     return out
 
 
+# ----------------------------------------------------------- reading one
+
+
+class Snapshot:
+    """A published checkpoint directory opened once: its files as they were when it was opened.
+
+    The directory and each of its files are opened through descriptors right away, and everything
+    is read through those: a save that exchanges, renames or deletes the directory afterwards changes
+    nothing of what this snapshot holds (published checkpoints are never written in place). So what
+    :func:`check_seal` verified is what the caller parses. ``missing`` names the files that could not
+    be opened; :meth:`replaced` says whether ``root`` still names the directory opened.
+    """
+
+    def __init__(self, root: Path, names: Iterable[str]):
+        self.root = root
+        self._dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # FileNotFoundError, NotADirectoryError
+        self._fds: dict[str, int] = {}
+        self.missing: list[str] = []
+        for name in names:
+            fd = self._open(name)
+            if fd is None:
+                self.missing.append(name)
+            else:
+                self._fds[name] = fd
+
+    def _open(self, name: str) -> int | None:
+        """A descriptor of the regular file ``name`` in the directory opened, or None."""
+        try:
+            if os.open in os.supports_dir_fd:
+                fd = os.open(name, os.O_RDONLY, dir_fd=self._dir_fd)
+            else:  # no openat (Windows): by path, which a concurrent replacement can still race
+                fd = os.open(self.root / name, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return fd
+
+    def replaced(self) -> bool:
+        """Whether ``root`` names another directory now (or nothing): a save replaced it while it was opened."""
+        try:
+            now = os.stat(self.root)
+        except OSError:
+            return True
+        opened = os.fstat(self._dir_fd)
+        return (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
+
+    def has(self, name: str) -> bool:
+        return name in self._fds
+
+    def size(self, name: str) -> int:
+        return os.fstat(self._fds[name]).st_size
+
+    def read(self, name: str) -> bytes:
+        with open(self._fds[name], "rb", closefd=False) as f:
+            f.seek(0)
+            return f.read()
+
+    def sha256(self, name: str) -> str:
+        digest = hashlib.sha256()
+        with open(self._fds[name], "rb", closefd=False) as f:
+            f.seek(0)
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    def reopenable(self, name: str) -> str | None:
+        """A path that opens this very file again (Linux: ``/proc/self/fd/N``, even once it is deleted), or None."""
+        path = f"/proc/self/fd/{self._fds[name]}"
+        return path if os.path.exists(path) else None
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        os.close(self._dir_fd)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 # ----------------------------------------------------------------- the seal
 
 
@@ -240,54 +329,52 @@ def seal(directory: Path, files: Sequence[str]) -> None:
     write_bytes(directory / COMMIT_FILE, dumps({"format": FORMAT, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}))
 
 
-def check_seal(root: Path, files: Sequence[str]) -> None:
+def check_seal(snapshot: Snapshot, files: Sequence[str]) -> None:
     """The commit marker, the manifest it vouches for, and the size and sha256 of each of ``files``.
 
-    :class:`CheckpointError` where ``root`` is no directory; :class:`CheckpointCorrupt` naming what is
-    damaged otherwise (every damaged file at once).
+    :class:`CheckpointCorrupt` naming what is damaged (every damaged file at once).
     """
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: no checkpoint directory there")
-    manifest = _manifest(root, _manifest_sha256(root), files)
+    root = snapshot.root
+    manifest = _manifest(snapshot, _manifest_sha256(snapshot), files)
     damaged = []
     for name in files:
         entry = manifest["files"].get(name)
-        file = root / name
         if entry is None:
             damaged.append(f"{name}: not in the manifest")
-        elif not file.is_file():
+        elif not snapshot.has(name):
             damaged.append(f"{name}: missing")
-        elif file.stat().st_size != entry["bytes"]:
-            damaged.append(f"{name}: {file.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)")
-        elif file_sha256(file) != entry["sha256"]:
+        elif snapshot.size(name) != entry["bytes"]:
+            damaged.append(f"{name}: {snapshot.size(name)} bytes, the manifest says {entry['bytes']} (truncated or overwritten)")
+        elif snapshot.sha256(name) != entry["sha256"]:
             damaged.append(f"{name}: sha256 mismatch (the file changed after it was written)")
     if damaged:
         raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(damaged))
 
 
-def _manifest_sha256(root: Path) -> str:
+def _manifest_sha256(snapshot: Snapshot) -> str:
     """The manifest's sha256 as the commit marker records it."""
-    commit = root / COMMIT_FILE
-    if not commit.is_file():
+    root, commit = snapshot.root, snapshot.root / COMMIT_FILE
+    if not snapshot.has(COMMIT_FILE):
         raise CheckpointCorrupt(
             f"{root} is incomplete: it has no {COMMIT_FILE} marker (its save was interrupted); use an earlier checkpoint"
         )
     try:
-        return str(json.loads(commit.read_bytes())["manifest_sha256"])
+        return str(json.loads(snapshot.read(COMMIT_FILE))["manifest_sha256"])
     except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise CheckpointCorrupt(f"{commit}: unreadable commit marker ({exc})") from exc
 
 
-def _manifest(root: Path, expected_sha256: str, files: Sequence[str]) -> dict[str, Any]:
+def _manifest(snapshot: Snapshot, expected_sha256: str, files: Sequence[str]) -> dict[str, Any]:
     """The manifest, matching the commit marker, well formed, of this format and version."""
-    manifest_path = root / MANIFEST_FILE
-    if not manifest_path.is_file():
+    root, manifest_path = snapshot.root, snapshot.root / MANIFEST_FILE
+    if not snapshot.has(MANIFEST_FILE):
         raise CheckpointCorrupt(f"{root}: {MANIFEST_FILE} is missing")
-    found = file_sha256(manifest_path)
+    data = snapshot.read(MANIFEST_FILE)
+    found = hashlib.sha256(data).hexdigest()
     if found != expected_sha256:
         raise CheckpointCorrupt(f"{manifest_path}: sha256 {found} does not match the commit marker ({expected_sha256})")
     try:
-        manifest = json.loads(manifest_path.read_bytes())
+        manifest = json.loads(data)
         for name in files:
             entry = manifest["files"].get(name)
             if entry is not None and not (

@@ -45,7 +45,9 @@ Contract:
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
   ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
 
-``load`` runs in named stages: read (:func:`_read`: the files, behind a verified seal), verify
+``load`` runs in named stages: read (:func:`_read`: the files of one directory, opened once, behind
+a verified seal, so that a load racing a save that replaces the checkpoint reads the old one or the
+new one, whole), verify
 (:func:`_verify`: the checkpoint agrees with itself), validate (:func:`_validate`: it fits the model,
 optimizer and scheduler, by name), commit (:func:`_commit`) and roll back (:func:`_roll_back`: what
 was committed before a refusal). ``save`` gathers everything (:func:`_gather`) before it writes and
@@ -154,9 +156,38 @@ def verify(path: PathLike) -> dict[str, Any]:
 
     Raises :class:`CheckpointCorrupt` naming every damaged file.
     """
-    root = Path(path)
-    publication.check_seal(root, DATA_FILES)
-    return _parse_meta(root / META_FILE, (root / META_FILE).read_bytes())
+    with _open(Path(path), follow=False) as snapshot:
+        return _verified_meta(snapshot)
+
+
+_OPEN_ATTEMPTS = 10
+
+
+def _open(requested: Path, *, follow: bool) -> publication.Snapshot:
+    """The checkpoint directory ``requested`` (with ``follow``: the one :func:`resolve` finds), opened once.
+
+    A directory that a concurrent save replaced while it was being opened (so that some of its files
+    were already deleted) is opened again, as it is then; opening takes microseconds, a save far longer.
+    """
+    attempts_left = _OPEN_ATTEMPTS
+    while True:
+        attempts_left -= 1
+        root = (resolve(requested) or requested) if follow else requested
+        try:
+            snapshot = publication.Snapshot(root, CHECKPOINT_FILES)
+        except (FileNotFoundError, NotADirectoryError):
+            if attempts_left and follow and resolve(requested) is not None:
+                continue  # a kept previous checkpoint, deleted once the new one was complete
+            raise CheckpointError(f"{root}: no checkpoint directory there") from None
+        if snapshot.missing and attempts_left and snapshot.replaced():
+            snapshot.close()
+            continue
+        return snapshot
+
+
+def _verified_meta(snapshot: publication.Snapshot) -> dict[str, Any]:
+    publication.check_seal(snapshot, DATA_FILES)
+    return _parse_meta(snapshot.root / META_FILE, snapshot.read(META_FILE))
 
 
 def _parse_meta(file: Path, data: bytes) -> dict[str, Any]:
@@ -495,15 +526,16 @@ def load(
 
 
 def _read(requested: Path) -> _Saved:
-    root = resolve(requested) or requested
-    meta = verify(root)
-    return _Saved(
-        root=root,
-        meta=meta,
-        model=codec.read_tensors(root, MODEL_FILE),
-        optimizer=codec.read_tensors(root, OPTIMIZER_FILE),
-        aux=codec.read_tensors(root, AUX_FILE),
-    )
+    """The checkpoint ``requested`` stands for, read through one :class:`~.publication.Snapshot`: what the
+    seal vouches for is what is parsed, whatever a concurrent save renames or deletes meanwhile."""
+    with _open(requested, follow=True) as snapshot:
+        return _Saved(
+            root=snapshot.root,
+            meta=_verified_meta(snapshot),
+            model=codec.read_tensors(snapshot, MODEL_FILE),
+            optimizer=codec.read_tensors(snapshot, OPTIMIZER_FILE),
+            aux=codec.read_tensors(snapshot, AUX_FILE),
+        )
 
 
 # --- verify: the checkpoint agrees with itself
