@@ -479,3 +479,10 @@ def test_cuda_rng_states_are_saved_and_restored_where_cuda_exists(tmp_path):
     report = checkpoint.load(path, *build(seed=1))
     assert report.rng_restored and not report.rng_skipped
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+    # One device more in the checkpoint than here: the devices both sides have are restored, the rest said.
+    states = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
+    with_cuda_rng(path, [*states, cuda_state(7, 0)])
+    with pytest.warns(RuntimeWarning, match="CUDA device"):
+        report = checkpoint.load(path, *build(seed=1))
+    assert "were not used" in report.rng_skipped["cuda"]
+    assert torch.equal(torch.cuda.get_rng_state(0), states[0])

@@ -58,7 +58,10 @@ class LoadReport:
     scheduler_restored: bool = False
     """Whether the scheduler's state was replaced."""
     rng_restored: bool = False
-    """Whether the RNG states were restored."""
+    """Whether the RNG states were restored (those of the generators this process has: see ``rng_skipped``)."""
+    rng_skipped: dict[str, str] = field(default_factory=dict)
+    """RNG states the checkpoint holds that were not (all) restored here, by generator, with the reason:
+    ``"cuda"`` where this process has no CUDA device, or another number of them than the saving process."""
 
     @property
     def ok(self) -> bool:

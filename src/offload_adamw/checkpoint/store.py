@@ -567,15 +567,19 @@ def _verify(saved: _Saved, *, rng: bool) -> tuple[Any, Any]:
 
 
 def _check_rng(states: Any, file: Path) -> None:
-    """Every saved RNG state is restorable: tried on scratch generators, so that the commit cannot fail."""
+    """Every saved RNG state is restorable: tried on scratch generators, so that the commit cannot fail.
+
+    A CUDA state cannot be tried without CUDA (a CPU generator has another layout): its layout is
+    checked instead, as torch's CUDA generator checks it.
+    """
     if not isinstance(states, dict) or "torch" not in states or "python" not in states:
         raise CheckpointCorrupt(f"{file}: rng must hold the 'torch' and 'python' states (malformed metadata)")
+    if "cuda" in states:
+        _check_cuda_states(states["cuda"], file)
     trials: dict[str, Any] = {
         "torch": lambda: torch.Generator().set_state(states["torch"]),
         "python": lambda: random.Random().setstate(states["python"]),
     }
-    if "cuda" in states:
-        trials["cuda"] = lambda: [torch.Generator().set_state(t) for t in states["cuda"]]  # same layout on the CPU: a byte tensor
     numpy = sys.modules.get("numpy")
     if "numpy" in states and numpy is not None:
         trials["numpy"] = lambda: numpy.random.RandomState().set_state(states["numpy"])
@@ -586,6 +590,26 @@ def _check_rng(states: Any, file: Path) -> None:
             raise CheckpointCorrupt(
                 f"{file}: rng/{key} cannot be restored ({type(exc).__name__}: {exc}) (malformed metadata)"
             ) from exc
+
+
+#: the sizes torch's CUDA generator accepts as a state: its seed and Philox offset, or the seed alone
+_CUDA_STATE_BYTES = (16, 8)
+
+
+def _check_cuda_states(states: Any, file: Path) -> None:
+    """One state per device, each as torch.cuda.get_rng_state() returns it: 16 bytes in a 1-dimensional uint8 tensor."""
+    if not isinstance(states, list):
+        raise malformed(f"{file}: rng/cuda", f"must be a list of per-device states, got {type(states).__name__}")
+    for device, state in enumerate(states):
+        where = f"{file}: rng/cuda/{device}"
+        if not isinstance(state, Tensor):
+            raise malformed(where, f"must be a tensor, got {type(state).__name__}")
+        if state.dtype != torch.uint8:
+            raise malformed(where, f"must be a uint8 tensor, got {str(state.dtype).removeprefix('torch.')}")
+        if state.dim() != 1:
+            raise malformed(where, f"must be 1-dimensional, got {state.dim()}-dimensional")
+        if state.numel() not in _CUDA_STATE_BYTES:
+            raise malformed(where, f"must be 16 bytes (the seed and the Philox offset), got {state.numel()} bytes")
 
 
 # --- validate: the checkpoint fits this model, optimizer and scheduler, by name
@@ -835,9 +859,38 @@ def _roll_back(scheduler: Any, scheduler_before: dict[str, Any] | None) -> None:
 def _restore_rng(states: dict[str, Any], report: LoadReport) -> None:
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if "cuda" in states:
+        _restore_cuda_rng(states["cuda"], report)
     numpy = sys.modules.get("numpy")
     if "numpy" in states and numpy is not None:
         numpy.random.set_state(states["numpy"])
     report.rng_restored = True
+
+
+def _restore_cuda_rng(states: list[Tensor], report: LoadReport) -> None:
+    """Each CUDA device's state onto the device of the same index, where it exists; the rest reported.
+
+    Without CUDA no CUDA generator exists to draw from, so nothing is lost and the report says so.
+    With another number of devices the saved run cannot be continued exactly: the devices both
+    sides have are restored, and a RuntimeWarning says what was not.
+    """
+    saved = len(states)
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for device in range(min(saved, here)):
+        torch.cuda.set_rng_state(states[device], device)
+    if saved == here or saved == 0:
+        return
+    if here == 0:
+        report.rng_skipped["cuda"] = (
+            f"the checkpoint holds the RNG states of {saved} CUDA device(s); this process has no CUDA device, "
+            "so they were not restored"
+        )
+        return
+    restored = min(saved, here)
+    rest = f"devices {restored} to {here - 1} kept their own" if here > saved else (
+        f"the states of devices {restored} to {saved - 1} were not used")
+    report.rng_skipped["cuda"] = (
+        f"the checkpoint holds the RNG states of {saved} CUDA device(s), this process has {here}: "
+        f"devices 0 to {restored - 1} were restored, {rest}"
+    )
+    warnings.warn(f"checkpoint.load: {report.rng_skipped['cuda']}", RuntimeWarning, stacklevel=4)
