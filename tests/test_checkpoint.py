@@ -486,3 +486,40 @@ def test_cuda_rng_states_are_saved_and_restored_where_cuda_exists(tmp_path):
         report = checkpoint.load(path, *build(seed=1))
     assert "were not used" in report.rng_skipped["cuda"]
     assert torch.equal(torch.cuda.get_rng_state(0), states[0])
+
+
+# ------------------------------------------------- a save in the middle of a step
+
+
+def _uib_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, offload_gradients=True, update_in_backward=True, bucket_bytes=64)
+    return model, opt
+
+
+def _uib_loss(model, i: int) -> torch.Tensor:
+    return model(torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + i))).square().mean()
+
+
+def test_a_save_between_a_backward_that_updated_and_step_is_refused_before_anything_is_written(tmp_path):
+    """update_in_backward=True: a save there would hold this batch's early updates, and a resume apply it twice."""
+    model, opt = _uib_model()
+    for i in range(2):  # from the second backward on, updates run during backward
+        _uib_loss(model, i).backward()
+        opt.step()
+        opt.zero_grad()
+    good = checkpoint.save(tmp_path / "c", model, opt)  # between step() and the next backward: allowed
+    kept = {name: (good / name).read_bytes() for name in checkpoint.DATA_FILES}
+    _uib_loss(model, 2).backward()
+    with pytest.raises(RuntimeError) as refused_by_optimizer:
+        opt.state_dict()
+    for target, overwrite in ((tmp_path / "new", False), (good, True)):
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.save(target, model, opt, overwrite=overwrite)
+        assert str(refused_by_optimizer.value) in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # nothing written, no temporaries
+    assert {name: (good / name).read_bytes() for name in checkpoint.DATA_FILES} == kept
+    opt.step()  # the step itself completes normally
+    opt.zero_grad()
+    checkpoint.save(tmp_path / "c", model, opt, overwrite=True)
