@@ -304,10 +304,15 @@ def save(
     the largest per-parameter update count of the optimizer. An existing
     ``path`` is replaced only with ``overwrite=True``. ``rng`` saves the torch,
     CUDA, Python and numpy RNG states. Raises :class:`CheckpointError` if
-    something cannot be stored or written; then nothing was published.
+    something cannot be stored or written; then nothing was published. A save
+    where the optimizer refuses its own ``state_dict()`` (OffloadAdamW with
+    ``update_in_backward=True`` between a backward that already updated
+    parameters and ``step()``) is refused with its message before anything is
+    written.
     """
     final = Path(path).absolute()
     _check_target(final, overwrite)
+    _check_optimizer_can_save(final, optimizer)
     contents = _gather(model, optimizer, scheduler, extra, step=step, rng=rng)
     final.parent.mkdir(parents=True, exist_ok=True)
     publication.remove_stale(final.parent)
@@ -325,6 +330,20 @@ def _check_target(final: Path, overwrite: bool) -> None:
         # overwrite=True replaces (and then deletes) only what a save could have written there.
         if not final.is_dir() or not {entry.name for entry in final.iterdir()} <= CHECKPOINT_FILES:
             raise CheckpointError(f"{final} is not a checkpoint directory; refusing to replace it")
+
+
+def _check_optimizer_can_save(final: Path, optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse where the optimizer refuses its own state_dict() (for OffloadAdamW with update_in_backward=True:
+    between a backward that already updated parameters and step(), where the state holds half a step)."""
+    if optimizer is None:
+        return
+    try:
+        optimizer.state_dict()
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot save checkpoint {final}: the optimizer refuses to give its state now "
+            f"({type(exc).__name__}: {exc}); nothing was written"
+        ) from exc
 
 
 def _gather(
