@@ -44,6 +44,9 @@ Contract:
   loads what matches, leaves the rest as it is, and returns the
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
   ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
+* A model or optimizer holding DTensors (FSDP2, tensor parallelism: each rank has a shard) is
+  refused by ``save`` and ``load`` before anything is written or changed, naming the first one and
+  torch.distributed.checkpoint (DCP), which saves and loads shards.
 
 ``load`` runs in named stages: read (:func:`_read`: the files of one directory, opened once, behind
 a verified seal, so that a load racing a save that replaces the checkpoint reads the old one or the
@@ -93,6 +96,7 @@ from offload_adamw.checkpoint.layout import (
 )
 from offload_adamw.checkpoint.publication import ENV_EXCHANGE, TEMPORARY, TMP_TAG
 from offload_adamw.contract.rules import MASTER_KEY
+from offload_adamw.distributed.dtensor import is_dtensor
 
 __all__ = [
     "AUX_FILE",
@@ -311,6 +315,7 @@ def save(
     written.
     """
     final = Path(path).absolute()
+    _refuse_sharded(f"cannot save checkpoint {final}", model, optimizer, "nothing was written")
     _check_target(final, overwrite)
     _check_optimizer_can_save(final, optimizer)
     contents = _gather(model, optimizer, scheduler, extra, step=step, rng=rng)
@@ -321,6 +326,26 @@ def save(
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
     return final
+
+
+def _refuse_sharded(what: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, outcome: str) -> None:
+    """CheckpointError naming the first DTensor of the model's state or the optimizer's parameters, and DCP.
+
+    A checkpoint here holds whole tensors of one process; a DTensor is one rank's shard of a tensor
+    (FSDP2, tensor parallelism), which torch.distributed.checkpoint saves and loads, resharding too.
+    """
+    culprit = next((f"model state {name!r}" for name, value in model.state_dict(keep_vars=True).items()
+                    if is_dtensor(value)), None)
+    if culprit is None and optimizer is not None:
+        culprit = next((f"parameter {index} of optimizer group {gi}" for gi, group in enumerate(optimizer.param_groups)
+                        for index, p in enumerate(group["params"]) if is_dtensor(p)), None)
+    if culprit is not None:
+        raise CheckpointError(
+            f"{what}: {culprit} is a DTensor (a shard of an FSDP2 or tensor-parallel model), and "
+            "offload_adamw.checkpoint holds whole tensors of one process. Save and load a sharded model with "
+            "torch.distributed.checkpoint (DCP): dcp.save / dcp.load of get_model_state_dict(model) and "
+            f"get_optimizer_state_dict(model, optimizer), which OffloadAdamW supports; {outcome}"
+        )
 
 
 def _check_target(final: Path, overwrite: bool) -> None:
@@ -528,6 +553,7 @@ def load(
     interrupted, the previous checkpoint it kept is loaded (:func:`resolve`);
     ``report.path`` says which directory was read.
     """
+    _refuse_sharded(f"cannot load checkpoint {path}", model, optimizer, "nothing was changed")
     saved = _read(Path(path))
     extra, rng_state = _verify(saved, rng=rng)
     report = LoadReport(path=str(saved.root), step=saved.meta["step"], extra=extra)
