@@ -523,3 +523,26 @@ def test_a_save_between_a_backward_that_updated_and_step_is_refused_before_anyth
     opt.step()  # the step itself completes normally
     opt.zero_grad()
     checkpoint.save(tmp_path / "c", model, opt, overwrite=True)
+
+
+def test_a_load_between_a_backward_that_updated_and_step_is_refused_and_changes_nothing(tmp_path):
+    """The step then ends exactly where a twin run without the load attempt ends (updates of this backward
+    may still be running when it returns, so the parameters are compared after step())."""
+    runs = []
+    for attempt_load in (False, True):
+        model, opt = _uib_model()
+        for i in range(2):
+            _uib_loss(model, i).backward()
+            opt.step()
+            opt.zero_grad()
+        path = checkpoint.save(tmp_path / f"c-{attempt_load}", model, opt)
+        _uib_loss(model, 2).backward()
+        if attempt_load:
+            rng_before = torch.get_rng_state()
+            with pytest.raises(CheckpointMismatch, match="update_in_backward=True"):
+                checkpoint.load(path, model, opt)
+            assert torch.equal(torch.get_rng_state(), rng_before)
+        opt.step()
+        runs.append(model)
+    for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters()):
+        assert same_bits(p.detach(), q.detach()), name
