@@ -546,3 +546,17 @@ def test_a_load_between_a_backward_that_updated_and_step_is_refused_and_changes_
         runs.append(model)
     for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters()):
         assert same_bits(p.detach(), q.detach()), name
+
+
+# ------------------------------------------------- the room's layout
+
+
+@pytest.mark.parametrize("module", ["layout", "errors", "publication"])
+def test_the_publication_side_needs_no_torch(module):
+    """layout, errors and publication import no torch, and at import time only each other within the package."""
+    from test_architecture import SRC, direct_torch_imports, import_time_graph
+
+    torch_free = {f"offload_adamw.checkpoint.{m}" for m in ("layout", "errors", "publication")}
+    name = f"offload_adamw.checkpoint.{module}"
+    assert direct_torch_imports(SRC / "offload_adamw" / "checkpoint" / f"{module}.py") == []
+    assert import_time_graph(SRC)[name] <= torch_free
