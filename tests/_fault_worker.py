@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from offload_adamw import OffloadAdamW, checkpoint
-from offload_adamw.checkpoint import store as checkpoint_store
+from offload_adamw.checkpoint import codec as checkpoint_codec
+from offload_adamw.checkpoint import publication as checkpoint_publication
 from offload_adamw.optim import update as update_path
 
 STEPS = 6
@@ -123,10 +124,10 @@ def _instrument() -> None:
 
         setattr(owner, name, wrapped)
 
-    for name in ("_write_tensors", "_write_bytes"):
-        wrap(checkpoint_store, name, "save:", torn_arg=True)
-    for name in ("_fsync_path", "_publish", "_exchange"):
-        wrap(checkpoint_store, name, "save:")
+    wrap(checkpoint_codec, "write_tensors", "save:", torn_arg=True)
+    wrap(checkpoint_publication, "write_bytes", "save:", torn_arg=True)
+    for name in ("fsync_path", "publish", "exchange"):
+        wrap(checkpoint_publication, name, "save:")
     wrap(os, "rename", "save:")
     wrap(shutil, "rmtree", "save:")
     wrap(update_path, "adamw_update_", "step:")
@@ -145,7 +146,7 @@ def run(root: Path, mode: str) -> None:
     """Train to STEPS from the last complete checkpoint under ``root``, saving every SAVE_EVERY steps."""
     global _KILL_AT
     if mode == "fallback":
-        os.environ[checkpoint_store.ENV_EXCHANGE] = "0"
+        os.environ[checkpoint_publication.ENV_EXCHANGE] = "0"
     model, optimizer, scheduler = build()
     start = 0
     source = _resume_source(root, mode)
@@ -253,7 +254,7 @@ def kills(root: Path, mode: str, n_kills: int, n_double: int, n_timer: int, seed
     plans = [[k] for k in points]
     if mode == "fallback":  # every point of every publish without the exchange: around each rename and removal
         plans += [
-            [i + 1] for i, label in enumerate(labels) if label.startswith(("save: rename", "save: rmtree", "save: _publish"))
+            [i + 1] for i, label in enumerate(labels) if label.startswith(("save: rename", "save: rmtree", "save: publish"))
         ]
     plans += [[rng.choice(step_events + save_events), rng.randint(3, 40)] for _ in range(n_double)]
     runs = []

@@ -389,3 +389,174 @@ def test_scheduler_mismatch_is_reported(tmp_path):
     checkpoint.save(tmp_path / "no-sched", model, optimizer)
     with pytest.raises(CheckpointMismatch, match="no scheduler state"):
         checkpoint.load(tmp_path / "no-sched", model, optimizer, scheduler)
+
+
+# ------------------------------------------------- RNG states of a CUDA process
+
+
+def cuda_state(seed: int, offset: int) -> torch.Tensor:
+    """A CUDA generator's state as torch.cuda.get_rng_state() returns it: 16 bytes, the seed then the Philox offset."""
+    return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+
+
+def with_cuda_rng(path, states) -> None:
+    """Rewrite a checkpoint as a process with CUDA initialised saves it: ``states`` as rng/cuda, the seal renewed."""
+    from safetensors.torch import save_file
+
+    from offload_adamw.checkpoint import publication
+    from offload_adamw.checkpoint.layout import dumps
+
+    aux = load_file(str(path / checkpoint.AUX_FILE))
+    meta = json.loads((path / checkpoint.META_FILE).read_text())
+    refs = []
+    for i, state in enumerate(states):
+        aux[f"rng/cuda/{i}"] = state
+        refs.append({"__tensor__": f"rng/cuda/{i}"})
+    meta["rng"]["cuda"] = refs
+    save_file(aux, str(path / checkpoint.AUX_FILE), metadata={"format": checkpoint.FORMAT})
+    (path / checkpoint.META_FILE).write_bytes(dumps(meta))
+    publication.seal(path, checkpoint.DATA_FILES)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the checkpoint's CUDA states would be restored here")
+def test_a_checkpoint_with_cuda_rng_states_loads_without_cuda_and_says_they_were_not_restored(tmp_path):
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 2)
+    path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    with_cuda_rng(path, [cuda_state(7, 0), cuda_state(7, 4096)])
+    expected = (torch.rand(3), random.random())
+    torch.rand(5), random.random()  # move the generators on
+    model2, optimizer2, scheduler2 = build(seed=1)
+    report = checkpoint.load(path, model2, optimizer2, scheduler2)
+    assert report.ok and report.rng_restored  # the generators this process has
+    assert (torch.rand(3).tolist(), random.random()) == (expected[0].tolist(), expected[1])
+    assert set(report.rng_skipped) == {"cuda"}
+    assert "2 CUDA device(s)" in report.rng_skipped["cuda"] and "no CUDA" in report.rng_skipped["cuda"]
+    for name, value in model2.state_dict().items():
+        assert same_bits(value, model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize(
+    ("states", "why"),
+    [
+        ([cuda_state(7, 0)[:15]], "15 bytes"),
+        ([torch.zeros(16)], "float32"),
+        ([cuda_state(7, 0).view(2, 8)], "2-dimensional"),
+        ("not-a-list", "a list"),
+    ],
+    ids=["short", "float", "2d", "not-a-list"],
+)
+def test_a_malformed_cuda_rng_state_is_refused_naming_it(tmp_path, states, why):
+    model, optimizer, scheduler = build()
+    path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    if isinstance(states, str):
+        with_cuda_rng(path, [])
+        meta = json.loads((path / checkpoint.META_FILE).read_text())
+        meta["rng"]["cuda"] = states
+        from offload_adamw.checkpoint import publication
+        from offload_adamw.checkpoint.layout import dumps
+
+        (path / checkpoint.META_FILE).write_bytes(dumps(meta))
+        publication.seal(path, checkpoint.DATA_FILES)
+    else:
+        with_cuda_rng(path, states)
+    model2, optimizer2, scheduler2 = build(seed=1)
+    before = snapshot(model2, optimizer2, scheduler2)
+    with pytest.raises(checkpoint.CheckpointCorrupt, match="rng/cuda") as info:
+        checkpoint.load(path, model2, optimizer2, scheduler2)
+    assert why in str(info.value)
+    assert_same(snapshot(model2, optimizer2, scheduler2), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rng_states_are_saved_and_restored_where_cuda_exists(tmp_path):
+    torch.cuda.init()
+    model, optimizer, scheduler = build()
+    path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    expected = torch.rand(4, device="cuda")
+    torch.rand(100, device="cuda")  # move the generator on
+    report = checkpoint.load(path, *build(seed=1))
+    assert report.rng_restored and not report.rng_skipped
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
+    # One device more in the checkpoint than here: the devices both sides have are restored, the rest said.
+    states = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
+    with_cuda_rng(path, [*states, cuda_state(7, 0)])
+    with pytest.warns(RuntimeWarning, match="CUDA device"):
+        report = checkpoint.load(path, *build(seed=1))
+    assert "were not used" in report.rng_skipped["cuda"]
+    assert torch.equal(torch.cuda.get_rng_state(0), states[0])
+
+
+# ------------------------------------------------- a save in the middle of a step
+
+
+def _uib_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, offload_gradients=True, update_in_backward=True, bucket_bytes=64)
+    return model, opt
+
+
+def _uib_loss(model, i: int) -> torch.Tensor:
+    return model(torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + i))).square().mean()
+
+
+def test_a_save_between_a_backward_that_updated_and_step_is_refused_before_anything_is_written(tmp_path):
+    """update_in_backward=True: a save there would hold this batch's early updates, and a resume apply it twice."""
+    model, opt = _uib_model()
+    for i in range(2):  # from the second backward on, updates run during backward
+        _uib_loss(model, i).backward()
+        opt.step()
+        opt.zero_grad()
+    good = checkpoint.save(tmp_path / "c", model, opt)  # between step() and the next backward: allowed
+    kept = {name: (good / name).read_bytes() for name in checkpoint.DATA_FILES}
+    _uib_loss(model, 2).backward()
+    with pytest.raises(RuntimeError) as refused_by_optimizer:
+        opt.state_dict()
+    for target, overwrite in ((tmp_path / "new", False), (good, True)):
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.save(target, model, opt, overwrite=overwrite)
+        assert str(refused_by_optimizer.value) in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # nothing written, no temporaries
+    assert {name: (good / name).read_bytes() for name in checkpoint.DATA_FILES} == kept
+    opt.step()  # the step itself completes normally
+    opt.zero_grad()
+    checkpoint.save(tmp_path / "c", model, opt, overwrite=True)
+
+
+def test_a_load_between_a_backward_that_updated_and_step_is_refused_and_changes_nothing(tmp_path):
+    """The step then ends exactly where a twin run without the load attempt ends (updates of this backward
+    may still be running when it returns, so the parameters are compared after step())."""
+    runs = []
+    for attempt_load in (False, True):
+        model, opt = _uib_model()
+        for i in range(2):
+            _uib_loss(model, i).backward()
+            opt.step()
+            opt.zero_grad()
+        path = checkpoint.save(tmp_path / f"c-{attempt_load}", model, opt)
+        _uib_loss(model, 2).backward()
+        if attempt_load:
+            rng_before = torch.get_rng_state()
+            with pytest.raises(CheckpointMismatch, match="update_in_backward=True"):
+                checkpoint.load(path, model, opt)
+            assert torch.equal(torch.get_rng_state(), rng_before)
+        opt.step()
+        runs.append(model)
+    for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters()):
+        assert same_bits(p.detach(), q.detach()), name
+
+
+# ------------------------------------------------- the room's layout
+
+
+@pytest.mark.parametrize("module", ["layout", "errors", "publication"])
+def test_the_publication_side_needs_no_torch(module):
+    """layout, errors and publication import no torch, and at import time only each other within the package."""
+    from test_architecture import SRC, direct_torch_imports, import_time_graph
+
+    torch_free = {f"offload_adamw.checkpoint.{m}" for m in ("layout", "errors", "publication")}
+    name = f"offload_adamw.checkpoint.{module}"
+    assert direct_torch_imports(SRC / "offload_adamw" / "checkpoint" / f"{module}.py") == []
+    assert import_time_graph(SRC)[name] <= torch_free

@@ -110,11 +110,11 @@ def check_runs(report: dict, mode: str, n_kills: int, n_double: int) -> dict:
         for r in planned
         if r["ends"][0] == {"kill_at": r["plan"][0], "timer_s": None, "ended": "signal", "signal": signal.SIGKILL}
     ]
-    every_publish_point = sum(r["first_label"].startswith(("save: rename", "save: rmtree", "save: _publish")) for r in planned)
+    every_publish_point = sum(r["first_label"].startswith(("save: rename", "save: rmtree", "save: publish")) for r in planned)
     assert len(killed_first) == len(planned), [r["ends"][0] for r in planned]
     assert len(planned) >= n_kills + n_double
     if mode == "fallback":
-        assert every_publish_point >= 2 * 8  # two replacing saves, each: _publish, two renames, a removal, before and after
+        assert every_publish_point >= 2 * 8  # two replacing saves, each: publish, two renames, a removal, before and after
     labels = [r["first_label"] for r in planned]
     assert sum(label.startswith("save:") for label in labels) >= n_kills // 2
     assert sum(label.startswith("step:") for label in labels) >= n_kills // 2
