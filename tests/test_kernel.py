@@ -322,3 +322,86 @@ def test_chunk_loop_is_compiled_here_and_falls_back_where_torchscript_is_off():
     blocked_adamw_(m, g, [torch.zeros(1000)], [torch.zeros(1000)], [], [torch.zeros(())], out, hp,
                    config=BlockConfig(chunk_elements=128, threads=2, numba_loop=False))
     assert torch.equal(torch.tensor(child["out"]), out[0].float())
+
+
+# Elements pair by index whatever the strides (kernels/layout.py). Each role's tensor is given its
+# own layout; the result must be torch's on a parameter laid out as torch.zeros_like lays out the
+# master (its layout decides which elements torch's scalar tail computes), fed gradients of that
+# layout. 3*5*7*11 = 1155 elements: the numba loop's 64-element multiple, a ragged tail and, for
+# the chunk variants, several chunks.
+STRIDED_SHAPE = (3, 5, 7, 11)
+STRIDE_LAYOUTS = {
+    "contiguous": lambda t: t.contiguous(),
+    "channels-last": lambda t: t.contiguous(memory_format=torch.channels_last),
+    "transposed": lambda t: t.transpose(1, 3).contiguous().transpose(1, 3),
+    "strided": lambda t: torch.empty((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype)[..., ::2].copy_(t),
+}
+# role -> layout, for master, gradient, moments (m, v, max v) and model copy
+STRIDE_CASES = {
+    "all-channels-last": dict(master="channels-last", grad="channels-last", state="channels-last", model="channels-last"),
+    "contiguous-grad": dict(master="channels-last", grad="contiguous", state="channels-last", model="channels-last"),
+    "contiguous-state": dict(master="channels-last", grad="channels-last", state="contiguous", model="channels-last"),
+    "contiguous-master": dict(master="contiguous", grad="channels-last", state="transposed", model="channels-last"),
+    "model-copy-transposed": dict(master="channels-last", grad="channels-last", state="channels-last", model="transposed"),
+    "strided-master": dict(master="strided", grad="transposed", state="strided", model="contiguous"),
+    "all-different": dict(master="transposed", grad="strided", state="channels-last", model="contiguous"),
+}
+
+
+def _run_strided(case, model_dtype, impl, config, amsgrad):
+    gen = torch.Generator().manual_seed(7)
+    master_dtype = torch.float64 if model_dtype == torch.float64 else torch.float32
+    mixed = model_dtype != master_dtype
+    lay = {role: STRIDE_LAYOUTS[name] for role, name in STRIDE_CASES[case].items()}
+    start = torch.randn(STRIDED_SHAPE, generator=gen, dtype=torch.float64).to(model_dtype).to(master_dtype)
+    grads = [torch.randn(STRIDED_SHAPE, generator=gen, dtype=torch.float64).to(model_dtype) for _ in range(STEPS)]
+    hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=amsgrad)
+    master = lay["master"](start.clone())
+    m, v, mv = (lay["state"](torch.zeros(STRIDED_SHAPE, dtype=master_dtype)) for _ in range(3))
+    out = lay["model"](torch.zeros(STRIDED_SHAPE, dtype=model_dtype)) if mixed else None
+    step = torch.zeros(())
+    for g in grads:
+        args = ([master], [lay["grad"](g.clone())], [m], [v], [mv] if amsgrad else [], [step])
+        if config is None:
+            adamw_update_(*args, hp, model_params=None if out is None else [out], impl=impl)
+        else:
+            blocked_adamw_(*args, None if out is None else [out], hp, config=config)
+    ours = dict(master=[master], exp_avg=[m], exp_avg_sq=[v], max_exp_avg_sq=[mv] if amsgrad else [], step=[step],
+                model=None if out is None else [out])
+
+    p = torch.nn.Parameter(torch.empty_like(lay["master"](start.clone())).copy_(start))
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, amsgrad=amsgrad,
+                            **(dict(fused=True) if impl == "blocked" else dict(foreach=False, fused=False)))
+    for g in grads:
+        p.grad = torch.empty_like(p).copy_(g)
+        opt.step()
+    s = opt.state[p]
+    ref = dict(master=[p.detach()], exp_avg=[s["exp_avg"]], exp_avg_sq=[s["exp_avg_sq"]],
+               max_exp_avg_sq=[s["max_exp_avg_sq"]] if amsgrad else [], step=[s["step"]],
+               model=[p.detach().to(model_dtype)] if mixed else None)
+    return ours, ref
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
+@pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["default", "numba-threads2", "chunk64", "python-loop-threads2-chunk128", "for_loop"])
+@pytest.mark.parametrize("case", STRIDE_CASES)
+def test_elements_pair_by_index_whatever_the_strides(case, variant, dtype, amsgrad):
+    impl = "for_loop" if variant == "for_loop" else "blocked"
+    ours, ref = _run_strided(case, MODEL_DTYPES[dtype], impl, VARIANTS.get(variant), amsgrad)
+    _assert_bitwise(ours, ref)
+
+
+def test_operands_of_one_layout_are_used_without_a_copy():
+    """The kernel's operands, when they share a dense layout, are the given tensors (no temporaries)."""
+    from offload_adamw.kernels.layout import align
+
+    t = torch.zeros(STRIDED_SHAPE).contiguous(memory_format=torch.channels_last)
+    same = [t, torch.zeros_like(t, dtype=torch.bfloat16), torch.zeros_like(t), None]
+    aligned = align(same, read=(True,) * 4, written=(True,) * 4)
+    assert all(a is b for a, b in zip(aligned.tensors, same)) and not aligned.write_backs
+    other = [t, torch.zeros(STRIDED_SHAPE, dtype=torch.bfloat16), torch.zeros_like(t)]
+    aligned = align(other, read=(True, True, True), written=(True, False, True))
+    assert aligned.tensors[0] is t and aligned.tensors[2] is other[2] and aligned.tensors[1] is not other[1]
+    assert aligned.tensors[1].stride() == t.stride() and torch.equal(aligned.tensors[1], other[1])
+    assert not aligned.write_backs  # the gradient is only read

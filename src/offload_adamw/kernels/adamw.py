@@ -7,7 +7,8 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
   or float64), ``exp_avgs[i]``, ``exp_avg_sqs[i]`` (and ``max_exp_avg_sqs[i]``
   with amsgrad), from ``grads[i]`` of any floating dtype (upcast to the master's
   dtype with exact widening). Where ``model_params[i]`` is not None it receives
-  the round-to-nearest copy of the updated master in its own dtype.
+  the round-to-nearest copy of the updated master in its own dtype. Elements pair by
+  index, whatever the strides of any of these tensors (kernels/layout.py).
 * The functions are pure in the optimizer sense: they own no state, know
   nothing of parameter groups, devices or transfers. The optimizer class calls
   them; a faster body can replace ``_blocked_impl`` without touching it.

@@ -7,10 +7,13 @@ Contract:
   on the float32 (float64) masters fed the exactly widened gradients, then the
   round-to-nearest cast into the model dtype. Results are bitwise equal to that
   definition; only the order in which memory is visited changes.
+* Elements pair by index whatever the strides: each tensor's master, gradient,
+  moments and model copy are first brought to one dense layout (kernels/layout.py:
+  no copy where they share it, as the state shares its parameter's).
 * Tensors without a cast (float32 or float64 gradient and master, no model
   copy) go to torch's fused op unchanged, one call per dtype.
-* A contiguous mixed tensor (bf16/fp16 gradient or model copy, float32 master)
-  is updated up to its last multiple of 64 elements by the numba loop
+* A mixed tensor (bf16/fp16 gradient or model copy, float32 master), as its
+  memory-order flat view, is updated up to its last multiple of 64 elements by the numba loop
   (numba_loop.py, the default: casts and update in one loop, self-tested bit for
   bit before first use). The rest of it, and every mixed tensor that loop
   declines (numba missing, a failed self-test, float64 masters), goes through
@@ -88,15 +91,15 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from offload_adamw.kernels import numba_loop
+from offload_adamw.kernels import layout, numba_loop
 
 __all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 
@@ -169,7 +172,7 @@ def _is_blockable(i, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mod
     out = model_params[i] if model_params is not None else None
     if out is not None:
         tensors.append(out)
-    return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    return all(t.device.type == "cpu" for t in tensors)
 
 
 def _chunk_ranges(numel: int, chunk: int):
@@ -359,15 +362,47 @@ def blocked_adamw_(
     max_exp_avg_sqs: Sequence[Tensor],
     steps: Sequence[Tensor],
     model_params: Sequence[Tensor | None] | None,
-    hp,
+    hp: Any,
     *,
     config: BlockConfig = DEFAULT_CONFIG,
 ) -> None:
-    """One AdamW update of every tensor, bitwise equal to the parity definition (see module docstring)."""
+    """One AdamW update of every tensor, bitwise equal to the parity definition (see module docstring).
+
+    Elements pair by index whatever the strides (kernels/layout.py): each tensor's operands are
+    brought to its master's layout first, without a copy where they share it already.
+    """
+    aligned: list[layout.Aligned] = []
+    for i in range(len(masters)):
+        out = model_params[i] if model_params is not None else None
+        operands = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if hp.amsgrad else None, out]
+        aligned.append(layout.align(operands, read=(True, True, True, True, True, False),
+                                    written=(True, False, True, True, True, True)))
+    column = [[a.tensors[k] for a in aligned] for k in range(6)]
+    _aligned_adamw_(
+        cast("list[Tensor]", column[0]), cast("list[Tensor]", column[1]), cast("list[Tensor]", column[2]),
+        cast("list[Tensor]", column[3]), cast("list[Tensor]", column[4]) if hp.amsgrad else [], list(steps),
+        column[5] if model_params is not None else None, hp, config,
+    )
+    for a in aligned:
+        a.write_back()
+
+
+def _aligned_adamw_(
+    masters: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    model_params: list[Tensor | None] | None,
+    hp: Any,
+    config: BlockConfig,
+) -> None:
+    """:func:`blocked_adamw_` on operands that share one dense layout per tensor."""
     kwargs = _fused_kwargs(hp)
     chunk = max(CHUNK_ALIGN, config.chunk_elements // CHUNK_ALIGN * CHUNK_ALIGN)
     # Tensors that need no cast go to one fused call per dtype (exactly what torch's
-    # fused AdamW does); mixed contiguous tensors are blocked; the rest (non-contiguous)
+    # fused AdamW does); mixed host tensors are blocked; the rest (empty or off the host)
     # take the simple three-pass way.
     plain: dict[torch.dtype, list[int]] = {}
     blocked: list[int] = []
@@ -415,20 +450,30 @@ def blocked_adamw_(
     if not blocked:
         return
     threads = torch.get_num_threads() if config.threads < 0 else config.threads
+    # Memory-order flat views of each blocked tensor (indexed as the given lists; the others are
+    # not read): its operands share one dense layout, so element k of every flat view belongs to
+    # the same index.
+    is_blocked = set(blocked)
+
+    def flat_views(tensors: Sequence[Tensor | None]) -> list[Any]:
+        return [layout.flat(t) if i in is_blocked and t is not None else t for i, t in enumerate(tensors)]
+
+    flat: list[list[Any]] = [
+        flat_views(masters), flat_views(grads), flat_views(exp_avgs), flat_views(exp_avg_sqs),
+        flat_views(max_exp_avg_sqs) if hp.amsgrad else [], list(steps),
+        flat_views(model_params) if model_params is not None else [None] * len(masters),
+    ]
     # The numba loop updates each tensor up to a multiple of 64 elements and says where it
     # stopped; the chunk loop below does the rest (the same bits) and whatever it declines.
     start_at: dict[int, int] = {}
-    jobs: list = []
+    jobs: list[Callable[[], None]] = []
     if config.numba_loop:
-        start_at, jobs = numba_loop.plan(
-            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked, workers=threads,
-        )
-        blocked = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]
+        start_at, jobs = numba_loop.plan(flat[0], flat[1], flat[2], flat[3], flat[4], flat[5], flat[6], hp, blocked,
+                                         workers=threads)
         # The loop writes through raw addresses: tell autograd, as an in-place torch op would, so that
         # a graph that saved a parameter before the step refuses to run backward on the new values.
-        written = [t for i in start_at for t in (masters[i], exp_avgs[i], exp_avg_sqs[i],
-                                                   max_exp_avg_sqs[i] if hp.amsgrad else None,
-                                                   model_params[i] if model_params is not None else None)
+        written = [t for i in start_at for t in (flat[0][i], flat[2][i], flat[3][i],
+                                                   flat[4][i] if hp.amsgrad else None, flat[6][i])
                    if t is not None]
         if written:
             torch.autograd.graph.increment_version(written)
@@ -442,25 +487,15 @@ def blocked_adamw_(
         loop, lr = _loop_function(config.scripted), float(hp.lr)
     scalars = (lr, float(hp.beta1), float(hp.beta2), float(hp.weight_decay), float(hp.eps),
                bool(hp.amsgrad), bool(hp.maximize))
-    # Flat views of each blocked tensor (contiguous, so view(-1) never copies).
-    flat: list[list[Any]] = [
-        [masters[i].view(-1) for i in blocked],
-        [grads[i].view(-1) for i in blocked],
-        [exp_avgs[i].view(-1) for i in blocked],
-        [exp_avg_sqs[i].view(-1) for i in blocked],
-        [max_exp_avg_sqs[i].view(-1) for i in blocked] if hp.amsgrad else [],
-        [steps[i] for i in blocked],
-        [None if model_params is None or (out := model_params[i]) is None else out.view(-1) for i in blocked],
-    ]
     # Chunks of tensors with the same master dtype (one buffer dtype per loop call).
     by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
-    for j, i in enumerate(blocked):
+    for i in blocked:
         n = masters[i].numel()
         by_dtype.setdefault(masters[i].dtype, []).extend(
-            (j, a, min(a + chunk, n)) for a in range(start_at.get(i, 0), n, chunk)
+            (i, a, min(a + chunk, n)) for a in range(start_at.get(i, 0), n, chunk)
         )
 
-    def run(dtype, batch) -> None:
+    def run(dtype: torch.dtype, batch: list[tuple[int, int, int]]) -> None:
         buffer = _chunk_buffer(dtype, chunk)
         loop(*flat, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
 
@@ -482,7 +517,7 @@ def blocked_adamw_(
         return
     pending = iter(jobs)
 
-    def drain():
+    def drain() -> None:
         for job in pending:
             job()
 

@@ -615,7 +615,8 @@ def plan(
     Returns ({i: first element not updated by the batches}, batches). Running every batch
     (in any order, on any threads, each once) updates each listed tensor's first
     ``done[i]`` elements (a multiple of 64); tensors absent from ``done`` are left to the
-    caller. The inputs are the blocked kernel's: contiguous host tensors.
+    caller. The inputs are the blocked kernel's: flat, contiguous host tensors (memory-order
+    views whose element k pairs with element k of the others).
     """
     done: dict[int, int] = {}
     if torch.compiler.is_compiling():

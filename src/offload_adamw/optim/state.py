@@ -4,6 +4,13 @@ The state of one parameter tensor is a dict: ``step`` (a float32 0-dim tensor, a
 ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) in host memory, float32 (float64 for float64
 parameters), and ``master_param`` unless the parameter is its own master (contract/bills.py says
 which). The master is created from the parameter's value when the state is created.
+
+Every state tensor of a parameter is laid out like the parameter, as ``torch.zeros_like`` lays
+it out (the same strides for a dense parameter, e.g. a channels_last convolution weight; a dense
+layout in the parameter's order of dimensions otherwise): the state then reads like torch's
+AdamW state, and the kernels pair its elements with the parameter's without a copy. State that
+another layout reached (a state_dict of another layout, a parameter re-laid out after its state
+was created) is laid out anew by :func:`relayout_like`.
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ from torch import Tensor
 
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import MASTER_KEY
+from offload_adamw.kernels import layout
 
 __all__ = [
     "dtype_name",
-    "host_zeros",
+    "host_zeros_like",
     "host_copy",
+    "layout_of",
+    "relayout_like",
     "is_own_master",
     "new_state",
     "state_dtype",
@@ -43,24 +53,44 @@ def is_own_master(p: Tensor) -> bool:
     return bills.is_own_master(dtype_name(p.dtype), on_host=p.device.type == "cpu")
 
 
-def host_zeros(shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> Tensor:
-    return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=pin)
+def layout_of(p: Tensor) -> tuple[int, ...]:
+    """The strides ``torch.zeros_like(p)`` gives, which the state of ``p`` has."""
+    return layout.zeros_like_strides(p)
 
 
-def host_copy(src: Tensor, dtype: torch.dtype, *, pin: bool) -> Tensor:
-    out = torch.empty(src.shape, dtype=dtype, device="cpu", pin_memory=pin)
+def _host_empty_like(p: Tensor, dtype: torch.dtype, *, pin: bool) -> Tensor:
+    return torch.empty_strided(p.shape, layout_of(p), dtype=dtype, device="cpu", pin_memory=pin)
+
+
+def host_zeros_like(p: Tensor, dtype: torch.dtype, *, pin: bool) -> Tensor:
+    """Zeros in host memory, laid out like ``p``."""
+    return _host_empty_like(p, dtype, pin=pin).zero_()
+
+
+def host_copy(src: Tensor, dtype: torch.dtype, *, pin: bool, like: Tensor | None = None) -> Tensor:
+    """A host copy of ``src`` in ``dtype``, laid out like ``like`` (default: like ``src``); elements pair by index."""
+    out = _host_empty_like(src if like is None else like, dtype, pin=pin)
     out.copy_(src.detach())
     return out
+
+
+def relayout_like(state: dict[str, Any], p: Tensor) -> None:
+    """Lay every shaped state tensor of ``p`` out like ``p`` where it is laid out otherwise (values and pinning kept)."""
+    like = torch.empty_strided(p.shape, layout_of(p), device="meta")
+    for key, value in list(state.items()):
+        if isinstance(value, Tensor) and value.shape == p.shape and value.dim() > 0:
+            if not layout.same_layout(value, like):
+                state[key] = host_copy(value, value.dtype, pin=value.is_pinned(), like=p)
 
 
 def new_state(p: Tensor, *, amsgrad: bool, pin: bool) -> dict[str, Tensor]:
     """The zero state of the local parameter ``p``, with its master copied from ``p`` where one is needed."""
     dtype = state_dtype(p)
     state: dict[str, Tensor] = {"step": torch.zeros((), dtype=torch.float32)}
-    state["exp_avg"] = host_zeros(p.shape, dtype, pin=pin)
-    state["exp_avg_sq"] = host_zeros(p.shape, dtype, pin=pin)
+    state["exp_avg"] = host_zeros_like(p, dtype, pin=pin)
+    state["exp_avg_sq"] = host_zeros_like(p, dtype, pin=pin)
     if amsgrad:
-        state["max_exp_avg_sq"] = host_zeros(p.shape, dtype, pin=pin)
+        state["max_exp_avg_sq"] = host_zeros_like(p, dtype, pin=pin)
     if not is_own_master(p):
         state[MASTER_KEY] = host_copy(p, dtype, pin=pin)
     return state

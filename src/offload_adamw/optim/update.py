@@ -12,6 +12,7 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
   rank takes the same decision.
 * :func:`update_group` runs one parameter group's share of a step on host tensors: it creates a
   tensor's state at its first update (and ``max_exp_avg_sq`` when amsgrad was switched on later),
+  laid out like the parameter (optim/state.py),
   divides the gradient by GradScaler's scale where one is given (in the master's dtype, as torch's
   fused AdamW does), and calls the kernel, which writes the round-to-nearest model copy where asked.
   Where the updated parameter goes afterwards (a device, a staging buffer) is the caller's business.
@@ -140,6 +141,10 @@ def update_group(
         state = u.state
         if not state:
             state.update(host_state.new_state(u.param, amsgrad=group["amsgrad"], pin=pin_memory))
+        else:
+            # Laid out like the parameter (re-laid out once where the parameter's layout changed), so
+            # that the kernel pairs its elements without a copy at every step.
+            host_state.relayout_like(state, u.param)
         master = host_state.stored_master(state, u.param)
         grad = u.grad
         if grad_scale is not None:
@@ -151,7 +156,7 @@ def update_group(
         exp_avg_sqs.append(state["exp_avg_sq"])
         if group["amsgrad"]:
             if "max_exp_avg_sq" not in state:  # amsgrad switched on after the state existed
-                state["max_exp_avg_sq"] = host_state.host_zeros(u.param.shape, master.dtype, pin=pin_memory)
+                state["max_exp_avg_sq"] = host_state.host_zeros_like(u.param, master.dtype, pin=pin_memory)
             max_exp_avg_sqs.append(state["max_exp_avg_sq"])
         steps.append(state["step"])
         model_copies.append(u.model_copy)

@@ -1,0 +1,185 @@
+"""Fault and misuse: what users do to parameters and optimizers between steps, held to torch.optim.AdamW.
+
+Each case is either exact (bitwise what torch's AdamW computes for the same calls, or the parity
+definition of docs/contract.md for low-precision models) or refused before anything changes, with a
+message that names the parameter and says what to do. Tables of configurations crossed with the
+properties they must keep:
+
+* non-contiguous parameters (channels_last convolutions, transposed views, strided slices) x
+  gradient layouts x dtypes x kernels: results independent of the layout, state laid out like the
+  parameter (as ``torch.zeros_like``), state_dicts interchangeable with torch's in both directions;
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from _parity import same_bits
+from offload_adamw import OffloadAdamW
+
+STEPS = 4
+
+# ----------------------------------------------------------------- non-contiguous parameters
+
+
+def conv_channels_last(dtype: torch.dtype) -> list[nn.Parameter]:
+    """PyTorch's performance advice for CNNs: ``model.to(memory_format=torch.channels_last)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 4, 3)).to(dtype).to(memory_format=torch.channels_last)
+    return list(model.parameters())
+
+
+def transposed_view(dtype: torch.dtype) -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(1)
+    return [nn.Parameter(torch.randn(40, 70, generator=gen).to(dtype).t()), nn.Parameter(torch.randn(9, generator=gen).to(dtype))]
+
+
+def strided_slice(dtype: torch.dtype) -> list[nn.Parameter]:
+    """Not dense at all: every other column of a larger tensor."""
+    gen = torch.Generator().manual_seed(2)
+    return [nn.Parameter(torch.randn(30, 80, generator=gen).to(dtype)[:, ::2])]
+
+
+LAYOUTS: dict[str, Callable[[torch.dtype], list[nn.Parameter]]] = {
+    "conv-channels-last": conv_channels_last,
+    "transposed-view": transposed_view,
+    "strided-slice": strided_slice,
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+# How the user's gradient is laid out: as autograd leaves it (like the parameter), or contiguous
+# (a gradient set by hand, ``p.grad = g.contiguous()``).
+GRAD_LAYOUTS = ("like-param", "contiguous")
+
+
+def dense_copies(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Copies laid out as ``torch.zeros_like`` lays the parameters out: the same layout for a dense one.
+
+    The reference is torch's fused AdamW on tensors of this layout with gradients of this layout, as
+    autograd hands them over: its fused op computes the last ``numel % 16`` elements in memory order
+    with a scalar tail whose last bits may differ, so the layout decides which elements those are.
+    """
+    return [nn.Parameter(torch.empty_like(p).copy_(p.detach())) for p in params]
+
+
+def scripted_grad(index: int, step: int, p: torch.Tensor, layout: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * index + step)
+    g = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1).to(p.dtype)
+    return torch.empty_like(p).copy_(g) if layout == "like-param" else g.contiguous()
+
+
+def train(opt: torch.optim.Optimizer, params: list[nn.Parameter], grad_layout: str, steps=range(STEPS)) -> None:
+    for step in steps:
+        for i, p in enumerate(params):
+            p.grad = scripted_grad(i, step, p, grad_layout)
+        opt.step()
+
+
+def assert_same_values(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal element by element (by index, whatever the layouts), in bits."""
+    assert same_bits(a, b), f"{what}: values differ"
+
+
+def assert_state_like_param(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    for p in params:
+        for key, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.stride() == torch.zeros_like(p).stride(), (key, value.stride(), p.stride())
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    options: dict
+
+
+KERNELS = [Kernel("fused", {}), Kernel("for-loop", {"fused": False})]
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("grad_layout", GRAD_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_non_contiguous_parameters_step_as_their_dense_copies(layout, dtype, grad_layout, kernel):
+    """Neither a non-dense parameter nor the gradient's layout changes a bit; the state is laid out like the parameter."""
+    params = LAYOUTS[layout](DTYPES[dtype])
+    ref_params = dense_copies(params)
+    opt = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, **kernel.options)
+    ref = OffloadAdamW(ref_params, lr=1e-2, weight_decay=0.1, **kernel.options)
+    train(opt, params, grad_layout)
+    train(ref, ref_params, "like-param")
+    for i, (p, q) in enumerate(zip(params, ref_params)):
+        assert_same_values(p, q, f"parameter {i}")
+        for key in opt.state[p]:
+            assert_same_values(opt.state[p][key], ref.state[q][key], f"parameter {i} {key}")
+    assert_state_like_param(opt, params)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_non_contiguous_wide_parameters_equal_torch_adamw(layout, dtype, kernel):
+    """float32/float64: bitwise torch.optim.AdamW (fused, or its single-tensor loop) on the same parameters."""
+    params = LAYOUTS[layout](DTYPES[dtype])
+    torch_params = dense_copies(params)
+    opt = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, **kernel.options)
+    torch_options = {"fused": True} if kernel.name == "fused" else {"foreach": False, "fused": False}
+    ref = torch.optim.AdamW(torch_params, lr=1e-2, weight_decay=0.1, **torch_options)
+    train(opt, params, "contiguous")  # a gradient set by hand, of another layout than its parameter
+    train(ref, torch_params, "like-param")
+    for i, (p, q) in enumerate(zip(params, torch_params)):
+        assert_same_values(p, q, f"parameter {i}")
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert_same_values(opt.state[p][key], ref.state[q][key], f"parameter {i} {key}")
+
+
+def test_channels_last_convnet_with_autograd_equals_torch_fused():
+    """A real backward through a channels_last network: gradients as autograd lays them out."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    twin = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    twin.load_state_dict(model.state_dict())
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last)
+    for _ in range(STEPS):
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_same_values(p, q, name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][key].stride() == ref.state[q][key].stride(), (name, key)
+            assert_same_values(opt.state[p][key], ref.state[q][key], f"{name} {key}")
+
+
+@pytest.mark.parametrize("direction", ["torch-to-ours", "ours-to-torch"])
+@pytest.mark.parametrize("layout", ["conv-channels-last", "transposed-view"])
+def test_state_dicts_move_between_torch_and_ours_for_non_contiguous_parameters(layout, direction):
+    """k steps with one optimizer, its state_dict loaded into the other, which continues: exactly torch's uninterrupted run."""
+    params = LAYOUTS[layout](torch.float32)
+    twin = [nn.Parameter(p.detach().clone()) for p in params]  # same values and layout
+    uninterrupted = [nn.Parameter(p.detach().clone()) for p in params]
+    classes = (torch.optim.AdamW, OffloadAdamW)
+    first_cls, second_cls = classes if direction == "torch-to-ours" else classes[::-1]
+    # fused=True on both sides: a loaded state_dict brings its groups' options, and torch's fused=None is its for-loop
+    first = first_cls(params, lr=1e-2, fused=True)
+    train(first, params, "like-param", range(2))
+    for p, q in zip(params, twin):
+        q.data.copy_(p.detach())
+    second = second_cls(twin, lr=1e-2, fused=True)
+    # as through a file: torch's load keeps the given tensors, which the first optimizer would go on updating
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    train(second, twin, "like-param", range(2, 2 + STEPS))
+    ref = torch.optim.AdamW(uninterrupted, lr=1e-2, fused=True)
+    train(ref, uninterrupted, "like-param", range(2 + STEPS))
+    for i, (p, q) in enumerate(zip(twin, uninterrupted)):
+        assert_same_values(p, q, f"parameter {i}")
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert_same_values(second.state[p][key], ref.state[q][key], f"parameter {i} {key}")
