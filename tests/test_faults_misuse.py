@@ -183,3 +183,91 @@ def test_state_dicts_move_between_torch_and_ours_for_non_contiguous_parameters(l
         assert_same_values(p, q, f"parameter {i}")
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert_same_values(second.state[p][key], ref.state[q][key], f"parameter {i} {key}")
+
+
+# ----------------------------------------------------------------- a model cast after some steps
+
+
+def snapshot(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> dict:
+    out: dict = {f"param/{i}": p.detach().clone() for i, p in enumerate(params)}
+    for i, p in enumerate(params):
+        for key, value in opt.state.get(p, {}).items():
+            out[f"state/{i}/{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def assert_unchanged(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for key in before:
+        a, b = before[key], after[key]
+        assert (same_bits(a, b) if isinstance(a, torch.Tensor) else a == b), f"{key} changed"
+
+
+def linear_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(70, 30), nn.Linear(30, 5)).to(dtype)
+
+
+def backward(model: nn.Module) -> None:
+    x = torch.linspace(-1, 1, 140).reshape(2, 70).to(next(model.parameters()).dtype)
+    model(x).float().square().mean().backward()
+
+
+# (dtype trained in, dtype cast to): torch's AdamW refuses the next step for each (its state has the old dtype).
+REFUSED_CASTS = {
+    "bf16-to-fp32": (torch.bfloat16, torch.float32),  # the master would go on, stale, and no parameter would move
+    "fp16-to-fp32": (torch.float16, torch.float32),
+    "fp32-to-bf16": (torch.float32, torch.bfloat16),  # no master: the update would write the bf16 parameter
+    "fp32-to-fp64": (torch.float32, torch.float64),
+    "fp64-to-fp32": (torch.float64, torch.float32),
+    "bf16-to-fp64": (torch.bfloat16, torch.float64),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("cast", REFUSED_CASTS)
+def test_a_cast_after_steps_is_refused_before_any_update(cast, kernel):
+    source, target = REFUSED_CASTS[cast]
+    model = linear_model(source)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, **kernel.options)
+    for _ in range(2):
+        opt.zero_grad()
+        backward(model)
+        opt.step()
+    model.to(target)
+    opt.zero_grad()
+    backward(model)
+    params = list(model.parameters())
+    before = snapshot(opt, params)
+    with pytest.raises(RuntimeError, match=r"parameter 0 of param_groups\[0\].*changed dtype") as refusal:
+        opt.step()
+    assert "load_state_dict(opt.state_dict())" in str(refusal.value) and "nothing was changed" in str(refusal.value)
+    assert_unchanged(before, snapshot(opt, params))
+
+
+def test_after_a_refused_cast_reloading_the_state_carries_the_master_over():
+    """The remedy the refusal names: the float32 master becomes the float32 parameter, moments kept, and
+    the next steps are torch's AdamW continuing from that state."""
+    model = linear_model(torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, fused=True)
+    for _ in range(2):
+        opt.zero_grad()
+        backward(model)
+        opt.step()
+    masters = [opt.master_value(p).clone() for p in model.parameters()]
+    model.float()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(opt.state_dict())
+    for p, master in zip(model.parameters(), masters):
+        assert_same_values(p, master, "parameter after the reload")
+        assert "master_param" not in opt.state[p]
+    twin = copy.deepcopy(model)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    ref.load_state_dict(saved)
+    for m, o in ((model, opt), (twin, ref)):
+        for _ in range(2):
+            o.zero_grad()
+            backward(m)
+            o.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_same_values(p, q, name)

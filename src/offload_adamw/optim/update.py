@@ -4,7 +4,9 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
 
 * :func:`check_gradient` refuses, naming the parameter, what no update may consume: a sparse
   gradient, a gradient of another shape or of a non-floating dtype, a parameter whose shape
-  changed after its state was allocated. Callers check every gradient of a step before the first
+  changed after its state was allocated, a parameter cast or moved since so that its state no
+  longer serves it (:func:`check_state_serves`: ``model.float()`` of a bf16 model after some steps,
+  refused as torch's AdamW refuses it). Callers check every gradient of a step before the first
   update, so that a refusal leaves every tensor as it was.
 * :func:`nonfinite_decision` applies the optimizer's non-finite policy to the whole step:
   ``propagate`` updates anyway (as torch does), ``skip`` skips the step for every tensor (the
@@ -27,12 +29,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.contract.rules import NONFINITE_POLICIES
+from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES
 from offload_adamw.distributed import any_rank
 from offload_adamw.kernels import StepHyper, adamw_update_
 from offload_adamw.optim import state as host_state
 
-__all__ = ["TensorUpdate", "check_gradient", "kernel_impl", "nonfinite_decision", "step_hyper", "update_group"]
+__all__ = [
+    "TensorUpdate", "check_gradient", "check_state_serves", "kernel_impl", "nonfinite_decision", "step_hyper", "update_group",
+]
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,34 @@ def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, sta
                 f"{describe()} changed shape under the optimizer: state has {tuple(state_shape)}, "
                 f"the parameter is {tuple(param.shape)}"
             )
+        check_state_serves(describe, param, state)
+
+
+def check_state_serves(describe: Callable[[], str], param: Tensor, state: dict[str, Any]) -> None:
+    """Refuse a parameter cast or moved since its state was created where that state cannot serve it.
+
+    The state serves a parameter when it is what its first update would have created: moments in
+    ``state_dtype(param)`` and a master exactly when the parameter is not its own master. A bf16 model
+    cast to float32 (``model.float()``) would otherwise go on updating a stale master while no
+    parameter moves; a float32 one cast to bf16 would be updated in bf16. torch.optim.AdamW refuses
+    such a step too (its state keeps the old dtype); here nothing has changed when the refusal comes.
+    A cast between bf16 and fp16, or a move of a parameter with a master, keeps a state that serves.
+    """
+    dtype = host_state.state_dtype(param)
+    has_master = MASTER_KEY in state
+    needs_master = not host_state.is_own_master(param)
+    moment_dtype = state["exp_avg"].dtype
+    master_dtype = state[MASTER_KEY].dtype if has_master else moment_dtype
+    if moment_dtype == dtype and master_dtype == dtype and has_master == needs_master:
+        return
+    made_for = (f"a parameter with a {master_dtype} master (low precision, or on a device)" if has_master
+                else f"a {moment_dtype} host parameter that is its own master")
+    raise RuntimeError(
+        f"{describe()} changed dtype or device under the optimizer: it is now {param.dtype} on {param.device}, "
+        f"its optimizer state was made for {made_for}; as torch.optim.AdamW, OffloadAdamW refuses to step it, "
+        "and nothing was changed. Cast or move the model before creating the optimizer, or carry the state "
+        "over with opt.load_state_dict(opt.state_dict()) after the cast (a master becomes the parameter's value)"
+    )
 
 
 def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str], Tensor]], params: Sequence[Tensor],
