@@ -209,7 +209,8 @@ def linear_model(dtype: torch.dtype) -> nn.Module:
 
 
 def backward(model: nn.Module) -> None:
-    x = torch.linspace(-1, 1, 140).reshape(2, 70).to(next(model.parameters()).dtype)
+    first = next(model.parameters())
+    x = torch.linspace(-1, 1, 140).reshape(2, 70).to(first.device, first.dtype)
     model(x).float().square().mean().backward()
 
 
@@ -271,3 +272,157 @@ def test_after_a_refused_cast_reloading_the_state_carries_the_master_over():
             o.step()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert_same_values(p, q, name)
+
+
+# ----------------------------------------------------------------- edits of a low-precision model between steps
+
+
+def _edit_load_state_dict(model: nn.Module) -> None:
+    other = linear_model(torch.float32)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5).add_(0.01)
+    model.load_state_dict({k: v.to(next(model.parameters()).dtype) for k, v in other.state_dict().items()})
+
+
+def _edit_clamp(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.05, 0.05)
+
+
+def _edit_prune(model: nn.Module) -> None:
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            mask = (torch.arange(p.numel()).reshape(p.shape) % (3 + i)) != 0
+            p.mul_(mask)
+
+
+def _edit_data_clamp(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.data.clamp_(-0.05, 0.05)  # .data: no version counter moves
+
+
+def _edit_copy(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.linspace(-0.3, 0.3, p.numel()).reshape(p.shape))
+
+
+def _edit_zero_entries(model: nn.Module) -> None:
+    """Entries set to zero through an indexing view (the sign of zero and NaNs are in the kernels' tables)."""
+    for p in model.parameters():
+        p.data.view(-1)[::7] = 0.0
+
+
+EDITS = {
+    "load_state_dict": _edit_load_state_dict,
+    "clamp_": _edit_clamp,
+    "pruning-mask": _edit_prune,
+    "data.clamp_": _edit_data_clamp,
+    "copy_": _edit_copy,
+    "zero-entries": _edit_zero_entries,
+}
+EDIT_PATHS = {
+    "fused": {},
+    "for-loop": {"fused": False},
+    "pipeline-on-cpu": {"transfer_pipeline": True},
+}
+
+
+def followed(master: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The rule, written independently of the optimizer: an element of ``p`` whose bits differ from
+    round(master) (a NaN equals a NaN) replaces its master by its exact widening."""
+    rounded = master.to(p.dtype)
+    bits = {2: torch.int16, 4: torch.int32}[p.element_size()]
+    differ = (rounded.view(bits) != p.detach().view(bits)) & ~(rounded.isnan() & p.isnan())
+    return torch.where(differ, p.detach().to(master.dtype), master)
+
+
+@pytest.mark.parametrize("path", EDIT_PATHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("edit", EDITS)
+def test_an_edit_of_a_low_precision_parameter_is_what_the_next_update_starts_from(edit, dtype, path):
+    """The master follows the edited parameter, element by element: the run is the float32 parity run
+    whose masters took the edit where the parameter differs from round(master)."""
+    model = linear_model(DTYPES[dtype])
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **EDIT_PATHS[path])
+    params = list(model.parameters())
+    ref_params = [nn.Parameter(p.detach().float()) for p in params]
+    torch_options = {"foreach": False, "fused": False} if path == "for-loop" else {"fused": True}
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, **torch_options)
+    for step in range(5):
+        if step == 2:
+            EDITS[edit](model)
+            for p, q in zip(params, ref_params):
+                q.data.copy_(followed(q.detach(), p))
+            for p, q in zip(params, ref_params):  # between steps, the master already shows the edit
+                assert_same_values(opt.master_value(p), q, "master after the edit")
+        opt.zero_grad()
+        backward(model)
+        for p, q in zip(params, ref_params):
+            q.grad = opt.gradient(p).float()
+        opt.step()
+        ref.step()
+    for i, (p, q) in enumerate(zip(params, ref_params)):
+        assert_same_values(opt.master_value(p), q, f"master {i}")
+        assert_same_values(p, q.detach().to(p.dtype), f"parameter {i}")
+
+
+@pytest.mark.parametrize("edit", ["pruning-mask", "data.clamp_"])
+def test_an_edit_survives_a_state_dict_round_trip_and_a_checkpoint(edit, tmp_path):
+    """Saved between the edit and the next step, the state holds the edited masters: a resume continues
+    the edited run, and the elements left alone keep their float32 masters."""
+    from offload_adamw import checkpoint
+
+    model = linear_model(torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        backward(model)
+        opt.step()
+    masters = [opt.master_value(p).clone() for p in model.parameters()]
+    EDITS[edit](model)
+    expected = [followed(m, p) for m, p in zip(masters, model.parameters())]
+    kept = [followed(m, p) == m for m, p in zip(masters, model.parameters())]
+    assert any(bool((~k).any()) for k in kept) and all(bool(k.any()) for k in kept)  # some elements edited, some not
+    saved = copy.deepcopy(opt.state_dict())
+    path = checkpoint.save(tmp_path / "ckpt", model, opt)
+    for source in ("state_dict", "checkpoint"):
+        twin = linear_model(torch.bfloat16)
+        twin_opt = OffloadAdamW(twin.parameters(), lr=1e-2)
+        if source == "state_dict":
+            twin.load_state_dict(model.state_dict())
+            twin_opt.load_state_dict(copy.deepcopy(saved))
+        else:
+            checkpoint.load(path, twin, twin_opt)
+        for p, want in zip(twin.parameters(), expected):
+            assert_same_values(twin_opt.master_value(p), want, f"{source}: master")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("edit", ["pruning-mask", "data.clamp_", "load_state_dict"])
+def test_an_edit_of_a_device_parameter_on_the_plain_step_is_what_the_next_update_starts_from(edit, dtype):
+    """The plain step (no transfer pipeline, as under FSDP2 with kept gradients) reads each device
+    parameter back before its update: the same rule as for host parameters."""
+    model = linear_model(DTYPES[dtype]).cuda()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, transfer_pipeline=False)
+    params = list(model.parameters())
+    ref_params = [nn.Parameter(p.detach().float().cpu()) for p in params]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(4):
+        if step == 2:
+            EDITS[edit](model)
+            for p, q in zip(params, ref_params):
+                q.data.copy_(followed(q.detach(), p.detach().cpu()))
+        opt.zero_grad()
+        backward(model)
+        for p, q in zip(params, ref_params):
+            q.grad = p.grad.float().cpu()
+        opt.step()
+        ref.step()
+    for i, (p, q) in enumerate(zip(params, ref_params)):
+        assert_same_values(opt.master_value(p), q, f"master {i}")
+        assert_same_values(p.cpu(), q.detach().to(p.dtype), f"parameter {i}")

@@ -405,3 +405,84 @@ def test_operands_of_one_layout_are_used_without_a_copy():
     assert aligned.tensors[0] is t and aligned.tensors[2] is other[2] and aligned.tensors[1] is not other[1]
     assert aligned.tensors[1].stride() == t.stride() and torch.equal(aligned.tensors[1], other[1])
     assert not aligned.write_backs  # the gradient is only read
+
+
+# Edits of the model copy between updates (kernels/edits.py): where take_model_edits[i], an element of
+# the model copy whose bits differ from round(master) (a NaN equals a NaN; -0.0 and 0.0 differ) replaces
+# its master before the update. Table: kernel variants x model dtypes (fp32: the staging copy of a
+# float32 device parameter) x layouts; property: the run equals torch's on the masters edited by the
+# rule, which is written out here independently.
+EDIT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32-staging": torch.float32}
+
+
+def _rule(master, model):
+    bits = {2: torch.int16, 4: torch.int32}[model.element_size()]
+    rounded = master.to(model.dtype)
+    differ = (rounded.view(bits) != model.view(bits)) & ~(rounded.isnan() & model.isnan())
+    return torch.where(differ, model.to(master.dtype), master)
+
+
+def _edited_pair(model_dtype, layout_name):
+    gen = torch.Generator().manual_seed(11)
+    lay = STRIDE_LAYOUTS[layout_name]
+    master = torch.randn(STRIDED_SHAPE, generator=gen).to(model_dtype).float()
+    flat = master.view(-1)
+    flat[3::50] = -0.0
+    flat[5::97] = float("nan")
+    model = master.to(model_dtype, copy=True)
+    mflat = model.view(-1)
+    mflat[::61] = (mflat[::61].float() * 1.5 + 0.25).to(model_dtype)  # values edited
+    mflat[3::100] = 0.0  # -0.0 -> 0.0 on every other one: an edit of the sign
+    mflat[7::89] = float("nan")  # a NaN where the master is finite: an edit
+    bits = torch.int16 if model.element_size() == 2 else torch.int32
+    mflat.view(bits)[5::97] = {2: 0x7E01 if model_dtype == torch.float16 else 0x7FC1, 4: 0x7FC00001}[model.element_size()]
+    return lay(master), lay(model)
+
+
+def _same_or_both_nan(a, b, what):
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    differ = (a.contiguous().view(bits) != b.contiguous().view(bits)) & ~(a.isnan() & b.isnan())
+    assert int(differ.sum()) == 0, f"{what}: {int(differ.sum())} element(s) differ"
+
+
+@pytest.mark.parametrize("layout_name", ["contiguous", "channels-last"])
+@pytest.mark.parametrize("dtype", EDIT_DTYPES)
+@pytest.mark.parametrize("variant", ["default", "numba-threads2", "chunk64", "python-loop-threads2-chunk128", "for_loop"])
+def test_edits_of_the_model_copy_replace_their_masters(variant, dtype, layout_name):
+    model_dtype = EDIT_DTYPES[dtype]
+    master, model = _edited_pair(model_dtype, layout_name)
+    expected_start = _rule(master, model)
+    impl = "for_loop" if variant == "for_loop" else "blocked"
+    hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(12)
+    grads = [torch.empty_like(master, dtype=torch.bfloat16).copy_(torch.randn(STRIDED_SHAPE, generator=gen))
+             for _ in range(2)]
+    m, v, step = torch.zeros_like(master), torch.zeros_like(master), torch.zeros(())
+    for g in grads:  # the second update finds the model copy as the first left it: nothing to take
+        args = ([master], [g], [m], [v], [], [step])
+        if VARIANTS.get(variant) is None:
+            adamw_update_(*args, hp, model_params=[model], take_model_edits=[True], impl=impl)
+        else:
+            blocked_adamw_(*args, [model], hp, config=VARIANTS[variant], take_model_edits=[True])
+
+    p = torch.nn.Parameter(expected_start.clone())
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                            **(dict(fused=True) if impl == "blocked" else dict(foreach=False, fused=False)))
+    for g in grads:
+        p.grad = g.float()
+        opt.step()
+    _same_or_both_nan(master, p.detach(), "master")
+    _same_or_both_nan(m, opt.state[p]["exp_avg"], "exp_avg")
+    _same_or_both_nan(v, opt.state[p]["exp_avg_sq"], "exp_avg_sq")
+    _same_or_both_nan(model, p.detach().to(model_dtype), "model copy")
+
+
+def test_without_take_model_edits_the_model_copy_is_only_written():
+    """A staging buffer of unknown content (take_model_edits False) never reaches the master."""
+    master, model = _edited_pair(torch.bfloat16, "contiguous")
+    start = master.clone()
+    hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
+    g = torch.zeros_like(master)
+    adamw_update_([master], [g], [torch.zeros_like(master)], [torch.zeros_like(master)], [], [torch.zeros(())], hp,
+                  model_params=[model])
+    _same_or_both_nan(master, start, "master")  # zero gradient, no decay: the update leaves it

@@ -100,6 +100,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw.kernels import layout, numba_loop
+from offload_adamw.kernels.edits import take_model_edits_
 
 __all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 
@@ -187,6 +188,7 @@ def _chunk_loop(
     max_exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     outs: list[Tensor | None],
+    follow: list[bool],
     tensor_index: list[int],
     starts: list[int],
     stops: list[int],
@@ -199,7 +201,8 @@ def _chunk_loop(
     amsgrad: bool,
     maximize: bool,
 ) -> list[Tensor]:
-    """Chunks k = 0..: widen grad -> fused step on master/m/v views -> narrow into the model copy.
+    """Chunks k = 0..: take the model copy's edits (where ``follow[i]``) -> widen grad -> fused step on
+    master/m/v views -> narrow into the model copy.
 
     Tensors are flat; chunk k is ``[starts[k], stops[k])`` of tensor ``tensor_index[k]``;
     ``buffer`` (the master dtype, at least one chunk long) receives the widened gradient.
@@ -214,6 +217,9 @@ def _chunk_loop(
         a = starts[k]
         b = stops[k]
         theta = [masters[i][a:b]]
+        out = outs[i]
+        if out is not None and follow[i]:
+            take_model_edits_(theta[0], out[a:b])  # the update starts from the edited parameter
         g = grads[i][a:b]
         if g.dtype != buffer.dtype:
             widened = buffer[: b - a]
@@ -234,7 +240,6 @@ def _chunk_loop(
             amsgrad=amsgrad,
             maximize=maximize,
         )
-        out = outs[i]
         if out is not None:
             out[a:b].copy_(theta[0])  # round to nearest even
         last = theta
@@ -246,7 +251,7 @@ _script_state: dict = {}
 
 
 def _self_test(fn) -> bool:
-    """Does ``fn`` compute the Python loop's bits (widen, no model copy, amsgrad, model copy)?"""
+    """Does ``fn`` compute the Python loop's bits (widen, no model copy, amsgrad, model copy, edits taken)?"""
     gen = torch.Generator().manual_seed(0)
     results: list[list[Tensor | None]] = []
     for loop in (_chunk_loop, fn):
@@ -257,10 +262,13 @@ def _self_test(fn) -> bool:
         v = [torch.zeros(n), torch.zeros(n)]
         mv = [torch.zeros(n), torch.zeros(n)]
         steps = [torch.ones(()), torch.ones(())]
-        outs: list[Tensor | None] = [None, torch.empty(n, dtype=torch.bfloat16)]
+        outs: list[Tensor | None] = [None, master[1].to(torch.bfloat16)]
         chunks = [(i, a, min(a + 2 * CHUNK_ALIGN, n)) for i in (0, 1) for a in range(0, n, 2 * CHUNK_ALIGN)]
         for amsgrad in (False, True):
-            loop(master, grads, m, v, mv, steps, outs, [c[0] for c in chunks], [c[1] for c in chunks],
+            edits = outs[1]
+            assert edits is not None
+            edits[::7] = 0.25  # an edit of the parameter between two updates
+            loop(master, grads, m, v, mv, steps, outs, [False, True], [c[0] for c in chunks], [c[1] for c in chunks],
                  [c[2] for c in chunks], torch.empty(2 * CHUNK_ALIGN), 1e-2, 0.9, 0.99, 0.1, 1e-8, amsgrad, False)
         results.append([*master, *m, *v, *mv, outs[1]])
         gen.manual_seed(0)
@@ -365,23 +373,27 @@ def blocked_adamw_(
     hp: Any,
     *,
     config: BlockConfig = DEFAULT_CONFIG,
+    take_model_edits: Sequence[bool] | None = None,
 ) -> None:
     """One AdamW update of every tensor, bitwise equal to the parity definition (see module docstring).
 
     Elements pair by index whatever the strides (kernels/layout.py): each tensor's operands are
-    brought to its master's layout first, without a copy where they share it already.
+    brought to its master's layout first, without a copy where they share it already. Where
+    ``take_model_edits[i]``, the model copy holds the parameter's current value and its edited
+    elements replace their masters before the update (kernels/edits.py).
     """
+    follow = [bool(f) for f in take_model_edits] if take_model_edits is not None else [False] * len(masters)
     aligned: list[layout.Aligned] = []
     for i in range(len(masters)):
         out = model_params[i] if model_params is not None else None
         operands = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if hp.amsgrad else None, out]
-        aligned.append(layout.align(operands, read=(True, True, True, True, True, False),
+        aligned.append(layout.align(operands, read=(True, True, True, True, True, follow[i]),
                                     written=(True, False, True, True, True, True)))
     column = [[a.tensors[k] for a in aligned] for k in range(6)]
     _aligned_adamw_(
         cast("list[Tensor]", column[0]), cast("list[Tensor]", column[1]), cast("list[Tensor]", column[2]),
         cast("list[Tensor]", column[3]), cast("list[Tensor]", column[4]) if hp.amsgrad else [], list(steps),
-        column[5] if model_params is not None else None, hp, config,
+        column[5] if model_params is not None else None, follow, hp, config,
     )
     for a in aligned:
         a.write_back()
@@ -395,6 +407,7 @@ def _aligned_adamw_(
     max_exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     model_params: list[Tensor | None] | None,
+    follow: list[bool],
     hp: Any,
     config: BlockConfig,
 ) -> None:
@@ -434,6 +447,9 @@ def _aligned_adamw_(
 
     for i in simple:
         theta = masters[i]
+        out = model_params[i] if model_params is not None else None
+        if out is not None and follow[i]:
+            take_model_edits_(theta, out)
         torch._fused_adamw_(
             [theta],
             [grads[i] if grads[i].dtype == theta.dtype else grads[i].to(theta.dtype)],
@@ -443,7 +459,6 @@ def _aligned_adamw_(
             [steps[i]],
             **kwargs,
         )
-        out = model_params[i] if model_params is not None else None
         if out is not None:
             out.copy_(theta)
 
@@ -469,7 +484,7 @@ def _aligned_adamw_(
     jobs: list[Callable[[], None]] = []
     if config.numba_loop:
         start_at, jobs = numba_loop.plan(flat[0], flat[1], flat[2], flat[3], flat[4], flat[5], flat[6], hp, blocked,
-                                         workers=threads)
+                                         workers=threads, take_model_edits=follow)
         # The loop writes through raw addresses: tell autograd, as an in-place torch op would, so that
         # a graph that saved a parameter before the step refuses to run backward on the new values.
         written = [t for i in start_at for t in (flat[0][i], flat[2][i], flat[3][i],
@@ -497,7 +512,7 @@ def _aligned_adamw_(
 
     def run(dtype: torch.dtype, batch: list[tuple[int, int, int]]) -> None:
         buffer = _chunk_buffer(dtype, chunk)
-        loop(*flat, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
+        loop(*flat, follow, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
 
     if threads == 0 or (threads == 1 and torch.get_num_threads() == 1):
         for job in jobs:

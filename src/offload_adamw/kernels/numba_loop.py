@@ -18,7 +18,9 @@ Contract:
   block is buffered and then written with streaming stores where its address is
   64-byte aligned (an sfence ends each call), so its cache lines are not read
   from memory before being overwritten: 28 bytes of traffic per bf16 element,
-  what torch's fused float32 step moves.
+  what torch's fused float32 step moves. Where the model copy is the parameter
+  itself (a host parameter, whose edits between steps are taken over:
+  kernels/edits.py) it is read first, in the same pass: 30 bytes per element.
 * No C++ compiler: numba ships LLVM inside its wheel; it is imported at the
   first mixed step. Each variant (gradient and model-copy dtype, amsgrad,
   maximize, lerp branch, tensor lr) is compiled at its first use (1 to 3 s;
@@ -77,6 +79,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from offload_adamw.kernels.edits import take_model_edits_
 
 __all__ = ["ALIGN", "compiled_kernel_status", "numba_kernel_status", "plan", "variant_key"]
 
@@ -234,7 +238,7 @@ def _define_numba_pieces() -> None:
 
 
 def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: bool, lerp_small: bool, cache: bool,
-                 contract_v: bool = True):
+                 contract_v: bool = True, follow: bool = False):
     """The loop of one variant, compiled by numba at its first call.
 
     ``work`` rows: addresses of master, gradient, m, v, max v, model copy (each at the
@@ -242,7 +246,9 @@ def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: 
     ``scalars`` to use. The variant's options are closure constants: numba prunes the
     branches they decide, so each variant is a straight loop that LLVM vectorizes.
     ``contract_v=False`` (tests only) rounds v's product and sum separately, a loop the
-    self-test must refuse.
+    self-test must refuse. ``follow``: the model copy holds the parameter's current value, read
+    before the update; an element that differs from round(master) in its bits (a NaN equals a
+    NaN) replaces its master by its widening (kernels/edits.py).
     """
     streaming = _STREAMING
     out_f32 = out_kind == "f32"
@@ -281,6 +287,14 @@ def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: 
                     max_exp_avg_sq = carray(_f32_at(work[r, 4] + 4 * b), size)
                 else:
                     max_exp_avg_sq = exp_avg_sq  # not read
+                if follow and out_f32:
+                    model_f = carray(_f32_at(out_address + 4 * b), size)
+                    model_h = block_u16  # not read
+                elif follow:
+                    model_f = block_f32  # not read
+                    model_h = carray(_u16_at(out_address + 2 * b), size)
+                else:
+                    model_f, model_h = block_f32, block_u16  # not read
                 for i in range(size):
                     if grad_kind == "f32":
                         g = grad[i]
@@ -290,7 +304,23 @@ def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: 
                         g = _f16_to_f32(grad[i])
                     if maximize:
                         g = -g
-                    p = master[i] * decay
+                    start = master[i]
+                    if follow:
+                        # the parameter's value where it is not round(master) (bits; NaN equals NaN)
+                        if out_f32:
+                            value = model_f[i]
+                            same = (value == start and math.copysign(1.0, value) == math.copysign(1.0, start))
+                        elif out_kind == "bf16":
+                            bits = model_h[i]
+                            value = _bf16_to_f32(bits)
+                            same = bits == _f32_to_bf16(start)
+                        else:
+                            bits = model_h[i]
+                            value = _f16_to_f32(bits)
+                            same = bits == _f32_to_f16(start)
+                        if not (same or (value != value and start != start)):
+                            start = value
+                    p = start * decay
                     m = exp_avg[i]
                     if lerp_small:
                         m_new = _fma(coeff, g - m, m)
@@ -354,13 +384,14 @@ class _Variant:
     maximize: bool
     lerp_small: bool
     tensor_lr: bool
+    follow: bool = False
 
     def name(self) -> str:
         short = lambda d: "none" if d is None else str(d).replace("torch.", "")  # noqa: E731
         return (
             f"grad={short(self.grad_dtype)},out={short(self.out_dtype)},amsgrad={self.amsgrad},"
             f"maximize={self.maximize},lerp={'small' if self.lerp_small else 'large'},"
-            f"lr={'tensor' if self.tensor_lr else 'float'}"
+            f"lr={'tensor' if self.tensor_lr else 'float'}" + (",edits=taken" if self.follow else "")
         )
 
 
@@ -388,9 +419,11 @@ def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float64, device=_CPU).to(torch.float32).item()
 
 
-def variant_key(grad_dtype, out_dtype, amsgrad: bool, maximize: bool, beta1: float, tensor_lr: bool = False) -> _Variant:
+def variant_key(grad_dtype, out_dtype, amsgrad: bool, maximize: bool, beta1: float, tensor_lr: bool = False,
+                follow: bool = False) -> _Variant:
     """The loop variant a tensor and its group's options need."""
-    return _Variant(grad_dtype, out_dtype, bool(amsgrad), bool(maximize), abs(_f32(1 - beta1)) < 0.5, bool(tensor_lr))
+    return _Variant(grad_dtype, out_dtype, bool(amsgrad), bool(maximize), abs(_f32(1 - beta1)) < 0.5, bool(tensor_lr),
+                    bool(follow))
 
 
 @_float_cache(maxsize=256)
@@ -452,9 +485,9 @@ class _Entry:
             args = (_KIND[variant.grad_dtype], None if variant.out_dtype is None else _KIND[variant.out_dtype],
                     variant.amsgrad, variant.maximize, variant.lerp_small)
             try:
-                kernel = _make_kernel(*args, cache=True)
+                kernel = _make_kernel(*args, cache=True, follow=variant.follow)
             except RuntimeError:  # numba found no writable cache directory: compile in memory each process
-                kernel = _make_kernel(*args, cache=False)
+                kernel = _make_kernel(*args, cache=False, follow=variant.follow)
             why = _self_test(kernel, variant)
             self.kernel, self.reason = (None, why) if why else (kernel, None)
         except Exception as exc:  # a numba or LLVM error: not used
@@ -497,7 +530,22 @@ def _self_test(kernel, variant: _Variant) -> str | None:
     half = n // 2 + ALIGN  # two rows of unequal length, the second starting mid-tensor
     steps = (5.0, 1000.0)
 
+    model = None
+    if variant.follow and variant.out_dtype is not None:
+        # the parameter as the last update left it (round(master)), then edited: values, the sign of a
+        # zero, a NaN where the master is finite; and a NaN of another payload where the master is NaN
+        # (not an edit)
+        master[11::113] = math.nan
+        model = master.to(variant.out_dtype, copy=True)
+        model[9::61] = (model[9::61].float() * 1.5 + 0.25).to(variant.out_dtype)
+        model[4::178] = 0.0
+        model[12::127] = math.nan
+        bits = torch.int16 if model.element_size() == 2 else torch.int32
+        other_nan = {torch.bfloat16: 0x7FC1, torch.float16: 0x7E01, torch.float32: 0x7FC00001}[variant.out_dtype]
+        model.view(bits)[11::113] = other_nan
     ref = [master.clone(), exp_avg.clone(), exp_avg_sq.clone(), max_exp_avg_sq.clone()]
+    if model is not None:
+        take_model_edits_(ref[0], model)
     lr = torch.tensor(hyper["lr"], dtype=torch.float32) if variant.tensor_lr else hyper["lr"]
     for (a, b), step in zip(((0, half), (half, n)), steps):
         torch._fused_adamw_(
@@ -509,6 +557,8 @@ def _self_test(kernel, variant: _Variant) -> str | None:
 
     ours = [master.clone(), exp_avg.clone(), exp_avg_sq.clone(), max_exp_avg_sq.clone()]
     out = torch.empty(n, dtype=variant.out_dtype, device=_CPU) if variant.out_dtype is not None else None
+    if model is not None and out is not None:
+        out.copy_(model)
     lr_value = float(lr.item()) if isinstance(lr, Tensor) else lr
     rows: list[list[int]] = []
     scalars: list[tuple[float, ...]] = []
@@ -609,13 +659,15 @@ def plan(
     indices: Sequence[int],
     *,
     workers: int,
+    take_model_edits: Sequence[bool] | None = None,
 ) -> tuple[dict[int, int], list[Callable[[], None]]]:
     """The loop's share of the tensors ``indices`` (already stepped: ``steps[i]`` holds t).
 
     Returns ({i: first element not updated by the batches}, batches). Running every batch
     (in any order, on any threads, each once) updates each listed tensor's first
     ``done[i]`` elements (a multiple of 64); tensors absent from ``done`` are left to the
-    caller. The inputs are the blocked kernel's: flat, contiguous host tensors (memory-order
+    caller. Where ``take_model_edits[i]``, the loop takes the model copy's edits first
+    (kernels/edits.py). The inputs are the blocked kernel's: flat, contiguous host tensors (memory-order
     views whose element k pairs with element k of the others).
     """
     done: dict[int, int] = {}
@@ -625,20 +677,21 @@ def plan(
     lr = float(hp.lr.item()) if tensor_lr else float(hp.lr)  # torch's tensor-lr overload reads it as a double
     hyper = (lr, float(hp.beta1), float(hp.beta2), float(hp.weight_decay), float(hp.eps))
     options = (bool(hp.amsgrad), bool(hp.maximize), abs(_f32(1 - hyper[1])) < 0.5, tensor_lr)
-    entries: dict[tuple, _Entry | None] = {}  # (grad dtype, out dtype) -> the variant's entry
+    entries: dict[tuple, _Entry | None] = {}  # (grad dtype, out dtype, edits taken) -> the variant's entry
     scalar_rows: dict[float, int] = {}
     scalars: list[tuple[float, ...]] = []
-    pieces: dict[tuple, list[tuple[int, int, int]]] = {}  # (grad, out dtype) -> [(tensor, elements, scalar row)]
+    pieces: dict[tuple, list[tuple[int, int, int]]] = {}  # (grad, out dtype, edits) -> [(tensor, elements, scalar row)]
     for i in indices:
         master = masters[i]
         n = master.numel()
         stop = n - n % ALIGN
         out = model_params[i] if model_params is not None else None
-        dtypes = (grads[i].dtype, None if out is None else out.dtype)
+        follow = bool(take_model_edits[i]) if take_model_edits is not None and out is not None else False
+        dtypes = (grads[i].dtype, None if out is None else out.dtype, follow)
         if stop == 0 or master.dtype != torch.float32 or dtypes[0] not in _KIND or (out is not None and dtypes[1] not in _KIND):
             continue
         if dtypes not in entries:
-            variant = _Variant(*dtypes, *options)
+            variant = _Variant(dtypes[0], dtypes[1], *options, follow=follow)
             entry = _variants.get(variant) or _get(variant)
             entries[dtypes] = entry if entry.kernel is not None else None
         if entries[dtypes] is None:

@@ -237,7 +237,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         That is the stored float32 (float64) master, or ``p`` itself when ``p`` is its own master
         (a float32 host parameter); None while a parameter that needs a master has none yet (its
-        master is created at its first update). :meth:`master_value` always returns a tensor.
+        master is created at its first update). :meth:`master_value` always returns a tensor. The
+        stored master is returned as it is: edits of a low-precision host parameter since the last
+        update (docs/contract.md#edits-between-steps) reach it at the next update, or at
+        :meth:`master_value` and ``state_dict()``.
         """
         local = _distributed.local_tensor(p)
         if host_state.is_own_master(local):
@@ -247,7 +250,12 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def master_value(self, p: Tensor) -> Tensor:
         """The float32 (float64) value of ``p``'s master: :meth:`master_param`, or before ``p``'s
-        first update the value its master will start from (a new host copy of ``p``)."""
+        first update the value its master will start from (a new host copy of ``p``). A low-precision
+        host parameter's edits since the last update are taken into its master first (what the next
+        update would do), so that a checkpoint of the master holds the edited parameter."""
+        state = self.state.get(p)
+        if state:
+            host_state.follow_parameter_edits_(state, _distributed.local_tensor(p))
         master = self.master_param(p)
         if master is not None:
             return master
@@ -444,22 +452,27 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
 
     def update_group(
-        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None
+        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None,
+        current: Sequence[bool] | None = None,
     ) -> None:
         """One update of each (parameter, host gradient, staging) in group ``group_index``.
 
         ``staging`` is a host tensor that receives round(master) for a parameter that lives on a
         device, or None; a low-precision host parameter receives round(master) itself, and a
-        parameter that is its own master is updated in place.
+        parameter that is its own master is updated in place. A low-precision host parameter's
+        edits since the last update are taken over first (docs/contract.md#edits-between-steps);
+        ``current[k]`` True says that update k's staging buffer holds its device parameter's
+        current value, whose edits are taken over likewise.
         """
         group = self.param_groups[group_index]
         work = []
-        for p, grad, given_staging in updates:
+        for k, (p, grad, given_staging) in enumerate(updates):
             local = _distributed.local_tensor(p)
             staging = given_staging
+            is_current = current is not None and bool(current[k]) and staging is not None
             if staging is None and local.device.type == "cpu" and not host_state.is_own_master(local):
-                staging = local.data
-            work.append(_update.TensorUpdate(local, self.state[p], grad, staging))
+                staging, is_current = local.data, True
+            work.append(_update.TensorUpdate(local, self.state[p], grad, staging, is_current))
         _update.update_group(
             group,
             work,
@@ -514,13 +527,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             updates: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for p, grad in members:
                 host_grad = _distributed.local_grad(grad, p)
-                updates.append((p, host_grad if host_grad.device.type == "cpu" else host_grad.to("cpu"), None))
-            self.update_group(gi, updates)
-            # A parameter on a device (an FSDP2 shard on a GPU) receives its master after the update.
-            for p, _ in members:
                 local = _distributed.local_tensor(p)
-                if local.device.type != "cpu":
-                    local.copy_(self.state[p][MASTER_KEY])
+                # A parameter on a device (an FSDP2 shard on a GPU): its current value, whose edits since the
+                # last step the update takes over (docs/contract.md#edits-between-steps), receives round(master).
+                staging = local.detach().to("cpu") if local.device.type != "cpu" else None
+                updates.append((p, host_grad if host_grad.device.type == "cpu" else host_grad.to("cpu"), staging))
+            self.update_group(gi, updates, current=[staging is not None for _, _, staging in updates])
+            for p, _, staging in updates:
+                if staging is not None:
+                    _distributed.local_tensor(p).copy_(staging)
         return loss
 
     def _create_missing_state(self) -> None:
@@ -541,6 +556,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         pipeline = getattr(self, "_pipeline", None)  # a subclass may skip this class's constructor
         if pipeline is not None:
             pipeline.refuse_mid_step("save its state")
+        for p, state in self.state.items():  # the saved masters hold the parameters' edits since the last update
+            if isinstance(p, Tensor):
+                host_state.follow_parameter_edits_(state, _distributed.local_tensor(p))
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -3,7 +3,8 @@
 The state of one parameter tensor is a dict: ``step`` (a float32 0-dim tensor, an exact count),
 ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) in host memory, float32 (float64 for float64
 parameters), and ``master_param`` unless the parameter is its own master (contract/bills.py says
-which). The master is created from the parameter's value when the state is created.
+which). The master is created from the parameter's value when the state is created, and follows
+the parameter's edits between steps (docs/contract.md#edits-between-steps).
 
 Every state tensor of a parameter is laid out like the parameter, as ``torch.zeros_like`` lays
 it out (the same strides for a dense parameter, e.g. a channels_last convolution weight; a dense
@@ -23,9 +24,11 @@ from torch import Tensor
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import MASTER_KEY
 from offload_adamw.kernels import layout
+from offload_adamw.kernels.edits import take_model_edits_
 
 __all__ = [
     "dtype_name",
+    "follow_parameter_edits_",
     "host_zeros_like",
     "host_copy",
     "layout_of",
@@ -94,6 +97,20 @@ def new_state(p: Tensor, *, amsgrad: bool, pin: bool) -> dict[str, Tensor]:
     if not is_own_master(p):
         state[MASTER_KEY] = host_copy(p, dtype, pin=pin)
     return state
+
+
+def follow_parameter_edits_(state: dict[str, Any], p: Tensor) -> None:
+    """The master of the host parameter ``p`` (a local tensor) takes ``p``'s edits since the last update.
+
+    What the next update would do first (kernels/edits.py), done now for a read of the master between
+    steps (``master_param``, ``state_dict``, a checkpoint), so that a saved state holds the edited
+    parameter. A parameter on a device is left to the transfer pipeline; one cast since its state was
+    created (a float32 parameter beside a master: optim/update.py refuses to step it) keeps its master,
+    which ``load_state_dict`` can carry over.
+    """
+    master = state.get(MASTER_KEY)
+    if master is not None and p.device.type == "cpu" and master.shape == p.shape and not is_own_master(p):
+        take_model_edits_(master, p.detach())
 
 
 def stored_master(state: dict[str, Any], p: Tensor) -> Tensor:

@@ -16,7 +16,9 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
   tensor's state at its first update (and ``max_exp_avg_sq`` when amsgrad was switched on later),
   laid out like the parameter (optim/state.py),
   divides the gradient by GradScaler's scale where one is given (in the master's dtype, as torch's
-  fused AdamW does), and calls the kernel, which writes the round-to-nearest model copy where asked.
+  fused AdamW does), and calls the kernel, which writes the round-to-nearest model copy where asked
+  and, where the model copy is the parameter's current value, first takes its edits over
+  (docs/contract.md#edits-between-steps).
   Where the updated parameter goes afterwards (a device, a staging buffer) is the caller's business.
 """
 
@@ -51,6 +53,9 @@ class TensorUpdate:
     """Its gradient, in host memory, of any floating dtype."""
     model_copy: Tensor | None = None
     """A host tensor that receives round(master) in its own dtype, or None."""
+    model_is_current: bool = False
+    """Whether ``model_copy`` holds the parameter's current value (a low-precision host parameter is
+    its own model copy): its elements edited since the last update replace their masters first."""
 
 
 def _to_scalar(x: Any) -> Any:
@@ -169,6 +174,7 @@ def update_group(
     max_exp_avg_sqs: list[Tensor] = []
     steps: list[Tensor] = []
     model_copies: list[Tensor | None] = []
+    take_edits: list[bool] = []
     for u in updates:
         state = u.state
         if not state:
@@ -192,8 +198,10 @@ def update_group(
             max_exp_avg_sqs.append(state["max_exp_avg_sq"])
         steps.append(state["step"])
         model_copies.append(u.model_copy)
+        take_edits.append(u.model_is_current and u.model_copy is not None)
     adamw_update_(
         masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, step_hyper(group),
         model_params=model_copies,
+        take_model_edits=take_edits,
         impl=impl,
     )
