@@ -426,3 +426,42 @@ def test_an_edit_of_a_device_parameter_on_the_plain_step_is_what_the_next_update
     for i, (p, q) in enumerate(zip(params, ref_params)):
         assert_same_values(opt.master_value(p), q, f"master {i}")
         assert_same_values(p.cpu(), q.detach().to(p.dtype), f"parameter {i}")
+
+
+# ----------------------------------------------------------------- a refused load changes nothing
+
+# An entry of opt.state_dict() replaced by something no run reaches: (key, replacement for the tensor).
+INVALID_ENTRIES = {
+    "nan-exp_avg": ("exp_avg", lambda t: torch.full_like(t, float("nan"))),
+    "negative-exp_avg_sq": ("exp_avg_sq", lambda t: -torch.ones_like(t)),
+    "fractional-step": ("step", lambda t: torch.tensor(2.5)),
+    "wrong-shape-master": ("master_param", lambda t: torch.zeros(3)),
+    "not-a-tensor": ("exp_avg", lambda t: "zeros"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("entry", INVALID_ENTRIES)
+def test_a_refused_load_leaves_the_optimizer_as_it_was(entry, dtype):
+    """Replacing a tensor of opt.state_dict() and loading it: refused, and the live state is untouched."""
+    from offload_adamw import StateDictMismatch
+
+    key, replace = INVALID_ENTRIES[entry]
+    model = linear_model(DTYPES[dtype])
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        backward(model)
+        opt.step()
+    if key == "master_param" and dtype == "fp32":
+        key = "exp_avg_sq"  # a float32 host parameter is its own master
+    params = list(model.parameters())
+    before = snapshot(opt, params)
+    sd = opt.state_dict()
+    sd["state"][0][key] = replace(sd["state"][0][key])
+    with pytest.raises(StateDictMismatch, match="nothing was changed"):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(opt, params))
+    opt.zero_grad()
+    backward(model)
+    opt.step()  # and it trains on

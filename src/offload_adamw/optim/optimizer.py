@@ -552,14 +552,25 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------- state_dict
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state_dict; refused between a backward that already updated parameters and step()."""
+        """torch's state_dict; refused between a backward that already updated parameters and step().
+
+        Its state tensors are the optimizer's own (as torch's: no copy of the state is made), but the
+        per-parameter dicts holding them are the state_dict's: replacing an entry there changes the
+        state_dict only, so that a refused ``load_state_dict`` of it leaves the optimizer as it was.
+        """
         pipeline = getattr(self, "_pipeline", None)  # a subclass may skip this class's constructor
         if pipeline is not None:
             pipeline.refuse_mid_step("save its state")
         for p, state in self.state.items():  # the saved masters hold the parameters' edits since the last update
             if isinstance(p, Tensor):
                 host_state.follow_parameter_edits_(state, _distributed.local_tensor(p))
-        return super().state_dict()
+        out = super().state_dict()
+        # torch packs the optimizer's own per-parameter dicts: an entry replaced in the returned
+        # state_dict would land in the live state, before any load could check it.
+        if isinstance(out, dict) and isinstance(out.get("state"), dict):
+            out = dict(out)
+            out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of OffloadAdamW or torch.optim.AdamW, all or nothing (optim/loading.py).
