@@ -465,3 +465,113 @@ def test_a_refused_load_leaves_the_optimizer_as_it_was(entry, dtype):
     opt.zero_grad()
     backward(model)
     opt.step()  # and it trains on
+
+
+# ----------------------------------------------------------------- copies and pickles of the optimizer
+
+
+def _copy_deepcopy(opt):
+    return copy.deepcopy(opt)
+
+
+def _copy_pickle(opt):
+    import pickle
+
+    return pickle.loads(pickle.dumps(opt))
+
+
+def _copy_torch_save(opt):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPIES = {"deepcopy": _copy_deepcopy, "pickle": _copy_pickle, "torch.save": _copy_torch_save}
+COPIED_CONFIGS = {
+    "plain-fp32": (torch.float32, {}),
+    "plain-bf16-options": (torch.bfloat16, {"max_grad_norm": 0.5, "nonfinite": "skip", "amsgrad": True}),
+    "for-loop-bf16": (torch.bfloat16, {"fused": False}),
+    "pipeline": (torch.bfloat16, {"transfer_pipeline": True, "bucket_bytes": 4096}),
+    "freed-gradients": (torch.float32, {"offload_gradients": True, "max_grad_norm": 1.0}),
+    "update-in-backward": (torch.bfloat16, {"offload_gradients": True, "update_in_backward": True}),
+}
+
+
+def _params_of(dtype: torch.dtype) -> list[nn.Parameter]:
+    return list(linear_model(dtype).parameters())
+
+
+def _forward_backward(params: list[torch.Tensor], step: int) -> None:
+    """The model as a function of the optimizer's own parameters, so that a copied optimizer is driven alike."""
+    w1, b1, w2, b2 = params
+    x = torch.linspace(-1, 1, 140).reshape(2, 70).to(w1.dtype) * (1 + step)
+    y = nn.functional.linear(nn.functional.linear(x, w1, b1).relu(), w2, b2)
+    y.float().square().mean().backward()
+
+
+def _train_steps(opt: torch.optim.Optimizer, steps) -> None:
+    params = opt.param_groups[0]["params"]
+    for step in steps:
+        opt.zero_grad()
+        _forward_backward(params, step)
+        opt.step()
+
+
+_PIPELINED = ("pipeline", "freed-gradients", "update-in-backward")
+# Pickling a Parameter pickles its __dict__, where the transfer pipeline leaves a weakref naming its owner
+# (accel/pipeline.py, _OWNER_ATTR), and a weakref does not pickle: torch.save(model) fails alike (issue 28).
+# The pipeline's to change; strict, so that the fix shows here.
+_WEAKREF_ON_PARAMS = pytest.mark.xfail(raises=TypeError, strict=True,
+                                       reason="the transfer pipeline leaves a weakref on each parameter (accel/pipeline.py)")
+
+
+def _copy_cases():
+    for how in COPIES:
+        for config in COPIED_CONFIGS:
+            marks = [_WEAKREF_ON_PARAMS] if how != "deepcopy" and config in _PIPELINED else []
+            yield pytest.param(how, config, id=f"{how}-{config}", marks=marks)
+
+
+@pytest.mark.parametrize("how,config", list(_copy_cases()))
+def test_a_copied_optimizer_steps_exactly_like_the_original(how, config):
+    """A copy (deepcopy, pickle, torch.save) made between steps is an optimizer of its own, with copies of
+    the parameters as torch's; both go on exactly as an optimizer never copied, with the same options."""
+    dtype, options = COPIED_CONFIGS[config]
+    original = OffloadAdamW(_params_of(dtype), lr=1e-2, **options)
+    untouched = OffloadAdamW(_params_of(dtype), lr=1e-2, **options)
+    for opt in (original, untouched):
+        _train_steps(opt, range(2))
+        opt.zero_grad()  # a step boundary (freed gradients are refused before it: the next test)
+    twin = COPIES[how](original)
+    assert type(twin) is OffloadAdamW
+    assert [p is q for p, q in zip(twin.param_groups[0]["params"], original.param_groups[0]["params"])] == [False] * 4
+    for name in ("nonfinite", "max_grad_norm", "skipped_steps", "offload_gradients", "update_in_backward"):
+        assert getattr(twin, name) == getattr(original, name), name
+    assert (twin.transfer_pipeline is None) == (original.transfer_pipeline is None)
+    assert twin.transfer_pipeline is not original.transfer_pipeline or twin.transfer_pipeline is None
+    for opt in (original, twin, untouched):
+        _train_steps(opt, range(2, 5))
+    for opt in (original, twin):
+        for i, (p, q) in enumerate(zip(opt.param_groups[0]["params"], untouched.param_groups[0]["params"])):
+            assert_same_values(p, q, f"parameter {i}")
+            for key, value in untouched.state[q].items():
+                assert_same_values(opt.state[p][key], value, f"parameter {i} {key}")
+
+
+def test_copying_between_backward_and_step_with_freed_gradients_is_refused():
+    """The gradients live in the pipeline's host buffers, which a copy does not take: refused, nothing changed."""
+    asked, untouched = (OffloadAdamW(_params_of(torch.float32), lr=1e-2, offload_gradients=True) for _ in range(2))
+    for opt in (asked, untouched):
+        _train_steps(opt, range(1))
+        _forward_backward(opt.param_groups[0]["params"], 1)
+    with pytest.raises(RuntimeError, match="step boundary"):
+        copy.deepcopy(asked)
+    for opt in (asked, untouched):
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(asked.param_groups[0]["params"], untouched.param_groups[0]["params"]):
+        assert_same_values(p, q, "parameter")
+    copy.deepcopy(asked)  # at the step boundary

@@ -109,6 +109,13 @@ class OffloadAdamW(torch.optim.Optimizer):
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
     from DDP's communication hook).
+
+    Copies: ``copy.deepcopy(opt)``, ``pickle`` and ``torch.save(opt)`` give, as for
+    torch's AdamW, an optimizer over copies of the parameters with copies of the
+    state and every option; a copy with the transfer pipeline builds its own from
+    the same options (attach a DDP model to it again). With ``offload_gradients``
+    copy at a step boundary (after ``step()`` and ``zero_grad()``): the gradients
+    held in the pipeline's host buffers are not copied, and a copy is refused.
     """
 
     def __init__(
@@ -198,7 +205,55 @@ class OffloadAdamW(torch.optim.Optimizer):
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
         self._pipeline: GradientPipeline | None = None
-        self._setup_pipeline(offload_gradients, transfer_pipeline, bucket_bytes, pin_memory, update_in_backward)
+        # Kept for a copy or an unpickled optimizer, which builds its own pipeline from them (__setstate__).
+        self._pipeline_options: dict[str, Any] = dict(
+            offload_gradients=offload_gradients, transfer_pipeline=transfer_pipeline, bucket_bytes=bucket_bytes,
+            pin_memory=pin_memory, update_in_backward=update_in_backward,
+        )
+        self._setup_pipeline(**self._pipeline_options)
+
+    # --------------------------------------------------------- copy and pickle
+
+    #: attributes of this class that a copy or a pickle carries, beside torch's defaults, state and groups
+    _COPIED_ATTRIBUTES = ("max_grad_norm", "last_grad_norm", "nonfinite", "skipped_steps", "_pin_memory", "_pipeline_options")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's (defaults, state, param_groups) and this class's options; the transfer pipeline is not
+        pickled (hooks, streams, threads): the copy builds its own from the same options.
+
+        Refused where a copy would lose gradients: between a backward and ``step()`` with device
+        gradients freed (they live in the pipeline's host buffers) or with updates already run in backward.
+        """
+        pipeline = self.__dict__.get("_pipeline")
+        if pipeline is not None:
+            pipeline.refuse_mid_step("be copied or pickled")
+            if pipeline.offload_gradients and any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                raise RuntimeError(
+                    "the optimizer cannot be copied or pickled while its gradients are held in the transfer "
+                    "pipeline's host buffers (offload_gradients=True, between backward and zero_grad()): a copy "
+                    "would not take them. Copy it at a step boundary, after step() and zero_grad()"
+                )
+        state = super().__getstate__()
+        state["offload_adamw"] = {name: self.__dict__[name] for name in self._COPIED_ATTRIBUTES if name in self.__dict__}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options = dict(state.pop("offload_adamw", {}))
+        super().__setstate__(state)
+        self.max_grad_norm = options.get("max_grad_norm")
+        self.last_grad_norm = options.get("last_grad_norm")
+        self.nonfinite = options.get("nonfinite", "propagate")
+        self.skipped_steps = options.get("skipped_steps", 0)
+        self._pin_memory = bool(options.get("_pin_memory", False))
+        self._pipeline_options = dict(options.get("_pipeline_options", {"transfer_pipeline": False,
+                                                                           "offload_gradients": False,
+                                                                           "bucket_bytes": 32 << 20,
+                                                                           "pin_memory": None}))
+        self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)  # torch keeps no hooks
+        self._pipeline = None
+        pin_memory = self._pin_memory
+        self._setup_pipeline(**self._pipeline_options)
+        self._pin_memory = pin_memory
 
     # ------------------------------------------------------------------ groups
 
