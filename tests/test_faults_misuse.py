@@ -575,3 +575,51 @@ def test_copying_between_backward_and_step_with_freed_gradients_is_refused():
     for p, q in zip(asked.param_groups[0]["params"], untouched.param_groups[0]["params"]):
         assert_same_values(p, q, "parameter")
     copy.deepcopy(asked)  # at the step boundary
+
+
+# ----------------------------------------------------------------- where the host state is pinned
+
+# (pin_memory, an accelerator present) -> pinned, or the refusal. Pinning pays only for asynchronous copies
+# and nothing copies the state so: the pipeline's own buffers carry the transfers, the plain step copies
+# synchronously. The decision is tested here; the pinning itself needs an accelerator.
+PIN_DECISIONS = [
+    (None, True, False),
+    (None, False, False),
+    (False, True, False),
+    (False, False, False),
+    (True, True, True),
+    (True, False, ValueError),
+]
+
+
+@pytest.mark.parametrize("pin_memory,accelerator,expected", PIN_DECISIONS)
+def test_the_state_is_pinned_only_when_asked(pin_memory, accelerator, expected):
+    from offload_adamw.optim.state import pins_state
+
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):
+            pins_state(pin_memory, accelerator=accelerator)
+    else:
+        assert pins_state(pin_memory, accelerator=accelerator) is expected
+
+
+@pytest.mark.parametrize("options", [{}, {"transfer_pipeline": True}], ids=["plain-step", "pipeline"])
+def test_with_cuda_present_the_default_pins_no_state(monkeypatch, options):
+    """The constructor's decision where CUDA is present (FSDP2 with kept gradients runs the plain step):
+    no state is pinned, so a step allocates it pageable (here, where pinning would fail, it simply runs)."""
+    from offload_adamw.optim import state as host_state
+
+    monkeypatch.setattr(host_state, "pinned_allocator_available", lambda: True)
+    model = linear_model(torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, **options)
+    backward(model)
+    opt.step()
+    assert opt.pinned_bytes() == 0
+    assert not any(t.is_pinned() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+
+
+def test_pin_memory_true_without_an_accelerator_is_refused_at_construction():
+    if torch.cuda.is_available():
+        pytest.skip("an accelerator is present")
+    with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):
+        OffloadAdamW(linear_model(torch.float32).parameters(), pin_memory=True)

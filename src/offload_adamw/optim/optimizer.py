@@ -65,8 +65,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     Keyword-only options of this class:
 
-    * ``pin_memory`` (default: whether CUDA is available) places the host state
-      in page-locked memory so that transfers can run asynchronously.
+    * ``pin_memory`` (default None: not pinned) places the host state in
+      page-locked memory. The state is pinned only where it is asked for
+      (``pin_memory=True``): nothing copies the state asynchronously (the transfer
+      pipeline carries every transfer through its own exactly-sized pinned
+      buffers; the plain step, e.g. FSDP2 with kept gradients, copies
+      synchronously), and torch's pinned allocator rounds each tensor up to a
+      power of two. ``pin_memory=True`` without an accelerator is refused here
+      (optim/state.py, ``pins_state``).
     * ``nonfinite``: what a step does when a gradient holds inf or NaN.
       ``"propagate"`` (default, as torch.optim.AdamW) applies the update and the
       non-finite values spread into the state; ``"skip"`` skips the whole step
@@ -88,8 +94,8 @@ class OffloadAdamW(torch.optim.Optimizer):
       gradients go to exactly-sized pinned host buffers during backward, the step
       runs bucket by bucket (``bucket_bytes`` of gradient each) and parameters
       return non-blocking (accel/pipeline.py). ``True`` with CPU parameters runs the
-      same pipeline with the CPU as device. With the pipeline the state is not
-      pinned unless ``pin_memory=True``: the pipeline's buffers carry the transfers.
+      same pipeline with the CPU as device. The state is not pinned unless
+      ``pin_memory=True``: the pipeline's buffers carry the transfers.
     * ``compiled_kernel``: deprecated and without effect (accepted with a
       DeprecationWarning): the default host step is the one loop it used to
       opt into, now compiled by numba without a C++ compiler (kernels/numba_loop.py).
@@ -180,7 +186,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite = nonfinite
         self.skipped_steps = 0
-        self._pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._pin_memory = host_state.pins_state(pin_memory, accelerator=host_state.pinned_allocator_available())
         if compiled_kernel:
             warnings.warn(
                 "OffloadAdamW(compiled_kernel=True) is deprecated and has no effect: the default host step "

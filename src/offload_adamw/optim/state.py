@@ -32,6 +32,8 @@ __all__ = [
     "host_zeros_like",
     "host_copy",
     "layout_of",
+    "pinned_allocator_available",
+    "pins_state",
     "relayout_like",
     "is_own_master",
     "new_state",
@@ -111,6 +113,33 @@ def follow_parameter_edits_(state: dict[str, Any], p: Tensor) -> None:
     master = state.get(MASTER_KEY)
     if master is not None and p.device.type == "cpu" and master.shape == p.shape and not is_own_master(p):
         take_model_edits_(master, p.detach())
+
+
+def pinned_allocator_available() -> bool:
+    """Whether this process can page-lock host memory (an accelerator backend is present)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def pins_state(pin_memory: bool | None, *, accelerator: bool) -> bool:
+    """Whether the host state is page-locked: exactly when ``pin_memory=True`` was asked for.
+
+    Pinning pays only for asynchronous copies, and nothing copies the state asynchronously: the
+    transfer pipeline's own exactly-sized pinned buffers carry the gradients and the parameter
+    copies, and the plain step copies synchronously. Pinned by default, the whole state would go
+    through torch's pinned allocator, which rounds every tensor up to a power of two of locked
+    memory. ``pin_memory=True`` where no accelerator can pin is refused (ValueError).
+    """
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise ValueError(f"pin_memory must be True, False or None, got {pin_memory!r}")
+    if pin_memory and not accelerator:
+        raise ValueError(
+            "pin_memory=True needs an accelerator (CUDA or another torch.accelerator backend): page-locked host "
+            "memory only serves copies to one; use pin_memory=False or leave it unset"
+        )
+    return bool(pin_memory)
 
 
 def stored_master(state: dict[str, Any], p: Tensor) -> Tensor:
