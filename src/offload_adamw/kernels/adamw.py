@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,8 +69,14 @@ class StepHyper:
     """Ascend instead of descend (negates the gradient)."""
 
 
-def _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, take_model_edits,
-                 amsgrad) -> None:
+#: the tensors of one list argument of the kernels, and the model copies (None: no copy for that tensor)
+Tensors = Sequence[Tensor]
+ModelCopies = Sequence[Tensor | None] | None
+
+
+def _check_lists(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
+                 steps: Tensors, model_params: ModelCopies, take_model_edits: Sequence[bool] | None,
+                 amsgrad: bool) -> None:
     n = len(masters)
     lengths = {
         "grads": len(grads),
@@ -97,19 +104,21 @@ def _widen(grad: Tensor, dtype: torch.dtype) -> Tensor:
     return grad if grad.dtype == dtype else grad.to(dtype)
 
 
-def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, take_model_edits,
+def _for_loop_impl(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
+                   steps: Tensors, model_params: ModelCopies, take_model_edits: Sequence[bool] | None,
                    hp: StepHyper) -> None:
     # A tensor lr stays a (float32) tensor, as in torch: lr*wd and lr/c1 are then rounded to float32.
     lr = hp.lr
     for i, theta in enumerate(masters):
-        if take_model_edits is not None and take_model_edits[i]:
-            take_model_edits_(theta, model_params[i])  # the update starts from the edited parameter
+        out = model_params[i] if model_params is not None else None
+        if take_model_edits is not None and take_model_edits[i] and out is not None:
+            take_model_edits_(theta, out)  # the update starts from the edited parameter
         grad = _widen(grads[i], theta.dtype)
         if hp.maximize:
             grad = -grad
         exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
 
-        steps[i] += 1
+        steps[i].add_(1)
         t = steps[i].item()
 
         # Decoupled decay, applied to the pre-update value (docs/contract.md#decay-order).
@@ -130,13 +139,16 @@ def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
             denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(hp.eps)
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hp.eps)
-        theta.addcdiv_(exp_avg, denom, value=-step_size)
+        # With a tensor lr the step size is a 0-dim tensor, which torch's own loop passes as the value too.
+        value: Any = -step_size
+        theta.addcdiv_(exp_avg, denom, value=value)
 
-        if model_params is not None and model_params[i] is not None:
-            model_params[i].copy_(theta)
+        if out is not None:
+            out.copy_(theta)
 
 
-def _blocked_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, take_model_edits,
+def _blocked_impl(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
+                  steps: Tensors, model_params: ModelCopies, take_model_edits: Sequence[bool] | None,
                   hp: StepHyper) -> None:
     # float32/float64 tensors without casts: torch's fused op over the whole list, exactly
     # as torch.optim.AdamW(fused=True). Mixed-dtype tensors: the same arithmetic in one

@@ -154,7 +154,7 @@ def _chunk_buffer(dtype: torch.dtype, elements: int) -> Tensor:
     return buf
 
 
-def _fused_kwargs(hp) -> dict:
+def _fused_kwargs(hp: Any) -> dict[str, Any]:
     return dict(
         lr=hp.lr,
         beta1=hp.beta1,
@@ -166,7 +166,9 @@ def _fused_kwargs(hp) -> dict:
     )
 
 
-def _is_blockable(i, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, amsgrad) -> bool:
+def _is_blockable(i: int, masters: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                  exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
+                  model_params: Sequence[Tensor | None] | None, amsgrad: bool) -> bool:
     tensors = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i]]
     if amsgrad:
         tensors.append(max_exp_avg_sqs[i])
@@ -174,10 +176,6 @@ def _is_blockable(i, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mod
     if out is not None:
         tensors.append(out)
     return all(t.device.type == "cpu" for t in tensors)
-
-
-def _chunk_ranges(numel: int, chunk: int):
-    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
 
 
 def _chunk_loop(
@@ -247,10 +245,10 @@ def _chunk_loop(
 
 
 _script_lock = threading.Lock()
-_script_state: dict = {}
+_script_state: dict[str, Any] = {}
 
 
-def _self_test(fn) -> bool:
+def _self_test(fn: Callable[..., Any]) -> bool:
     """Does ``fn`` compute the Python loop's bits (widen, no model copy, amsgrad, model copy, edits taken)?"""
     gen = torch.Generator().manual_seed(0)
     results: list[list[Tensor | None]] = []
@@ -275,7 +273,7 @@ def _self_test(fn) -> bool:
     return all(torch.equal(x, y) for x, y in zip(*results))
 
 
-def _loop_function(scripted: bool):
+def _loop_function(scripted: bool) -> Callable[..., Any]:
     """The chunk loop: TorchScript-compiled once per process when possible, else the Python function.
 
     Why TorchScript: its interpreter runs the whole loop without the GIL, so two worker
@@ -306,10 +304,11 @@ def _loop_function(scripted: bool):
             except Exception as exc:  # no source file, TorchScript removed or broken: Python loop
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             _script_state.update(loop=loop, seconds=time.perf_counter() - start, fallback_reason=reason)
-        return _script_state["loop"]
+        loop_function: Callable[..., Any] = _script_state["loop"]
+        return loop_function
 
 
-def chunk_loop_status() -> dict:
+def chunk_loop_status() -> dict[str, Any]:
     """How the chunk loop runs in this process: ``scripted`` (bool), ``compile_seconds``
     (the one-off TorchScript compilation and self-test), ``fallback_reason`` (None when scripted)."""
     _loop_function(True)
@@ -351,7 +350,7 @@ def _get_pool(size: int) -> ThreadPoolExecutor:
             pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="offload-adamw")
             barrier = threading.Barrier(size)
 
-            def init():
+            def init() -> None:
                 _single_threaded_worker_init()
                 barrier.wait()  # every worker runs init exactly once
 
@@ -541,7 +540,9 @@ def _aligned_adamw_(
         f.result()
 
 
-def naive_mixed_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp) -> None:
+def naive_mixed_adamw_(masters: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                       exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor],
+                       model_params: Sequence[Tensor | None] | None, hp: Any) -> None:
     """The three-pass way (widen every gradient, one fused step, narrow every master): the baseline."""
     kwargs = _fused_kwargs(hp)
     torch._foreach_add_(list(steps), 1)

@@ -65,6 +65,7 @@ Zen 4); elsewhere the self-test decides.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import os
 import platform
@@ -102,6 +103,13 @@ carray: Any
 njit: Any
 _f32_at: Any
 _u16_at: Any
+_fma: Any
+_bf16_to_f32: Any
+_f32_to_bf16: Any
+_f16_to_f32: Any
+_f32_to_f16: Any
+_stream_line: Any
+_store_fence: Any
 # dtype -> the kind code the kernels are specialised on
 _KIND = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 #: Streaming (non-temporal) stores of the model copy: x86-64 only (an sfence orders them).
@@ -113,7 +121,7 @@ _SCALAR_COLUMNS = 7  # decay, lerp coefficient, 1 - beta2, beta2, sqrt(bias corr
 
 # --------------------------------------------------------------- numba pieces
 
-_numba_state: dict = {}
+_numba_state: dict[str, Any] = {}
 _numba_lock = threading.Lock()
 
 
@@ -128,23 +136,27 @@ def _load_numba() -> str | None:
                 _numba_state["error"] = None
             except Exception as exc:  # not installed, or an install that does not import
                 _numba_state["error"] = f"numba is not available ({type(exc).__name__}: {exc})".splitlines()[0][:300]
-        return _numba_state["error"]
+        error: str | None = _numba_state["error"]
+        return error
 
 
 def _define_numba_pieces() -> None:
     global np, carray, njit, _f32_at, _u16_at, _fma, _bf16_to_f32, _f32_to_bf16, _stream_line, _store_fence
     global _f16_to_f32, _f32_to_f16
     import numpy as np
-    from llvmlite import ir as llvm_ir
-    from numba import carray, njit, types
-    from numba.extending import intrinsic
 
-    def _pointer_intrinsic(element):
+    # numba and llvmlite as untyped modules: their pieces are used only to build the loop
+    llvm_ir: Any = importlib.import_module("llvmlite.ir")
+    numba: Any = importlib.import_module("numba")
+    intrinsic: Callable[[Callable[..., Any]], Any] = importlib.import_module("numba.extending").intrinsic
+    carray, njit, types = numba.carray, numba.njit, numba.types
+
+    def _pointer_intrinsic(element: Any) -> Any:
         @intrinsic
-        def pointer(typingctx, address):
+        def pointer(typingctx: Any, address: Any) -> Any:
             sig = types.CPointer(element)(types.int64)
 
-            def codegen(context, builder, signature, args):
+            def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
                 return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
             return sig, codegen
@@ -155,31 +167,31 @@ def _define_numba_pieces() -> None:
     _u16_at = _pointer_intrinsic(types.uint16)
 
     @intrinsic
-    def _fma(typingctx, a, b, c):
+    def _fma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
         """a * b + c rounded once (llvm.fma.f32; never split into a product and a sum)."""
         sig = types.float32(types.float32, types.float32, types.float32)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             return builder.fma(*args)
 
         return sig, codegen
 
     @intrinsic
-    def _bf16_to_f32(typingctx, bits):
+    def _bf16_to_f32(typingctx: Any, bits: Any) -> Any:
         sig = types.float32(types.uint16)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             wide = builder.shl(builder.zext(args[0], llvm_ir.IntType(32)), llvm_ir.Constant(llvm_ir.IntType(32), 16))
             return builder.bitcast(wide, llvm_ir.FloatType())
 
         return sig, codegen
 
     @intrinsic
-    def _f32_to_bf16(typingctx, value):
+    def _f32_to_bf16(typingctx: Any, value: Any) -> Any:
         """Round to nearest even on the float32 bits; NaN -> 0xFFFF (torch's vectorized cast)."""
         sig = types.uint16(types.float32)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             i32 = llvm_ir.IntType(32)
             bits = builder.bitcast(args[0], i32)
             lsb = builder.and_(builder.lshr(bits, llvm_ir.Constant(i32, 16)), llvm_ir.Constant(i32, 1))
@@ -192,11 +204,11 @@ def _define_numba_pieces() -> None:
         return sig, codegen
 
     @intrinsic
-    def _stream_line(typingctx, destination, source):
+    def _stream_line(typingctx: Any, destination: Any, source: Any) -> Any:
         """Copy one 64-byte line from ``source`` to the 64-byte aligned ``destination``, bypassing the cache."""
         sig = types.void(types.int64, types.intp)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             line = llvm_ir.VectorType(llvm_ir.IntType(32), 16)
             src = builder.inttoptr(args[1], line.as_pointer())
             dst = builder.inttoptr(args[0], line.as_pointer())
@@ -208,10 +220,10 @@ def _define_numba_pieces() -> None:
         return sig, codegen
 
     @intrinsic
-    def _store_fence(typingctx):
+    def _store_fence(typingctx: Any) -> Any:
         sig = types.void()
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             fn = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=llvm_ir.FunctionType(llvm_ir.VoidType(), []))
             builder.call(fn, [])
             return context.get_dummy_value()
@@ -219,26 +231,26 @@ def _define_numba_pieces() -> None:
         return sig, codegen
 
     @intrinsic
-    def _f16_to_f32(typingctx, bits):
+    def _f16_to_f32(typingctx: Any, bits: Any) -> Any:
         sig = types.float32(types.uint16)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             return builder.fpext(builder.bitcast(args[0], llvm_ir.HalfType()), llvm_ir.FloatType())
 
         return sig, codegen
 
     @intrinsic
-    def _f32_to_f16(typingctx, value):
+    def _f32_to_f16(typingctx: Any, value: Any) -> Any:
         sig = types.uint16(types.float32)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             return builder.bitcast(builder.fptrunc(args[0], llvm_ir.HalfType()), llvm_ir.IntType(16))
 
         return sig, codegen
 
 
 def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: bool, lerp_small: bool, cache: bool,
-                 contract_v: bool = True, follow: bool = False):
+                 contract_v: bool = True, follow: bool = False) -> Any:
     """The loop of one variant, compiled by numba at its first call.
 
     ``work`` rows: addresses of master, gradient, m, v, max v, model copy (each at the
@@ -253,7 +265,7 @@ def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: 
     streaming = _STREAMING
     out_f32 = out_kind == "f32"
 
-    def kernel(work, scalars):
+    def kernel(work: Any, scalars: Any) -> int:
         # The model copy of each block of 32 elements is written to a small buffer first and
         # then, where the destination is 64-byte aligned, streamed to memory whole cache lines
         # at a time: a plain store would first read every line of the copy (2 or 4 more bytes
@@ -387,7 +399,9 @@ class _Variant:
     follow: bool = False
 
     def name(self) -> str:
-        short = lambda d: "none" if d is None else str(d).replace("torch.", "")  # noqa: E731
+        def short(d: torch.dtype | None) -> str:
+            return "none" if d is None else str(d).replace("torch.", "")
+
         return (
             f"grad={short(self.grad_dtype)},out={short(self.out_dtype)},amsgrad={self.amsgrad},"
             f"maximize={self.maximize},lerp={'small' if self.lerp_small else 'large'},"
@@ -419,8 +433,8 @@ def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float64, device=_CPU).to(torch.float32).item()
 
 
-def variant_key(grad_dtype, out_dtype, amsgrad: bool, maximize: bool, beta1: float, tensor_lr: bool = False,
-                follow: bool = False) -> _Variant:
+def variant_key(grad_dtype: torch.dtype, out_dtype: torch.dtype | None, amsgrad: bool, maximize: bool, beta1: float,
+                tensor_lr: bool = False, follow: bool = False) -> _Variant:
     """The loop variant a tensor and its group's options need."""
     return _Variant(grad_dtype, out_dtype, bool(amsgrad), bool(maximize), abs(_f32(1 - beta1)) < 0.5, bool(tensor_lr),
                     bool(follow))
@@ -495,7 +509,7 @@ class _Entry:
         self.seconds = time.perf_counter() - start
 
 
-def _self_test(kernel, variant: _Variant) -> str | None:
+def _self_test(kernel: Callable[..., Any], variant: _Variant) -> str | None:
     """Run the loop and torch's fused op on the same data; None when all bits agree, else what differed.
 
     64 Ki elements over seven decades of magnitude, with exact zeros, -0.0, subnormal
@@ -581,7 +595,7 @@ def _self_test(kernel, variant: _Variant) -> str | None:
 
 _lock = threading.Lock()
 _variants: dict[_Variant, _Entry] = {}
-_warned: set = set()
+_warned: set[_Variant] = set()
 
 
 def _forget_lock_after_fork() -> None:
@@ -622,7 +636,7 @@ def _get(variant: _Variant) -> _Entry:
     return entry
 
 
-def numba_kernel_status() -> list[dict]:
+def numba_kernel_status() -> list[dict[str, Any]]:
     """Each variant built so far in this process: name, usable, compile (and self-test) seconds,
     reason, and the CPU capability torch dispatches its kernels to (the self-test's ground)."""
     capability = torch.backends.cpu.get_cpu_capability()
@@ -634,7 +648,7 @@ def numba_kernel_status() -> list[dict]:
         ]
 
 
-def compiled_kernel_status() -> list[dict]:
+def compiled_kernel_status() -> list[dict[str, Any]]:
     """Deprecated name of :func:`numba_kernel_status` (the torch.compile loop it reported on is gone:
     the numba loop is the default and as fast)."""
     warnings.warn("offload_adamw.compiled_kernel_status() is deprecated; use numba_kernel_status()",
@@ -655,7 +669,7 @@ def plan(
     max_exp_avg_sqs: Sequence[Tensor],
     steps: Sequence[Tensor],
     model_params: Sequence[Tensor | None] | None,
-    hp,
+    hp: Any,
     indices: Sequence[int],
     *,
     workers: int,
@@ -677,10 +691,10 @@ def plan(
     lr = float(hp.lr.item()) if tensor_lr else float(hp.lr)  # torch's tensor-lr overload reads it as a double
     hyper = (lr, float(hp.beta1), float(hp.beta2), float(hp.weight_decay), float(hp.eps))
     options = (bool(hp.amsgrad), bool(hp.maximize), abs(_f32(1 - hyper[1])) < 0.5, tensor_lr)
-    entries: dict[tuple, _Entry | None] = {}  # (grad dtype, out dtype, edits taken) -> the variant's entry
+    entries: dict[tuple[Any, ...], _Entry | None] = {}  # (grad dtype, out dtype, edits taken) -> the variant's entry
     scalar_rows: dict[float, int] = {}
     scalars: list[tuple[float, ...]] = []
-    pieces: dict[tuple, list[tuple[int, int, int]]] = {}  # (grad, out dtype, edits) -> [(tensor, elements, scalar row)]
+    pieces: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}  # (grad, out dtype, edits) -> [(tensor, elements, scalar row)]
     for i in indices:
         master = masters[i]
         n = master.numel()

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._compile import _disable_dynamo
 from torch.optim.optimizer import ParamsT
 
 from offload_adamw.accel import ddp as _ddp
@@ -545,7 +546,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------------- step
 
     # torch.compile(opt.step) runs the step eager: host state, pinned buffers and streams are no graph's business.
-    @torch._disable_dynamo  # imports torch._dynamo at the first step, not at import (torch's optimizers do the same)
+    @_disable_dynamo  # imports torch._dynamo at the first step, not at import (torch's optimizers do the same)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW update of every parameter that has a gradient (docs/contract.md#what-each-input-does)."""

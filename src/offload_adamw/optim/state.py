@@ -16,7 +16,7 @@ was created) is laid out anew by :func:`relayout_like`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -144,7 +144,7 @@ def pins_state(pin_memory: bool | None, *, accelerator: bool) -> bool:
 
 def stored_master(state: dict[str, Any], p: Tensor) -> Tensor:
     """The tensor the update writes: the stored master, or ``p`` itself when it is its own master."""
-    return state.get(MASTER_KEY, p)
+    return cast(Tensor, state.get(MASTER_KEY, p))
 
 
 def state_tensor_bytes(optimizer: torch.optim.Optimizer, *, host_only: bool = False) -> int:
