@@ -8,6 +8,15 @@ properties they must keep:
 * non-contiguous parameters (channels_last convolutions, transposed views, strided slices) x
   gradient layouts x dtypes x kernels: results independent of the layout, state laid out like the
   parameter (as ``torch.zeros_like``), state_dicts interchangeable with torch's in both directions;
+* a model cast after some steps (``model.float()`` of a bf16 model, ...) x kernels: refused at the
+  next step as torch refuses it, before any change, and the remedy it names works;
+* edits of a low-precision parameter between steps (``load_state_dict``, ``clamp_``, a pruning mask,
+  ``.data`` writes, ``copy_``) x dtypes x paths: the next update starts from the edited parameter,
+  element by element, also through a state_dict or a checkpoint saved after the edit;
+* invalid entries put into ``opt.state_dict()`` and loaded: refused, the live state untouched;
+* ``copy.deepcopy``, pickle and ``torch.save`` of the optimizer x configurations: a copy that steps
+  exactly as an optimizer never copied, the original unaffected;
+* where the host state is pinned: only when asked.
 """
 
 from __future__ import annotations
