@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from _fault_worker import Net, build, train
 from _parity import assert_same_snapshot
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
-from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, store
+from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, codec, publication
 
 
 def snapshot(model, optimizer, scheduler) -> dict:
@@ -249,7 +249,7 @@ def _fake_temporary(parent: Path, name: str, files=("model.safetensors", "COMMIT
 def test_clean_up_removes_only_what_this_machine_provably_abandoned(tmp_path):
     model, optimizer, scheduler = build()
     dead = _dead_pid()
-    me = store._owner()
+    me = publication.owner()
     other_host = "0123456789abcdef" if me != "0123456789abcdef" else "fedcba9876543210"
     abandoned = _fake_temporary(tmp_path, f".c.tmp-{me}-{dead}-deadbeef")
     foreign = _fake_temporary(tmp_path, f".c.tmp-{other_host}-{dead}-deadbeef")  # another host's save in progress
@@ -265,7 +265,7 @@ def test_clean_up_removes_a_save_killed_inside_safetensors_write(tmp_path):
     """safetensors writes each file through a temporary beside it (".tmp" and 6 characters); a kill during
     that write leaves it in the save's directory, which is still this machine's abandoned save."""
     model, optimizer, scheduler = build()
-    killed = _fake_temporary(tmp_path, f".c.tmp-{store._owner()}-{_dead_pid()}-deadbeef",
+    killed = _fake_temporary(tmp_path, f".c.tmp-{publication.owner()}-{_dead_pid()}-deadbeef",
                              files=("model.safetensors", ".tmpGK2aFn"))
     checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
     assert not killed.exists()
@@ -273,7 +273,7 @@ def test_clean_up_removes_a_save_killed_inside_safetensors_write(tmp_path):
 
 def test_clean_up_spares_a_temporary_whose_lock_is_held(tmp_path):
     model, optimizer, scheduler = build()
-    locked = _fake_temporary(tmp_path, f".c.tmp-{store._owner()}-{_dead_pid()}-deadbeef")
+    locked = _fake_temporary(tmp_path, f".c.tmp-{publication.owner()}-{_dead_pid()}-deadbeef")
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
          "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)", str(locked)],
@@ -296,7 +296,7 @@ def test_kept_previous_checkpoint_is_found_by_load_latest_and_resolve(tmp_path, 
     model, optimizer, scheduler = build()
     train(model, optimizer, scheduler, 1)
     final = checkpoint.save(tmp_path / "c", model, optimizer, scheduler, step=1)
-    previous = final.with_name(f".c.prev-{store._owner()}-{_dead_pid()}-deadbeef")  # the killed writer's name
+    previous = final.with_name(f".c.prev-{publication.owner()}-{_dead_pid()}-deadbeef")  # the killed writer's name
     os.rename(final, previous)
     assert checkpoint.resolve(final) == previous
     with warnings.catch_warnings():
@@ -448,5 +448,5 @@ def _same_value(a, b) -> bool:
 def test_extra_round_trips_whatever_its_keys(value):
     """Keys with "/" and "%" in any nesting: every tensor is stored under its own name and comes back in its place."""
     tensors: dict[str, torch.Tensor] = {}
-    encoded = store._encode(value, tensors, "extra")
-    assert _same_value(store._decode(json.loads(json.dumps(encoded)), tensors, "meta.json: extra"), value)
+    encoded = codec.encode(value, tensors, "extra")
+    assert _same_value(codec.decode(json.loads(json.dumps(encoded)), tensors, "meta.json: extra"), value)

@@ -230,3 +230,96 @@ def test_updates_during_backward_with_the_for_loop_kernel_are_torchs_single_tens
             opt.zero_grad()
     assert _same(ref, model)
     assert all(float(s["step"]) == 4 for s in ours.state.values())
+
+
+# ------------------------------------------------------------- edits of a device parameter between steps
+
+import test_faults_misuse as misuse  # noqa: E402
+
+DEVICE_EDITS = ["load_state_dict", "clamp_", "pruning-mask", "copy_"]  # what moves the version counter
+DEVICE_PATHS = {"kept": {"transfer_pipeline": True}, "freed": {"offload_gradients": True},
+                "update_in_backward": {"offload_gradients": True, "update_in_backward": True, "bucket_bytes": 1}}
+
+
+@pytest.mark.parametrize("path", DEVICE_PATHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("edit", DEVICE_EDITS)
+def test_an_edit_of_a_device_parameter_is_what_the_next_update_starts_from(edit, dtype, path, standin_device) -> None:
+    """On the stand-in device every parameter is a device parameter with a host master: an edit between steps is read
+    back and the master follows it element by element, as on the host (tests/test_faults_misuse.py's rule)."""
+    model = misuse.linear_model(misuse.DTYPES[dtype])
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **DEVICE_PATHS[path])
+    params = list(model.parameters())
+    ref_params = [nn.Parameter(p.detach().float().clone()) for p in params]  # a copy also of a float32 parameter
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(5):
+        if step == 3:
+            misuse.EDITS[edit](model)
+            for p, q in zip(params, ref_params):
+                q.data.copy_(misuse.followed(q.detach(), p))
+        opt.zero_grad()
+        misuse.backward(model)
+        for p, q in zip(params, ref_params):
+            g = p.grad if path == "kept" else None
+            q.grad = (g if g is not None else _host_gradient(opt, p)).detach().float().clone()
+        opt.step()
+        ref.step()
+    for i, (p, q) in enumerate(zip(params, ref_params)):
+        assert same_bits(p.detach(), q.detach().to(p.dtype)), f"parameter {i}"
+
+
+def _host_gradient(opt: OffloadAdamW, p: torch.Tensor) -> torch.Tensor:
+    if opt.update_in_backward:  # read before the step: the host buffer the update used (no other way to ask)
+        slot = opt.transfer_pipeline.slots[p]
+        slot.complete()
+        return slot.host_grad
+    return opt.gradient(p)
+
+
+# ------------------------------------------------------------------ non-contiguous parameters on the pipeline
+
+PIPELINE_MODES = {"kept": {"transfer_pipeline": True}, "freed": {"offload_gradients": True}}
+
+
+@pytest.mark.parametrize("device", ["cpu", "standin"])
+@pytest.mark.parametrize("mode", PIPELINE_MODES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["conv-channels-last", "transposed-view"])
+def test_non_contiguous_parameters_on_the_pipeline_step_as_the_plain_step(layout, dtype, mode, device, request) -> None:
+    """The pipeline's host buffers are laid out like the parameter: the same bits as the plain step (itself held to
+    torch's fused AdamW on the same layouts by tests/test_faults_misuse.py), a gradient set by hand contiguous too."""
+    if device == "standin":
+        request.getfixturevalue("standin_device")
+    params = misuse.LAYOUTS[layout](misuse.DTYPES[dtype])
+    ref_params = misuse.dense_copies(params)
+    ours = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, **PIPELINE_MODES[mode])
+    ref = OffloadAdamW(ref_params, lr=1e-2, weight_decay=0.1)  # the plain step: no pipeline, host parameters
+    for grad_layout in ("like-param", "contiguous"):
+        misuse.train(ours, params, grad_layout, steps=range(3))
+        misuse.train(ref, ref_params, "like-param", steps=range(3))
+        for i, (p, q) in enumerate(zip(params, ref_params)):
+            assert same_bits(p.detach(), q.detach()), f"parameter {i} after {grad_layout} gradients"
+            assert same_bits(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"]), f"exp_avg_sq {i}"
+        assert ours.host_buffer_bytes()["gradients"] == sum(p.numel() * p.element_size() for p in params)
+        for p in params:
+            slot = ours.transfer_pipeline.slots[p]
+            assert slot.host_grad.stride() == torch.empty_like(p).stride(), "the host buffer is laid out like the parameter"
+
+
+@pytest.mark.parametrize("device", ["cpu", "standin"])
+def test_a_channels_last_convnet_with_updates_during_backward_equals_torch_fused(device, request) -> None:
+    if device == "standin":
+        request.getfixturevalue("standin_device")
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    model = copy.deepcopy(ref)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_gradients=True, update_in_backward=True,
+                        bucket_bytes=1)
+    for step in range(4):
+        x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(step)).to(memory_format=torch.channels_last)
+        for net, opt in ((ref, theirs), (model, ours)):
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert _same(ref, model)

@@ -322,3 +322,167 @@ def test_chunk_loop_is_compiled_here_and_falls_back_where_torchscript_is_off():
     blocked_adamw_(m, g, [torch.zeros(1000)], [torch.zeros(1000)], [], [torch.zeros(())], out, hp,
                    config=BlockConfig(chunk_elements=128, threads=2, numba_loop=False))
     assert torch.equal(torch.tensor(child["out"]), out[0].float())
+
+
+# Elements pair by index whatever the strides (kernels/layout.py). Each role's tensor is given its
+# own layout; the result must be torch's on a parameter laid out as torch.zeros_like lays out the
+# master (its layout decides which elements torch's scalar tail computes), fed gradients of that
+# layout. 3*5*7*11 = 1155 elements: the numba loop's 64-element multiple, a ragged tail and, for
+# the chunk variants, several chunks.
+STRIDED_SHAPE = (3, 5, 7, 11)
+STRIDE_LAYOUTS = {
+    "contiguous": lambda t: t.contiguous(),
+    "channels-last": lambda t: t.contiguous(memory_format=torch.channels_last),
+    "transposed": lambda t: t.transpose(1, 3).contiguous().transpose(1, 3),
+    "strided": lambda t: torch.empty((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype)[..., ::2].copy_(t),
+}
+# role -> layout, for master, gradient, moments (m, v, max v) and model copy
+STRIDE_CASES = {
+    "all-channels-last": dict(master="channels-last", grad="channels-last", state="channels-last", model="channels-last"),
+    "contiguous-grad": dict(master="channels-last", grad="contiguous", state="channels-last", model="channels-last"),
+    "contiguous-state": dict(master="channels-last", grad="channels-last", state="contiguous", model="channels-last"),
+    "contiguous-master": dict(master="contiguous", grad="channels-last", state="transposed", model="channels-last"),
+    "model-copy-transposed": dict(master="channels-last", grad="channels-last", state="channels-last", model="transposed"),
+    "strided-master": dict(master="strided", grad="transposed", state="strided", model="contiguous"),
+    "all-different": dict(master="transposed", grad="strided", state="channels-last", model="contiguous"),
+}
+
+
+def _run_strided(case, model_dtype, impl, config, amsgrad):
+    gen = torch.Generator().manual_seed(7)
+    master_dtype = torch.float64 if model_dtype == torch.float64 else torch.float32
+    mixed = model_dtype != master_dtype
+    lay = {role: STRIDE_LAYOUTS[name] for role, name in STRIDE_CASES[case].items()}
+    start = torch.randn(STRIDED_SHAPE, generator=gen, dtype=torch.float64).to(model_dtype).to(master_dtype)
+    grads = [torch.randn(STRIDED_SHAPE, generator=gen, dtype=torch.float64).to(model_dtype) for _ in range(STEPS)]
+    hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=amsgrad)
+    master = lay["master"](start.clone())
+    m, v, mv = (lay["state"](torch.zeros(STRIDED_SHAPE, dtype=master_dtype)) for _ in range(3))
+    out = lay["model"](torch.zeros(STRIDED_SHAPE, dtype=model_dtype)) if mixed else None
+    step = torch.zeros(())
+    for g in grads:
+        args = ([master], [lay["grad"](g.clone())], [m], [v], [mv] if amsgrad else [], [step])
+        if config is None:
+            adamw_update_(*args, hp, model_params=None if out is None else [out], impl=impl)
+        else:
+            blocked_adamw_(*args, None if out is None else [out], hp, config=config)
+    ours = dict(master=[master], exp_avg=[m], exp_avg_sq=[v], max_exp_avg_sq=[mv] if amsgrad else [], step=[step],
+                model=None if out is None else [out])
+
+    p = torch.nn.Parameter(torch.empty_like(lay["master"](start.clone())).copy_(start))
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, amsgrad=amsgrad,
+                            **(dict(fused=True) if impl == "blocked" else dict(foreach=False, fused=False)))
+    for g in grads:
+        p.grad = torch.empty_like(p).copy_(g)
+        opt.step()
+    s = opt.state[p]
+    ref = dict(master=[p.detach()], exp_avg=[s["exp_avg"]], exp_avg_sq=[s["exp_avg_sq"]],
+               max_exp_avg_sq=[s["max_exp_avg_sq"]] if amsgrad else [], step=[s["step"]],
+               model=[p.detach().to(model_dtype)] if mixed else None)
+    return ours, ref
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
+@pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["default", "numba-threads2", "chunk64", "python-loop-threads2-chunk128", "for_loop"])
+@pytest.mark.parametrize("case", STRIDE_CASES)
+def test_elements_pair_by_index_whatever_the_strides(case, variant, dtype, amsgrad):
+    impl = "for_loop" if variant == "for_loop" else "blocked"
+    ours, ref = _run_strided(case, MODEL_DTYPES[dtype], impl, VARIANTS.get(variant), amsgrad)
+    _assert_bitwise(ours, ref)
+
+
+def test_operands_of_one_layout_are_used_without_a_copy():
+    """The kernel's operands, when they share a dense layout, are the given tensors (no temporaries)."""
+    from offload_adamw.kernels.layout import align
+
+    t = torch.zeros(STRIDED_SHAPE).contiguous(memory_format=torch.channels_last)
+    same = [t, torch.zeros_like(t, dtype=torch.bfloat16), torch.zeros_like(t), None]
+    aligned = align(same, read=(True,) * 4, written=(True,) * 4)
+    assert all(a is b for a, b in zip(aligned.tensors, same)) and not aligned.write_backs
+    other = [t, torch.zeros(STRIDED_SHAPE, dtype=torch.bfloat16), torch.zeros_like(t)]
+    aligned = align(other, read=(True, True, True), written=(True, False, True))
+    assert aligned.tensors[0] is t and aligned.tensors[2] is other[2] and aligned.tensors[1] is not other[1]
+    assert aligned.tensors[1].stride() == t.stride() and torch.equal(aligned.tensors[1], other[1])
+    assert not aligned.write_backs  # the gradient is only read
+
+
+# Edits of the model copy between updates (kernels/edits.py): where take_model_edits[i], an element of
+# the model copy whose bits differ from round(master) (a NaN equals a NaN; -0.0 and 0.0 differ) replaces
+# its master before the update. Table: kernel variants x model dtypes (fp32: the staging copy of a
+# float32 device parameter) x layouts; property: the run equals torch's on the masters edited by the
+# rule, which is written out here independently.
+EDIT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32-staging": torch.float32}
+
+
+def _rule(master, model):
+    bits = {2: torch.int16, 4: torch.int32}[model.element_size()]
+    rounded = master.to(model.dtype)
+    differ = (rounded.view(bits) != model.view(bits)) & ~(rounded.isnan() & model.isnan())
+    return torch.where(differ, model.to(master.dtype), master)
+
+
+def _edited_pair(model_dtype, layout_name):
+    gen = torch.Generator().manual_seed(11)
+    lay = STRIDE_LAYOUTS[layout_name]
+    master = torch.randn(STRIDED_SHAPE, generator=gen).to(model_dtype).float()
+    flat = master.view(-1)
+    flat[3::50] = -0.0
+    flat[5::97] = float("nan")
+    model = master.to(model_dtype, copy=True)
+    mflat = model.view(-1)
+    mflat[::61] = (mflat[::61].float() * 1.5 + 0.25).to(model_dtype)  # values edited
+    mflat[3::100] = 0.0  # -0.0 -> 0.0 on every other one: an edit of the sign
+    mflat[7::89] = float("nan")  # a NaN where the master is finite: an edit
+    bits = torch.int16 if model.element_size() == 2 else torch.int32
+    mflat.view(bits)[5::97] = {2: 0x7E01 if model_dtype == torch.float16 else 0x7FC1, 4: 0x7FC00001}[model.element_size()]
+    return lay(master), lay(model)
+
+
+def _same_or_both_nan(a, b, what):
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    differ = (a.contiguous().view(bits) != b.contiguous().view(bits)) & ~(a.isnan() & b.isnan())
+    assert int(differ.sum()) == 0, f"{what}: {int(differ.sum())} element(s) differ"
+
+
+@pytest.mark.parametrize("layout_name", ["contiguous", "channels-last"])
+@pytest.mark.parametrize("dtype", EDIT_DTYPES)
+@pytest.mark.parametrize("variant", ["default", "numba-threads2", "chunk64", "python-loop-threads2-chunk128", "for_loop"])
+def test_edits_of_the_model_copy_replace_their_masters(variant, dtype, layout_name):
+    model_dtype = EDIT_DTYPES[dtype]
+    master, model = _edited_pair(model_dtype, layout_name)
+    expected_start = _rule(master, model)
+    impl = "for_loop" if variant == "for_loop" else "blocked"
+    hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(12)
+    grads = [torch.empty_like(master, dtype=torch.bfloat16).copy_(torch.randn(STRIDED_SHAPE, generator=gen))
+             for _ in range(2)]
+    m, v, step = torch.zeros_like(master), torch.zeros_like(master), torch.zeros(())
+    for g in grads:  # the second update finds the model copy as the first left it: nothing to take
+        args = ([master], [g], [m], [v], [], [step])
+        if VARIANTS.get(variant) is None:
+            adamw_update_(*args, hp, model_params=[model], take_model_edits=[True], impl=impl)
+        else:
+            blocked_adamw_(*args, [model], hp, config=VARIANTS[variant], take_model_edits=[True])
+
+    p = torch.nn.Parameter(expected_start.clone())
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                            **(dict(fused=True) if impl == "blocked" else dict(foreach=False, fused=False)))
+    for g in grads:
+        p.grad = g.float()
+        opt.step()
+    _same_or_both_nan(master, p.detach(), "master")
+    _same_or_both_nan(m, opt.state[p]["exp_avg"], "exp_avg")
+    _same_or_both_nan(v, opt.state[p]["exp_avg_sq"], "exp_avg_sq")
+    _same_or_both_nan(model, p.detach().to(model_dtype), "model copy")
+
+
+def test_without_take_model_edits_the_model_copy_is_only_written():
+    """A staging buffer of unknown content (take_model_edits False) never reaches the master."""
+    master, model = _edited_pair(torch.bfloat16, "contiguous")
+    start = master.clone()
+    hp = StepHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
+    g = torch.zeros_like(master)
+    adamw_update_([master], [g], [torch.zeros_like(master)], [torch.zeros_like(master)], [], [torch.zeros(())], hp,
+                  model_params=[model])
+    _same_or_both_nan(master, start, "master")  # zero gradient, no decay: the update leaves it

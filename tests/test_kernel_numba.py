@@ -154,11 +154,25 @@ def test_autograd_sees_the_parameter_change_as_after_an_in_place_op():
 
 def test_self_test_refuses_a_loop_that_rounds_v_twice():
     """With v's product and sum rounded separately, where torch rounds once, the self-test must say so."""
+    assert numba_loop.available() is None  # numba imported (alone, this test is the first to build a loop)
     variant = numba_loop.variant_key(torch.bfloat16, torch.bfloat16, False, False, 0.9)
     kernel = numba_loop._make_kernel("bf16", "bf16", False, False, True, cache=False, contract_v=False)
     why = numba_loop._self_test(kernel, variant)
     assert why is not None and "differs from torch" in why, why
     good = numba_loop._make_kernel("bf16", "bf16", False, False, True, cache=False)
+    assert numba_loop._self_test(good, variant) is None
+
+
+@pytest.mark.parametrize("out", ["bf16", "f16", "f32"])
+def test_self_test_refuses_a_loop_that_ignores_the_model_copys_edits(out):
+    """A variant that takes edits is self-tested on an edited model copy: a loop that does not read it fails."""
+    assert numba_loop.available() is None
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[out]
+    variant = numba_loop.variant_key(torch.bfloat16, dtype, False, False, 0.9, follow=True)
+    blind = numba_loop._make_kernel("bf16", out, False, False, True, cache=False, follow=False)
+    why = numba_loop._self_test(blind, variant)
+    assert why is not None and "master" in why, why
+    good = numba_loop._make_kernel("bf16", out, False, False, True, cache=False, follow=True)
     assert numba_loop._self_test(good, variant) is None
 
 

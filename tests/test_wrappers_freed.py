@@ -49,7 +49,7 @@ def test_model_clip_and_model_zero_grad_match_torch(set_to_none, accumulation):
 def test_other_operations_on_the_stand_in_are_refused_by_name():
     model = _model()
     named = [{"params": [p], "param_names": [n]} for n, p in model.named_parameters()]
-    OffloadAdamW(named, transfer_pipeline=True, offload_gradients=True)
+    opt = OffloadAdamW(named, transfer_pipeline=True, offload_gradients=True)  # alive: a dropped one takes its hooks
     model(_x(0)).sum().backward()
     g = model[0].weight.grad
     assert is_host_resident(g) and g.shape == model[0].weight.shape

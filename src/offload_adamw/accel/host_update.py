@@ -8,6 +8,10 @@ Contract:
   ``update_group`` once per parameter group with (parameter, host gradient, staging buffer).
 * A device parameter's staging buffer receives round(master) and is sent back with one copy per device
   and bucket; before a staging buffer is written again the host waits for the copy that still reads it.
+* A device parameter edited since its last send-back (its version counter or data pointer moved:
+  ``model.load_state_dict``, an in-place op under ``no_grad``, ``p.data = ...``) is read back into its staging
+  buffer first, and the update starts from it (docs/contract.md#edits-between-steps). In-place writes through
+  ``p.data``, which move no version counter (autograd cannot see them either), are not seen on a device.
   A host parameter (none on the stand-in device) is written by the optimizer itself.
 * It returns the completions of the copies it sent; the compute stream waits for them before the next
   forward, the host does not.
@@ -57,19 +61,31 @@ class HostUpdate:
         sent: list[tuple[torch.device, Completion]] = []
         for gi, members in by_group.items():
             updates: list[tuple[Tensor, Tensor, Tensor | None]] = []
+            current: list[bool] = []
             to_device: list[Slot] = []
             for slot, grad in members:
                 if not self._engine.is_device(slot.local.device):
                     updates.append((slot.param, grad, None))  # the optimizer writes host parameters itself
+                    current.append(False)
                 else:
                     slot.sending.wait()  # the previous copy out of staging has ended
+                    current.append(self._read_back_if_edited(slot))
                     updates.append((slot.param, grad, slot.staging))
                     to_device.append(slot)
-            self._optimizer.update_group(gi, updates, scale)
+            self._optimizer.update_group(gi, updates, scale, current)
             sent += self._send_back(to_device)
         if times is not None:
             times["h2d_issued"] = time.monotonic()
         return sent
+
+    def _read_back_if_edited(self, slot: Slot) -> bool:
+        """Whether ``slot``'s staging buffer now holds its device parameter's current value (read back after an edit)."""
+        local = slot.local
+        if slot.sent_version is None or (local._version == slot.sent_version and local.data_ptr() == slot.sent_ptr):
+            return False
+        assert slot.staging is not None  # laid out for every device parameter
+        self._engine.copy_to_host(local.detach(), slot.staging).wait()
+        return True
 
     def _send_back(self, slots: list[Slot]) -> list[tuple[torch.device, Completion]]:
         """Updated parameters host -> device, non-blocking; one completion per device for the bucket."""
@@ -85,6 +101,7 @@ class HostUpdate:
             done = self._engine.send_to_device(device, pairs)
             for s in members:
                 s.sending = done
+                s.sent_version, s.sent_ptr = s.local._version, s.local.data_ptr()  # the lanes count the copy at issue
             sent.append((device, done))
         return sent
 

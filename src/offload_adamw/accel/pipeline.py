@@ -67,6 +67,8 @@ class UpdateTarget(Protocol):
     host buffers of its own), then calls ``update_group`` once per group and bucket with (parameter,
     host gradient, staging buffer): a device parameter's staging buffer receives round(master), which the
     pipeline sends back; for a host parameter it is None and the optimizer writes the parameter itself.
+    ``current[k]`` says that update k's staging buffer holds its device parameter's current value (read back
+    after an edit), whose edits the update takes over.
     """
 
     param_groups: list[dict[str, Any]]
@@ -86,7 +88,8 @@ class UpdateTarget(Protocol):
     def check_host_buffers(self, nbytes: int, label: str) -> None: ...
 
     def update_group(
-        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None
+        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None,
+        current: Sequence[bool] | None = None,
     ) -> None: ...
 
 

@@ -206,6 +206,8 @@ class DuringBackward:
             # An early update runs in place: a use of the parameter still to come in this backward must fail
             # loudly (autograd's saved-tensor check), not read the updated value.
             torch.autograd.graph.increment_version(slot.param)
+            if slot.sent_version is not None:
+                slot.sent_version += 1  # ours, not an edit of the parameter
 
     def _drop_if_state_missing(self, landing: Tensor) -> None:
         """While no update has run: a parameter unfrozen since the last step (or ``landing``, reached for the first

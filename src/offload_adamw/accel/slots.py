@@ -60,7 +60,7 @@ class Slot:
 
     __slots__ = (
         "param", "host_grad", "incoming", "staging", "layout", "holding", "landing", "adding", "sending",
-        "fetched", "arrival", "group", "source", "handles", "grad_node", "__weakref__",
+        "fetched", "arrival", "group", "source", "handles", "grad_node", "sent_version", "sent_ptr", "__weakref__",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -89,6 +89,10 @@ class Slot:
         self.source = Source.HOOKS
         self.handles: list[Any] = []
         """The hooks registered for it (accel/sources.py)."""
+        self.sent_version: int | None = None
+        """A device parameter's version counter (and ``sent_ptr`` its data pointer) as the latest send-back left it: a
+        different one at the next update is an edit of the parameter, which the update starts from."""
+        self.sent_ptr = 0
         self.grad_node: Any = None
         """Its AccumulateGrad node (freed gradients: whether a backward will accumulate into ``p.grad``)."""
 

@@ -123,11 +123,6 @@ _KEY_SEP = "::"
 
 PathLike: TypeAlias = str | os.PathLike
 
-# The private names tests/test_faults_input.py reaches through this module.
-_owner = publication.owner
-_encode = encode
-_decode = decode
-
 
 # ------------------------------------------------------------------ finding
 

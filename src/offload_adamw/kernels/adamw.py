@@ -7,7 +7,12 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
   or float64), ``exp_avgs[i]``, ``exp_avg_sqs[i]`` (and ``max_exp_avg_sqs[i]``
   with amsgrad), from ``grads[i]`` of any floating dtype (upcast to the master's
   dtype with exact widening). Where ``model_params[i]`` is not None it receives
-  the round-to-nearest copy of the updated master in its own dtype.
+  the round-to-nearest copy of the updated master in its own dtype. Elements pair by
+  index, whatever the strides of any of these tensors (kernels/layout.py).
+* Where ``take_model_edits[i]`` is True, ``model_params[i]`` holds the parameter's
+  current value (a low-precision host parameter is its own model copy): an element
+  that differs from round(master) was edited since the last update, and the master
+  takes its exact widening before the update (kernels/edits.py).
 * The functions are pure in the optimizer sense: they own no state, know
   nothing of parameter groups, devices or transfers. The optimizer class calls
   them; a faster body can replace ``_blocked_impl`` without touching it.
@@ -33,11 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from offload_adamw.kernels.blocked import blocked_adamw_
+from offload_adamw.kernels.edits import take_model_edits_
 
 __all__ = ["StepHyper", "adamw_update_", "IMPLEMENTATIONS"]
 
@@ -62,7 +69,14 @@ class StepHyper:
     """Ascend instead of descend (negates the gradient)."""
 
 
-def _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, amsgrad) -> None:
+#: the tensors of one list argument of the kernels, and the model copies (None: no copy for that tensor)
+Tensors = Sequence[Tensor]
+ModelCopies = Sequence[Tensor | None] | None
+
+
+def _check_lists(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
+                 steps: Tensors, model_params: ModelCopies, take_model_edits: Sequence[bool] | None,
+                 amsgrad: bool) -> None:
     n = len(masters)
     lengths = {
         "grads": len(grads),
@@ -74,9 +88,15 @@ def _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
         lengths["max_exp_avg_sqs"] = len(max_exp_avg_sqs)
     if model_params is not None:
         lengths["model_params"] = len(model_params)
+    if take_model_edits is not None:
+        lengths["take_model_edits"] = len(take_model_edits)
     for name, length in lengths.items():
         if length != n:
             raise ValueError(f"adamw_update_: {name} has {length} tensors, masters has {n}")
+    if take_model_edits is not None and any(
+        edits and (model_params is None or model_params[i] is None) for i, edits in enumerate(take_model_edits)
+    ):
+        raise ValueError("adamw_update_: take_model_edits[i] needs a model copy model_params[i]")
 
 
 def _widen(grad: Tensor, dtype: torch.dtype) -> Tensor:
@@ -84,16 +104,21 @@ def _widen(grad: Tensor, dtype: torch.dtype) -> Tensor:
     return grad if grad.dtype == dtype else grad.to(dtype)
 
 
-def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
+def _for_loop_impl(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
+                   steps: Tensors, model_params: ModelCopies, take_model_edits: Sequence[bool] | None,
+                   hp: StepHyper) -> None:
     # A tensor lr stays a (float32) tensor, as in torch: lr*wd and lr/c1 are then rounded to float32.
     lr = hp.lr
     for i, theta in enumerate(masters):
+        out = model_params[i] if model_params is not None else None
+        if take_model_edits is not None and take_model_edits[i] and out is not None:
+            take_model_edits_(theta, out)  # the update starts from the edited parameter
         grad = _widen(grads[i], theta.dtype)
         if hp.maximize:
             grad = -grad
         exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
 
-        steps[i] += 1
+        steps[i].add_(1)
         t = steps[i].item()
 
         # Decoupled decay, applied to the pre-update value (docs/contract.md#decay-order).
@@ -114,17 +139,22 @@ def _for_loop_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
             denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(hp.eps)
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hp.eps)
-        theta.addcdiv_(exp_avg, denom, value=-step_size)
+        # With a tensor lr the step size is a 0-dim tensor, which torch's own loop passes as the value too.
+        value: Any = -step_size
+        theta.addcdiv_(exp_avg, denom, value=value)
 
-        if model_params is not None and model_params[i] is not None:
-            model_params[i].copy_(theta)
+        if out is not None:
+            out.copy_(theta)
 
 
-def _blocked_impl(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp: StepHyper) -> None:
+def _blocked_impl(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
+                  steps: Tensors, model_params: ModelCopies, take_model_edits: Sequence[bool] | None,
+                  hp: StepHyper) -> None:
     # float32/float64 tensors without casts: torch's fused op over the whole list, exactly
     # as torch.optim.AdamW(fused=True). Mixed-dtype tensors: the same arithmetic in one
     # memory pass (blocked.py: the numba loop, the chunk loop for the rest).
-    blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp)
+    blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp,
+                   take_model_edits=take_model_edits)
 
 
 IMPLEMENTATIONS = {"blocked": _blocked_impl, "for_loop": _for_loop_impl}
@@ -140,6 +170,7 @@ def adamw_update_(
     hp: StepHyper,
     *,
     model_params: Sequence[Tensor | None] | None = None,
+    take_model_edits: Sequence[bool] | None = None,
     impl: str = "blocked",
 ) -> None:
     """One AdamW update of every tensor in the lists (all of them have a gradient).
@@ -147,11 +178,11 @@ def adamw_update_(
     All tensors live on one device (the host, for this project). ``masters``,
     the moments and ``steps`` are modified in place; ``grads`` are only read.
     """
-    _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp.amsgrad)
+    _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, take_model_edits, hp.amsgrad)
     if not masters:
         return
     try:
         body = IMPLEMENTATIONS[impl]
     except KeyError:
         raise ValueError(f"unknown kernel implementation {impl!r}; choose one of {sorted(IMPLEMENTATIONS)}") from None
-    body(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp)
+    body(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, take_model_edits, hp)

@@ -7,10 +7,13 @@ Contract:
   on the float32 (float64) masters fed the exactly widened gradients, then the
   round-to-nearest cast into the model dtype. Results are bitwise equal to that
   definition; only the order in which memory is visited changes.
+* Elements pair by index whatever the strides: each tensor's master, gradient,
+  moments and model copy are first brought to one dense layout (kernels/layout.py:
+  no copy where they share it, as the state shares its parameter's).
 * Tensors without a cast (float32 or float64 gradient and master, no model
   copy) go to torch's fused op unchanged, one call per dtype.
-* A contiguous mixed tensor (bf16/fp16 gradient or model copy, float32 master)
-  is updated up to its last multiple of 64 elements by the numba loop
+* A mixed tensor (bf16/fp16 gradient or model copy, float32 master), as its
+  memory-order flat view, is updated up to its last multiple of 64 elements by the numba loop
   (numba_loop.py, the default: casts and update in one loop, self-tested bit for
   bit before first use). The rest of it, and every mixed tensor that loop
   declines (numba missing, a failed self-test, float64 masters), goes through
@@ -88,15 +91,16 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from offload_adamw.kernels import numba_loop
+from offload_adamw.kernels import layout, numba_loop
+from offload_adamw.kernels.edits import take_model_edits_
 
 __all__ = ["BlockConfig", "DEFAULT_CONFIG", "CHUNK_ALIGN", "blocked_adamw_", "naive_mixed_adamw_", "chunk_loop_status"]
 
@@ -150,7 +154,7 @@ def _chunk_buffer(dtype: torch.dtype, elements: int) -> Tensor:
     return buf
 
 
-def _fused_kwargs(hp) -> dict:
+def _fused_kwargs(hp: Any) -> dict[str, Any]:
     return dict(
         lr=hp.lr,
         beta1=hp.beta1,
@@ -162,18 +166,16 @@ def _fused_kwargs(hp) -> dict:
     )
 
 
-def _is_blockable(i, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, amsgrad) -> bool:
+def _is_blockable(i: int, masters: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                  exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
+                  model_params: Sequence[Tensor | None] | None, amsgrad: bool) -> bool:
     tensors = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i]]
     if amsgrad:
         tensors.append(max_exp_avg_sqs[i])
     out = model_params[i] if model_params is not None else None
     if out is not None:
         tensors.append(out)
-    return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
-
-
-def _chunk_ranges(numel: int, chunk: int):
-    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+    return all(t.device.type == "cpu" for t in tensors)
 
 
 def _chunk_loop(
@@ -184,6 +186,7 @@ def _chunk_loop(
     max_exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     outs: list[Tensor | None],
+    follow: list[bool],
     tensor_index: list[int],
     starts: list[int],
     stops: list[int],
@@ -196,7 +199,8 @@ def _chunk_loop(
     amsgrad: bool,
     maximize: bool,
 ) -> list[Tensor]:
-    """Chunks k = 0..: widen grad -> fused step on master/m/v views -> narrow into the model copy.
+    """Chunks k = 0..: take the model copy's edits (where ``follow[i]``) -> widen grad -> fused step on
+    master/m/v views -> narrow into the model copy.
 
     Tensors are flat; chunk k is ``[starts[k], stops[k])`` of tensor ``tensor_index[k]``;
     ``buffer`` (the master dtype, at least one chunk long) receives the widened gradient.
@@ -211,6 +215,9 @@ def _chunk_loop(
         a = starts[k]
         b = stops[k]
         theta = [masters[i][a:b]]
+        out = outs[i]
+        if out is not None and follow[i]:
+            take_model_edits_(theta[0], out[a:b])  # the update starts from the edited parameter
         g = grads[i][a:b]
         if g.dtype != buffer.dtype:
             widened = buffer[: b - a]
@@ -231,7 +238,6 @@ def _chunk_loop(
             amsgrad=amsgrad,
             maximize=maximize,
         )
-        out = outs[i]
         if out is not None:
             out[a:b].copy_(theta[0])  # round to nearest even
         last = theta
@@ -239,11 +245,11 @@ def _chunk_loop(
 
 
 _script_lock = threading.Lock()
-_script_state: dict = {}
+_script_state: dict[str, Any] = {}
 
 
-def _self_test(fn) -> bool:
-    """Does ``fn`` compute the Python loop's bits (widen, no model copy, amsgrad, model copy)?"""
+def _self_test(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` compute the Python loop's bits (widen, no model copy, amsgrad, model copy, edits taken)?"""
     gen = torch.Generator().manual_seed(0)
     results: list[list[Tensor | None]] = []
     for loop in (_chunk_loop, fn):
@@ -254,17 +260,20 @@ def _self_test(fn) -> bool:
         v = [torch.zeros(n), torch.zeros(n)]
         mv = [torch.zeros(n), torch.zeros(n)]
         steps = [torch.ones(()), torch.ones(())]
-        outs: list[Tensor | None] = [None, torch.empty(n, dtype=torch.bfloat16)]
+        outs: list[Tensor | None] = [None, master[1].to(torch.bfloat16)]
         chunks = [(i, a, min(a + 2 * CHUNK_ALIGN, n)) for i in (0, 1) for a in range(0, n, 2 * CHUNK_ALIGN)]
         for amsgrad in (False, True):
-            loop(master, grads, m, v, mv, steps, outs, [c[0] for c in chunks], [c[1] for c in chunks],
+            edits = outs[1]
+            assert edits is not None
+            edits[::7] = 0.25  # an edit of the parameter between two updates
+            loop(master, grads, m, v, mv, steps, outs, [False, True], [c[0] for c in chunks], [c[1] for c in chunks],
                  [c[2] for c in chunks], torch.empty(2 * CHUNK_ALIGN), 1e-2, 0.9, 0.99, 0.1, 1e-8, amsgrad, False)
         results.append([*master, *m, *v, *mv, outs[1]])
         gen.manual_seed(0)
     return all(torch.equal(x, y) for x, y in zip(*results))
 
 
-def _loop_function(scripted: bool):
+def _loop_function(scripted: bool) -> Callable[..., Any]:
     """The chunk loop: TorchScript-compiled once per process when possible, else the Python function.
 
     Why TorchScript: its interpreter runs the whole loop without the GIL, so two worker
@@ -295,10 +304,11 @@ def _loop_function(scripted: bool):
             except Exception as exc:  # no source file, TorchScript removed or broken: Python loop
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             _script_state.update(loop=loop, seconds=time.perf_counter() - start, fallback_reason=reason)
-        return _script_state["loop"]
+        loop_function: Callable[..., Any] = _script_state["loop"]
+        return loop_function
 
 
-def chunk_loop_status() -> dict:
+def chunk_loop_status() -> dict[str, Any]:
     """How the chunk loop runs in this process: ``scripted`` (bool), ``compile_seconds``
     (the one-off TorchScript compilation and self-test), ``fallback_reason`` (None when scripted)."""
     _loop_function(True)
@@ -340,7 +350,7 @@ def _get_pool(size: int) -> ThreadPoolExecutor:
             pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="offload-adamw")
             barrier = threading.Barrier(size)
 
-            def init():
+            def init() -> None:
                 _single_threaded_worker_init()
                 barrier.wait()  # every worker runs init exactly once
 
@@ -359,15 +369,52 @@ def blocked_adamw_(
     max_exp_avg_sqs: Sequence[Tensor],
     steps: Sequence[Tensor],
     model_params: Sequence[Tensor | None] | None,
-    hp,
+    hp: Any,
     *,
     config: BlockConfig = DEFAULT_CONFIG,
+    take_model_edits: Sequence[bool] | None = None,
 ) -> None:
-    """One AdamW update of every tensor, bitwise equal to the parity definition (see module docstring)."""
+    """One AdamW update of every tensor, bitwise equal to the parity definition (see module docstring).
+
+    Elements pair by index whatever the strides (kernels/layout.py): each tensor's operands are
+    brought to its master's layout first, without a copy where they share it already. Where
+    ``take_model_edits[i]``, the model copy holds the parameter's current value and its edited
+    elements replace their masters before the update (kernels/edits.py).
+    """
+    follow = [bool(f) for f in take_model_edits] if take_model_edits is not None else [False] * len(masters)
+    aligned: list[layout.Aligned] = []
+    for i in range(len(masters)):
+        out = model_params[i] if model_params is not None else None
+        operands = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if hp.amsgrad else None, out]
+        aligned.append(layout.align(operands, read=(True, True, True, True, True, follow[i]),
+                                    written=(True, False, True, True, True, True)))
+    column = [[a.tensors[k] for a in aligned] for k in range(6)]
+    _aligned_adamw_(
+        cast("list[Tensor]", column[0]), cast("list[Tensor]", column[1]), cast("list[Tensor]", column[2]),
+        cast("list[Tensor]", column[3]), cast("list[Tensor]", column[4]) if hp.amsgrad else [], list(steps),
+        column[5] if model_params is not None else None, follow, hp, config,
+    )
+    for a in aligned:
+        a.write_back()
+
+
+def _aligned_adamw_(
+    masters: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    model_params: list[Tensor | None] | None,
+    follow: list[bool],
+    hp: Any,
+    config: BlockConfig,
+) -> None:
+    """:func:`blocked_adamw_` on operands that share one dense layout per tensor."""
     kwargs = _fused_kwargs(hp)
     chunk = max(CHUNK_ALIGN, config.chunk_elements // CHUNK_ALIGN * CHUNK_ALIGN)
     # Tensors that need no cast go to one fused call per dtype (exactly what torch's
-    # fused AdamW does); mixed contiguous tensors are blocked; the rest (non-contiguous)
+    # fused AdamW does); mixed host tensors are blocked; the rest (empty or off the host)
     # take the simple three-pass way.
     plain: dict[torch.dtype, list[int]] = {}
     blocked: list[int] = []
@@ -399,6 +446,9 @@ def blocked_adamw_(
 
     for i in simple:
         theta = masters[i]
+        out = model_params[i] if model_params is not None else None
+        if out is not None and follow[i]:
+            take_model_edits_(theta, out)
         torch._fused_adamw_(
             [theta],
             [grads[i] if grads[i].dtype == theta.dtype else grads[i].to(theta.dtype)],
@@ -408,27 +458,36 @@ def blocked_adamw_(
             [steps[i]],
             **kwargs,
         )
-        out = model_params[i] if model_params is not None else None
         if out is not None:
             out.copy_(theta)
 
     if not blocked:
         return
     threads = torch.get_num_threads() if config.threads < 0 else config.threads
+    # Memory-order flat views of each blocked tensor (indexed as the given lists; the others are
+    # not read): its operands share one dense layout, so element k of every flat view belongs to
+    # the same index.
+    is_blocked = set(blocked)
+
+    def flat_views(tensors: Sequence[Tensor | None]) -> list[Any]:
+        return [layout.flat(t) if i in is_blocked and t is not None else t for i, t in enumerate(tensors)]
+
+    flat: list[list[Any]] = [
+        flat_views(masters), flat_views(grads), flat_views(exp_avgs), flat_views(exp_avg_sqs),
+        flat_views(max_exp_avg_sqs) if hp.amsgrad else [], list(steps),
+        flat_views(model_params) if model_params is not None else [None] * len(masters),
+    ]
     # The numba loop updates each tensor up to a multiple of 64 elements and says where it
     # stopped; the chunk loop below does the rest (the same bits) and whatever it declines.
     start_at: dict[int, int] = {}
-    jobs: list = []
+    jobs: list[Callable[[], None]] = []
     if config.numba_loop:
-        start_at, jobs = numba_loop.plan(
-            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp, blocked, workers=threads,
-        )
-        blocked = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]
+        start_at, jobs = numba_loop.plan(flat[0], flat[1], flat[2], flat[3], flat[4], flat[5], flat[6], hp, blocked,
+                                         workers=threads, take_model_edits=follow)
         # The loop writes through raw addresses: tell autograd, as an in-place torch op would, so that
         # a graph that saved a parameter before the step refuses to run backward on the new values.
-        written = [t for i in start_at for t in (masters[i], exp_avgs[i], exp_avg_sqs[i],
-                                                   max_exp_avg_sqs[i] if hp.amsgrad else None,
-                                                   model_params[i] if model_params is not None else None)
+        written = [t for i in start_at for t in (flat[0][i], flat[2][i], flat[3][i],
+                                                   flat[4][i] if hp.amsgrad else None, flat[6][i])
                    if t is not None]
         if written:
             torch.autograd.graph.increment_version(written)
@@ -442,27 +501,17 @@ def blocked_adamw_(
         loop, lr = _loop_function(config.scripted), float(hp.lr)
     scalars = (lr, float(hp.beta1), float(hp.beta2), float(hp.weight_decay), float(hp.eps),
                bool(hp.amsgrad), bool(hp.maximize))
-    # Flat views of each blocked tensor (contiguous, so view(-1) never copies).
-    flat: list[list[Any]] = [
-        [masters[i].view(-1) for i in blocked],
-        [grads[i].view(-1) for i in blocked],
-        [exp_avgs[i].view(-1) for i in blocked],
-        [exp_avg_sqs[i].view(-1) for i in blocked],
-        [max_exp_avg_sqs[i].view(-1) for i in blocked] if hp.amsgrad else [],
-        [steps[i] for i in blocked],
-        [None if model_params is None or (out := model_params[i]) is None else out.view(-1) for i in blocked],
-    ]
     # Chunks of tensors with the same master dtype (one buffer dtype per loop call).
     by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
-    for j, i in enumerate(blocked):
+    for i in blocked:
         n = masters[i].numel()
         by_dtype.setdefault(masters[i].dtype, []).extend(
-            (j, a, min(a + chunk, n)) for a in range(start_at.get(i, 0), n, chunk)
+            (i, a, min(a + chunk, n)) for a in range(start_at.get(i, 0), n, chunk)
         )
 
-    def run(dtype, batch) -> None:
+    def run(dtype: torch.dtype, batch: list[tuple[int, int, int]]) -> None:
         buffer = _chunk_buffer(dtype, chunk)
-        loop(*flat, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
+        loop(*flat, follow, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
 
     if threads == 0 or (threads == 1 and torch.get_num_threads() == 1):
         for job in jobs:
@@ -482,7 +531,7 @@ def blocked_adamw_(
         return
     pending = iter(jobs)
 
-    def drain():
+    def drain() -> None:
         for job in pending:
             job()
 
@@ -491,7 +540,9 @@ def blocked_adamw_(
         f.result()
 
 
-def naive_mixed_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp) -> None:
+def naive_mixed_adamw_(masters: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                       exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor],
+                       model_params: Sequence[Tensor | None] | None, hp: Any) -> None:
     """The three-pass way (widen every gradient, one fused step, narrow every master): the baseline."""
     kwargs = _fused_kwargs(hp)
     torch._foreach_add_(list(steps), 1)

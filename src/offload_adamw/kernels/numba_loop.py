@@ -18,7 +18,9 @@ Contract:
   block is buffered and then written with streaming stores where its address is
   64-byte aligned (an sfence ends each call), so its cache lines are not read
   from memory before being overwritten: 28 bytes of traffic per bf16 element,
-  what torch's fused float32 step moves.
+  what torch's fused float32 step moves. Where the model copy is the parameter
+  itself (a host parameter, whose edits between steps are taken over:
+  kernels/edits.py) it is read first, in the same pass: 30 bytes per element.
 * No C++ compiler: numba ships LLVM inside its wheel; it is imported at the
   first mixed step. Each variant (gradient and model-copy dtype, amsgrad,
   maximize, lerp branch, tensor lr) is compiled at its first use (1 to 3 s;
@@ -63,6 +65,7 @@ Zen 4); elsewhere the self-test decides.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import os
 import platform
@@ -77,6 +80,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from offload_adamw.kernels.edits import take_model_edits_
 
 __all__ = ["ALIGN", "compiled_kernel_status", "numba_kernel_status", "plan", "variant_key"]
 
@@ -98,6 +103,13 @@ carray: Any
 njit: Any
 _f32_at: Any
 _u16_at: Any
+_fma: Any
+_bf16_to_f32: Any
+_f32_to_bf16: Any
+_f16_to_f32: Any
+_f32_to_f16: Any
+_stream_line: Any
+_store_fence: Any
 # dtype -> the kind code the kernels are specialised on
 _KIND = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 #: Streaming (non-temporal) stores of the model copy: x86-64 only (an sfence orders them).
@@ -109,7 +121,7 @@ _SCALAR_COLUMNS = 7  # decay, lerp coefficient, 1 - beta2, beta2, sqrt(bias corr
 
 # --------------------------------------------------------------- numba pieces
 
-_numba_state: dict = {}
+_numba_state: dict[str, Any] = {}
 _numba_lock = threading.Lock()
 
 
@@ -124,23 +136,27 @@ def _load_numba() -> str | None:
                 _numba_state["error"] = None
             except Exception as exc:  # not installed, or an install that does not import
                 _numba_state["error"] = f"numba is not available ({type(exc).__name__}: {exc})".splitlines()[0][:300]
-        return _numba_state["error"]
+        error: str | None = _numba_state["error"]
+        return error
 
 
 def _define_numba_pieces() -> None:
     global np, carray, njit, _f32_at, _u16_at, _fma, _bf16_to_f32, _f32_to_bf16, _stream_line, _store_fence
     global _f16_to_f32, _f32_to_f16
     import numpy as np
-    from llvmlite import ir as llvm_ir
-    from numba import carray, njit, types
-    from numba.extending import intrinsic
 
-    def _pointer_intrinsic(element):
+    # numba and llvmlite as untyped modules: their pieces are used only to build the loop
+    llvm_ir: Any = importlib.import_module("llvmlite.ir")
+    numba: Any = importlib.import_module("numba")
+    intrinsic: Callable[[Callable[..., Any]], Any] = importlib.import_module("numba.extending").intrinsic
+    carray, njit, types = numba.carray, numba.njit, numba.types
+
+    def _pointer_intrinsic(element: Any) -> Any:
         @intrinsic
-        def pointer(typingctx, address):
+        def pointer(typingctx: Any, address: Any) -> Any:
             sig = types.CPointer(element)(types.int64)
 
-            def codegen(context, builder, signature, args):
+            def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
                 return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
             return sig, codegen
@@ -151,31 +167,31 @@ def _define_numba_pieces() -> None:
     _u16_at = _pointer_intrinsic(types.uint16)
 
     @intrinsic
-    def _fma(typingctx, a, b, c):
+    def _fma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
         """a * b + c rounded once (llvm.fma.f32; never split into a product and a sum)."""
         sig = types.float32(types.float32, types.float32, types.float32)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             return builder.fma(*args)
 
         return sig, codegen
 
     @intrinsic
-    def _bf16_to_f32(typingctx, bits):
+    def _bf16_to_f32(typingctx: Any, bits: Any) -> Any:
         sig = types.float32(types.uint16)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             wide = builder.shl(builder.zext(args[0], llvm_ir.IntType(32)), llvm_ir.Constant(llvm_ir.IntType(32), 16))
             return builder.bitcast(wide, llvm_ir.FloatType())
 
         return sig, codegen
 
     @intrinsic
-    def _f32_to_bf16(typingctx, value):
+    def _f32_to_bf16(typingctx: Any, value: Any) -> Any:
         """Round to nearest even on the float32 bits; NaN -> 0xFFFF (torch's vectorized cast)."""
         sig = types.uint16(types.float32)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             i32 = llvm_ir.IntType(32)
             bits = builder.bitcast(args[0], i32)
             lsb = builder.and_(builder.lshr(bits, llvm_ir.Constant(i32, 16)), llvm_ir.Constant(i32, 1))
@@ -188,11 +204,11 @@ def _define_numba_pieces() -> None:
         return sig, codegen
 
     @intrinsic
-    def _stream_line(typingctx, destination, source):
+    def _stream_line(typingctx: Any, destination: Any, source: Any) -> Any:
         """Copy one 64-byte line from ``source`` to the 64-byte aligned ``destination``, bypassing the cache."""
         sig = types.void(types.int64, types.intp)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             line = llvm_ir.VectorType(llvm_ir.IntType(32), 16)
             src = builder.inttoptr(args[1], line.as_pointer())
             dst = builder.inttoptr(args[0], line.as_pointer())
@@ -204,10 +220,10 @@ def _define_numba_pieces() -> None:
         return sig, codegen
 
     @intrinsic
-    def _store_fence(typingctx):
+    def _store_fence(typingctx: Any) -> Any:
         sig = types.void()
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             fn = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=llvm_ir.FunctionType(llvm_ir.VoidType(), []))
             builder.call(fn, [])
             return context.get_dummy_value()
@@ -215,26 +231,26 @@ def _define_numba_pieces() -> None:
         return sig, codegen
 
     @intrinsic
-    def _f16_to_f32(typingctx, bits):
+    def _f16_to_f32(typingctx: Any, bits: Any) -> Any:
         sig = types.float32(types.uint16)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             return builder.fpext(builder.bitcast(args[0], llvm_ir.HalfType()), llvm_ir.FloatType())
 
         return sig, codegen
 
     @intrinsic
-    def _f32_to_f16(typingctx, value):
+    def _f32_to_f16(typingctx: Any, value: Any) -> Any:
         sig = types.uint16(types.float32)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             return builder.bitcast(builder.fptrunc(args[0], llvm_ir.HalfType()), llvm_ir.IntType(16))
 
         return sig, codegen
 
 
 def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: bool, lerp_small: bool, cache: bool,
-                 contract_v: bool = True):
+                 contract_v: bool = True, follow: bool = False) -> Any:
     """The loop of one variant, compiled by numba at its first call.
 
     ``work`` rows: addresses of master, gradient, m, v, max v, model copy (each at the
@@ -242,12 +258,14 @@ def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: 
     ``scalars`` to use. The variant's options are closure constants: numba prunes the
     branches they decide, so each variant is a straight loop that LLVM vectorizes.
     ``contract_v=False`` (tests only) rounds v's product and sum separately, a loop the
-    self-test must refuse.
+    self-test must refuse. ``follow``: the model copy holds the parameter's current value, read
+    before the update; an element that differs from round(master) in its bits (a NaN equals a
+    NaN) replaces its master by its widening (kernels/edits.py).
     """
     streaming = _STREAMING
     out_f32 = out_kind == "f32"
 
-    def kernel(work, scalars):
+    def kernel(work: Any, scalars: Any) -> int:
         # The model copy of each block of 32 elements is written to a small buffer first and
         # then, where the destination is 64-byte aligned, streamed to memory whole cache lines
         # at a time: a plain store would first read every line of the copy (2 or 4 more bytes
@@ -281,6 +299,14 @@ def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: 
                     max_exp_avg_sq = carray(_f32_at(work[r, 4] + 4 * b), size)
                 else:
                     max_exp_avg_sq = exp_avg_sq  # not read
+                if follow and out_f32:
+                    model_f = carray(_f32_at(out_address + 4 * b), size)
+                    model_h = block_u16  # not read
+                elif follow:
+                    model_f = block_f32  # not read
+                    model_h = carray(_u16_at(out_address + 2 * b), size)
+                else:
+                    model_f, model_h = block_f32, block_u16  # not read
                 for i in range(size):
                     if grad_kind == "f32":
                         g = grad[i]
@@ -290,7 +316,23 @@ def _make_kernel(grad_kind: str, out_kind: str | None, amsgrad: bool, maximize: 
                         g = _f16_to_f32(grad[i])
                     if maximize:
                         g = -g
-                    p = master[i] * decay
+                    start = master[i]
+                    if follow:
+                        # the parameter's value where it is not round(master) (bits; NaN equals NaN)
+                        if out_f32:
+                            value = model_f[i]
+                            same = (value == start and math.copysign(1.0, value) == math.copysign(1.0, start))
+                        elif out_kind == "bf16":
+                            bits = model_h[i]
+                            value = _bf16_to_f32(bits)
+                            same = bits == _f32_to_bf16(start)
+                        else:
+                            bits = model_h[i]
+                            value = _f16_to_f32(bits)
+                            same = bits == _f32_to_f16(start)
+                        if not (same or (value != value and start != start)):
+                            start = value
+                    p = start * decay
                     m = exp_avg[i]
                     if lerp_small:
                         m_new = _fma(coeff, g - m, m)
@@ -354,13 +396,16 @@ class _Variant:
     maximize: bool
     lerp_small: bool
     tensor_lr: bool
+    follow: bool = False
 
     def name(self) -> str:
-        short = lambda d: "none" if d is None else str(d).replace("torch.", "")  # noqa: E731
+        def short(d: torch.dtype | None) -> str:
+            return "none" if d is None else str(d).replace("torch.", "")
+
         return (
             f"grad={short(self.grad_dtype)},out={short(self.out_dtype)},amsgrad={self.amsgrad},"
             f"maximize={self.maximize},lerp={'small' if self.lerp_small else 'large'},"
-            f"lr={'tensor' if self.tensor_lr else 'float'}"
+            f"lr={'tensor' if self.tensor_lr else 'float'}" + (",edits=taken" if self.follow else "")
         )
 
 
@@ -388,9 +433,11 @@ def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float64, device=_CPU).to(torch.float32).item()
 
 
-def variant_key(grad_dtype, out_dtype, amsgrad: bool, maximize: bool, beta1: float, tensor_lr: bool = False) -> _Variant:
+def variant_key(grad_dtype: torch.dtype, out_dtype: torch.dtype | None, amsgrad: bool, maximize: bool, beta1: float,
+                tensor_lr: bool = False, follow: bool = False) -> _Variant:
     """The loop variant a tensor and its group's options need."""
-    return _Variant(grad_dtype, out_dtype, bool(amsgrad), bool(maximize), abs(_f32(1 - beta1)) < 0.5, bool(tensor_lr))
+    return _Variant(grad_dtype, out_dtype, bool(amsgrad), bool(maximize), abs(_f32(1 - beta1)) < 0.5, bool(tensor_lr),
+                    bool(follow))
 
 
 @_float_cache(maxsize=256)
@@ -452,9 +499,9 @@ class _Entry:
             args = (_KIND[variant.grad_dtype], None if variant.out_dtype is None else _KIND[variant.out_dtype],
                     variant.amsgrad, variant.maximize, variant.lerp_small)
             try:
-                kernel = _make_kernel(*args, cache=True)
+                kernel = _make_kernel(*args, cache=True, follow=variant.follow)
             except RuntimeError:  # numba found no writable cache directory: compile in memory each process
-                kernel = _make_kernel(*args, cache=False)
+                kernel = _make_kernel(*args, cache=False, follow=variant.follow)
             why = _self_test(kernel, variant)
             self.kernel, self.reason = (None, why) if why else (kernel, None)
         except Exception as exc:  # a numba or LLVM error: not used
@@ -462,7 +509,7 @@ class _Entry:
         self.seconds = time.perf_counter() - start
 
 
-def _self_test(kernel, variant: _Variant) -> str | None:
+def _self_test(kernel: Callable[..., Any], variant: _Variant) -> str | None:
     """Run the loop and torch's fused op on the same data; None when all bits agree, else what differed.
 
     64 Ki elements over seven decades of magnitude, with exact zeros, -0.0, subnormal
@@ -497,7 +544,22 @@ def _self_test(kernel, variant: _Variant) -> str | None:
     half = n // 2 + ALIGN  # two rows of unequal length, the second starting mid-tensor
     steps = (5.0, 1000.0)
 
+    model = None
+    if variant.follow and variant.out_dtype is not None:
+        # the parameter as the last update left it (round(master)), then edited: values, the sign of a
+        # zero, a NaN where the master is finite; and a NaN of another payload where the master is NaN
+        # (not an edit)
+        master[11::113] = math.nan
+        model = master.to(variant.out_dtype, copy=True)
+        model[9::61] = (model[9::61].float() * 1.5 + 0.25).to(variant.out_dtype)
+        model[4::178] = 0.0
+        model[12::127] = math.nan
+        bits = torch.int16 if model.element_size() == 2 else torch.int32
+        other_nan = {torch.bfloat16: 0x7FC1, torch.float16: 0x7E01, torch.float32: 0x7FC00001}[variant.out_dtype]
+        model.view(bits)[11::113] = other_nan
     ref = [master.clone(), exp_avg.clone(), exp_avg_sq.clone(), max_exp_avg_sq.clone()]
+    if model is not None:
+        take_model_edits_(ref[0], model)
     lr = torch.tensor(hyper["lr"], dtype=torch.float32) if variant.tensor_lr else hyper["lr"]
     for (a, b), step in zip(((0, half), (half, n)), steps):
         torch._fused_adamw_(
@@ -509,6 +571,8 @@ def _self_test(kernel, variant: _Variant) -> str | None:
 
     ours = [master.clone(), exp_avg.clone(), exp_avg_sq.clone(), max_exp_avg_sq.clone()]
     out = torch.empty(n, dtype=variant.out_dtype, device=_CPU) if variant.out_dtype is not None else None
+    if model is not None and out is not None:
+        out.copy_(model)
     lr_value = float(lr.item()) if isinstance(lr, Tensor) else lr
     rows: list[list[int]] = []
     scalars: list[tuple[float, ...]] = []
@@ -531,7 +595,7 @@ def _self_test(kernel, variant: _Variant) -> str | None:
 
 _lock = threading.Lock()
 _variants: dict[_Variant, _Entry] = {}
-_warned: set = set()
+_warned: set[_Variant] = set()
 
 
 def _forget_lock_after_fork() -> None:
@@ -572,7 +636,7 @@ def _get(variant: _Variant) -> _Entry:
     return entry
 
 
-def numba_kernel_status() -> list[dict]:
+def numba_kernel_status() -> list[dict[str, Any]]:
     """Each variant built so far in this process: name, usable, compile (and self-test) seconds,
     reason, and the CPU capability torch dispatches its kernels to (the self-test's ground)."""
     capability = torch.backends.cpu.get_cpu_capability()
@@ -584,7 +648,7 @@ def numba_kernel_status() -> list[dict]:
         ]
 
 
-def compiled_kernel_status() -> list[dict]:
+def compiled_kernel_status() -> list[dict[str, Any]]:
     """Deprecated name of :func:`numba_kernel_status` (the torch.compile loop it reported on is gone:
     the numba loop is the default and as fast)."""
     warnings.warn("offload_adamw.compiled_kernel_status() is deprecated; use numba_kernel_status()",
@@ -605,17 +669,20 @@ def plan(
     max_exp_avg_sqs: Sequence[Tensor],
     steps: Sequence[Tensor],
     model_params: Sequence[Tensor | None] | None,
-    hp,
+    hp: Any,
     indices: Sequence[int],
     *,
     workers: int,
+    take_model_edits: Sequence[bool] | None = None,
 ) -> tuple[dict[int, int], list[Callable[[], None]]]:
     """The loop's share of the tensors ``indices`` (already stepped: ``steps[i]`` holds t).
 
     Returns ({i: first element not updated by the batches}, batches). Running every batch
     (in any order, on any threads, each once) updates each listed tensor's first
     ``done[i]`` elements (a multiple of 64); tensors absent from ``done`` are left to the
-    caller. The inputs are the blocked kernel's: contiguous host tensors.
+    caller. Where ``take_model_edits[i]``, the loop takes the model copy's edits first
+    (kernels/edits.py). The inputs are the blocked kernel's: flat, contiguous host tensors (memory-order
+    views whose element k pairs with element k of the others).
     """
     done: dict[int, int] = {}
     if torch.compiler.is_compiling():
@@ -624,20 +691,21 @@ def plan(
     lr = float(hp.lr.item()) if tensor_lr else float(hp.lr)  # torch's tensor-lr overload reads it as a double
     hyper = (lr, float(hp.beta1), float(hp.beta2), float(hp.weight_decay), float(hp.eps))
     options = (bool(hp.amsgrad), bool(hp.maximize), abs(_f32(1 - hyper[1])) < 0.5, tensor_lr)
-    entries: dict[tuple, _Entry | None] = {}  # (grad dtype, out dtype) -> the variant's entry
+    entries: dict[tuple[Any, ...], _Entry | None] = {}  # (grad dtype, out dtype, edits taken) -> the variant's entry
     scalar_rows: dict[float, int] = {}
     scalars: list[tuple[float, ...]] = []
-    pieces: dict[tuple, list[tuple[int, int, int]]] = {}  # (grad, out dtype) -> [(tensor, elements, scalar row)]
+    pieces: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}  # (grad, out dtype, edits) -> [(tensor, elements, scalar row)]
     for i in indices:
         master = masters[i]
         n = master.numel()
         stop = n - n % ALIGN
         out = model_params[i] if model_params is not None else None
-        dtypes = (grads[i].dtype, None if out is None else out.dtype)
+        follow = bool(take_model_edits[i]) if take_model_edits is not None and out is not None else False
+        dtypes = (grads[i].dtype, None if out is None else out.dtype, follow)
         if stop == 0 or master.dtype != torch.float32 or dtypes[0] not in _KIND or (out is not None and dtypes[1] not in _KIND):
             continue
         if dtypes not in entries:
-            variant = _Variant(*dtypes, *options)
+            variant = _Variant(dtypes[0], dtypes[1], *options, follow=follow)
             entry = _variants.get(variant) or _get(variant)
             entries[dtypes] = entry if entry.kernel is not None else None
         if entries[dtypes] is None:

@@ -11,7 +11,9 @@ Contract (docs/contract.md#resume):
 * :func:`prepare_load` computes the new groups and states without touching the optimizer or the
   parameters; the optimizer commits them only when nothing was found wrong.
 * Moments and masters land in host memory in float32 (float64 for float64 parameters), also for
-  bf16 parameters (torch's own load would cast them down). A state_dict of torch.optim.AdamW has no
+  bf16 parameters (torch's own load would cast them down), laid out like their parameter whatever
+  the saved layout (elements are matched by index: a contiguous save of a channels_last state loads
+  right). A state_dict of torch.optim.AdamW has no
   master: the parameter's value is the best there is, and becomes the master.
 * States no run can reach are refused, naming the parameter: an ``exp_avg`` with inf or NaN, an
   ``exp_avg_sq``/``max_exp_avg_sq`` with a negative, infinite or NaN value, a ``step`` that is
@@ -197,7 +199,7 @@ def _convert_state(
             if impossible is not None:
                 problems.append(f"{where}: {impossible}; no run of AdamW reaches this state")
                 continue
-            out[key] = host_state.host_copy(shard, dtype, pin=pin)
+            out[key] = host_state.host_copy(shard, dtype, pin=pin, like=local_tensor(p))
         else:
             out[key] = shard.detach().clone()
     for key in ("step", "exp_avg", "exp_avg_sq"):

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._compile import _disable_dynamo
 from torch.optim.optimizer import ParamsT
 
 from offload_adamw.accel import ddp as _ddp
@@ -66,8 +67,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     Keyword-only options of this class:
 
-    * ``pin_memory`` (default: whether CUDA is available) places the host state
-      in page-locked memory so that transfers can run asynchronously.
+    * ``pin_memory`` (default None: not pinned) places the host state in
+      page-locked memory. The state is pinned only where it is asked for
+      (``pin_memory=True``): nothing copies the state asynchronously (the transfer
+      pipeline carries every transfer through its own exactly-sized pinned
+      buffers; the plain step, e.g. FSDP2 with kept gradients, copies
+      synchronously), and torch's pinned allocator rounds each tensor up to a
+      power of two. ``pin_memory=True`` without an accelerator is refused here
+      (optim/state.py, ``pins_state``).
     * ``nonfinite``: what a step does when a gradient holds inf or NaN.
       ``"propagate"`` (default, as torch.optim.AdamW) applies the update and the
       non-finite values spread into the state; ``"skip"`` skips the whole step
@@ -89,8 +96,8 @@ class OffloadAdamW(torch.optim.Optimizer):
       gradients go to exactly-sized pinned host buffers during backward, the step
       runs bucket by bucket (``bucket_bytes`` of gradient each) and parameters
       return non-blocking (accel/pipeline.py). ``True`` with CPU parameters runs the
-      same pipeline with the CPU as device. With the pipeline the state is not
-      pinned unless ``pin_memory=True``: the pipeline's buffers carry the transfers.
+      same pipeline with the CPU as device. The state is not pinned unless
+      ``pin_memory=True``: the pipeline's buffers carry the transfers.
     * ``compiled_kernel``: deprecated and without effect (accepted with a
       DeprecationWarning): the default host step is the one loop it used to
       opt into, now compiled by numba without a C++ compiler (kernels/numba_loop.py).
@@ -110,6 +117,13 @@ class OffloadAdamW(torch.optim.Optimizer):
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
     from DDP's communication hook).
+
+    Copies: ``copy.deepcopy(opt)``, ``pickle`` and ``torch.save(opt)`` give, as for
+    torch's AdamW, an optimizer over copies of the parameters with copies of the
+    state and every option; a copy with the transfer pipeline builds its own from
+    the same options (attach a DDP model to it again). With ``offload_gradients``
+    copy at a step boundary (after ``step()`` and ``zero_grad()``): the gradients
+    held in the pipeline's host buffers are not copied, and a copy is refused.
     """
 
     def __init__(
@@ -174,7 +188,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite = nonfinite
         self.skipped_steps = 0
-        self._pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._pin_memory = host_state.pins_state(pin_memory, accelerator=host_state.pinned_allocator_available())
         if compiled_kernel:
             warnings.warn(
                 "OffloadAdamW(compiled_kernel=True) is deprecated and has no effect: the default host step "
@@ -199,7 +213,55 @@ class OffloadAdamW(torch.optim.Optimizer):
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
         self._pipeline: GradientPipeline | None = None
-        self._setup_pipeline(offload_gradients, transfer_pipeline, bucket_bytes, pin_memory, update_in_backward)
+        # Kept for a copy or an unpickled optimizer, which builds its own pipeline from them (__setstate__).
+        self._pipeline_options: dict[str, Any] = dict(
+            offload_gradients=offload_gradients, transfer_pipeline=transfer_pipeline, bucket_bytes=bucket_bytes,
+            pin_memory=pin_memory, update_in_backward=update_in_backward,
+        )
+        self._setup_pipeline(**self._pipeline_options)
+
+    # --------------------------------------------------------- copy and pickle
+
+    #: attributes of this class that a copy or a pickle carries, beside torch's defaults, state and groups
+    _COPIED_ATTRIBUTES = ("max_grad_norm", "last_grad_norm", "nonfinite", "skipped_steps", "_pin_memory", "_pipeline_options")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's (defaults, state, param_groups) and this class's options; the transfer pipeline is not
+        pickled (hooks, streams, threads): the copy builds its own from the same options.
+
+        Refused where a copy would lose gradients: between a backward and ``step()`` with device
+        gradients freed (they live in the pipeline's host buffers) or with updates already run in backward.
+        """
+        pipeline = self.__dict__.get("_pipeline")
+        if pipeline is not None:
+            pipeline.refuse_mid_step("be copied or pickled")
+            if pipeline.offload_gradients and any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                raise RuntimeError(
+                    "the optimizer cannot be copied or pickled while its gradients are held in the transfer "
+                    "pipeline's host buffers (offload_gradients=True, between backward and zero_grad()): a copy "
+                    "would not take them. Copy it at a step boundary, after step() and zero_grad()"
+                )
+        state = super().__getstate__()
+        state["offload_adamw"] = {name: self.__dict__[name] for name in self._COPIED_ATTRIBUTES if name in self.__dict__}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options = dict(state.pop("offload_adamw", {}))
+        super().__setstate__(state)
+        self.max_grad_norm = options.get("max_grad_norm")
+        self.last_grad_norm = options.get("last_grad_norm")
+        self.nonfinite = options.get("nonfinite", "propagate")
+        self.skipped_steps = options.get("skipped_steps", 0)
+        self._pin_memory = bool(options.get("_pin_memory", False))
+        self._pipeline_options = dict(options.get("_pipeline_options", {"transfer_pipeline": False,
+                                                                           "offload_gradients": False,
+                                                                           "bucket_bytes": 32 << 20,
+                                                                           "pin_memory": None}))
+        self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)  # torch keeps no hooks
+        self._pipeline = None
+        pin_memory = self._pin_memory
+        self._setup_pipeline(**self._pipeline_options)
+        self._pin_memory = pin_memory
 
     # ------------------------------------------------------------------ groups
 
@@ -243,7 +305,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         That is the stored float32 (float64) master, or ``p`` itself when ``p`` is its own master
         (a float32 host parameter); None while a parameter that needs a master has none yet (its
-        master is created at its first update). :meth:`master_value` always returns a tensor.
+        master is created at its first update). :meth:`master_value` always returns a tensor. The
+        stored master is returned as it is: edits of a low-precision host parameter since the last
+        update (docs/contract.md#edits-between-steps) reach it at the next update, or at
+        :meth:`master_value` and ``state_dict()``.
         """
         local = _distributed.local_tensor(p)
         if host_state.is_own_master(local):
@@ -253,7 +318,12 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def master_value(self, p: Tensor) -> Tensor:
         """The float32 (float64) value of ``p``'s master: :meth:`master_param`, or before ``p``'s
-        first update the value its master will start from (a new host copy of ``p``)."""
+        first update the value its master will start from (a new host copy of ``p``). A low-precision
+        host parameter's edits since the last update are taken into its master first (what the next
+        update would do), so that a checkpoint of the master holds the edited parameter."""
+        state = self.state.get(p)
+        if state:
+            host_state.follow_parameter_edits_(state, _distributed.local_tensor(p))
         master = self.master_param(p)
         if master is not None:
             return master
@@ -457,22 +527,27 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
 
     def update_group(
-        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None
+        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None,
+        current: Sequence[bool] | None = None,
     ) -> None:
         """One update of each (parameter, host gradient, staging) in group ``group_index``.
 
         ``staging`` is a host tensor that receives round(master) for a parameter that lives on a
         device, or None; a low-precision host parameter receives round(master) itself, and a
-        parameter that is its own master is updated in place.
+        parameter that is its own master is updated in place. A low-precision host parameter's
+        edits since the last update are taken over first (docs/contract.md#edits-between-steps);
+        ``current[k]`` True says that update k's staging buffer holds its device parameter's
+        current value, whose edits are taken over likewise.
         """
         group = self.param_groups[group_index]
         work = []
-        for p, grad, given_staging in updates:
+        for k, (p, grad, given_staging) in enumerate(updates):
             local = _distributed.local_tensor(p)
             staging = given_staging
+            is_current = current is not None and bool(current[k]) and staging is not None
             if staging is None and host_state.on_host(local) and not host_state.is_own_master(local):
-                staging = local.data
-            work.append(_update.TensorUpdate(local, self.state[p], grad, staging))
+                staging, is_current = local.data, True
+            work.append(_update.TensorUpdate(local, self.state[p], grad, staging, is_current))
         _update.update_group(
             group,
             work,
@@ -484,7 +559,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------------- step
 
     # torch.compile(opt.step) runs the step eager: host state, pinned buffers and streams are no graph's business.
-    @torch._disable_dynamo  # imports torch._dynamo at the first step, not at import (torch's optimizers do the same)
+    @_disable_dynamo  # imports torch._dynamo at the first step, not at import (torch's optimizers do the same)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW update of every parameter that has a gradient (docs/contract.md#what-each-input-does)."""
@@ -527,13 +602,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             updates: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for p, grad in members:
                 host_grad = _distributed.local_grad(grad, p)
-                updates.append((p, host_grad if host_grad.device.type == "cpu" else host_grad.to("cpu"), None))
-            self.update_group(gi, updates)
-            # A parameter on a device (an FSDP2 shard on a GPU) receives its master after the update.
-            for p, _ in members:
                 local = _distributed.local_tensor(p)
-                if local.device.type != "cpu":
-                    local.copy_(self.state[p][MASTER_KEY])
+                # A parameter on a device (an FSDP2 shard on a GPU): its current value, whose edits since the
+                # last step the update takes over (docs/contract.md#edits-between-steps), receives round(master).
+                staging = local.detach().to("cpu") if local.device.type != "cpu" else None
+                updates.append((p, host_grad if host_grad.device.type == "cpu" else host_grad.to("cpu"), staging))
+            self.update_group(gi, updates, current=[staging is not None for _, _, staging in updates])
+            for p, _, staging in updates:
+                if staging is not None:
+                    _distributed.local_tensor(p).copy_(staging)
         return loss
 
     def _create_missing_state(self) -> None:
@@ -550,11 +627,25 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------- state_dict
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state_dict; refused between a backward that already updated parameters and step()."""
+        """torch's state_dict; refused between a backward that already updated parameters and step().
+
+        Its state tensors are the optimizer's own (as torch's: no copy of the state is made), but the
+        per-parameter dicts holding them are the state_dict's: replacing an entry there changes the
+        state_dict only, so that a refused ``load_state_dict`` of it leaves the optimizer as it was.
+        """
         pipeline = getattr(self, "_pipeline", None)  # a subclass may skip this class's constructor
         if pipeline is not None:
             pipeline.refuse_mid_step("save its state")
-        return super().state_dict()
+        for p, state in self.state.items():  # the saved masters hold the parameters' edits since the last update
+            if isinstance(p, Tensor):
+                host_state.follow_parameter_edits_(state, _distributed.local_tensor(p))
+        out = super().state_dict()
+        # torch packs the optimizer's own per-parameter dicts: an entry replaced in the returned
+        # state_dict would land in the live state, before any load could check it.
+        if isinstance(out, dict) and isinstance(out.get("state"), dict):
+            out = dict(out)
+            out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of OffloadAdamW or torch.optim.AdamW, all or nothing (optim/loading.py).

@@ -4,7 +4,9 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
 
 * :func:`check_gradient` refuses, naming the parameter, what no update may consume: a sparse
   gradient, a gradient of another shape or of a non-floating dtype, a parameter whose shape
-  changed after its state was allocated. Callers check every gradient of a step before the first
+  changed after its state was allocated, a parameter cast or moved since so that its state no
+  longer serves it (:func:`check_state_serves`: ``model.float()`` of a bf16 model after some steps,
+  refused as torch's AdamW refuses it). Callers check every gradient of a step before the first
   update, so that a refusal leaves every tensor as it was.
 * :func:`nonfinite_decision` applies the optimizer's non-finite policy to the whole step:
   ``propagate`` updates anyway (as torch does), ``skip`` skips the step for every tensor (the
@@ -12,8 +14,11 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
   rank takes the same decision.
 * :func:`update_group` runs one parameter group's share of a step on host tensors: it creates a
   tensor's state at its first update (and ``max_exp_avg_sq`` when amsgrad was switched on later),
+  laid out like the parameter (optim/state.py),
   divides the gradient by GradScaler's scale where one is given (in the master's dtype, as torch's
-  fused AdamW does), and calls the kernel, which writes the round-to-nearest model copy where asked.
+  fused AdamW does), and calls the kernel, which writes the round-to-nearest model copy where asked
+  and, where the model copy is the parameter's current value, first takes its edits over
+  (docs/contract.md#edits-between-steps).
   Where the updated parameter goes afterwards (a device, a staging buffer) is the caller's business.
 """
 
@@ -26,12 +31,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.contract.rules import NONFINITE_POLICIES
+from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES
 from offload_adamw.distributed import any_rank
 from offload_adamw.kernels import StepHyper, adamw_update_
 from offload_adamw.optim import state as host_state
 
-__all__ = ["TensorUpdate", "check_gradient", "kernel_impl", "nonfinite_decision", "step_hyper", "update_group"]
+__all__ = [
+    "TensorUpdate", "check_gradient", "check_state_serves", "kernel_impl", "nonfinite_decision", "step_hyper", "update_group",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,9 @@ class TensorUpdate:
     """Its gradient, in host memory, of any floating dtype."""
     model_copy: Tensor | None = None
     """A host tensor that receives round(master) in its own dtype, or None."""
+    model_is_current: bool = False
+    """Whether ``model_copy`` holds the parameter's current value (a low-precision host parameter is
+    its own model copy): its elements edited since the last update replace their masters first."""
 
 
 def _to_scalar(x: Any) -> Any:
@@ -93,6 +103,34 @@ def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, sta
                 f"{describe()} changed shape under the optimizer: state has {tuple(state_shape)}, "
                 f"the parameter is {tuple(param.shape)}"
             )
+        check_state_serves(describe, param, state)
+
+
+def check_state_serves(describe: Callable[[], str], param: Tensor, state: dict[str, Any]) -> None:
+    """Refuse a parameter cast or moved since its state was created where that state cannot serve it.
+
+    The state serves a parameter when it is what its first update would have created: moments in
+    ``state_dtype(param)`` and a master exactly when the parameter is not its own master. A bf16 model
+    cast to float32 (``model.float()``) would otherwise go on updating a stale master while no
+    parameter moves; a float32 one cast to bf16 would be updated in bf16. torch.optim.AdamW refuses
+    such a step too (its state keeps the old dtype); here nothing has changed when the refusal comes.
+    A cast between bf16 and fp16, or a move of a parameter with a master, keeps a state that serves.
+    """
+    dtype = host_state.state_dtype(param)
+    has_master = MASTER_KEY in state
+    needs_master = not host_state.is_own_master(param)
+    moment_dtype = state["exp_avg"].dtype
+    master_dtype = state[MASTER_KEY].dtype if has_master else moment_dtype
+    if moment_dtype == dtype and master_dtype == dtype and has_master == needs_master:
+        return
+    made_for = (f"a parameter with a {master_dtype} master (low precision, or on a device)" if has_master
+                else f"a {moment_dtype} host parameter that is its own master")
+    raise RuntimeError(
+        f"{describe()} changed dtype or device under the optimizer: it is now {param.dtype} on {param.device}, "
+        f"its optimizer state was made for {made_for}; as torch.optim.AdamW, OffloadAdamW refuses to step it, "
+        "and nothing was changed. Cast or move the model before creating the optimizer, or carry the state "
+        "over with opt.load_state_dict(opt.state_dict()) after the cast (a master becomes the parameter's value)"
+    )
 
 
 def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str], Tensor]], params: Sequence[Tensor],
@@ -136,10 +174,15 @@ def update_group(
     max_exp_avg_sqs: list[Tensor] = []
     steps: list[Tensor] = []
     model_copies: list[Tensor | None] = []
+    take_edits: list[bool] = []
     for u in updates:
         state = u.state
         if not state:
             state.update(host_state.new_state(u.param, amsgrad=group["amsgrad"], pin=pin_memory))
+        else:
+            # Laid out like the parameter (re-laid out once where the parameter's layout changed), so
+            # that the kernel pairs its elements without a copy at every step.
+            host_state.relayout_like(state, u.param)
         master = host_state.stored_master(state, u.param)
         grad = u.grad
         if grad_scale is not None:
@@ -151,12 +194,14 @@ def update_group(
         exp_avg_sqs.append(state["exp_avg_sq"])
         if group["amsgrad"]:
             if "max_exp_avg_sq" not in state:  # amsgrad switched on after the state existed
-                state["max_exp_avg_sq"] = host_state.host_zeros(u.param.shape, master.dtype, pin=pin_memory)
+                state["max_exp_avg_sq"] = host_state.host_zeros_like(u.param, master.dtype, pin=pin_memory)
             max_exp_avg_sqs.append(state["max_exp_avg_sq"])
         steps.append(state["step"])
         model_copies.append(u.model_copy)
+        take_edits.append(u.model_is_current and u.model_copy is not None)
     adamw_update_(
         masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, step_hyper(group),
         model_params=model_copies,
+        take_model_edits=take_edits,
         impl=impl,
     )
