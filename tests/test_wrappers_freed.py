@@ -49,7 +49,7 @@ def test_model_clip_and_model_zero_grad_match_torch(set_to_none, accumulation):
 def test_other_operations_on_the_stand_in_are_refused_by_name():
     model = _model()
     named = [{"params": [p], "param_names": [n]} for n, p in model.named_parameters()]
-    opt = OffloadAdamW(named, transfer_pipeline=True, offload_gradients=True)  # alive: a dropped one takes its hooks
+    opt = OffloadAdamW(named, transfer_pipeline=True, offload_gradients=True)
     model(_x(0)).sum().backward()
     g = model[0].weight.grad
     assert is_host_resident(g) and g.shape == model[0].weight.shape
@@ -57,6 +57,7 @@ def test_other_operations_on_the_stand_in_are_refused_by_name():
         g + 1
     with pytest.raises(RuntimeError, match="host memory"):
         g.clone()
+    assert opt.offload_gradients  # kept alive to here: an optimizer let go takes its hooks with it
 
 
 def test_gradients_kept_until_zeroed_accumulate_across_steps_as_torch():
