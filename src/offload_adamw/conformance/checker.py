@@ -2,19 +2,25 @@
 
 ``check(factory) -> Report`` runs each clause and reports pass, fail, error, n/a or info,
 with the measured deviation and what a failure does to training. Each clause judges one
-property only (how: :mod:`offload_adamw.conformance.clauses`), so a wrong formula fails
-clause 1 and a state kept below the contract's precision fails clause 8, and neither
-fails anything else.
+property only (how: :mod:`offload_adamw.conformance.clauses`; the attribution rules:
+docs/checker.md), so a wrong formula fails clause 1 and a state or an arithmetic kept
+below the contract's precision fails clause 8, and neither fails anything else.
 
-The candidate never takes the checker down and never passes by accident: each clause
-runs in a forked child process (where fork exists and CUDA is not initialized in this
-process) with a time limit (``timeout``, :data:`DEFAULT_TIMEOUT` by default); an
-exception, a hang past the limit, ``sys.exit`` or the death of the child is that
-clause's *error*. Forking costs about 0.02 s a clause; torch's lazily imported optimizer
-modules and the reference trajectories are loaded here first, so that no child repeats
-them. Before any clause, one child checks that the device is there and that the
-constructor takes the canonical keywords; otherwise :class:`UsageError` (naming the
-``mapping`` that fits the constructor's signature, where its parameter names tell).
+The candidate never takes the checker down and never passes by accident
+(:mod:`offload_adamw.conformance.processes`). Where fork exists and CUDA is not
+initialized in this process, a spec string is imported in a forked process of its own
+within the time limit (``timeout``, :data:`DEFAULT_TIMEOUT` by default): an exception,
+``sys.exit``, the end of that process or a hang on import is a :class:`CandidateLoadError`
+that names the candidate. Each clause then runs in a process forked from that one, two
+side by side where two cores are there (clause 8, the longest, first; clause 15, a
+timing, alone), each with the time limit; an exception, a hang past the limit,
+``sys.exit`` or the death of the child is that clause's *error*. torch's lazily imported
+optimizer modules are loaded here first (about 1 s: torch._dynamo, which every step of a
+``torch.optim`` optimizer imports), and meanwhile a forked child computes the reference
+trajectories, so that no clause repeats either. Before any clause, one child checks that
+the device is there and that the constructor takes the canonical keywords; otherwise
+:class:`UsageError` (naming the ``mapping`` that fits the constructor's signature, where
+its parameter names tell).
 
 Clauses:
 
@@ -22,21 +28,27 @@ Clauses:
    correction, eps outside the square root, eps moved with the bias correction in
    rearranged forms; amsgrad and maximize where the candidate takes them; gradients
    orthogonal to one weight, where projections act), in float64 and in the checked
-   dtype, at the precision of the candidate's state; n/a without eps or betas, and a
-   report whose clause 1 is n/a is not conforming;
-2. decoupled weight decay versus L2 coupled into the gradient;
+   dtype, at the precision the candidate computes in (its state's, or a narrower
+   arithmetic its own run in that dtype shows: clause 8's finding). Without eps (mapped
+   to null) against the reference for every eps from 1e-30 to 1e-6: a failure where none
+   fits, n/a where one does (where eps goes is not seen); n/a without betas. A report
+   whose clause 1 is n/a is not conforming;
+2. decoupled weight decay (a shrink by exactly 1 - lr*wd) versus L2 coupled into the
+   gradient, a decay scaled by anything else, or one inside a theta-dependent step;
 3. decay applied to the pre-update value;
 4. per-tensor step counts with grad None at some step calls;
 5. an explicit zero gradient is an update;
 6. lr = 0 (set in the group after construction): moments absorb the gradient, theta unchanged;
 7. parameter groups keep their own hyperparameters; an lr change takes effect at its step;
 8. state precision over 1051 steps on a 64x64 tensor, for float64, float32, bfloat16
-   and float16 parameters: state narrower than the parameter (or than float32), the
-   master copy and its round-to-nearest-even narrowing, against the candidate's own
-   widest run;
+   and float16 parameters: state or arithmetic narrower than the parameter (or than
+   float32), the master copy and its round-to-nearest-even narrowing (also where the
+   master is hidden: the parameter against the candidate's own float32 run), against the
+   candidate's own widest run;
 9. where the state lives between steps (info; n/a without an accelerator);
 10. state_dict round trip into a fresh instance: bitwise continuation, state dtypes kept
-    (in the checked dtype and in bfloat16);
+    (in the checked dtype and in bfloat16), torch's global RNG restored at the resume
+    point as a checkpoint that saves it does (and said so where the candidate draws from it);
 11. resume into an optimizer over the parameters in another order: correct by name, or
     refused with an error (pass); silently given to the wrong tensor (fail);
 12. NaN lr, negative lr/eps/weight_decay, beta1 = 1, beta2 = 1 are rejected at construction;
