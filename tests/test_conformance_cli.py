@@ -178,3 +178,15 @@ def test_a_candidate_that_ends_or_hangs_on_import_is_refused_with_its_name_never
     assert proc.stderr.startswith("offload-adamw check: cannot load the candidate: ") and spec in proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stdout == ""
+
+
+def test_the_command_keeps_torch_out_of_its_own_process(tmp_path):
+    # The check runs in a forked child that imports torch and ends with os._exit: the command's process
+    # never imports torch, so it does not spend its exit tearing torch and torch._dynamo down.
+    out = tmp_path / "r.json"
+    code = ("import sys\nfrom offload_adamw.cli.main import main\n"
+            f"status = main(['check', 'torch.optim:AdamW', '--clauses', '12', '--json', {str(out)!r}, '--no-progress'])\n"
+            "print(status, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split()[-2:] == ["0", "False"], proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["results"][0]["verdict"] == "pass"

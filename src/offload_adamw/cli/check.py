@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,12 +114,36 @@ def _json_argument(flag: str, text: str | None) -> Any:
     return value
 
 
-def run(args: argparse.Namespace) -> int:
-    from offload_adamw.conformance.checker import DEFAULT_TIMEOUT, CandidateLoadError, UsageError, check
+def _checked(candidate: str, options: dict[str, Any]) -> tuple[str, Any]:
+    """("report", the Report) or ("usage", the one-line message): the check run where torch is imported."""
+    from offload_adamw.conformance.checker import CandidateLoadError, UsageError, check
 
     try:
-        timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
-        if not timeout > 0:  # written so that NaN fails too
+        return "report", check(candidate, **options)
+    except CandidateLoadError as exc:
+        return "usage", f"cannot load the candidate: {exc}"
+    except (UsageError, ValueError) as exc:
+        return "usage", str(exc)
+
+
+def _check_in_a_child(candidate: str, options: dict[str, Any]) -> tuple[str, Any]:
+    """:func:`_checked` in a forked child where fork exists and torch is not imported here, else here.
+
+    The child imports torch (and torch._dynamo, which the steps of torch's optimizers import) and ends
+    with os._exit; this process, which never imported them, then ends without tearing them down
+    (about as long as importing them), and what the candidate does cannot reach it either."""
+    if "torch" in sys.modules or not hasattr(os, "fork"):
+        return _checked(candidate, options)
+    from offload_adamw.conformance.processes import Pending
+
+    ran, outcome = Pending(lambda: _checked(candidate, options),
+                           ended="the process that ran the check ended ({status}) without a report").result(None)
+    return outcome if ran else ("lost", outcome)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.timeout is not None and not args.timeout > 0:  # written so that NaN fails too
             raise ValueError(f"--timeout: expected a positive number of seconds, got {args.timeout!r}")
         kwargs = _json_argument("--kwargs", args.kwargs)
         mapping = _json_argument("--map", args.mapping)
@@ -128,19 +153,19 @@ def run(args: argparse.Namespace) -> int:
                 clauses = [int(part) for part in args.clauses.split(",") if part.strip()]
             except ValueError:
                 raise ValueError(f"--clauses: expected numbers separated by commas, got {args.clauses!r}") from None
-        progress = common.progress_wanted(args)
-        report = check(args.candidate, dtype=args.dtype, kwargs=kwargs, mapping=mapping, clauses=clauses,
-                       nonfinite_policy=args.nonfinite, device=args.device, progress=progress, setup=args.setup,
-                       timeout=timeout)
-    except CandidateLoadError as exc:
-        print(f"offload-adamw check: cannot load the candidate: {exc}", file=sys.stderr)
-        return 2
-    except UsageError as exc:
-        print(f"offload-adamw check: {exc}", file=sys.stderr)
-        return 2
     except ValueError as exc:
         print(f"offload-adamw check: {exc}", file=sys.stderr)
         return 2
+    options: dict[str, Any] = {"dtype": args.dtype, "kwargs": kwargs, "mapping": mapping, "clauses": clauses,
+                               "nonfinite_policy": args.nonfinite, "device": args.device,
+                               "progress": common.progress_wanted(args), "setup": args.setup}
+    if args.timeout is not None:
+        options["timeout"] = args.timeout
+    kind, outcome = _check_in_a_child(args.candidate, options)
+    if kind != "report":
+        print(f"offload-adamw check: {outcome}", file=sys.stderr)
+        return 2 if kind == "usage" else 1
+    report = outcome
     if not common.json_to_stdout(args, "json_path"):
         print(report.to_table())
     common.write_json("check", report.to_json(), args.json_path)

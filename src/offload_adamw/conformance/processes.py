@@ -17,8 +17,10 @@ Contract:
   reads them with a deadline (:meth:`CandidateProcess.receive`), and :meth:`close` kills the
   whole group (the process and every clause child it forked).
 
-Children set torch's intra-op threads to 1: the parent's OpenMP pool does not survive fork
-(a second one would deadlock), and clause children may run side by side.
+Children set torch's intra-op threads to 1 where torch is loaded: the parent's OpenMP pool
+does not survive fork (a second one would deadlock), and clause children may run side by
+side. This module imports no torch, so that the command line can run a whole check in a
+child (:class:`Pending`) and keep torch out of its own process.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 __all__ = ["run_forked", "run_many", "Task", "Pending", "CandidateProcess", "send_message", "exit_text", "available_workers"]
 
@@ -67,7 +67,9 @@ def _child_main(run: Callable[[], Any], write_fd: int) -> None:
     """The forked child: run, send the pickled result, end without running anything of the parent's."""
     code = 0
     try:
-        torch.set_num_threads(1)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(1)
         result = run()
         try:
             data = pickle.dumps(result)
@@ -136,9 +138,12 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _decode(data: bytes, status: int) -> tuple[bool, Any]:
+CLAUSE_ENDED = "the candidate ended the process ({status}) before the clause finished"
+
+
+def _decode(data: bytes, status: int, ended: str = CLAUSE_ENDED) -> tuple[bool, Any]:
     if not data:
-        return False, f"the candidate ended the process ({exit_text(status)}) before the clause finished"
+        return False, ended.format(status=exit_text(status))
     try:
         result = pickle.loads(data)
     except Exception as exc:
@@ -160,20 +165,26 @@ def run_forked(run: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
 class Pending:
     """A forked child started now whose result is collected later (:meth:`result`), so that the caller works meanwhile."""
 
-    def __init__(self, run: Callable[[], Any]):
+    def __init__(self, run: Callable[[], Any], *, ended: str = CLAUSE_ENDED):
         self._pid, self._fd = _fork(run)
         self._started = time.monotonic()
+        self._ended = ended
+        """What an answerless end is reported as (``{status}``: the exit status in words)."""
 
-    def result(self, timeout: float) -> tuple[bool, Any]:
-        """(True, the result) or (False, why none came) within ``timeout`` seconds of the start."""
+    def result(self, timeout: float | None) -> tuple[bool, Any]:
+        """(True, the result) or (False, why none came) within ``timeout`` seconds of the start (None: no limit).
+
+        Whatever ends the wait early (an interrupt) kills the child first."""
         data = bytearray()
-        deadline = self._started + timeout
+        deadline = None if timeout is None else self._started + timeout
+        reaped = False
         try:
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     _reap(self._pid, kill=True)
-                    return False, _timeout_text(timeout)
+                    reaped = True
+                    return False, _timeout_text(timeout or 0.0)
                 try:
                     ready, _, _ = select.select([self._fd], [], [], left)
                 except InterruptedError:  # pragma: no cover - a signal handler ran; select is retried
@@ -182,10 +193,14 @@ class Pending:
                     continue
                 chunk = os.read(self._fd, 1 << 16)
                 if not chunk:
-                    return _decode(bytes(data), _reap(self._pid, kill=False))
+                    status = _reap(self._pid, kill=False)
+                    reaped = True
+                    return _decode(bytes(data), status, self._ended)
                 data.extend(chunk)
         finally:
             os.close(self._fd)
+            if not reaped:
+                _reap(self._pid, kill=True)
 
 
 @dataclass(frozen=True)
