@@ -86,6 +86,23 @@ PEERS = {
     "pytorch_optimizer.Lamb": (
         pytorch_optimizer.Lamb, {"mapping": {"amsgrad": None}},
         expect(c1="fail", c2="pass", c3="pass", c4="fail", c5="pass", c6="pass", c7="pass")),
+    # The same file with weight_decouple=False: `update.add_(p, alpha=group['weight_decay'])` puts wd*theta into
+    # the direction that the trust ratio then scales (LAMB as its paper writes it): no one-step decoupled form
+    # fits (2), so the order of decay and update cannot be seen (3 n/a, naming clause 2).
+    "pytorch_optimizer.Lamb(weight_decouple=False)": (
+        pytorch_optimizer.Lamb, {"mapping": {"amsgrad": None}, "kwargs": {"weight_decouple": False}},
+        expect(c1="fail", c2="fail", c3="n/a", c4="fail", c5="pass", c6="pass", c7="pass")),
+    # pytorch_optimizer/optimizer/adams.py: with weight_decay 0 Adam's rule (`exp_avg.lerp_`, `exp_avg_sq`
+    # with 1 - beta2, `exp_avg_sq_hat.div(bias_correction2).sqrt_().add_(eps)`, step_size lr/bias_correction1),
+    # so 1 passes. The decay is `p.mul_(1 - wd*lr*ratio)` with ratio = 1/(sqrt(mean_square) + eps), mean_square
+    # the bias-corrected v summed over every parameter of every group with a gradient, over their size: a
+    # shrink by another factor than 1 - lr*wd, and one that couples the tensors (2). It comes before the update
+    # (`apply_weight_decay` before `p.addcdiv_`): the fitted shrink puts it first (3). `group['step'] += 1` is
+    # the group's count (4). The group without decay is stepped as on its own, the decayed one differs only
+    # through the coupled decay (7 passes and says so).
+    "pytorch_optimizer.AdamS": (
+        pytorch_optimizer.AdamS, {"mapping": {"amsgrad": None}},
+        expect(c1="pass", c2="fail", c3="pass", c4="fail", c5="pass", c6="pass", c7="pass")),
     # pytorch_optimizer/optimizer/laprop.py: the momentum averages lr-scaled normalized gradients
     # (`exp_avg.mul_(beta1).addcdiv_(grad, de_nom, value=(1 - beta1) * lr)`), not AdamW's rule (1);
     # `apply_weight_decay` comes after `p.add_(update, ...)`: decoupled (2) but applied to the updated
@@ -131,6 +148,11 @@ def test_peer_findings_name_what_broke(peer_reports):
     lamb = peer_reports["pytorch_optimizer.Lamb"]
     assert "the step itself depends on theta" in lamb.result(3).detail
     assert "step from the decayed theta" in lamb.result(2).detail
+    coupled_lamb = peer_reports["pytorch_optimizer.Lamb(weight_decouple=False)"]
+    assert "goes through the theta-dependent step" in coupled_lamb.result(2).detail
+    adams = peer_reports["pytorch_optimizer.AdamS"]
+    assert "not by 1 - lr*wd" in adams.result(3).detail
+    assert "the decay depends on the other group's tensors" in adams.result(7).detail
     assert "decay is applied after the update" in peer_reports["pytorch_optimizer.LaProp"].result(3).detail
     schedule_free = peer_reports["schedulefree.AdamWScheduleFree"]
     assert "does not scale with lr alone" in schedule_free.result(7).detail

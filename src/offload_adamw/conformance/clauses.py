@@ -56,8 +56,7 @@ failing every clause that happens to take a step. The pairs:
    couples the groups: clause 2's.
 8. Each parameter dtype vs. the same candidate in the widest dtype it takes, over 1051
    steps on 4096 elements (a bf16 parameter must be the rounded copy of a float32
-   computation), one optimizer over one tensor per dtype (one per dtype where it refuses
-   that), plus the state dtypes (read inside nested containers), the arithmetic of the
+   computation), plus the state dtypes (read inside nested containers), the arithmetic of the
    widest run (clause 1's judgement where it ends beyond its tolerance from the reference)
    and how the master is narrowed: a visible master against its parameter, a hidden one
    through the parameter against the candidate's own float32 run (truncation and
@@ -993,50 +992,36 @@ def _rounding_of(raw: Tensor, wide: Tensor, dtype: torch.dtype) -> str | None:
 
 
 def _long_runs(ctx: Context, theta_u: Tensor, grads_u: Tensor,
-               values: Mapping[str, Any]) -> tuple[dict[torch.dtype, tuple[Any, Tensor, Tensor]], list[str], str]:
-    """The long horizon in every parameter dtype the candidate takes: {dtype: (optimizer, parameter, observed)},
-    the refused dtypes, and how it was run.
+               values: Mapping[str, Any]) -> tuple[dict[torch.dtype, tuple[Any, Tensor, Tensor]], list[str]]:
+    """The long horizon in every parameter dtype the candidate takes: {dtype: (optimizer, parameter, observed)}
+    and the refused dtypes.
 
-    One optimizer over one tensor per dtype (a step call covers all four); where the candidate refuses that, one
-    optimizer per dtype, so that each refused dtype is named. Only the distinct gradients are laid out per dtype."""
+    One optimizer per dtype: in one optimizer over all four, a rule that couples tensors (a statistic over every
+    tensor, a global norm) would carry one dtype's overflow or rounding into the others. The gradients are
+    shared: each distinct one is laid out once per dtype and copied at each step."""
     h = ctx.harness
     unique, index = torch.unique(grads_u, dim=0, return_inverse=True)
     order = index.tolist()
     theta0 = _tile(theta_u)
-
-    def feeds(dtype: torch.dtype) -> list[Tensor]:
-        return [_tile(row).to(h.device, dtype) for row in unique]
-
-    def drive(opt: Any, fed: Mapping[Tensor, list[Tensor]]) -> None:
-        for k in order:
-            for p, rows in fed.items():
-                p.grad = rows[k].clone()  # a copy each step: some optimizers modify the gradient in place
-            opt.step()
-
-    try:
-        params = {f"w.{_dtype_name(d)}": h.params({"w": theta0}, d)["w"] for d in LONG_DTYPES}
-        opt = h.build(params, values)
-        drive(opt, {p: feeds(p.dtype) for p in params.values()})
-        runs: dict[torch.dtype, tuple[Any, Tensor, Tensor]] = {p.dtype: (opt, p, h.observe(opt, p)) for p in params.values()}
-        return runs, [], "one optimizer over one tensor per parameter dtype"
-    except NotApplicable:
-        raise
-    except Exception:
-        pass  # a dtype it refuses, or dtypes it will not mix: each on its own below
-    runs, refused = {}, []
+    runs: dict[torch.dtype, tuple[Any, Tensor, Tensor]] = {}
+    refused = []
     for dtype in LONG_DTYPES:
         try:
-            alone = h.params({"w": theta0}, dtype)
-            opt = h.build(alone, values)
-            drive(opt, {alone["w"]: feeds(dtype)})
-            runs[dtype] = (opt, cast(Tensor, alone["w"]), h.observe(opt, alone["w"]))
+            params = h.params({"w": theta0}, dtype)
+            p = params["w"]
+            opt = h.build(params, values)
+            rows = [_tile(row).to(h.device, dtype) for row in unique]
+            for k in order:
+                p.grad = rows[k].clone()  # a copy each step: some optimizers modify the gradient in place
+                opt.step()
+            runs[dtype] = (opt, p, h.observe(opt, p))
         except NotApplicable:
             raise
         except Exception as exc:
             if dtype == ctx.dtype:
                 raise
             refused.append(f"{_dtype_name(dtype)} ({type(exc).__name__})")
-    return runs, refused, "one optimizer per parameter dtype (the candidate refused one over all four)"
+    return runs, refused
 
 
 def clause_precision(ctx: Context) -> ClauseFinding:
@@ -1045,13 +1030,13 @@ def clause_precision(ctx: Context) -> ClauseFinding:
     theta_u, grads_u, values = _long_horizon_unique(wd)
     steps = grads_u.shape[0]
     ref = _long_horizon_reference(wd)
-    runs, refused, how_run = _long_runs(ctx, theta_u, grads_u, values)
+    runs, refused = _long_runs(ctx, theta_u, grads_u, values)
 
     lines = [f"one {LONG_SHAPE[0]}x{LONG_SHAPE[1]} tensor per parameter dtype, {steps} steps (lr 1e-2, weight_decay {wd}): "
              f"'decay_only' gets zero gradients throughout, 'second_moment' one gradient, {LONG_ZERO_STEPS} zeros, then "
              f"small ones, 'small_updates' |theta| 8-16 with updates ~1e-2, 'steady' ordinary gradients; each parameter "
              f"dtype is compared with the candidate's own run in the widest dtype it takes (so a formula error cancels out: "
-             f"that is clause 1's finding); {how_run}"]
+             f"that is clause 1's finding)"]
     if refused:
         lines.append("not asked, the candidate refused these parameter dtypes: " + ", ".join(refused))
     base_dtype = next((d for d in LONG_DTYPES if d in runs), None)
