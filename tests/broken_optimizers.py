@@ -7,6 +7,7 @@ them the way a hand edit might. ``BROKEN`` maps each class to the clauses that m
 it (one, except where two defects are combined on purpose); the conformance tests check
 that those clauses fail and no other one does. ``CORRECT`` lists optimizers written
 differently from ``TextbookAdamW`` that keep the whole contract: no clause may flag them.
+A class with another signature says how the checker maps it in ``CHECK_MAPPING``.
 
 ``SplitBetaAdamW`` is not broken: it is a correct AdamW with another signature
 (``beta1``/``beta2``, ``epsilon``, ``wd``, ``correct_bias=False`` by default as some
@@ -90,6 +91,13 @@ class TextbookAdamW(OffloadAdamW):
         denom = (v.sqrt() / math.sqrt(c2)).add_(hp.eps)  # eps outside the root
         theta.addcdiv_(m, denom, value=-hp.lr / c1)
 
+    def arithmetic_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the step computes in (the state's; a subclass may cast to a narrower one inside its step)."""
+        return state_dtype
+
+    master_key = "master_param"
+    """The state key of the master copy (one the checker knows)."""
+
     # ---- the loop
 
     def new_state(self, p: Tensor, hp: GroupHyper) -> dict[str, Any]:
@@ -100,7 +108,7 @@ class TextbookAdamW(OffloadAdamW):
         if hp.amsgrad:
             state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype)
         if self.keeps_master(p):
-            state["master_param"] = p.detach().to("cpu", dtype).clone()
+            state[self.master_key] = p.detach().to("cpu", dtype).clone()
         return state
 
     @torch.no_grad()
@@ -121,25 +129,31 @@ class TextbookAdamW(OffloadAdamW):
                 state = self.state[p]
                 if not state:
                     state.update(self.new_state(p, hp))
-                theta = state.get("master_param", p)
-                g = grad.to(state["exp_avg"].dtype)
+                stored = state.get(self.master_key, p)
+                work_dtype = self.arithmetic_dtype(state["exp_avg"].dtype)
+                # Moments and theta in the working dtype: the stored tensors themselves, or copies written back
+                # after the update (a low-precision theta without a master is rounded there).
+                keys = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
+                work = {k: state[k] if state[k].dtype == work_dtype else state[k].to(work_dtype) for k in keys}
+                theta = stored if stored.dtype == work_dtype else stored.to(work_dtype)
+                g = grad.to(work_dtype)
                 if hp.maximize:
                     g = -g
                 t = self.advance_step(state)
                 g_m = self.moment_gradient(g, theta, hp)
                 self.decay_before(theta, hp)
-                state["exp_avg"].lerp_(g_m, 1 - hp.beta1)
-                state["exp_avg_sq"].mul_(hp.beta2).addcmul_(g_m, g_m, value=1 - hp.beta2)
-                v = self.second_moment_for_denominator(state, hp)
-                if theta.dtype == state["exp_avg"].dtype:
-                    self.move(theta, state["exp_avg"], v, t, hp)
-                else:  # a low-precision theta updated in place (no master): the rounding happens here
-                    wide = theta.to(state["exp_avg"].dtype)
-                    self.move(wide, state["exp_avg"], v, t, hp)
-                    theta.copy_(wide)
+                work["exp_avg"].lerp_(g_m, 1 - hp.beta1)
+                work["exp_avg_sq"].mul_(hp.beta2).addcmul_(g_m, g_m, value=1 - hp.beta2)
+                v = self.second_moment_for_denominator(work, hp)
+                self.move(theta, work["exp_avg"], v, t, hp)
                 self.decay_after(theta, hp)
-                if theta is not p:
-                    self.write_parameter(p, theta)
+                for k in keys:
+                    if work[k] is not state[k]:
+                        state[k].copy_(work[k])
+                if theta is not stored:
+                    stored.copy_(theta)
+                if stored is not p:
+                    self.write_parameter(p, stored)
         return loss
 
     def write_parameter(self, p: Tensor, master: Tensor) -> None:
@@ -385,6 +399,50 @@ class TruncatedMaster(TextbookAdamW):
         p.copy_(_toward_zero(master, p.dtype))
 
 
+class Float32Arithmetic(TextbookAdamW):
+    """float64 state for float64 parameters, but each step computed in float32: the moments and theta are cast
+    to float32 inside the step and the results written back (the formula is right; the precision is not)."""
+
+    def arithmetic_dtype(self, state_dtype):
+        return torch.float32 if state_dtype == torch.float64 else state_dtype
+
+
+class HiddenMasterAdamW(TextbookAdamW):
+    """Correct AdamW whose float32 master sits under a state key of its own, with no ``master_param``: the checker
+    sees only the rounded bf16/fp16 parameter (as with optimizers that name their master otherwise)."""
+
+    master_key = "shadow_fp32"
+
+    def master_param(self, p):
+        return None
+
+
+class HiddenTruncatedMaster(HiddenMasterAdamW):
+    """A hidden float32 master narrowed to the bf16/fp16 parameter by truncation instead of round-to-nearest-even."""
+
+    def write_parameter(self, p, master):
+        p.copy_(_toward_zero(master, p.dtype))
+
+
+def _stochastically_rounded(master: Tensor, dtype: torch.dtype) -> Tensor:
+    """``master`` narrowed to ``dtype`` by stochastic rounding, drawing from torch's global RNG."""
+    lower = master.to(dtype)
+    wide = lower.to(master.dtype)
+    toward = torch.where(wide < master, torch.full_like(wide, math.inf), torch.full_like(wide, -math.inf)).to(dtype)
+    other = torch.nextafter(lower, toward)
+    gap = (other.to(master.dtype) - wide).abs()
+    chance = torch.where(gap > 0, (master - wide).abs() / gap, torch.zeros_like(gap))
+    return torch.where(torch.rand_like(master) < chance, other, lower)
+
+
+class StochasticRoundingMaster(TextbookAdamW):
+    """A float32 master narrowed to the bf16/fp16 parameter by stochastic rounding from torch's global RNG
+    (the round trip of its state is exact; the RNG draws continue from wherever the RNG is)."""
+
+    def write_parameter(self, p, master):
+        p.copy_(_stochastically_rounded(master, p.dtype))
+
+
 # ----------------------------------------------------------------------------- one defect on float32 state
 
 class Float32StateSharedStepCounter(Float32State, SharedStepCounter):
@@ -401,6 +459,88 @@ class Float32StateZeroGradSkipped(Float32State, ZeroGradSkipped):
 
 class Float32StateAmpIgnoresFoundInf(Float32State, AmpUnscalesIgnoresFoundInf):
     """float32 state (clause 8 at float64) and GradScaler's found_inf ignored (clause 14)."""
+
+
+# ----------------------------------------------------------------------------- rules that are not AdamW's
+
+class SignMomentumTakesEps(TextbookAdamW):
+    """theta <- s*theta - lr*sign(m) (a sign-of-momentum rule); it takes eps, as AdamW's signature has it, and
+    never uses it. Its cold state steps lr*sign(tiny) on a tiny gradient and nothing on a zero one."""
+
+    def __init__(self, params, *args: Any, **kwargs: Any):
+        super().__init__(params, *args, **kwargs)
+        self.nonfinite = None  # sign(NaN) is 0 here: it declares no non-finite policy
+
+    def move(self, theta, m, v, t, hp):
+        theta.add_(torch.sign(m), alpha=-hp.lr)
+
+
+class SignMomentumNoEps(SignMomentumTakesEps):
+    """The same rule with a signature that has no eps (nor amsgrad, maximize): checked with those mapped to null."""
+
+    CHECK_MAPPING = {"eps": None, "amsgrad": None, "maximize": None}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2):
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def _trust_ratio(theta: Tensor, update: Tensor, eps: float) -> float:
+    """|theta| / (|update| + eps), 1 where theta is zero (LAMB's layer-wise scaling)."""
+    weight_norm = float(theta.norm())
+    return 1.0 if weight_norm == 0 else weight_norm / (float(update.norm()) + eps)
+
+
+class TrustRatioDecoupled(TextbookAdamW):
+    """A LAMB-like step: the Adam direction scaled by |theta| / |direction|, after a decoupled decay of theta."""
+
+    def move(self, theta, m, v, t, hp):
+        c1, c2 = self.bias_corrections(t, hp)
+        direction = (m / c1) / ((v / c2).sqrt().add_(hp.eps))
+        theta.add_(direction, alpha=-hp.lr * _trust_ratio(theta, direction, hp.eps))
+
+
+class TrustRatioDecayInside(TrustRatioDecoupled):
+    """LAMB as its paper writes it: the decay wd*theta is added to the direction, and the trust ratio scales
+    both: the decay is not the decoupled lr*wd*theta."""
+
+    def decay_before(self, theta, hp):
+        pass
+
+    def move(self, theta, m, v, t, hp):
+        c1, c2 = self.bias_corrections(t, hp)
+        direction = (m / c1) / ((v / c2).sqrt().add_(hp.eps)) + hp.weight_decay * theta
+        theta.add_(direction, alpha=-hp.lr * _trust_ratio(theta, direction, hp.eps))
+
+
+class DecayLrCapped(HiddenMasterAdamW):
+    """The decay uses the learning rate capped at 0.08 (a 'stability' cap): above it, theta decays by less than
+    lr*wd*theta. Its master is hidden, so that a bf16 run shows only the rounded parameter."""
+
+    def decay_before(self, theta, hp):
+        theta.mul_(1 - min(hp.lr, 0.08) * hp.weight_decay)
+
+
+class DecayScaledByRmsOfV(TextbookAdamW):
+    """Decoupled decay divided by sqrt of the mean bias-corrected v over every tensor that has a gradient
+    (taken before the update, with this step's gradient in it): a decay scaled by a statistic of v."""
+
+    def begin_step(self):
+        total, count = 0.0, 0
+        for group in self.param_groups:
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                t = int(state["step"].item()) + 1 if state else 1
+                v = state["exp_avg_sq"].double() if state else torch.zeros(p.shape, dtype=torch.float64)
+                g = p.grad.double()
+                total += float(((beta2 * v + (1 - beta2) * g * g) / (1 - beta2**t)).sum())
+                count += p.numel()
+        self._rms_of_v = math.sqrt(total / count) + 1e-8 if count else 1.0
+
+    def decay_before(self, theta, hp):
+        theta.mul_(1 - hp.lr * hp.weight_decay / self._rms_of_v)
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -482,6 +622,15 @@ BROKEN: dict[type, tuple[int, ...]] = {
     NoMasterCopy: (8,),
     Float32State: (8,),
     TruncatedMaster: (8,),
+    Float32Arithmetic: (8,),
+    HiddenTruncatedMaster: (8,),
+    StochasticRoundingMaster: (8,),
+    SignMomentumTakesEps: (1,),
+    SignMomentumNoEps: (1,),
+    TrustRatioDecoupled: (1,),
+    TrustRatioDecayInside: (1, 2),
+    DecayLrCapped: (2,),
+    DecayScaledByRmsOfV: (2,),
     StateResetOnLoad: (10,),
     StateCastOnLoad: (10,),
     PositionalLoad: (11,),
@@ -496,4 +645,4 @@ BROKEN: dict[type, tuple[int, ...]] = {
 }
 
 #: optimizers that keep the whole contract although written differently
-CORRECT: tuple[type, ...] = (TextbookAdamW, ReorderedAdamW)
+CORRECT: tuple[type, ...] = (TextbookAdamW, ReorderedAdamW, HiddenMasterAdamW)

@@ -60,7 +60,7 @@ class _ReportsByClass(dict):
     """Each class checked once, when a test first asks for it (so that no single test carries the whole table)."""
 
     def __missing__(self, cls):
-        self[cls] = report = check(cls, clauses=JUDGED)
+        self[cls] = report = check(cls, clauses=JUDGED, mapping=getattr(cls, "CHECK_MAPPING", None))
         return report
 
 
@@ -177,6 +177,49 @@ def test_precision_findings_name_the_property_and_the_dtype(broken_reports):
     assert "ends" in broken_reports[broken.NoMasterCopy].result(8).detail  # small updates and decay vanish
     read_once = broken_reports[broken.LrReadOnce].result(7).detail
     assert "has no effect on the step it is made for" in read_once
+
+
+def test_each_finding_is_put_where_it_belongs(broken_reports):
+    # Arithmetic narrower than the state: the formula is right in float32 (clause 1), the narrowing is clause 8's.
+    narrowed = broken_reports[broken.Float32Arithmetic]
+    assert "float32 arithmetic, narrower than the candidate's float64 state" in narrowed.result(1).detail
+    assert "float64 parameters: computed in float32 arithmetic although its state is float64" in narrowed.result(8).detail
+    # A master hidden from the checker, narrowed by truncation or by stochastic rounding: seen on the parameter.
+    hidden = broken_reports[broken.HiddenTruncatedMaster].result(8).detail
+    assert "not the round-to-nearest-even copy of the candidate's float32 run" in hidden and "truncated toward zero" in hidden
+    stochastic = broken_reports[broken.StochasticRoundingMaster]
+    assert "another rounding" in stochastic.result(8).detail
+    assert "draws from torch's global RNG" in stochastic.result(10).detail  # and the round trip passes with it restored
+    # Decay inside a trust-ratio-scaled step is judged (one step from a fresh state), not n/a.
+    inside = broken_reports[broken.TrustRatioDecayInside]
+    assert "goes through the theta-dependent step" in inside.result(2).detail
+    assert inside.result(3).verdict == "n/a" and "clause 2" in inside.result(3).detail
+    assert verdicts(broken_reports[broken.TrustRatioDecoupled])[2] == "pass"
+    # A decay scaled by a statistic of v over every tensor: clause 2's, not the order's, the groups' or the step count's.
+    scaled = broken_reports[broken.DecayScaledByRmsOfV]
+    assert "not by 1 - lr*wd" in scaled.result(3).detail
+    assert "the decay depends on other tensors, clause 2's finding" in scaled.result(4).detail
+    assert "the decay depends on the other group's tensors, clause 2's finding" in scaled.result(7).detail
+    # A sign-based update on a cold state: sign(0) against sign(tiny) is no zero-gradient finding.
+    assert "midpoint" in broken_reports[broken.SignMomentumTakesEps].result(5).detail
+    assert "for every eps from 1e-30 to 1e-06" in broken_reports[broken.SignMomentumNoEps].result(1).detail
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp64"])
+def test_a_decay_with_a_capped_lr_fails_clause_2_at_every_dtype(dtype):
+    # The cap changes the decay factor by a few per cent of lr*wd: with s = 1 - lr*wd = 0.5 that is more than a
+    # bfloat16 ulp of theta at every step, so a parameter seen only in bf16 shows it too.
+    report = check(broken.DecayLrCapped, dtype=dtype, clauses=[2, 3])
+    assert verdicts(report) == {2: "fail", 3: "pass"}, report.to_table()
+    assert report.result(2).deviation > 0.1
+
+
+def test_an_optimizer_without_eps_that_follows_the_reference_is_not_shown_to_be_adamw():
+    # torch's AdamW with its own eps (1e-8, inside the band): the update matches, where eps goes cannot be seen.
+    report = check(torch.optim.AdamW, mapping={"eps": None}, clauses=[1])
+    assert report.result(1).verdict == "n/a", report.to_table()
+    assert "where eps goes" in report.result(1).detail and report.result(1).deviation < 1e-5
+    assert not report.conforming and "could not be compared" in report.unproven
 
 
 def test_a_swallowed_keyword_is_named_and_the_map_that_fits_passes():
@@ -367,15 +410,16 @@ class SignMomentum(torch.optim.Optimizer):
 def test_an_optimizer_without_eps_gets_every_clause_that_does_not_need_it_and_is_not_called_conforming(tmp_path):
     report = check(SignMomentum, mapping={"eps": None, "amsgrad": None, "maximize": None}, clauses=JUDGED)
     got = verdicts(report)
-    assert got[1] == "n/a" and "no eps" in report.result(1).detail
+    # No eps is no excuse: no eps from 1e-30 to 1e-6 makes sign(b1*m + (1-b1)*g) AdamW's update.
+    assert got[1] == "fail" and "the candidate takes no eps argument" in report.result(1).detail
+    assert report.result(1).deviation > 0.1
     for clause in (2, 3, 4, 5, 6, 7, 10, 11, 12):
         assert got[clause] in ("pass", "fail"), report.to_table()  # asked, not skipped for a missing keyword
     assert "only the 'warm' tensor" in report.result(5).detail
     # Its momentum grows by 1e-3*g a step (beta2 0.999), yet torch's positional loading shows: the gradients
     # after the save are a thousand times smaller than before, so the swapped moments drive the continuation.
     assert got[11] == "fail" and report.result(11).deviation > 0.1
-    assert not report.conforming and "could not be compared" in report.unproven
-    assert report.to_json()["conforming"] is False
+    assert not report.conforming and report.to_json()["conforming"] is False
 
 
 class NeedsTrainMode(torch.optim.AdamW):

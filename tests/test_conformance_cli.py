@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,40 @@ def test_an_optimizer_without_eps_is_not_reported_conforming(capsys):
     out = capsys.readouterr().out
     assert status == 1
     assert "not shown to be AdamW" in out and "2 pass" in out
+
+
+ON_IMPORT = {
+    "exits_on_import": ("import sys\nsys.exit(0)\n", "called sys.exit(0)"),
+    "dies_on_import": ("import os\nos._exit(3)\n", "ended the process (exit status 3)"),
+    "hangs_on_import": ("import time\nwhile True:\n    time.sleep(0.01)\n", "did not finish within 3 s"),
+}
+
+
+@pytest.mark.parametrize("module", list(ON_IMPORT))
+def test_a_candidate_that_ends_or_hangs_on_import_is_refused_with_its_name_never_passed(tmp_path, module):
+    # The candidate is imported in a process of its own, within --timeout: what its module does on import
+    # reaches neither the exit status (0 would read as conforming) nor the command's own output.
+    source, message = ON_IMPORT[module]
+    path = tmp_path / f"{module}.py"
+    path.write_text(source)
+    spec = f"{path}:AdamW"
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "offload_adamw", "check", spec, "--timeout", "3", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert time.perf_counter() - started < 60
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("offload-adamw check: cannot load the candidate: ") and spec in proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_the_command_keeps_torch_out_of_its_own_process(tmp_path):
+    # The check runs in a forked child that imports torch and ends with os._exit: the command's process
+    # never imports torch, so it does not spend its exit tearing torch and torch._dynamo down.
+    out = tmp_path / "r.json"
+    code = ("import sys\nfrom offload_adamw.cli.main import main\n"
+            f"status = main(['check', 'torch.optim:AdamW', '--clauses', '12', '--json', {str(out)!r}, '--no-progress'])\n"
+            "print(status, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split()[-2:] == ["0", "False"], proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["results"][0]["verdict"] == "pass"

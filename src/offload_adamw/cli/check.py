@@ -5,7 +5,9 @@ Contract: prints the report table to stdout, or with ``--json [FILE]`` the repor
 ``schema_version``), and returns the exit status: 0 when the candidate conforms
 (no clause fails or errs, and the update rule could be compared), 1 when it does not, 2
 on a usage error, reported in one line that names the culprit before any clause runs: a
-candidate that cannot be loaded, invalid arguments (bad JSON, unknown dtype, unknown
+candidate that cannot be loaded (its module raises, calls ``sys.exit``, ends its process
+or hangs past ``--timeout`` on import: it is imported in a process of its own, so none of
+that reaches this command's status or output), invalid arguments (bad JSON, unknown dtype, unknown
 clause, bad mapping, a non-positive ``--timeout``), a device that is not there, a
 ``--json`` path that cannot be written, a ``--setup`` method the optimizer lacks, or a
 constructor that does not take the canonical keywords (with the ``--map`` that fits).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,26 +37,32 @@ CLAUSE_HELP = """
 
 Clauses (--dtype D sets the parameter dtype of every clause except where said):
    1  update rule vs. the reference, step 1 and 2-6, plain, amsgrad, maximize; in float64 and in D,
-      at the precision of the candidate's state; gradients orthogonal to one weight (projections)
-   2  decoupled weight decay (wd 0 vs. wd > 0 on the same gradients), in D
+      at the precision the candidate computes in (its state's, or a narrower arithmetic its own
+      run shows: clause 8's finding); gradients orthogonal to one weight (projections); without
+      eps, against every eps from 1e-30 to 1e-6 (fails where none fits, else n/a)
+   2  decoupled weight decay (wd 0 vs. wd > 0 on the same gradients, lr*wd = 0.5; one step from a
+      fresh state where the step depends on theta), in D
    3  decay applied to the pre-update value, in D
    4  per-tensor step count, grad None leaves a tensor alone, in D
-   5  an explicit zero gradient is an update (vs. a tiny one), in D
+   5  an explicit zero gradient is an update (vs. the midpoint of tiny ones of both signs), in D
    6  lr = 0: moments absorb the gradient, theta unchanged, in D
    7  parameter groups keep their hyperparameters; an lr change takes effect at its step, in D
    8  state precision: float64, float32, bfloat16 and float16 parameters (whatever D), 64x64 over
-      1051 steps, each against the candidate's own widest run; state narrower than the parameter
-      (or than float32), the master copy and its round-to-nearest-even narrowing
+      1051 steps, each against the candidate's own widest run; state or arithmetic narrower than
+      the parameter (or than float32), the master copy and its round-to-nearest-even narrowing
    9  where the state lives between steps (info; n/a without an accelerator)
-  10  state_dict round trip: bitwise continuation, dtypes kept, in D and in bfloat16
+  10  state_dict round trip: bitwise continuation, dtypes kept, in D and in bfloat16 (torch's
+      global RNG restored at the resume point)
   11  resume into another parameter order matches state by name (or refuses), in D
   12  NaN/negative lr, eps, weight_decay, beta = 1 rejected at construction
   13  non-finite gradients: propagate, skip or raise (judged only against a declared policy), in D
   14  torch.amp.GradScaler's found_inf step leaves no trace, in float32 (float64 for D = fp64)
   15  cost of one step vs. torch.optim.AdamW(fused=True) on 262,144 elements of D (info)
 
-Each clause runs in a child process with a time limit. Exit status: 0 conforming, 1 not
-(a clause fails or errs, or the update rule could not be compared), 2 usage error.
+The candidate is imported in a child process and each clause runs in a child of that one,
+two at a time, each with a time limit. Exit status: 0 conforming, 1 not (a clause fails or
+errs, or the update rule could not be compared), 2 usage error (a candidate that cannot be
+loaded, also one that exits or hangs on import).
 """
 
 
@@ -67,8 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fixed constructor keyword arguments, e.g. '{\"correct_bias\": true}' (or @file.json)")
     parser.add_argument("--map", dest="mapping", default=None, metavar="JSON",
                         help="canonical hyperparameter -> the candidate's name: lr, betas (one name or two), eps, "
-                             "weight_decay, amsgrad, maximize; null = no such argument (eps null: the candidate's own eps, "
-                             "clause 1 then n/a and the check not conforming). "
+                             "weight_decay, amsgrad, maximize; null = no such argument (eps null: the candidate's own eps; "
+                             "clause 1 then fails where no eps from 1e-30 to 1e-6 fits, else is n/a and the check not "
+                             "conforming). "
                              "E.g. '{\"betas\": [\"beta1\", \"beta2\"], \"eps\": \"epsilon\"}' (or @file.json)")
     parser.add_argument("--clauses", default=None, metavar="N,N,...", help="run only these clauses (default: all 15)")
     parser.add_argument("--nonfinite", choices=("propagate", "skip", "raise"), default=None,
@@ -79,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a method to call on every optimizer built, before it steps (repeatable), e.g. 'train' "
                              "for schedule-free optimizers")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                        help="time limit of each clause (default: 120 s); a clause that runs longer is that "
-                             "clause's error")
+                        help="time limit of importing the candidate and of each clause (default: 120 s); an "
+                             "import that runs longer is a usage error, a clause that does is that clause's error")
     common.add_json_argument(parser, what="the report", dest="json_path")
     common.add_progress_argument(parser)
 
@@ -104,12 +114,36 @@ def _json_argument(flag: str, text: str | None) -> Any:
     return value
 
 
-def run(args: argparse.Namespace) -> int:
-    from offload_adamw.conformance.checker import DEFAULT_TIMEOUT, CandidateLoadError, UsageError, check
+def _checked(candidate: str, options: dict[str, Any]) -> tuple[str, Any]:
+    """("report", the Report) or ("usage", the one-line message): the check run where torch is imported."""
+    from offload_adamw.conformance.checker import CandidateLoadError, UsageError, check
 
     try:
-        timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
-        if not timeout > 0:  # written so that NaN fails too
+        return "report", check(candidate, **options)
+    except CandidateLoadError as exc:
+        return "usage", f"cannot load the candidate: {exc}"
+    except (UsageError, ValueError) as exc:
+        return "usage", str(exc)
+
+
+def _check_in_a_child(candidate: str, options: dict[str, Any]) -> tuple[str, Any]:
+    """:func:`_checked` in a forked child where fork exists and torch is not imported here, else here.
+
+    The child imports torch (and torch._dynamo, which the steps of torch's optimizers import) and ends
+    with os._exit; this process, which never imported them, then ends without tearing them down
+    (about as long as importing them), and what the candidate does cannot reach it either."""
+    if "torch" in sys.modules or not hasattr(os, "fork"):
+        return _checked(candidate, options)
+    from offload_adamw.conformance.processes import Pending
+
+    ran, outcome = Pending(lambda: _checked(candidate, options),
+                           ended="the process that ran the check ended ({status}) without a report").result(None)
+    return outcome if ran else ("lost", outcome)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.timeout is not None and not args.timeout > 0:  # written so that NaN fails too
             raise ValueError(f"--timeout: expected a positive number of seconds, got {args.timeout!r}")
         kwargs = _json_argument("--kwargs", args.kwargs)
         mapping = _json_argument("--map", args.mapping)
@@ -119,19 +153,19 @@ def run(args: argparse.Namespace) -> int:
                 clauses = [int(part) for part in args.clauses.split(",") if part.strip()]
             except ValueError:
                 raise ValueError(f"--clauses: expected numbers separated by commas, got {args.clauses!r}") from None
-        progress = common.progress_wanted(args)
-        report = check(args.candidate, dtype=args.dtype, kwargs=kwargs, mapping=mapping, clauses=clauses,
-                       nonfinite_policy=args.nonfinite, device=args.device, progress=progress, setup=args.setup,
-                       timeout=timeout)
-    except CandidateLoadError as exc:
-        print(f"offload-adamw check: cannot load the candidate: {exc}", file=sys.stderr)
-        return 2
-    except UsageError as exc:
-        print(f"offload-adamw check: {exc}", file=sys.stderr)
-        return 2
     except ValueError as exc:
         print(f"offload-adamw check: {exc}", file=sys.stderr)
         return 2
+    options: dict[str, Any] = {"dtype": args.dtype, "kwargs": kwargs, "mapping": mapping, "clauses": clauses,
+                               "nonfinite_policy": args.nonfinite, "device": args.device,
+                               "progress": common.progress_wanted(args), "setup": args.setup}
+    if args.timeout is not None:
+        options["timeout"] = args.timeout
+    kind, outcome = _check_in_a_child(args.candidate, options)
+    if kind != "report":
+        print(f"offload-adamw check: {outcome}", file=sys.stderr)
+        return 2 if kind == "usage" else 1
+    report = outcome
     if not common.json_to_stdout(args, "json_path"):
         print(report.to_table())
     common.write_json("check", report.to_json(), args.json_path)

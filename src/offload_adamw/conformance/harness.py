@@ -37,6 +37,7 @@ __all__ = [
     "Tolerance",
     "tolerance_for",
     "compare",
+    "compare_band",
     "snap",
     "random_values",
     "hyper",
@@ -189,6 +190,16 @@ def compare(actual: Tensor, expected: Tensor, tol: Tolerance) -> tuple[bool, flo
     scale = torch.clamp(torch.nan_to_num(e.abs(), nan=0.0, posinf=0.0), min=1e-3)
     deviation = float((diff / scale).max())
     return ok, deviation
+
+
+def compare_band(actual: Tensor, low: Tensor, high: Tensor, tol: Tolerance) -> tuple[bool, float]:
+    """:func:`compare` against the nearest point of the interval ``low`` and ``high`` span, element by element
+    (a candidate whose own eps is unknown lies between the references of the smallest and the largest eps)."""
+    a = actual.detach().to("cpu", torch.float64)
+    lo, hi = (t.detach().to("cpu", torch.float64) for t in (low, high))
+    if a.shape != lo.shape:
+        return False, math.inf
+    return compare(a, torch.clamp(a, torch.minimum(lo, hi), torch.maximum(lo, hi)), tol)
 
 
 # ----------------------------------------------------------------------------- driving

@@ -8,7 +8,8 @@ cannot apply to this candidate) and ``info`` (reported, never judged). ``deviati
 the measured distance that decided the verdict (relative, see each clause), or None
 where the clause measures no distance. A report is *conforming* when no clause fails or
 errs and the update rule (clause 1), where it was run, passed: a candidate whose update
-rule cannot be compared (no eps, no betas) is not shown to be AdamW. ``to_json()`` holds
+rule cannot be compared in full (no betas; no eps argument, where its own eps fits, so that
+where eps goes is not seen) is not shown to be AdamW. ``to_json()`` holds
 only JSON types, with ``schema_version`` 1: a non-finite deviation is ``null`` there and its path
 is listed under ``"nonfinite"`` (:func:`offload_adamw._output.finite_json`). ``to_table()`` fits the
 terminal's width (``COLUMNS``).
