@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
-import broken_optimizers as broken  # noqa: E402
-from offload_adamw import OffloadAdamW  # noqa: E402
-from offload_adamw.conformance import CLAUSES, CandidateLoadError, UsageError, check, load_candidate  # noqa: E402
-from offload_adamw.conformance.harness import HyperMapping, NotApplicable, Tolerance, compare  # noqa: E402
+import broken_optimizers as broken
+from offload_adamw import OffloadAdamW
+from offload_adamw.conformance import CLAUSES, CandidateLoadError, UsageError, check, load_candidate
+from offload_adamw.conformance.harness import HyperMapping, NotApplicable, Tolerance, compare
 
 ALL = [c.number for c in CLAUSES]
 # The table of broken optimizers skips clause 15 (a timing, info only, never judged).
