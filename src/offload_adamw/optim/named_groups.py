@@ -141,7 +141,7 @@ def named_tensors(model: torch.nn.Module) -> dict[torch.Tensor, list[str]]:
 def named_param_groups(
     model: torch.nn.Module,
     rules: Mapping[Any, Mapping[str, Any]] | Sequence[RuleLike],
-    default: Mapping[str, Any] | None = {},  # noqa: B006 - read only, never mutated
+    default: Mapping[str, Any] | None = {},
     *,
     known_keys: Iterable[str] | None = ADAMW_GROUP_KEYS,
 ) -> list[dict[str, Any]]:
