@@ -164,7 +164,7 @@ def named_param_groups(
 
     Raises:
         ParamGroupError: naming the rule that takes no parameter, the unknown
-        hyperparameter, or (with ``default=None``) the unmatched parameters.
+            hyperparameter, or (with ``default=None``) the unmatched parameters.
     """
     rule_list = _as_rules(rules)
     keys = None if known_keys is None else frozenset(known_keys)
