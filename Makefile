@@ -1,11 +1,12 @@
-# Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
-# Each creates or refreshes the virtual environment first.
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test` (which also builds the
+# documentation site, `make docs`). Each creates or refreshes the virtual environment first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: venv demo test test-slow lint bench gpu-check clean
+.PHONY: venv demo test test-slow lint docs bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,23 +17,35 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+# The `docs` extra (pyproject.toml) on top of the test environment.
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
 demo: venv
 	$(VENV)/bin/offload-adamw demo
 
 # The second line: a clean virtual environment (torch and this project, no extras) saves and loads a
 # checkpoint and runs plan and check; it is slow (two pip installs), so it runs on its own.
-test: venv
+# The docs extra comes first, so that tests/test_docs_site.py builds the site; the last line builds it as `make docs` does.
+test: venv $(DOCS_STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider
 	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_clean_install.py
-	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff check src tests benchmarks examples docs
 	$(PY) -m mypy src
+	$(MAKE) --no-print-directory docs
 
 test-slow: venv
 	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
 
 # Style and types (configured in pyproject.toml). Run both even when the first one finds something.
 lint: venv
-	$(PY) -m ruff check src tests benchmarks examples; r=$$?; $(PY) -m mypy src || exit 1; exit $$r
+	$(PY) -m ruff check src tests benchmarks examples docs; r=$$?; $(PY) -m mypy src || exit 1; exit $$r
+
+# The documentation site from docs/ (mkdocs.yml) into build/site, every warning an error: a broken link or
+# anchor, an unresolved cross-reference, a docstring that does not parse, a page missing from the navigation.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean --site-dir build/site
 
 bench: venv
 	$(VENV)/bin/offload-adamw bench
