@@ -125,8 +125,9 @@ def test_the_site_builds_with_every_page_and_the_api_from_the_docstrings(tmp_pat
     # a Sphinx role of a docstring (:meth:`master_value`) became a link to the rendered method
     assert 'href="#offload_adamw.optim.optimizer.OffloadAdamW.master_value"' in api
     assert ":meth:" not in api and ":class:" not in api
-    index = (site / "index.html").read_text(encoding="utf-8")
-    assert "fonts.googleapis" not in index, "the site loads a web font from outside"
+    outside = [f"{page.relative_to(site)}: {m}" for page in sorted(site.rglob("*.html"))
+               for m in re.findall(r'(?:href|src)="((?:https?:)?//[^"]+)"', page.read_text(encoding="utf-8"))]
+    assert not outside, "the site links or loads from outside itself:\n" + "\n".join(outside[:20])
 
 
 # Each defect is put into a copy of the site's sources; the build must fail and name it.
