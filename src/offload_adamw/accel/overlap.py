@@ -8,9 +8,9 @@ Contract:
   least issued: the update function waits for it). When every key of a bucket has landed, the bucket
   is handed to one worker thread, which runs ``update(bucket)``; backward is never blocked by it.
 * A *gate* holds every update back until it is opened: the updates of a clipped step need the
-  global gradient norm, known only when the last gradient has landed; :meth:`open_gate` is called
+  global gradient norm, known only when the last gradient has landed; :meth:`BackwardUpdater.open_gate` is called
   then (or by ``finish``). Without a gate, buckets start as they complete.
-* :meth:`finish` (called by ``step()``) opens the gate, waits for the worker, re-raises the first
+* :meth:`BackwardUpdater.finish` (called by ``step()``) opens the gate, waits for the worker, re-raises the first
   error of an update, and returns the buckets not updated (those whose gradients did not all land,
   which the caller updates itself) and the timeline records of those that were.
 * The worker thread runs ``thread_init`` first (accel/transfer.py: on CUDA it makes the pipeline's
@@ -95,7 +95,7 @@ class BackwardUpdater:
                 self._queued.append(index)
 
     def gated(self) -> bool:
-        """Whether updates wait for :meth:`open_gate`."""
+        """Whether updates wait for :meth:`BackwardUpdater.open_gate`."""
         with self._lock:
             return not self._gate_open
 

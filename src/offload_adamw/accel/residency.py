@@ -13,8 +13,8 @@ Contract, one strategy each, chosen once at construction:
   ops keep their cross-rank meaning). A second micro-batch's gradient is copied into the accumulation
   buffer and added on the accumulator thread; so is a reduced shard FSDP2 adds into ``p.grad``. Neither
   blocks backward. A cleared ``p.grad`` drops the host gradient; an assigned one replaces it.
-* Both strategies answer the step's question, :meth:`ready`: the complete, current host gradient of a
-  parameter, or None; and :meth:`refuse` names what a strategy cannot do before any update.
+* Both strategies answer the step's question, :meth:`FreedGradients.ready` and :meth:`KeptGradients.ready`:
+  the complete, current host gradient of a parameter, or None.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Contract:
   backward's with NCCL). After DDP's final callback has written ``p.grad``, the pipeline's callback (queued
   behind it) makes the stand-ins. With kept gradients nothing is taken from DDP in backward: the step
   copies the reduced ``p.grad``; attaching still names the replicas for the non-finite decision.
-* :func:`unattached_ddp_check`: a DDP model over these parameters that was not attached is refused with
+* :meth:`DdpSource.check_unattached`: a DDP model over these parameters that was not attached is refused with
   freed gradients (its gradients would be freed before DDP reduces them), and warned about with kept ones.
 """
 

@@ -13,17 +13,17 @@ Contract:
 * ``add_on_host(after, dst, src)``: ``dst += src`` in host memory, on the accumulator thread, once
   ``after`` is complete: ``old + new`` rounded once to the gradient's dtype, which is what autograd's
   accumulation computes. The hook that asks for it never waits.
-* ``send_to_device(pairs)``: each device tensor receives its host source; :meth:`send_after_compute`
+* ``send_to_device(pairs)``: each device tensor receives its host source; :meth:`TransferEngine.send_after_compute`
   orders later sends after the compute stream's work issued so far (the parameters the device still
-  reads), and :meth:`compute_waits` makes the compute stream (the next forward) wait for a send
+  reads), and :meth:`TransferEngine.compute_waits` makes the compute stream (the next forward) wait for a send
   without the host waiting.
 * ``mark(device)`` is a completion for the work issued so far on the current stream of ``device``
-  (a gradient norm taken in a hook); :meth:`current_stream_waits` orders the current stream after it.
+  (a gradient norm taken in a hook); :meth:`TransferEngine.current_stream_waits` orders the current stream after it.
 * Lanes, one per device, chosen by the device's type, never by a flag: CUDA devices get side streams
   and blocking events (a host that waits sleeps instead of spinning a core the host kernel wants);
   every other device, the CPU included, gets synchronous copies (a completion that is complete when
   returned). The asynchronous stand-in of accel/standin.py is a third lane, for tests on the CPU.
-* Worker threads (the accumulator here, the updater of accel/overlap.py) call :meth:`thread_init`
+* Worker threads (the accumulator here, the updater of accel/overlap.py) call :meth:`TransferEngine.thread_init`
   first: on CUDA it makes the pipeline's device current, so that a rank's threads never create a
   context on device 0.
 """

@@ -24,7 +24,7 @@ from offload_adamw.cli import common
 
 # name -> (module, one-line help). Order is the order shown by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("offload_adamw.cli.demo", "train a small Llama three ways and show where a naive offload drifts"),
+    "demo": ("offload_adamw.cli.demo", "train a small Llama four ways and show where a naive offload drifts"),
     "check": ("offload_adamw.cli.check", "check an optimizer against the AdamW contract, clause by clause"),
     "plan": ("offload_adamw.cli.plan", "what fits where for a model and a cluster, and how fast a step can be"),
     "bench": ("offload_adamw.cli.bench", "measure host bandwidth and the optimizer step against torch and DeepSpeed"),

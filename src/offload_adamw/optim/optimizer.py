@@ -99,8 +99,8 @@ class OffloadAdamW(torch.optim.Optimizer):
       same pipeline with the CPU as device. The state is not pinned unless
       ``pin_memory=True``: the pipeline's buffers carry the transfers.
     * ``compiled_kernel``: deprecated and without effect (accepted with a
-      DeprecationWarning): the default host step is the one loop it used to
-      opt into, now compiled by numba without a C++ compiler (kernels/numba_loop.py).
+      DeprecationWarning): the default host step is the single loop it named,
+      compiled by numba without a C++ compiler (kernels/numba_loop.py).
     * ``max_grad_norm`` (default None): clip the gradients to this total 2-norm
       inside ``step``, before the update (like DeepSpeed's ``gradient_clipping``),
       with torch's ``clip_grad_norm_`` arithmetic over the gradients in this
@@ -192,7 +192,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if compiled_kernel:
             warnings.warn(
                 "OffloadAdamW(compiled_kernel=True) is deprecated and has no effect: the default host step "
-                "is the single loop it used to opt into (compiled by numba, no C++ compiler needed)",
+                "is the single loop it named (compiled by numba, no C++ compiler needed)",
                 DeprecationWarning,
                 stacklevel=2,
             )
