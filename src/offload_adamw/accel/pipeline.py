@@ -19,6 +19,8 @@ Contract:
   non-finite policies by accel/gate.py. What cannot be made exact after updates ran is refused by name.
 * **Buffers follow the parameters** (accel/slots.py): a parameter cast or moved gets buffers laid out
   anew, with the parameter's strides; every allocation passes the optimizer's host-memory check first.
+  A parameter that leaves ``param_groups`` (accelerate's and the Trainer's swap to FSDP2 shards, any edit) is
+  released with its hooks and buffers, and one put in gets its hooks before its first backward (accel/swaps.py).
 * **Nothing of this is optimizer state**: ``state_dict`` looks the same with or without the pipeline.
 * **GradScaler**: ``step`` honours ``grad_scale`` (gradients divided by it in float32, as torch's fused
   AdamW does) and ``found_inf`` (the step is skipped, nothing changes). Freed gradients are invisible to
@@ -41,7 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import bucketing, standin
+from offload_adamw.accel import bucketing, standin, swaps
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.host_update import HostUpdate
@@ -162,15 +164,22 @@ class GradientPipeline:
         self.gate.decision_groups = self.ddp.process_groups
         self.hooks.on_backward = [self.ddp.check_unattached, self.schedule.backward_began]
         self.refresh()
+        swaps.look_before_next_forward(self)
 
     # ------------------------------------------------------------------ set-up
 
-    def refresh(self) -> None:
-        """Slots for new parameters; buffers for what has none or was laid out for another device or dtype; hooks.
+    def refresh(self, *, if_changed: bool = False) -> None:
+        """Slots for new parameters, released ones for those that left; buffers for what has none or was laid out for
+        another device or dtype; hooks.
 
-        Runs at construction and at every step, outside backward.
+        Runs at construction, at every step and (``if_changed``: only when ``param_groups`` changed) at the first module
+        forward after each (accel/swaps.py), outside backward.
         """
+        if if_changed and not swaps.changed(self.optimizer.param_groups, self._places):
+            return
         self._places = {p: (gi, i) for gi, g in enumerate(self.optimizer.param_groups) for i, p in enumerate(g["params"])}
+        with self._lock:
+            self.hooks.forget(self.slots.release(self._places))
         new = self.slots.add(self._places)
         for slot in new:
             self.engine.claim(slot.local)
@@ -179,6 +188,7 @@ class GradientPipeline:
 
     def close(self) -> None:
         """Remove the hooks and stop the worker threads (the optimizer no longer sees gradients as they arrive)."""
+        swaps.stop_looking(self)
         self.hooks.close()
         self.schedule.close()
         self.engine.close()
@@ -349,6 +359,7 @@ class GradientPipeline:
         self.gate.reset()
         self.hooks.new_step()
         self.ddp.new_step()
+        swaps.look_before_next_forward(self)
 
     # --------------------------------------------------------------------- step
 
