@@ -1,0 +1,259 @@
+"""The 2-process half of test_integrations_fsdp.py: the real HF Trainer and accelerate on FSDP2 (gloo, the CPU).
+
+Run as ``python tests/_integrations_fsdp_worker.py --out DIR [--only CASE ...]``: two ranks run the cases of
+``CASES`` in turn and write ``DIR/fsdp_rank{r}.json`` = ``{case: {"ok": bool, "error": str, "measured": {...}}}``.
+A case trains a tiny Llama with ``transformers.Trainer`` (accelerate prepares and shards it with FSDP2) and
+compares every local shard bitwise with the same Trainer run with ``optim="adamw_torch_fused"`` (cached per
+configuration), or checks a refusal.
+
+accelerate enables FSDP only for accelerator devices (its ``AcceleratorState`` sets ``DistributedType.FSDP`` for
+MULTI_GPU and the like, not MULTI_CPU). :func:`allow_fsdp_on_cpu` is the one test-only patch: after
+``AcceleratorState`` has initialised a CPU process group, it takes the FSDP plugin it was given, as it would on
+GPUs. Everything else (FSDP2's ``fully_shard`` over gloo, the optimizer swap, the Trainer's loop) runs unpatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import sys
+import traceback
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _distributed_common import spawn_ranks
+
+WORLD = 2
+STEPS = 4
+CLIP = 0.05
+
+
+def allow_fsdp_on_cpu() -> None:
+    """Test only: let accelerate use the FSDP plugin on a CPU (gloo) process group (see the module docstring)."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def patched(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = patched  # type: ignore[method-assign]
+
+
+def fresh_accelerate_state() -> None:
+    """Each Trainer its own AcceleratorState (another FSDP plugin); the process group stays."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+# ------------------------------------------------------------------------------------------------- one run
+
+
+def tiny_llama() -> torch.nn.Module:
+    """test_integrations_trainer.py's Llama with an odd vocabulary: FSDP2 gives the two ranks unequal embedding and head
+    shards (129 and 128 rows), so the per-rank host bill is checked where the ranks differ."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class FirstStepFreed:
+    """A TrainerCallback: whether every gradient of the first step was in host memory before the step."""
+
+    def __init__(self) -> None:
+        self.freed: bool | None = None
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        from offload_adamw import is_host_resident
+
+        outer = self
+
+        class Check(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):  # type: ignore[no-untyped-def]
+                if outer.freed is None and model is not None:
+                    outer.freed = all(is_host_resident(p.grad) for p in model.parameters() if p.grad is not None)
+
+        return Check()
+
+
+class Run:
+    """One Trainer run's outcome on this rank."""
+
+    def __init__(self, trainer: Any, model: torch.nn.Module, alive_originals: int, shapes: list[tuple[int, ...]]):
+        self.trainer = trainer
+        self.alive_originals = alive_originals
+        self.shapes = shapes
+        self.local = {n: p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone()
+                      for n, p in trainer.model.named_parameters()}
+        self.grad_norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+
+def run(tmp: Path, tag: str, *, route: str, max_grad_norm: float = 0.0, accumulation: int = 1,
+        offload_kwargs: dict[str, Any] | None = None, fsdp_version: int = 2, use_orig_params: bool = True,
+        steps: int = STEPS, callbacks: tuple = ()) -> Run:
+    """Train the tiny Llama of test_integrations_trainer.py with the Trainer on FSDP (``route``: how the optimizer is
+    given: ``torch`` = optim="adamw_torch_fused", ``trainer_class`` = OffloadAdamWTrainer, ``cls_and_kwargs`` =
+    optimizer_cls_and_kwargs=(OffloadAdamW, kwargs), ``trainer_optimizer`` = trainer_optimizer(model, args))."""
+    from transformers import Trainer
+
+    from offload_adamw import OffloadAdamW
+    from offload_adamw.integrations.hf import OffloadAdamWTrainer, trainer_optimizer
+    from test_integrations_trainer import TokenWindows, training_args
+
+    fresh_accelerate_state()
+    model = tiny_llama()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    originals = [weakref.ref(p) for p in model.parameters()]
+    fsdp_config: dict[str, Any] = {"version": fsdp_version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    if fsdp_version == 1:
+        fsdp_config["use_orig_params"] = use_orig_params
+    args = training_args(tmp / tag, max_steps=steps, max_grad_norm=max_grad_norm, gradient_accumulation_steps=accumulation,
+                         fsdp=True, fsdp_config=fsdp_config, optim="adamw_torch_fused")
+    kwargs = dict(offload_kwargs or {})
+    data = TokenWindows(n=WORLD * 4 * accumulation * steps)
+    common = {"model": model, "args": args, "train_dataset": data, "callbacks": list(callbacks)}
+    if route == "torch":
+        trainer = Trainer(**common)
+    elif route == "trainer_class":
+        trainer = OffloadAdamWTrainer(**common, offload_adamw_kwargs=kwargs)
+    elif route == "trainer_optimizer":
+        trainer = Trainer(**common, optimizer_cls_and_kwargs=trainer_optimizer(model, args, **kwargs))
+    elif route == "cls_and_kwargs":
+        kwargs.update(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+        trainer = Trainer(**common, optimizer_cls_and_kwargs=(OffloadAdamW, kwargs))
+    else:
+        raise ValueError(route)
+    del model
+    trainer.train()
+    gc.collect()
+    return Run(trainer, trainer.model, sum(r() is not None for r in originals), shapes)
+
+
+def differing(ours: Run, theirs: Run) -> list[str]:
+    out = []
+    for name, a in ours.local.items():
+        b = theirs.local[name]
+        if a.shape != b.shape or not torch.equal(a, b):
+            out.append(f"{name}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}")
+    if ours.grad_norms != theirs.grad_norms:
+        out.append(f"logged grad_norm {ours.grad_norms} != torch's {theirs.grad_norms}")
+    return out
+
+
+_REFERENCES: dict[tuple, Run] = {}
+
+
+def reference(tmp: Path, *, max_grad_norm: float = 0.0, accumulation: int = 1, fsdp_version: int = 2) -> Run:
+    key = (max_grad_norm, accumulation, fsdp_version)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run(tmp, f"torch-{key}", route="torch", max_grad_norm=max_grad_norm, accumulation=accumulation,
+                               fsdp_version=fsdp_version)
+    return _REFERENCES[key]
+
+
+def host_bill(ours: Run, measured: dict, *, host_accumulation: bool = False) -> list[str]:
+    """OffloadAdamW's host bytes on this rank against the planner's per-rank formula for this rank's shards."""
+    from offload_adamw.planning.planner import fsdp_rank_host_bytes
+
+    opt = ours.optimizer
+    bill = fsdp_rank_host_bytes(ours.shapes, world=WORLD, rank=dist.get_rank(), param_dtype="float32", on_host=True,
+                                host_accumulation=host_accumulation)
+    measured.update(buffers=opt.host_buffer_bytes(), state=opt.host_state_bytes(), bill=bill.as_dict(),
+                    alive_originals=ours.alive_originals)
+    out = []
+    if opt.host_buffer_bytes() != bill.buffers():
+        out.append(f"host buffers {opt.host_buffer_bytes()} != the planner's {bill.buffers()} for this rank's shards")
+    if opt.host_state_bytes() != bill.state:
+        out.append(f"host state {opt.host_state_bytes()} != the planner's {bill.state}")
+    if ours.alive_originals:
+        out.append(f"{ours.alive_originals} parameters of the unsharded model are still alive after training")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the cases
+
+
+def case_swap_releases_the_unsharded_model(tmp: Path, measured: dict) -> list[str]:
+    theirs = reference(tmp)
+    if theirs.alive_originals:
+        return [f"torch's run keeps {theirs.alive_originals} original parameters alive: the check cannot tell"]
+    first = FirstStepFreed()
+    ours = run(tmp, "freed", route="trainer_class", offload_kwargs={"offload_gradients": True},
+               callbacks=(first.callback(),))
+    measured["first_step_freed"] = first.freed
+    freed = [] if first.freed else ["the first step's gradients were not in host memory before the step"]
+    return differing(ours, theirs) + host_bill(ours, measured) + freed
+
+
+def case_kept_gradients_release_the_unsharded_model(tmp: Path, measured: dict) -> list[str]:
+    ours = run(tmp, "kept", route="trainer_class", offload_kwargs={"transfer_pipeline": True})
+    return differing(ours, reference(tmp)) + host_bill(ours, measured)
+
+
+CASES: dict[str, Callable[[Path, dict], list[str]]] = {
+    "freed_trainer_class_releases_the_unsharded_model_and_allocates_the_planners_bill":
+        case_swap_releases_the_unsharded_model,
+    "kept_trainer_class_releases_the_unsharded_model_and_allocates_the_planners_bill":
+        case_kept_gradients_release_the_unsharded_model,
+}
+
+
+def worker(rank: int, port: int, out: str, only: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    allow_fsdp_on_cpu()
+    tmp = Path(out) / f"runs{rank}"
+    results: dict[str, dict] = {}
+    for name, case in CASES.items():
+        if only and name not in only:
+            continue
+        measured: dict = {}
+        try:
+            bad = case(tmp, measured)
+            results[name] = {"ok": not bad, "error": "; ".join(bad[:6]), "measured": measured}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()[-3000:], "measured": measured}
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    (Path(out) / f"fsdp_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="*", default=[])
+    args = parser.parse_args()
+    spawn_ranks(worker, args.out, args.only, world=WORLD)
+
+
+if __name__ == "__main__":
+    main()

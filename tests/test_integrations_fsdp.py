@@ -1,0 +1,45 @@
+"""OffloadAdamW under the real HF Trainer and accelerate on FSDP (2 gloo ranks, the CPU as device).
+
+The Trainer builds the optimizer over the unsharded model, accelerate shards it with FSDP2 and swaps the
+optimizer's parameters for the DTensor shards. Properties, each on both ranks, against the same Trainer run with
+``optim="adamw_torch_fused"`` (every local shard and every logged ``grad_norm`` bitwise):
+
+* after the swap nothing of the unsharded model is alive (weak references), the first step's gradients are
+  already freed, and the host bytes OffloadAdamW allocates on each rank (``host_state_bytes``,
+  ``host_buffer_bytes``) are the planner's per-rank bill for that rank's shards (``fsdp_rank_host_bytes``),
+  with kept and with freed gradients.
+
+The worker (``_integrations_fsdp_worker.py``) runs the cases and documents the one test-only patch (accelerate
+enables FSDP only for accelerator devices).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+WORKER = Path(__file__).resolve().parent / "_integrations_fsdp_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+from _integrations_fsdp_worker import CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fsdp_trainer")
+    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return {r: json.loads((out / f"fsdp_rank{r}.json").read_text()) for r in (0, 1)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp_trainer(results, name):
+    for rank, got in results.items():
+        assert name in got, f"rank {rank} did not run {name}"
+        assert got[name]["ok"], f"rank {rank}, {name}:\n{got[name]['error']}"
