@@ -8,7 +8,9 @@ Contract:
   ``clip_grads_with_norm_`` on them, so the arithmetic is torch's by construction.
 * Which tensors: for an ``OffloadAdamW`` whose device gradients are freed
   (``offload_gradients=True``), the host gradient buffers (where the gradients
-  are); for any other optimizer, the ``.grad`` of its parameters, in its
+  are), otherwise the ``.grad`` of its parameters, in the order of its
+  ``clip_parameters()`` (the model's parameter order, optim/clip_order.py);
+  for any other optimizer, the ``.grad`` of its parameters, in its
   ``param_groups`` order; for an iterable of parameters (or one tensor), their
   ``.grad`` as torch does.
 * Bitwise equality with torch therefore holds whenever the tensors are the same
@@ -54,11 +56,14 @@ class _GradHolder:
 
 def gradients_of(target: torch.optim.Optimizer | Tensor | Iterable[Tensor]) -> list[Tensor]:
     """The gradient tensors clipping acts on (see the module contract)."""
+    ordered = getattr(target, "clip_parameters", None)
+    order = ordered() if callable(ordered) else None
     pipeline = getattr(target, "_pipeline", None)
     if pipeline is not None:
-        return pipeline.gradient_tensors()
+        return pipeline.gradient_tensors(order)
     if isinstance(target, torch.optim.Optimizer):
-        return [p.grad for g in target.param_groups for p in g["params"] if p.grad is not None]
+        params = order if order is not None else [p for g in target.param_groups for p in g["params"]]
+        return [p.grad for p in params if p.grad is not None]
     if isinstance(target, Tensor):
         target = [target]
     return [p.grad for p in target if p.grad is not None]

@@ -162,7 +162,8 @@ class Gate:
         self.on_open()
 
     def _order(self) -> list[Tensor]:
-        return [p for g in self._optimizer.param_groups for p in g["params"]]
+        """The parameters in the order torch's clipping of the model stacks their norms (optim/clip_order.py)."""
+        return self._optimizer.clip_parameters()
 
     def _unseen_gradient(self) -> bool:
         """Whether a parameter has a gradient no hook of this backward took: accumulated only inside ``no_sync()``
@@ -211,7 +212,8 @@ class Gate:
         self.coefficient = None
         if max_norm is None:
             return
-        grads = gradients(present)
+        rank = {p: k for k, p in enumerate(self._order())}
+        grads = gradients(sorted(present, key=lambda p: rank.get(p, len(rank))))
         self.clipping_at_step = True
         try:
             self._optimizer.last_grad_norm = clipping.clip_gradients_(grads, max_norm)

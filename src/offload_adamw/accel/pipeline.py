@@ -94,6 +94,10 @@ class UpdateTarget(Protocol):
         current: Sequence[bool] | None = None,
     ) -> None: ...
 
+    def clip_parameters(self) -> list[Tensor]:
+        """The parameters in the order clipping reduces their norms (the model's)."""
+        ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
@@ -279,26 +283,28 @@ class GradientPipeline:
         with self._lock:
             return self.residency.ready(slot, self._validate)
 
-    def host_gradients(self) -> list[tuple[Tensor, Tensor]]:
-        """(parameter, complete host gradient) for every parameter that has one, in optimizer order."""
+    def host_gradients(self, order: Sequence[Tensor] | None = None) -> list[tuple[Tensor, Tensor]]:
+        """(parameter, complete host gradient) for every parameter that has one, in optimizer order (or ``order``'s)."""
         self.refresh()
         out = []
-        for p in self._where():
+        for p in self._where() if order is None else order:
             grad = self._ready(self.slots[p])
             if grad is not None:
                 out.append((p, grad))
         return out
 
-    def gradient_tensors(self) -> list[Tensor]:
-        """The gradients as the truth holds them: host buffers when freed, else the device ``p.grad``."""
+    def gradient_tensors(self, order: Sequence[Tensor] | None = None) -> list[Tensor]:
+        """The gradients as the truth holds them: host buffers when freed, else the device ``p.grad``; in optimizer
+        order, or in ``order`` (the parameters in the order clipping reads them)."""
         if self.config.update_in_backward:
             raise RuntimeError(
                 "with update_in_backward=True the host updates may already have consumed the gradients during "
                 "backward: they cannot be read or changed between backward and step(); use update_in_backward=False"
             )
         if self.offload_gradients:
-            return [_clipped_view(p, g) for p, g in self.host_gradients()]
-        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            return [_clipped_view(p, g) for p, g in self.host_gradients(order)]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]] if order is None else order
+        return [p.grad for p in params if p.grad is not None]
 
     def gradient(self, p: Tensor) -> Tensor | None:
         """The current gradient of ``p``: its host buffer when device gradients are freed, else ``p.grad``."""

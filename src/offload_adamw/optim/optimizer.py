@@ -41,6 +41,7 @@ from offload_adamw.optim import loading as _loading
 from offload_adamw.optim import preflight as _preflight
 from offload_adamw.optim import state as host_state
 from offload_adamw.optim import update as _update
+from offload_adamw.optim.clip_order import ClipOrder
 from offload_adamw.optim.loading import StateDictMismatch
 
 __all__ = ["OffloadAdamW", "StateDictMismatch"]
@@ -184,6 +185,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Tensor | None = None
+        self._clip_order = ClipOrder()
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -447,10 +449,21 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.attach_ddp(ddp)
 
+    def clip_order(self, model: torch.nn.Module) -> None:
+        """Reduce gradient norms (``max_grad_norm=``, :meth:`clip_grad_norm_`) in ``model.parameters()``' order, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does (optim/clip_order.py: without this call the
+        model is searched for)."""
+        self._clip_order.use(model)
+
+    def clip_parameters(self) -> list[Tensor]:
+        """This optimizer's parameters in the order clipping reduces their norms: the model's (optim/clip_order.py)."""
+        return self._clip_order.of([p for g in self.param_groups for p in g["params"]])
+
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: bool | None = None
     ) -> Tensor:
-        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py), in
+        the model's parameter order (:meth:`clip_parameters`)."""
         if self.update_in_backward:
             raise RuntimeError(
                 "clip_grad_norm_ cannot clip with update_in_backward=True: the updates already ran during backward; "
