@@ -236,8 +236,9 @@ class GradientPipeline:
         """``slot``'s gradient from backward's hook, complete on its device: into host memory (freed), its norm and
         count (gated), and its bucket told (updates during backward)."""
         self.arrived(slot, group)
-        if self.gate.gated():
+        if self.gate.tracks():
             self.gate.take(slot.param, grad, accumulated=accumulated)
+        if self.gate.gated():
             self.gate.queue_decision()
         self.residency.land(slot, grad)
         self.recorder.landed(slot.param, copied=self.residency.in_host_memory(slot))
@@ -247,7 +248,7 @@ class GradientPipeline:
         """A reduced DDP gradient was copied to the host; the decision follows DDP's final callback."""
         self.recorder.landed(slot.param, copied=self.residency.in_host_memory(slot))
         if lands:
-            if self.gate.gated():
+            if self.gate.tracks():
                 self.gate.take(slot.param, grad, accumulated=False)
             self.schedule.landed(slot)
 

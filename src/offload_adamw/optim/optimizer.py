@@ -450,7 +450,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._pipeline.attach_ddp(ddp)
 
     def clip_order(self, model: torch.nn.Module) -> None:
-        """Reduce gradient norms (``max_grad_norm=``, :meth:`clip_grad_norm_`) in ``model.parameters()``' order, as
+        """Reduce the gradient norms of ``max_grad_norm=`` in ``model.parameters()``' order, as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does (optim/clip_order.py: without this call the
         model is searched for)."""
         self._clip_order.use(model)
@@ -462,8 +462,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: bool | None = None
     ) -> Tensor:
-        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py), in
-        the model's parameter order (:meth:`clip_parameters`)."""
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
         if self.update_in_backward:
             raise RuntimeError(
                 "clip_grad_norm_ cannot clip with update_in_backward=True: the updates already ran during backward; "
@@ -591,7 +590,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
             found_inf = getattr(self, "found_inf", None)
             if not (isinstance(found_inf, Tensor) and bool(found_inf.item() != 0)):
-                self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
+                # In the model's parameter order, as torch's clip_grad_norm_(model.parameters()) (optim/clip_order.py).
+                self.last_grad_norm = _clip_grad_norm_(self, self.max_grad_norm, order=self.clip_parameters())
         if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
             self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
             return loss
