@@ -8,8 +8,10 @@ configuration), or checks a refusal.
 
 accelerate enables FSDP only for accelerator devices (its ``AcceleratorState`` sets ``DistributedType.FSDP`` for
 MULTI_GPU and the like, not MULTI_CPU). :func:`allow_fsdp_on_cpu` is the one test-only patch: after
-``AcceleratorState`` has initialised a CPU process group, it takes the FSDP plugin it was given, as it would on
-GPUs. Everything else (FSDP2's ``fully_shard`` over gloo, the optimizer swap, the Trainer's loop) runs unpatched.
+``AcceleratorState`` has initialised a CPU process group, it takes the FSDP plugin it was given and records the
+distributed type FSDP where accelerate itself records it (also in ``PartialState``'s shared state, which every
+``AcceleratorState()`` copies from), as it would on GPUs. Everything else (FSDP2's ``fully_shard`` over gloo, the
+optimizer swap, accelerate's ``no_sync``, the Trainer's loop) runs unpatched.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ CLIP = 0.05
 
 def allow_fsdp_on_cpu() -> None:
     """Test only: let accelerate use the FSDP plugin on a CPU (gloo) process group (see the module docstring)."""
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     init = AcceleratorState.__init__
@@ -49,16 +51,20 @@ def allow_fsdp_on_cpu() -> None:
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
     AcceleratorState.__init__ = patched  # type: ignore[method-assign]
 
 
 def fresh_accelerate_state() -> None:
     """Each Trainer its own AcceleratorState (another FSDP plugin); the process group stays."""
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
+    if PartialState._shared_state.get("distributed_type") == DistributedType.FSDP:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU  # as the process group was set up
 
 
 # ------------------------------------------------------------------------------------------------- one run
@@ -213,11 +219,92 @@ def case_kept_gradients_release_the_unsharded_model(tmp: Path, measured: dict) -
     return differing(ours, reference(tmp)) + host_bill(ours, measured)
 
 
+def case_freed_trainer_clips_with_accumulation(tmp: Path, measured: dict) -> list[str]:
+    """The Trainer's own clipping (torch's clip_grad_norm_ on the DTensor stand-ins) and accumulation 4 (accelerate's
+    no_sync: FSDP2 reduces once, so no host accumulation buffer)."""
+    ours = run(tmp, "freed-clip-acc4", route="trainer_class", max_grad_norm=CLIP, accumulation=4,
+               offload_kwargs={"offload_gradients": True})
+    return differing(ours, reference(tmp, max_grad_norm=CLIP, accumulation=4)) + host_bill(ours, measured)
+
+
+def updates_in_backward(max_grad_norm: float, accumulation: int) -> Callable[[Path, dict], list[str]]:
+    """OffloadAdamWTrainer with update_in_backward: the optimizer clips with the Trainer's max_grad_norm in the model's
+    order, the logged grad_norm is the norm the hooks took (a DTensor reduced over the ranks), every micro-batch but
+    the last inside opt.no_sync(); updates start before step() from the second step on."""
+
+    def case(tmp: Path, measured: dict) -> list[str]:
+        armed: list[bool] = []
+
+        from transformers import TrainerCallback
+
+        class Armed(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+                pipeline = getattr(optimizer, "optimizer", optimizer).transfer_pipeline
+                armed.append(pipeline.armed() and (not max_grad_norm or pipeline.gate_taken()))
+
+        ours = run(tmp, f"uib-{max_grad_norm}-{accumulation}", route="trainer_class", max_grad_norm=max_grad_norm,
+                   accumulation=accumulation, callbacks=(Armed(),),
+                   offload_kwargs={"offload_gradients": True, "update_in_backward": True})
+        measured["armed"] = armed
+        out = differing(ours, reference(tmp, max_grad_norm=max_grad_norm, accumulation=accumulation))
+        if armed != [False] + [True] * (STEPS - 1):
+            out.append(f"the updates did not start before step() from the second step on: {armed}")
+        if max_grad_norm and min(ours.grad_norms) <= max_grad_norm:
+            out.append(f"clipping was not exercised: grad norms {ours.grad_norms}")
+        return out + host_bill(ours, measured)
+
+    return case
+
+
+def optimizer_clips(pipeline: dict[str, Any]) -> Callable[[Path, dict], list[str]]:
+    """OffloadAdamW(max_grad_norm=CLIP) given as optimizer_cls_and_kwargs: the Trainer builds its decay / no-decay groups
+    (not the model's order) and only logs the norm (max_grad_norm=0); the optimizer finds the model and clips in its
+    order, which is the Trainer's own clipping with torch's AdamW (max_grad_norm=CLIP), bitwise."""
+
+    def case(tmp: Path, measured: dict) -> list[str]:
+        from transformers import TrainerCallback
+
+        differ: list[bool] = []
+        clipped_at: list[float] = []
+
+        class Orders(TrainerCallback):
+            """Before each step: whether the groups' order and the model's give different total-norm bits; after it, the
+            norm the optimizer clipped with (the Trainer logs torch's, in the model's order)."""
+
+            def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+                inner = getattr(optimizer, "optimizer", optimizer)
+                totals = []
+                for params in ([p for g in inner.param_groups for p in g["params"]], list(model.parameters())):
+                    with torch.no_grad():
+                        totals.append(torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor())
+                differ.append(not torch.equal(*totals))
+
+            def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+                clipped_at.append(getattr(optimizer, "optimizer", optimizer).last_grad_norm.full_tensor().item())
+
+        ours = run(tmp, f"cls-{sorted(pipeline)}", route="cls_and_kwargs", offload_kwargs={"max_grad_norm": CLIP, **pipeline},
+                   callbacks=(Orders(),))
+        measured.update(orders_differ=differ, clipped_at=clipped_at)
+        out = [] if any(differ) else ["the groups' order and the model's give the same norm bits here: the case cannot fail"]
+        if clipped_at != ours.grad_norms:
+            out.append(f"the optimizer clipped with norms {clipped_at}, torch's clipping of the model has {ours.grad_norms}")
+        return out + differing(ours, reference(tmp, max_grad_norm=CLIP)) + host_bill(ours, measured)
+
+    return case
+
+
 CASES: dict[str, Callable[[Path, dict], list[str]]] = {
     "freed_trainer_class_releases_the_unsharded_model_and_allocates_the_planners_bill":
         case_swap_releases_the_unsharded_model,
     "kept_trainer_class_releases_the_unsharded_model_and_allocates_the_planners_bill":
         case_kept_gradients_release_the_unsharded_model,
+    "freed_trainer_clipping_accumulation_4": case_freed_trainer_clips_with_accumulation,
+    "uib_trainer_class_unclipped_acc1": updates_in_backward(0.0, 1),
+    "uib_trainer_class_clipped_acc1": updates_in_backward(CLIP, 1),
+    "uib_trainer_class_unclipped_acc4": updates_in_backward(0.0, 4),
+    "uib_trainer_class_clipped_acc4": updates_in_backward(CLIP, 4),
+    "max_grad_norm_in_the_model_order_freed": optimizer_clips({"offload_gradients": True}),
+    "max_grad_norm_in_the_model_order_kept": optimizer_clips({"transfer_pipeline": True}),
 }
 
 

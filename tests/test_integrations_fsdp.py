@@ -7,7 +7,12 @@ optimizer's parameters for the DTensor shards. Properties, each on both ranks, a
 * after the swap nothing of the unsharded model is alive (weak references), the first step's gradients are
   already freed, and the host bytes OffloadAdamW allocates on each rank (``host_state_bytes``,
   ``host_buffer_bytes``) are the planner's per-rank bill for that rank's shards (``fsdp_rank_host_bytes``),
-  with kept and with freed gradients.
+  with kept and with freed gradients, and with accumulation 4 (accelerate's ``no_sync``: no host accumulation);
+* updates during backward through ``OffloadAdamWTrainer``, with and without clipping, accumulation 1 and 4: the
+  updates start before ``step()`` from the second step on, and the result is torch's;
+* ``OffloadAdamW(max_grad_norm=...)`` over the Trainer's own decay / no-decay groups (``optimizer_cls_and_kwargs``)
+  clips with torch's norm of the model (the order the Trainer clips in), kept and freed, where the groups' order
+  would give other bits (checked at each step).
 
 The worker (``_integrations_fsdp_worker.py``) runs the cases and documents the one test-only patch (accelerate
 enables FSDP only for accelerator devices).
