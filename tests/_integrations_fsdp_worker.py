@@ -293,7 +293,76 @@ def optimizer_clips(pipeline: dict[str, Any]) -> Callable[[Path, dict], list[str
     return case
 
 
+def fsdp1_llama(use_orig_params: bool) -> torch.nn.Module:
+    """The tiny Llama under FSDP1 (torch's FullyShardedDataParallel, one unit per decoder layer), on the CPU.
+
+    accelerate's FSDP1 path on the CPU stops at FSDP1's device check (its device_id is "cpu:0"), so FSDP1 is wrapped
+    here the way accelerate wraps it on GPUs, without accelerate."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    return FullyShardedDataParallel(tiny_llama(), auto_wrap_policy=policy, use_orig_params=use_orig_params,
+                                    device_id=torch.device("cpu"))
+
+
+def fsdp1_train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = STEPS, seen: list | None = None) -> None:
+    from offload_adamw import is_host_resident
+
+    for step in range(steps):
+        ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        model(input_ids=ids, labels=ids).loss.backward()
+        if seen is not None:
+            seen.append(sum(is_host_resident(p.grad) for p in model.parameters()))
+        model.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+
+
+def case_fsdp1_orig_params(tmp: Path, measured: dict) -> list[str]:
+    """FSDP1 with use_orig_params=True: the optimizer holds the original parameters (views of the flat shard);
+    freed gradients and FSDP1's own clipping give torch's AdamW bitwise."""
+    from offload_adamw import OffloadAdamW
+
+    reference, model = fsdp1_llama(True), fsdp1_llama(True)
+    fsdp1_train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True))
+    freed: list[int] = []
+    fsdp1_train(model, OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_gradients=True), seen=freed)
+    measured["freed_in_backward"] = freed
+    out = []
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        if not torch.equal(p, q):
+            out.append(f"{name}: max |diff| {(p - q).abs().max().item():.3g}")
+    return out
+
+
+def case_fsdp1_flat_params_refused(tmp: Path, measured: dict) -> list[str]:
+    """FSDP1 with use_orig_params=False hands the optimizer FlatParameters, whose gradient in backward has the
+    unsharded size: the pipeline refuses them by name when it is built; the plain step works (torch's)."""
+    from offload_adamw import OffloadAdamW
+
+    model = fsdp1_llama(False)
+    try:
+        OffloadAdamW(model.parameters(), lr=1e-2, offload_gradients=True)
+    except ValueError as exc:
+        measured["error"] = str(exc)
+        if "use_orig_params" not in str(exc) or "FlatParameter" not in str(exc):
+            return [f"refused without naming FlatParameter and use_orig_params: {exc}"]
+    else:
+        return ["FSDP1 with use_orig_params=False and the transfer pipeline was not refused"]
+    reference = fsdp1_llama(False)
+    fsdp1_train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True))
+    fsdp1_train(model, OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    return [f"plain step: {n} differs" for (n, p), q in zip(reference.named_parameters(), model.parameters())
+            if not torch.equal(p, q)]
+
+
 CASES: dict[str, Callable[[Path, dict], list[str]]] = {
+    "fsdp1_use_orig_params_true_freed": case_fsdp1_orig_params,
+    "fsdp1_use_orig_params_false_refused_by_name": case_fsdp1_flat_params_refused,
     "freed_trainer_class_releases_the_unsharded_model_and_allocates_the_planners_bill":
         case_swap_releases_the_unsharded_model,
     "kept_trainer_class_releases_the_unsharded_model_and_allocates_the_planners_bill":
@@ -315,6 +384,7 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)  # accelerate's PartialState takes this one
     allow_fsdp_on_cpu()
     tmp = Path(out) / f"runs{rank}"
     results: dict[str, dict] = {}

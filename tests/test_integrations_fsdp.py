@@ -12,7 +12,13 @@ optimizer's parameters for the DTensor shards. Properties, each on both ranks, a
   updates start before ``step()`` from the second step on, and the result is torch's;
 * ``OffloadAdamW(max_grad_norm=...)`` over the Trainer's own decay / no-decay groups (``optimizer_cls_and_kwargs``)
   clips with torch's norm of the model (the order the Trainer clips in), kept and freed, where the groups' order
-  would give other bits (checked at each step).
+  would give other bits (checked at each step);
+* FSDP1 (torch's FullyShardedDataParallel; accelerate's FSDP1 path stops at FSDP1's device check on the CPU, so
+  the model is wrapped as accelerate wraps it on GPUs): ``use_orig_params=True`` with freed gradients is torch's
+  AdamW bitwise (the gradients reach the pipeline at the step: FSDP1 writes them after backward, no hook of an
+  original parameter runs); ``use_orig_params=False`` hands the optimizer FlatParameters, whose gradient arrives
+  in backward with the unsharded size: the pipeline refuses them by name when it is built (before, backward
+  failed on a bare size mismatch), and the plain step takes them as torch's AdamW does.
 
 The worker (``_integrations_fsdp_worker.py``) runs the cases and documents the one test-only patch (accelerate
 enables FSDP only for accelerator devices).

@@ -182,6 +182,7 @@ class GradientPipeline:
         if if_changed and not swaps.changed(self.optimizer.param_groups, self._places):
             return
         self._places = {p: (gi, i) for gi, g in enumerate(self.optimizer.param_groups) for i, p in enumerate(g["params"])}
+        swaps.refuse_flat_parameters((p for p in self._places if self.slots.get(p) is None), self._describe)
         with self._lock:
             self.hooks.forget(self.slots.release(self._places))
         new = self.slots.add(self._places)

@@ -13,6 +13,10 @@ Contract:
 * :func:`changed` answers whether the parameters or their places ``(group, index)`` differ from those the
   pipeline has (an update during backward reads its group's hyperparameters by place), by identity: the
   pipeline holds its parameters, so an ``id`` cannot have been reused by a new tensor.
+* FSDP1's ``FlatParameter`` (``FullyShardedDataParallel(use_orig_params=False)``) is refused by name when it
+  enters: its gradient arrives in backward with the unsharded size, so no host buffer laid out for the shard
+  can take it. With ``use_orig_params=True`` the optimizer holds the original parameters and the pipeline
+  takes their (sharded) gradients at the step.
 * One global forward pre-hook serves every pipeline (registered with the first); it holds the pipelines
   weakly, costs a set lookup per module forward while no pipeline waits, and looks at nothing while a
   graph is compiled or inside backward (activation checkpointing's recomputation).
@@ -21,13 +25,13 @@ Contract:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["changed", "look_before_next_forward", "stop_looking"]
+__all__ = ["changed", "look_before_next_forward", "refuse_flat_parameters", "stop_looking"]
 
 
 class Watched(Protocol):
@@ -62,6 +66,18 @@ def changed(param_groups: Sequence[dict[str, Any]], held: Mapping[Tensor, tuple[
                 return True
             count += 1
     return count != len(held)
+
+
+def refuse_flat_parameters(params: Iterable[Tensor], describe: Callable[[Tensor], str]) -> None:
+    """Raise, naming the first one, when ``params`` hold an FSDP1 FlatParameter (see the module contract)."""
+    flat = next((p for p in params if getattr(p, "_is_flat_param", False)), None)
+    if flat is not None:
+        raise ValueError(
+            f"{describe(flat)} is an FSDP1 FlatParameter (FullyShardedDataParallel(use_orig_params=False)): its gradient "
+            "arrives in backward with the unsharded size, which OffloadAdamW's transfer pipeline cannot take. Wrap the "
+            "model with use_orig_params=True (fsdp_config={'use_orig_params': True} in the HF Trainer), use FSDP2 "
+            "(fully_shard), or transfer_pipeline=False (the plain step takes FlatParameters as torch's AdamW does)"
+        )
 
 
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
