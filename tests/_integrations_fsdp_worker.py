@@ -360,7 +360,107 @@ def case_fsdp1_flat_params_refused(tmp: Path, measured: dict) -> list[str]:
             if not torch.equal(p, q)]
 
 
+def case_optimizers_tuple_is_refused_by_transformers(tmp: Path, measured: dict) -> list[str]:
+    """Trainer(optimizers=(opt, scheduler)) under FSDP: transformers refuses it (the routes that work are
+    OffloadAdamWTrainer, trainer_optimizer and optimizer_cls_and_kwargs)."""
+    from transformers import Trainer, get_linear_schedule_with_warmup
+
+    from offload_adamw import OffloadAdamW
+    from test_integrations_trainer import TokenWindows, training_args
+
+    fresh_accelerate_state()
+    model = tiny_llama()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    args = training_args(tmp / "tuple", max_steps=STEPS, fsdp=True,
+                         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    try:
+        Trainer(model=model, args=args, train_dataset=TokenWindows(),
+                optimizers=(opt, get_linear_schedule_with_warmup(opt, 0, STEPS)))
+    except RuntimeError as exc:
+        measured["error"] = str(exc)
+        return [] if "Passing `optimizers` is not allowed if PyTorch FSDP is enabled" in str(exc) else [str(exc)]
+    return ["transformers accepted optimizers=(opt, scheduler) under FSDP: the docs say it refuses"]
+
+
+def accelerate_loop(optimizer_factory: Callable, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list[float], int]:
+    """accelerate without the Trainer: prepare(model, optimizer) on FSDP2, backward, clip_grad_norm_, step."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    fresh_accelerate_state()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    model = tiny_llama()
+    originals = [weakref.ref(p) for p in model.parameters()]
+    model, opt = accelerator.prepare(model, optimizer_factory(model))
+    norms = []
+    for step in range(steps):
+        ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        norms.append(accelerator.clip_grad_norm_(model.parameters(), CLIP).full_tensor().item())
+        opt.step()
+        opt.zero_grad()
+    gc.collect()
+    local = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    return local, norms, sum(r() is not None for r in originals)
+
+
+def case_accelerate_prepare_on_fsdp2(tmp: Path, measured: dict) -> list[str]:
+    from offload_adamw import OffloadAdamW
+    from offload_adamw.integrations.hf import trainer_param_groups
+
+    theirs, their_norms, _ = accelerate_loop(
+        lambda m: torch.optim.AdamW(trainer_param_groups(m, 0.1), lr=1e-2, fused=True))
+    ours, our_norms, alive = accelerate_loop(
+        lambda m: OffloadAdamW(trainer_param_groups(m, 0.1), lr=1e-2, offload_gradients=True))
+    measured.update(norms=our_norms, alive_originals=alive)
+    out = [f"{n} differs" for n in ours if not torch.equal(ours[n], theirs[n])]
+    if our_norms != their_norms:
+        out.append(f"clip norms {our_norms} != torch's {their_norms}")
+    if min(our_norms) <= CLIP:
+        out.append("clipping was not exercised")
+    if alive:
+        out.append(f"{alive} parameters of the unsharded model are alive after accelerate's swap")
+    return out
+
+
+def case_a_released_sharded_host_gradient_comes_back_as_a_dtensor(tmp: Path, measured: dict) -> list[str]:
+    """FSDP2 by hand: a swap between backward and step gives the released shards their gradients back in p.grad, as
+    DTensors over real local tensors, bitwise the host gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    from offload_adamw import OffloadAdamW, is_host_resident
+
+    def sharded(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        fully_shard(net)
+        return net
+
+    first, second, reference = sharded(0), sharded(1), sharded(0)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    reference(x).square().mean().backward()
+    opt = OffloadAdamW(first.parameters(), lr=1e-2, offload_gradients=True)
+    first(x).square().mean().backward()
+    held = [opt.gradient(p).clone() for p in first.parameters()]
+    if not all(is_host_resident(p.grad) for p in first.parameters()):
+        return ["the gradients were not freed"]
+    opt.param_groups[0]["params"] = list(second.parameters())
+    second(x)  # a forward: the pipeline looks at param_groups
+    out = []
+    for (name, p), q, h in zip(first.named_parameters(), reference.parameters(), held):
+        if is_host_resident(p.grad) or not hasattr(p.grad, "to_local"):
+            out.append(f"{name}: p.grad is {type(p.grad).__name__}, not a DTensor over a real shard")
+        elif not (torch.equal(p.grad.to_local(), h) and torch.equal(p.grad.to_local(), q.grad.to_local())):
+            out.append(f"{name}: the gradient given back differs")
+    return out
+
+
 CASES: dict[str, Callable[[Path, dict], list[str]]] = {
+    "optimizers_tuple_under_fsdp_is_refused_by_transformers": case_optimizers_tuple_is_refused_by_transformers,
+    "accelerate_prepare_fsdp2_freed_clip_is_torch_and_releases_the_unsharded_model": case_accelerate_prepare_on_fsdp2,
+    "a_released_sharded_host_gradient_comes_back_as_a_dtensor": case_a_released_sharded_host_gradient_comes_back_as_a_dtensor,
     "fsdp1_use_orig_params_true_freed": case_fsdp1_orig_params,
     "fsdp1_use_orig_params_false_refused_by_name": case_fsdp1_flat_params_refused,
     "freed_trainer_class_releases_the_unsharded_model_and_allocates_the_planners_bill":

@@ -13,6 +13,10 @@ optimizer's parameters for the DTensor shards. Properties, each on both ranks, a
 * ``OffloadAdamW(max_grad_norm=...)`` over the Trainer's own decay / no-decay groups (``optimizer_cls_and_kwargs``)
   clips with torch's norm of the model (the order the Trainer clips in), kept and freed, where the groups' order
   would give other bits (checked at each step);
+* accelerate without the Trainer (``prepare(model, OffloadAdamW(...))`` on FSDP2, ``accelerator.clip_grad_norm_``):
+  torch's AdamW bitwise, nothing of the unsharded model alive; ``Trainer(optimizers=(opt, scheduler))`` under FSDP
+  is refused by transformers itself (what the docs say); a swap between backward and step gives the released
+  shards their host gradients back in ``p.grad`` as DTensors over real shards, bitwise;
 * FSDP1 (torch's FullyShardedDataParallel; accelerate's FSDP1 path stops at FSDP1's device check on the CPU, so
   the model is wrapped as accelerate wraps it on GPUs): ``use_orig_params=True`` with freed gradients is torch's
   AdamW bitwise (the gradients reach the pipeline at the step: FSDP1 writes them after backward, no hook of an

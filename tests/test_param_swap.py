@@ -158,11 +158,11 @@ def test_a_released_parameters_host_gradient_comes_back_in_p_grad():
     assert all(is_host_resident(p.grad) for p in net.parameters())
     new = model(3)
     swap(opt, new)
-    loss(new, 0)  # a forward: the pipeline looks at param_groups again
-    opt.step()
+    loss(new, 0)  # the first forward after a backward: the pipeline looks at param_groups again
     for p, q in zip(net.parameters(), reference.parameters()):
         assert not is_host_resident(p.grad), "the released parameter's p.grad still stands for a host buffer"
         assert torch.equal(p.grad, q.grad), "the released parameter's gradient changed"
+    opt.step()
 
 
 def test_a_swap_frees_the_old_host_buffers_at_the_first_forward():

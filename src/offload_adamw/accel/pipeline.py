@@ -166,7 +166,8 @@ class GradientPipeline:
             lands_early=config.update_in_backward,
         )
         self.gate.decision_groups = self.ddp.process_groups
-        self.hooks.on_backward = [self.ddp.check_unattached, self.schedule.backward_began]
+        self.hooks.on_backward = [self.ddp.check_unattached, self.schedule.backward_began,
+                                  lambda: swaps.look_before_next_forward(self)]
         self.refresh()
         swaps.look_before_next_forward(self)
 

@@ -7,7 +7,7 @@ Contract:
   ``param_groups`` (an assignment, ``append``, ``add_param_group``) may do the same. Nothing in
   ``param_groups`` tells anyone when it changes, so the pipeline looks: at every ``refresh()`` (each step,
   ``zero_grad()``, a read of the gradients) and, through :func:`look_before_next_forward`, once at the
-  first module forward after its construction and after every step. A parameter put into ``param_groups``
+  first module forward after its construction, after every backward and after every step. A parameter put into ``param_groups``
   since then gets its hooks before the backward that uses it, and a parameter that left is released
   (accel/slots.py) before that backward too.
 * :func:`changed` answers whether the parameters or their places ``(group, index)`` differ from those the
