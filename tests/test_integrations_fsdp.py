@@ -25,7 +25,7 @@ optimizer's parameters for the DTensor shards. Properties, each on both ranks, a
   failed on a bare size mismatch), and the plain step takes them as torch's AdamW does.
 
 The worker (``_integrations_fsdp_worker.py``) runs the cases and documents the one test-only patch (accelerate
-enables FSDP only for accelerator devices).
+enables FSDP only for accelerator devices). CI runs its ``QUICK`` cases; the whole table is ``slow``.
 """
 
 from __future__ import annotations
@@ -42,19 +42,38 @@ pytest.importorskip("accelerate")
 
 WORKER = Path(__file__).resolve().parent / "_integrations_fsdp_worker.py"
 sys.path.insert(0, str(WORKER.parent))
-from _integrations_fsdp_worker import CASES  # noqa: E402
+from _integrations_fsdp_worker import CASES, QUICK  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fsdp_trainer")
-    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out)], capture_output=True, text=True, timeout=900)
+def _run(out: Path, quick: bool) -> dict:
+    cmd = [sys.executable, str(WORKER), "--out", str(out)] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return {r: json.loads((out / f"fsdp_rank{r}.json").read_text()) for r in (0, 1)}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_fsdp_trainer(results, name):
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("fsdp_quick"), quick=True)
+
+
+@pytest.fixture(scope="module")
+def all_results(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("fsdp_all"), quick=False)
+
+
+def _assert_ok(results: dict, name: str) -> None:
     for rank, got in results.items():
         assert name in got, f"rank {rank} did not run {name}"
         assert got[name]["ok"], f"rank {rank}, {name}:\n{got[name]['error']}"
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_fsdp_quick(quick_results, name):
+    _assert_ok(quick_results, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp_all(all_results, name):
+    _assert_ok(all_results, name)
