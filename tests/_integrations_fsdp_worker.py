@@ -119,7 +119,8 @@ class Run:
 
 def run(tmp: Path, tag: str, *, route: str, max_grad_norm: float = 0.0, accumulation: int = 1,
         offload_kwargs: dict[str, Any] | None = None, fsdp_version: int = 2, use_orig_params: bool = True,
-        steps: int = STEPS, callbacks: tuple = ()) -> Run:
+        steps: int = STEPS, callbacks: tuple = (), save_steps: int = 0, resume: str | None = None,
+        state_dict_type: str | None = None, stop_at: int = 0) -> Run:
     """Train the tiny Llama of test_integrations_trainer.py with the Trainer on FSDP (``route``: how the optimizer is
     given: ``torch`` = optim="adamw_torch_fused", ``trainer_class`` = OffloadAdamWTrainer, ``cls_and_kwargs`` =
     optimizer_cls_and_kwargs=(OffloadAdamW, kwargs), ``trainer_optimizer`` = trainer_optimizer(model, args))."""
@@ -136,10 +137,17 @@ def run(tmp: Path, tag: str, *, route: str, max_grad_norm: float = 0.0, accumula
     fsdp_config: dict[str, Any] = {"version": fsdp_version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
     if fsdp_version == 1:
         fsdp_config["use_orig_params"] = use_orig_params
+    if state_dict_type is not None:
+        fsdp_config["state_dict_type"] = state_dict_type
+    saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
     args = training_args(tmp / tag, max_steps=steps, max_grad_norm=max_grad_norm, gradient_accumulation_steps=accumulation,
-                         fsdp=True, fsdp_config=fsdp_config, optim="adamw_torch_fused")
+                         fsdp=True, fsdp_config=fsdp_config, optim="adamw_torch_fused", **saving)
     kwargs = dict(offload_kwargs or {})
     data = TokenWindows(n=WORLD * 4 * accumulation * steps)
+    if stop_at:
+        from test_integrations_trainer import StopAt
+
+        callbacks = (*callbacks, StopAt(stop_at))  # saves a checkpoint there and stops, as a preempted job would
     common = {"model": model, "args": args, "train_dataset": data, "callbacks": list(callbacks)}
     if route == "torch":
         trainer = Trainer(**common)
@@ -153,7 +161,7 @@ def run(tmp: Path, tag: str, *, route: str, max_grad_norm: float = 0.0, accumula
     else:
         raise ValueError(route)
     del model
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     gc.collect()
     return Run(trainer, trainer.model, sum(r() is not None for r in originals), shapes)
 
@@ -457,7 +465,31 @@ def case_a_released_sharded_host_gradient_comes_back_as_a_dtensor(tmp: Path, mea
     return out
 
 
+def resumes(state_dict_type: str) -> Callable[[Path, dict], list[str]]:
+    """The Trainer's own FSDP2 checkpoint (accelerate's save_fsdp_model / save_fsdp_optimizer, ``state_dict_type``)
+    at step 2 of 4 and resume_from_checkpoint: the resumed run ends bitwise where the uninterrupted one ends."""
+
+    def case(tmp: Path, measured: dict) -> list[str]:
+        kwargs = {"offload_gradients": True}
+        straight = run(tmp, f"straight-{state_dict_type}", route="trainer_class", offload_kwargs=kwargs,
+                       max_grad_norm=CLIP, state_dict_type=state_dict_type)
+        tag = f"interrupted-{state_dict_type}"
+        run(tmp, tag, route="trainer_class", offload_kwargs=kwargs, max_grad_norm=CLIP, save_steps=1000, stop_at=2,
+            state_dict_type=state_dict_type)
+        dist.barrier()
+        checkpoint = tmp / tag / "checkpoint-2"
+        measured["checkpoint"] = sorted(p.name for p in checkpoint.iterdir()) if checkpoint.is_dir() else None
+        resumed = run(tmp, tag, route="trainer_class", offload_kwargs=kwargs, max_grad_norm=CLIP, save_steps=1000,
+                      resume=str(checkpoint), state_dict_type=state_dict_type)
+        out = [f"{n} differs after the resume" for n in straight.local if not torch.equal(straight.local[n], resumed.local[n])]
+        return out + differing(straight, reference(tmp, max_grad_norm=CLIP))
+
+    return case
+
+
 CASES: dict[str, Callable[[Path, dict], list[str]]] = {
+    "trainer_fsdp2_checkpoint_sharded_state_dict_resumes_bitwise": resumes("SHARDED_STATE_DICT"),
+    "trainer_fsdp2_checkpoint_full_state_dict_resumes_bitwise": resumes("FULL_STATE_DICT"),
     "optimizers_tuple_under_fsdp_is_refused_by_transformers": case_optimizers_tuple_is_refused_by_transformers,
     "accelerate_prepare_fsdp2_freed_clip_is_torch_and_releases_the_unsharded_model": case_accelerate_prepare_on_fsdp2,
     "a_released_sharded_host_gradient_comes_back_as_a_dtensor": case_a_released_sharded_host_gradient_comes_back_as_a_dtensor,
@@ -498,7 +530,7 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)  # accelerate's PartialState takes this one
     allow_fsdp_on_cpu()
-    tmp = Path(out) / f"runs{rank}"
+    tmp = Path(out) / "runs"  # one output directory for both ranks, as on a node (FSDP checkpoints hold every rank's shards)
     results: dict[str, dict] = {}
     for name, case in CASES.items():
         if only and name not in only:

@@ -17,6 +17,8 @@ optimizer's parameters for the DTensor shards. Properties, each on both ranks, a
   torch's AdamW bitwise, nothing of the unsharded model alive; ``Trainer(optimizers=(opt, scheduler))`` under FSDP
   is refused by transformers itself (what the docs say); a swap between backward and step gives the released
   shards their host gradients back in ``p.grad`` as DTensors over real shards, bitwise;
+* the Trainer's own FSDP2 checkpoint (``SHARDED_STATE_DICT``: DCP; ``FULL_STATE_DICT``) saved at step 2 and
+  ``resume_from_checkpoint``: the resumed run ends bitwise where the uninterrupted one ends;
 * FSDP1 (torch's FullyShardedDataParallel; accelerate's FSDP1 path stops at FSDP1's device check on the CPU, so
   the model is wrapped as accelerate wraps it on GPUs): ``use_orig_params=True`` with freed gradients is torch's
   AdamW bitwise (the gradients reach the pipeline at the step: FSDP1 writes them after backward, no hook of an
