@@ -104,8 +104,9 @@ class OffloadAdamW(torch.optim.Optimizer):
       compiled by numba without a C++ compiler (kernels/numba_loop.py).
     * ``max_grad_norm`` (default None): clip the gradients to this total 2-norm
       inside ``step``, before the update (like DeepSpeed's ``gradient_clipping``),
-      with torch's ``clip_grad_norm_`` arithmetic over the gradients in this
-      optimizer's order; ``last_grad_norm`` holds the norm before clipping. With
+      with torch's ``clip_grad_norm_`` arithmetic over the gradients in the model's
+      parameter order (``clip_order``, optim/clip_order.py), as
+      ``clip_grad_norm_(model.parameters())``; ``last_grad_norm`` holds the norm before clipping. With
       GradScaler, unscale first (``scaler.unscale_(opt)``). With ``update_in_backward``
       the norms are taken in backward's hooks and the updates start when backward ends.
     * ``update_in_backward`` (default False; needs ``offload_gradients``): start each
@@ -113,7 +114,7 @@ class OffloadAdamW(torch.optim.Optimizer):
       from the second step on (accel/overlap.py). Every backward outside ``no_sync()``
       must be followed by ``step()``; loss scaling is refused. With ``max_grad_norm`` or a
       ``nonfinite`` policy the updates start when backward ends (norms and non-finite counts are
-      taken on the device in backward's hooks).
+      taken on the device in backward's hooks); ``last_grad_norm`` is each step's total norm, clipping or not.
 
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
