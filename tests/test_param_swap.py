@@ -173,3 +173,17 @@ def test_a_swap_frees_the_old_host_buffers_at_the_first_forward():
     swap(opt, shard)
     shard(torch.ones(1, 64))
     assert opt.host_buffer_bytes() == {"gradients": exact_bytes(shard.parameters())}
+
+
+def test_a_swap_seen_first_in_inference_mode_is_taken_in_at_the_next_forward_outside_it():
+    """An evaluation under torch.inference_mode() between the swap and training must not lay out host buffers there:
+    inference tensors cannot be written by the next backward's copies."""
+    original, shards = model(), model()
+    opt = OffloadAdamW(original.parameters(), lr=1e-2, offload_gradients=True)
+    swap(opt, shards)
+    with torch.inference_mode():
+        loss(shards, 0)
+    loss(shards, 1).backward()
+    assert all(is_host_resident(p.grad) for p in shards.parameters())
+    opt.step()
+    assert opt.host_buffer_bytes()["gradients"] == exact_bytes(shards.parameters())

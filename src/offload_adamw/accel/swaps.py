@@ -19,7 +19,8 @@ Contract:
   takes their (sharded) gradients at the step.
 * One global forward pre-hook serves every pipeline (registered with the first); it holds the pipelines
   weakly, costs a set lookup per module forward while no pipeline waits, and looks at nothing while a
-  graph is compiled or inside backward (activation checkpointing's recomputation).
+  graph is compiled, inside backward (activation checkpointing's recomputation) or in inference mode
+  (host buffers laid out there could not be written outside it): the next forward outside looks.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def refuse_flat_parameters(params: Iterable[Tensor], describe: Callable[[Tensor]
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
     if not _WAITING or torch.compiler.is_compiling() or torch._C._current_autograd_node() is not None:
         return
+    if torch.is_inference_mode_enabled():
+        return  # buffers allocated now would be inference tensors, which backward's copies cannot write: wait
     waiting = list(_WAITING)
     _WAITING.clear()
     for pipeline in waiting:

@@ -79,8 +79,10 @@ def _the_model(params: Sequence[Tensor]) -> torch.nn.Module | None:
     """The outermost live module holding every one of ``params``; None when there is none, or several that disagree."""
     if not params:
         return None
-    # type(), not isinstance(): isinstance() reads __class__, which a dead weakref.proxy among gc's objects raises on
-    modules: list[Any] = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+    # type(), not isinstance(): isinstance() reads __class__, which a dead weakref.proxy among gc's objects raises on;
+    # a module whose __init__ raised before Module.__init__ ran has no _modules or _parameters and is no model
+    modules: list[Any] = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)
+                          and "_modules" in vars(o) and "_parameters" in vars(o)]
     inner = {id(child) for m in modules for child in m.children()}
     found = [m for m in modules if id(m) not in inner and _holds_all(m, params)]
     ours = {id(p) for p in params}
