@@ -255,6 +255,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.last_grad_norm = options.get("last_grad_norm")
         self.nonfinite = options.get("nonfinite", "propagate")
         self.skipped_steps = options.get("skipped_steps", 0)
+        self._clip_order = ClipOrder()  # the copy's parameters are others: their model is searched for again
         self._pin_memory = bool(options.get("_pin_memory", False))
         self._pipeline_options = dict(options.get("_pipeline_options", {"transfer_pipeline": False,
                                                                            "offload_gradients": False,
