@@ -242,3 +242,58 @@ def test_resume_from_checkpoint_continues_bitwise(tmp_path, dtype):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(a.state[p][key], b.state[q][key]), key
             assert b.state[q][key].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------ updates during backward
+
+
+class EarlyUpdates(TrainerCallback):
+    """Before each optimizer step: whether this step's updates could start in backward (the pipeline armed, and with
+    clipping the gate opened when backward ended)."""
+
+    def __init__(self) -> None:
+        self.armed: list[bool] = []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        pipeline = getattr(optimizer, "optimizer", optimizer).transfer_pipeline
+        self.armed.append(pipeline.armed() and (args.max_grad_norm == 0 or pipeline.gate_taken()))
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize("max_grad_norm", [0.05, 0.0], ids=["clipped", "unclipped"])
+def test_updates_during_backward_through_the_trainer_route_match_adamw_torch_fused(tmp_path, max_grad_norm, accumulation):
+    """OffloadAdamWTrainer with update_in_backward: the optimizer clips in the Trainer's place, with its max_grad_norm
+    in the model's order, micro-batches that only accumulate run inside opt.no_sync(), and the logged grad_norm is
+    torch's; parameters and logged norms bitwise those of optim="adamw_torch_fused"."""
+    from offload_adamw.integrations.hf import OffloadAdamWTrainer
+
+    overrides = dict(max_grad_norm=max_grad_norm, gradient_accumulation_steps=accumulation)
+    data = TokenWindows(n=4 * accumulation * 6)
+    reference = tiny_llama()
+    theirs = Trainer(model=reference, args=training_args(tmp_path / "torch", optim="adamw_torch_fused", **overrides),
+                     train_dataset=data)
+    theirs.train()
+    model = tiny_llama()
+    early = EarlyUpdates()
+    ours = OffloadAdamWTrainer(
+        model=model, args=training_args(tmp_path / "ours", **overrides), train_dataset=data, callbacks=[early],
+        offload_adamw_kwargs={"offload_gradients": True, "update_in_backward": True, "bucket_bytes": 4096},
+    )
+    ours.train()
+    assert_bitwise(params_of(model), params_of(reference))
+    norms = [h["grad_norm"] for h in ours.state.log_history if "grad_norm" in h]
+    assert norms == [h["grad_norm"] for h in theirs.state.log_history if "grad_norm" in h] and len(norms) == 6
+    if max_grad_norm:
+        assert min(norms) > max_grad_norm, "clipping was not exercised at every step"
+    assert early.armed == [False] + [True] * 5, f"updates did not start before step(): {early.armed}"
+
+
+def test_the_trainer_route_refuses_a_second_max_grad_norm_with_updates_during_backward(tmp_path):
+    from offload_adamw.integrations.hf import OffloadAdamWTrainer
+
+    trainer = OffloadAdamWTrainer(
+        model=tiny_llama(), args=training_args(tmp_path, max_grad_norm=1.0), train_dataset=TokenWindows(),
+        offload_adamw_kwargs={"offload_gradients": True, "update_in_backward": True, "max_grad_norm": 0.5},
+    )
+    with pytest.raises(ValueError, match=r"max_grad_norm=0\.5 differs from the Trainer's max_grad_norm=1\.0"):
+        trainer.train()

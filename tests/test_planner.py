@@ -111,9 +111,10 @@ def test_one_gpu_offload_traffic_is_the_contract_single_pass(dtype):
     assert (s.pcie_d2h_bytes, s.pcie_h2d_bytes) == (p * n, p * n)
     # gradient DMA in + 28-byte single-pass update + parameter DMA out
     assert s.host_memory_traffic_bytes == (p + 28 + p) * n
-    # host: master, m, v (fp32) + gradient landing buffers + one step count per tensor
+    # host: master, m, v (fp32) + gradient landing buffers + staging copies sent back + one step count per tensor
     n_tensors = len(SMALL.parameter_shapes())
-    assert s.host.total - s.host.reserved == 12 * n + p * n + 4 * n_tensors
+    assert s.host.total - s.host.reserved == 12 * n + p * n + p * n + 4 * n_tensors
+    assert s.host_per_rank is not None and s.host.total - s.host.reserved == s.host_per_rank.total
     bound = max(p * n / ONE_GPU.pcie_bytes_per_s, (2 * p + 28) * n / ONE_GPU.host_memory_bytes_per_s)
     assert s.step_time_lower_bound_s == pytest.approx(bound, rel=1e-12)
     gpu_step = result.strategy("fsdp")

@@ -8,9 +8,10 @@ Contract:
   ``clip_grads_with_norm_`` on them, so the arithmetic is torch's by construction.
 * Which tensors: for an ``OffloadAdamW`` whose device gradients are freed
   (``offload_gradients=True``), the host gradient buffers (where the gradients
-  are); for any other optimizer, the ``.grad`` of its parameters, in its
-  ``param_groups`` order; for an iterable of parameters (or one tensor), their
-  ``.grad`` as torch does.
+  are); for any other optimizer, the ``.grad`` of its parameters; both in the
+  ``param_groups`` order, or in ``order`` where one is given (``max_grad_norm=``
+  gives the model's parameter order, optim/clip_order.py); for an iterable of
+  parameters (or one tensor), their ``.grad`` as torch does.
 * Bitwise equality with torch therefore holds whenever the tensors are the same
   ones torch would see. With freed device gradients on an accelerator the norm
   is reduced on the host instead of the device: the two can differ in the last
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-__all__ = ["clip_grad_norm_", "clip_gradients_", "clip_coefficient", "gradient_norm", "gradients_of"]
+__all__ = ["clip_grad_norm_", "clip_gradients_", "clip_coefficient", "gradient_norm", "gradients_of", "total_norm"]
 
 
 class _GradHolder:
@@ -52,13 +53,14 @@ class _GradHolder:
         self.grad = grad
 
 
-def gradients_of(target: torch.optim.Optimizer | Tensor | Iterable[Tensor]) -> list[Tensor]:
+def gradients_of(target: torch.optim.Optimizer | Tensor | Iterable[Tensor], order: list[Tensor] | None = None) -> list[Tensor]:
     """The gradient tensors clipping acts on (see the module contract)."""
     pipeline = getattr(target, "_pipeline", None)
     if pipeline is not None:
-        return pipeline.gradient_tensors()
+        return pipeline.gradient_tensors(order)
     if isinstance(target, torch.optim.Optimizer):
-        return [p.grad for g in target.param_groups for p in g["params"] if p.grad is not None]
+        params = order if order is not None else [p for g in target.param_groups for p in g["params"]]
+        return [p.grad for p in params if p.grad is not None]
     if isinstance(target, Tensor):
         target = [target]
     return [p.grad for p in target if p.grad is not None]
@@ -71,15 +73,17 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    order: list[Tensor] | None = None,
 ) -> Tensor:
     """Scale the gradients of ``target`` so that their total ``norm_type``-norm is at most ``max_norm``.
 
     ``target`` is an optimizer (OffloadAdamW in any mode, or any torch optimizer)
-    or what ``torch.nn.utils.clip_grad_norm_`` takes. Returns the total norm of
+    or what ``torch.nn.utils.clip_grad_norm_`` takes; ``order``: an optimizer's
+    parameters in the order to reduce their norms in. Returns the total norm of
     the gradients before clipping, as torch does; with freed device gradients
     it is a host tensor.
     """
-    return clip_gradients_(gradients_of(target), max_norm, norm_type, error_if_nonfinite, foreach)
+    return clip_gradients_(gradients_of(target, order), max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 @torch.no_grad()
@@ -107,6 +111,16 @@ def gradient_norm(grad: Tensor, norm_type: float = 2.0) -> Tensor:
 
 
 @torch.no_grad()
+def total_norm(norms: list[tuple[Tensor, torch.device, torch.dtype]], norm_type: float = 2.0) -> Tensor:
+    """The total norm ``get_total_norm`` returns, from per-gradient norms in parameter order (see clip_coefficient)."""
+    placeholders = [torch.empty(0, device=device, dtype=dtype) for _, device, dtype in norms]
+    grouped = _group_tensors_by_device_and_dtype([placeholders], with_indices=True)  # type: ignore[list-item]
+    ordered = [norms[i][0] for _, (_, indices) in grouped.items() for i in indices]
+    first_device = norms[0][1]
+    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in ordered]), norm_type)
+
+
+@torch.no_grad()
 def clip_coefficient(
     norms: list[tuple[Tensor, torch.device, torch.dtype]], max_norm: float, norm_type: float = 2.0
 ) -> tuple[Tensor, Tensor]:
@@ -116,11 +130,7 @@ def clip_coefficient(
     (torch groups the norms by those before it stacks them). The coefficient is a plain tensor (a DTensor
     total norm is reduced across ranks first, as torch's ``clip_grads_with_norm_`` does).
     """
-    placeholders = [torch.empty(0, device=device, dtype=dtype) for _, device, dtype in norms]
-    grouped = _group_tensors_by_device_and_dtype([placeholders], with_indices=True)  # type: ignore[list-item]
-    ordered = [norms[i][0] for _, (_, indices) in grouped.items() for i in indices]
-    first_device = norms[0][1]
-    total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in ordered]), norm_type)
+    total = total_norm(norms, norm_type)
     clip_coef = max_norm / (total + 1e-6)
     clamped = torch.clamp(clip_coef, max=1.0)
     full = getattr(clamped, "full_tensor", None)

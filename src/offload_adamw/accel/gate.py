@@ -16,6 +16,12 @@ Contract:
   does (:meth:`Gate.clip_at_step`), and one after updates that used it is refused.
 * Beside an attached DDP model, or with a plain parameter beside FSDP2's shards, the non-finite
   decision is OR-reduced over the ranks, so every rank decides alike.
+* With ``update_in_backward`` the hooks take every gradient's norm, clipping or not, so that the step's
+  total norm is known after the updates consumed the gradients: :meth:`Gate.clip_at_step` sets the
+  optimizer's ``last_grad_norm`` to it (torch's ``get_total_norm`` over the model's parameter order,
+  optim/clip_order.py) also without ``max_grad_norm``, from the norms the hooks took while they are the
+  step's, else from the host gradients (the updates did not change them: nothing clipped them). This is
+  what the HF Trainer logs as ``grad_norm`` (integrations/hf.py).
 """
 
 from __future__ import annotations
@@ -89,6 +95,10 @@ class Gate:
     def clips(self) -> bool:
         return self._enabled and self._optimizer.max_grad_norm is not None
 
+    def tracks(self) -> bool:
+        """Whether backward's hooks take each gradient's norm (updates during backward, clipping or not)."""
+        return self._enabled
+
     def checks(self) -> bool:
         """Whether the non-finite policy (skip or raise) decides, at backward's end, if the updates may start."""
         return self._enabled and self._optimizer.nonfinite != "propagate"
@@ -102,7 +112,7 @@ class Gate:
         a gradient of an earlier backward, whose sum's norm is the host's to take)."""
         if accumulated or self.taken or param in self._norms or param in self._counts:
             self._stale = True
-        if self.clips():
+        if self.tracks():
             self._norms[param] = (clipping.gradient_norm(grad), grad.device, grad.dtype)
         if self.checks():
             self._counts[param] = _nonfinite_count(grad)
@@ -162,7 +172,8 @@ class Gate:
         self.on_open()
 
     def _order(self) -> list[Tensor]:
-        return [p for g in self._optimizer.param_groups for p in g["params"]]
+        """The parameters in the order torch's clipping of the model stacks their norms (optim/clip_order.py)."""
+        return self._optimizer.clip_parameters()
 
     def _unseen_gradient(self) -> bool:
         """Whether a parameter has a gradient no hook of this backward took: accumulated only inside ``no_sync()``
@@ -197,26 +208,57 @@ class Gate:
     def clip_at_step(self, present: Sequence[Tensor], early: bool,
                      gradients: Callable[[Sequence[Tensor]], list[Tensor]]) -> None:
         """Clipping with update_in_backward: the coefficient taken after backward while it is the step's, else torch's
-        now over ``gradients(present)``; refused after updates ran with a coefficient that is not the step's."""
+        now over ``gradients(present)``; refused after updates ran with a coefficient that is not the step's. Without
+        ``max_grad_norm`` the step's total norm all the same (the module contract)."""
         max_norm = self._optimizer.max_grad_norm
         reason = self._not_the_steps(present, max_norm)
-        if reason is None:
-            return
-        if early:
+        if reason is not None and early and (max_norm is not None or self.coefficient is not None):
             raise RuntimeError(
                 f"{reason}, but with update_in_backward=True and max_grad_norm the updates that ran during backward "
                 "used the clip coefficient taken when backward ended; set gradients only through backward, one backward "
                 "per step (accumulate inside opt.no_sync()), and change max_grad_norm after opt.step()"
             )
-        self.coefficient = None
         if max_norm is None:
+            self.coefficient = None
+            self._optimizer.last_grad_norm = self._unclipped_norm(present, gradients)
             return
-        grads = gradients(present)
+        if reason is None:
+            return
+        self.coefficient = None
         self.clipping_at_step = True
         try:
-            self._optimizer.last_grad_norm = clipping.clip_gradients_(grads, max_norm)
+            self._optimizer.last_grad_norm = clipping.clip_gradients_(gradients(self._in_order(present)), max_norm)
         finally:
             self.clipping_at_step = False
+
+    def _in_order(self, params: Sequence[Tensor]) -> list[Tensor]:
+        rank = {p: k for k, p in enumerate(self._order())}
+        return sorted(params, key=lambda p: rank.get(p, len(rank)))
+
+    def _unclipped_norm(self, present: Sequence[Tensor], gradients: Callable[[Sequence[Tensor]], list[Tensor]]) -> Tensor:
+        """The step's total gradient norm without clipping: from the norms the hooks took while they are this step's
+        gradients' (waiting for the streams they were taken on), else torch's ``get_total_norm`` of the host gradients."""
+        ordered = self._in_order(present)
+        if ordered and self._reason_norms_are_not_the_steps(ordered) is None:
+            marks, self._marks = self._marks, []
+            for device, mark in marks:
+                self._engine.current_stream_waits(device, mark)
+            return clipping.total_norm([self._norms[p] for p in ordered])
+        self.clipping_at_step = True  # a read, not a change: the updates did not clip these gradients
+        try:
+            return torch.nn.utils.get_total_norm(gradients(ordered))
+        finally:
+            self.clipping_at_step = False
+
+    def _reason_norms_are_not_the_steps(self, present: Sequence[Tensor]) -> str | None:
+        if self._stale or self._partial:
+            return "a gradient was accumulated over more than one backward (or changed after its norm was taken)"
+        for p in present:
+            if not is_host_resident(p.grad) or p not in self._norms:
+                return f"{self._describe(p)} has a gradient that backward's hooks did not see"
+        if len(self._norms) != len(present):
+            return "a gradient was cleared after backward"
+        return None
 
     def _not_the_steps(self, present: Sequence[Tensor], max_norm: float | None) -> str | None:
         """Why the coefficient taken after backward does not fit this step's gradients, or None when it does."""

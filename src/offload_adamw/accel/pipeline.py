@@ -19,6 +19,8 @@ Contract:
   non-finite policies by accel/gate.py. What cannot be made exact after updates ran is refused by name.
 * **Buffers follow the parameters** (accel/slots.py): a parameter cast or moved gets buffers laid out
   anew, with the parameter's strides; every allocation passes the optimizer's host-memory check first.
+  A parameter that leaves ``param_groups`` (accelerate's and the Trainer's swap to FSDP2 shards, any edit) is
+  released with its hooks and buffers, and one put in gets its hooks before its first backward (accel/swaps.py).
 * **Nothing of this is optimizer state**: ``state_dict`` looks the same with or without the pipeline.
 * **GradScaler**: ``step`` honours ``grad_scale`` (gradients divided by it in float32, as torch's fused
   AdamW does) and ``found_inf`` (the step is skipped, nothing changes). Freed gradients are invisible to
@@ -41,7 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import bucketing, standin
+from offload_adamw.accel import bucketing, standin, swaps
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.host_update import HostUpdate
@@ -91,6 +93,10 @@ class UpdateTarget(Protocol):
         self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None,
         current: Sequence[bool] | None = None,
     ) -> None: ...
+
+    def clip_parameters(self) -> list[Tensor]:
+        """The parameters in the order clipping reduces their norms (the model's)."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,17 +166,26 @@ class GradientPipeline:
             lands_early=config.update_in_backward,
         )
         self.gate.decision_groups = self.ddp.process_groups
-        self.hooks.on_backward = [self.ddp.check_unattached, self.schedule.backward_began]
+        self.hooks.on_backward = [self.ddp.check_unattached, self.schedule.backward_began,
+                                  lambda: swaps.look_before_next_forward(self)]
         self.refresh()
+        swaps.look_before_next_forward(self)
 
     # ------------------------------------------------------------------ set-up
 
-    def refresh(self) -> None:
-        """Slots for new parameters; buffers for what has none or was laid out for another device or dtype; hooks.
+    def refresh(self, *, if_changed: bool = False) -> None:
+        """Slots for new parameters, released ones for those that left; buffers for what has none or was laid out for
+        another device or dtype; hooks.
 
-        Runs at construction and at every step, outside backward.
+        Runs at construction, at every step and (``if_changed``: only when ``param_groups`` changed) at the first module
+        forward after each (accel/swaps.py), outside backward.
         """
+        if if_changed and not swaps.changed(self.optimizer.param_groups, self._places):
+            return
         self._places = {p: (gi, i) for gi, g in enumerate(self.optimizer.param_groups) for i, p in enumerate(g["params"])}
+        swaps.refuse_flat_parameters((p for p in self._places if self.slots.get(p) is None), self._describe)
+        with self._lock:
+            self.hooks.forget(self.slots.release(self._places))
         new = self.slots.add(self._places)
         for slot in new:
             self.engine.claim(slot.local)
@@ -179,6 +194,7 @@ class GradientPipeline:
 
     def close(self) -> None:
         """Remove the hooks and stop the worker threads (the optimizer no longer sees gradients as they arrive)."""
+        swaps.stop_looking(self)
         self.hooks.close()
         self.schedule.close()
         self.engine.close()
@@ -222,8 +238,9 @@ class GradientPipeline:
         """``slot``'s gradient from backward's hook, complete on its device: into host memory (freed), its norm and
         count (gated), and its bucket told (updates during backward)."""
         self.arrived(slot, group)
-        if self.gate.gated():
+        if self.gate.tracks():
             self.gate.take(slot.param, grad, accumulated=accumulated)
+        if self.gate.gated():
             self.gate.queue_decision()
         self.residency.land(slot, grad)
         self.recorder.landed(slot.param, copied=self.residency.in_host_memory(slot))
@@ -233,7 +250,7 @@ class GradientPipeline:
         """A reduced DDP gradient was copied to the host; the decision follows DDP's final callback."""
         self.recorder.landed(slot.param, copied=self.residency.in_host_memory(slot))
         if lands:
-            if self.gate.gated():
+            if self.gate.tracks():
                 self.gate.take(slot.param, grad, accumulated=False)
             self.schedule.landed(slot)
 
@@ -269,26 +286,28 @@ class GradientPipeline:
         with self._lock:
             return self.residency.ready(slot, self._validate)
 
-    def host_gradients(self) -> list[tuple[Tensor, Tensor]]:
-        """(parameter, complete host gradient) for every parameter that has one, in optimizer order."""
+    def host_gradients(self, order: Sequence[Tensor] | None = None) -> list[tuple[Tensor, Tensor]]:
+        """(parameter, complete host gradient) for every parameter that has one, in optimizer order (or ``order``'s)."""
         self.refresh()
         out = []
-        for p in self._where():
+        for p in self._where() if order is None else order:
             grad = self._ready(self.slots[p])
             if grad is not None:
                 out.append((p, grad))
         return out
 
-    def gradient_tensors(self) -> list[Tensor]:
-        """The gradients as the truth holds them: host buffers when freed, else the device ``p.grad``."""
+    def gradient_tensors(self, order: Sequence[Tensor] | None = None) -> list[Tensor]:
+        """The gradients as the truth holds them: host buffers when freed, else the device ``p.grad``; in optimizer
+        order, or in ``order`` (the parameters in the order clipping reads them)."""
         if self.config.update_in_backward:
             raise RuntimeError(
                 "with update_in_backward=True the host updates may already have consumed the gradients during "
                 "backward: they cannot be read or changed between backward and step(); use update_in_backward=False"
             )
         if self.offload_gradients:
-            return [_clipped_view(p, g) for p, g in self.host_gradients()]
-        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            return [_clipped_view(p, g) for p, g in self.host_gradients(order)]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]] if order is None else order
+        return [p.grad for p in params if p.grad is not None]
 
     def gradient(self, p: Tensor) -> Tensor | None:
         """The current gradient of ``p``: its host buffer when device gradients are freed, else ``p.grad``."""
@@ -349,6 +368,7 @@ class GradientPipeline:
         self.gate.reset()
         self.hooks.new_step()
         self.ddp.new_step()
+        swaps.look_before_next_forward(self)
 
     # --------------------------------------------------------------------- step
 

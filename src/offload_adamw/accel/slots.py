@@ -15,7 +15,9 @@ Contract:
   the transfer engine copies asynchronously; every allocation passes the optimizer's host-memory check
   first; buffers first needed inside backward are page-locked after it (:meth:`SlotTable.pin_deferred`).
 * :meth:`SlotTable.release` forgets parameters the optimizer no longer has (a ``param_groups`` swap):
-  their slots, hooks and buffers go, and no reference to them is kept.
+  their slots and buffers go, and no reference to them is kept. A released parameter whose gradient is
+  held in host memory gets it back in ``p.grad`` as a real tensor on its device, bitwise (torch's
+  optimizers never touch ``p.grad`` of a parameter they lose): its stand-in would stand for nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.host_memory import HostArena
 from offload_adamw.accel.transfer import DONE, Completion, TransferEngine
 from offload_adamw.distributed import local_tensor
@@ -109,6 +112,23 @@ class Slot:
             self.holding = Holding.GRADIENT
 
 
+def _give_back_gradient(slot: Slot) -> None:
+    """A released parameter's host-held gradient back into ``p.grad``: a copy on the parameter's device."""
+    grad = slot.param.grad
+    if grad is None or not is_host_resident(grad):
+        return
+    if slot.holding is Holding.NOTHING or slot.host_grad is None:
+        slot.param.grad = None  # the stand-in of a gradient already dropped
+        return
+    local = slot.host_grad.to(device=slot.local.device, copy=True)
+    if local_tensor(grad) is not grad:
+        dtensor: Any = grad  # FSDP2: a DTensor with the stand-in's mesh and placements over the real shard
+        slot.param.grad = type(dtensor)(local, dtensor._spec, requires_grad=False)
+    else:
+        slot.param.grad = local
+    slot.holding = Holding.NOTHING
+
+
 def _strides(t: Tensor) -> tuple[int, ...]:
     """The strides ``torch.empty_like`` gives a copy of ``t`` (the parameter's own where it is dense)."""
     return tuple(torch.empty_like(t, device="meta").stride())
@@ -144,10 +164,14 @@ class SlotTable:
                 new.append(slot)
         return new
 
-    def release(self, keep: set[Tensor]) -> list[Slot]:
-        """Forget every parameter not in ``keep`` (their buffers go with their arenas); the slots dropped."""
-        gone = [s for p, s in self.slots.items() if p not in keep]
+    def release(self, keep: Iterable[Tensor]) -> list[Slot]:
+        """Forget every parameter not in ``keep`` (see the module contract); the slots dropped."""
+        kept = set(keep)
+        gone = [s for p, s in self.slots.items() if p not in kept]
         for slot in gone:
+            slot.complete()  # no copy or add may land in a buffer that is about to go
+            slot.sending.wait()
+            _give_back_gradient(slot)
             del self.slots[slot.param]
         if gone:
             self._drop_unused_arenas()

@@ -141,15 +141,17 @@ class AutogradHooks:
         self._unhooked = still
 
     def forget(self, gone: list[Slot]) -> None:
-        """Slots released by the pipeline: their hooks go."""
+        """Slots released by the pipeline: their hooks go, and the parameters are no longer this one's."""
         dropped = {id(s) for s in gone}
         self._unhooked = [s for s in self._unhooked if id(s) not in dropped]
+        removed = {id(h) for slot in gone for h in slot.handles}
         for slot in gone:
             for handle in slot.handles:
                 handle.remove()
-                if handle in self.handles:
-                    self.handles.remove(handle)
             slot.handles.clear()
+            if _owner_of(slot.param) is self:
+                _OWNERS.pop(id(slot.param), None)
+        self.handles = [h for h in self.handles if id(h) not in removed]
 
     def close(self) -> None:
         """Remove every hook (the optimizer no longer sees gradients as they arrive) and give up the parameters."""

@@ -213,13 +213,25 @@ def render(result: Plan) -> str:
     out.append("")
     rows = []
     for s in result.strategies:
-        rows.append([_label(s), *bill_cells(s.host), _gb(s.host.step_counts), _gb(s.host.reserved), _gb(s.host.total),
-                     _margin(s.host_margin), "yes" if s.fits else "no"])
+        rows.append([_label(s), *bill_cells(s.host), _gb(s.host.step_counts), _gb(s.host.buffers), _gb(s.host.reserved),
+                     _gb(s.host.total), _margin(s.host_margin), "yes" if s.fits else "no"])
     out.append("Host memory per node (GB)")
-    out.append(
-        _table(["strategy", "params", "grads", *state_cols, "steps", "reserved", "total", "margin", "fits GPU+host"], rows)
-    )
+    out.append(_table(
+        ["strategy", "params", "grads", *state_cols, "steps", "buffers", "reserved", "total", "margin", "fits GPU+host"],
+        rows,
+    ))
     out.append("")
+    rows = []
+    for s in result.strategies:
+        r = s.host_per_rank
+        if r is not None:
+            rows.append([_label(s), _gb(r.state), _gb(r.gradients), _gb(r.accumulation), _gb(r.staging), _gb(r.total),
+                         f"{r.total:,}"])
+    if rows:
+        out.append("Host memory per rank that OffloadAdamW allocates (GB; rank 0, the largest shards): its state "
+                   "(host_state_bytes) and transfer buffers (host_buffer_bytes)")
+        out.append(_table(["strategy", "state", "grads", "accum.", "staging", "total", "total bytes"], rows))
+        out.append("")
     rows = []
     for s in result.strategies:
         rows.append([_label(s), _gb(s.pcie_h2d_bytes), _gb(s.pcie_d2h_bytes), _gb(s.host_memory_traffic_bytes),

@@ -18,8 +18,22 @@ Contract:
 * :class:`OffloadAdamWTrainer` is a ``Trainer`` that builds its optimizer this way when none
   is passed, for set-ups that only pass ``TrainingArguments`` (its ``offload_adamw_kwargs``
   argument is the keyword arguments above). It builds the groups from the model the Trainer
-  hands to ``create_optimizer``, so it is the route when the Trainer wraps the model first
-  (FSDP): :func:`trainer_optimizer` holds the parameters of the model it was given.
+  hands to ``create_optimizer`` and tells the optimizer that model's parameter order for
+  clipping (``opt.clip_order(model)``); under FSDP2 accelerate then swaps the optimizer's
+  parameters for the shards (accel/swaps.py releases the originals).
+* Updates during backward (``offload_adamw_kwargs={"offload_gradients": True,
+  "update_in_backward": True}``) run under :class:`OffloadAdamWTrainer` only: the Trainer clips
+  (or, with ``max_grad_norm=0``, measures the norm to log it) after backward, when the updates
+  may already have consumed the gradients. So the optimizer clips instead: its ``max_grad_norm``
+  is the Trainer's ``args.max_grad_norm`` (when positive; a different one given in the kwargs is
+  refused), its norms are taken by backward's hooks and reduced in the model's order, which is
+  torch's clipping of ``model.parameters()`` bit for bit, and the ``grad_norm`` the Trainer logs
+  is the optimizer's ``last_grad_norm`` of that step (filled in when the step has run, before the
+  Trainer logs it). A micro-batch that only accumulates (``gradient_accumulation_steps``: the
+  Trainer's ``accelerator.sync_gradients`` is False) runs inside ``opt.no_sync()``, so its
+  gradients start no update; under FSDP2 accelerate's ``no_sync`` also holds the reduce-scatter
+  back. This needs a transformers whose Trainer clips through ``_clip_grad_norm`` and
+  ``_get_grad_norm`` (5.x); with another the route is refused when the optimizer is created.
 * transformers is imported when a function here is first called (``TrainerCls`` is built then).
 """
 
@@ -78,6 +92,40 @@ def trainer_optimizer(model: torch.nn.Module, args: Any, **optimizer_kwargs: Any
     return OffloadAdamW, kwargs
 
 
+def _offload_adamw(optimizer: Any) -> Any:
+    """The OffloadAdamW inside the Trainer's optimizer (accelerate wraps it), or None."""
+    from offload_adamw.optim.optimizer import OffloadAdamW
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, OffloadAdamW) else None
+
+
+def _updates_in_backward(optimizer: Any) -> bool:
+    ours = _offload_adamw(optimizer)
+    return ours is not None and ours.update_in_backward
+
+
+def _clipping_options(trainer: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """With updates during backward the optimizer clips in the Trainer's place, with the Trainer's ``max_grad_norm``."""
+    if not options.get("update_in_backward"):
+        return options
+    if not (hasattr(trainer, "_clip_grad_norm") and hasattr(trainer, "_get_grad_norm")):
+        raise RuntimeError(
+            "OffloadAdamWTrainer with update_in_backward=True needs a transformers Trainer that clips through "
+            "_clip_grad_norm and _get_grad_norm (transformers 5); this one clips inline, after the updates ran: "
+            "upgrade transformers, or use update_in_backward=False"
+        )
+    trainer_norm = trainer.args.max_grad_norm
+    if trainer_norm is not None and trainer_norm > 0:
+        given = options.setdefault("max_grad_norm", float(trainer_norm))
+        if given != trainer_norm:
+            raise ValueError(
+                f"offload_adamw_kwargs max_grad_norm={given!r} differs from the Trainer's max_grad_norm={trainer_norm!r}: "
+                "with update_in_backward=True the optimizer clips in the Trainer's place; give one of them"
+            )
+    return options
+
+
 def __getattr__(name: str) -> Any:
     if name == "OffloadAdamWTrainer":  # built on first use: the class needs transformers
         value = _make_trainer_class()
@@ -90,19 +138,57 @@ def _make_trainer_class() -> type:
     from transformers import Trainer
 
     class OffloadAdamWTrainer(Trainer):
-        """A ``transformers.Trainer`` whose default optimizer is OffloadAdamW over :func:`trainer_optimizer`'s groups."""
+        """A ``transformers.Trainer`` whose default optimizer is OffloadAdamW over :func:`trainer_optimizer`'s groups
+        (see the module contract, also for updates during backward)."""
 
         def __init__(self, *args: Any, offload_adamw_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.offload_adamw_kwargs = dict(offload_adamw_kwargs or {})
+            self._step_norm: Any = None  # the grad_norm handed to the Trainer, filled in after the step
 
         def create_optimizer(self, model: Any = None) -> Any:
             if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
                 # the Trainer has its model by the time it creates the optimizer (its stubs allow None)
                 opt_model = cast("torch.nn.Module", self.model if model is None else model)
-                self.optimizer_cls_and_kwargs = trainer_optimizer(opt_model, self.args, trainer=self,
-                                                                  **self.offload_adamw_kwargs)
+                options = _clipping_options(self, dict(self.offload_adamw_kwargs))
+                self.optimizer_cls_and_kwargs = trainer_optimizer(opt_model, self.args, trainer=self, **options)
+                optimizer = super().create_optimizer(model)
+                ours = _offload_adamw(optimizer)
+                if ours is not None:
+                    ours.clip_order(opt_model)
+                    ours.register_step_post_hook(lambda opt, args, kwargs: self._fill_step_norm(opt))
+                return optimizer
             return super().create_optimizer(model)
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            ours = _offload_adamw(self.optimizer)
+            if ours is not None and ours.update_in_backward and not self.accelerator.sync_gradients:
+                with ours.no_sync():  # a micro-batch that only accumulates: no update may start in its backward
+                    return super().training_step(*args, **kwargs)
+            return super().training_step(*args, **kwargs)
+
+        def _clip_grad_norm(self, model: Any) -> Any:
+            if _updates_in_backward(self.optimizer):
+                return self._norm_after_step()  # the optimizer clipped with args.max_grad_norm (see create_optimizer)
+            return super()._clip_grad_norm(model)
+
+        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+            if grad_norm is None and _updates_in_backward(self.optimizer):
+                grad_norm = self._norm_after_step()
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+        def _norm_after_step(self) -> Any:
+            import torch
+
+            self._step_norm = torch.full((), float("nan"))
+            return self._step_norm
+
+        def _fill_step_norm(self, optimizer: Any) -> None:
+            held, self._step_norm = self._step_norm, None
+            norm = optimizer.last_grad_norm
+            if held is not None and norm is not None:
+                full = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor, reduced over the ranks as torch's is
+                held.copy_((norm if full is None else full()).detach().to(held.device, held.dtype))
 
     OffloadAdamWTrainer.__module__ = __name__
     return OffloadAdamWTrainer

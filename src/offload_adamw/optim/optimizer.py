@@ -41,6 +41,7 @@ from offload_adamw.optim import loading as _loading
 from offload_adamw.optim import preflight as _preflight
 from offload_adamw.optim import state as host_state
 from offload_adamw.optim import update as _update
+from offload_adamw.optim.clip_order import ClipOrder
 from offload_adamw.optim.loading import StateDictMismatch
 
 __all__ = ["OffloadAdamW", "StateDictMismatch"]
@@ -103,8 +104,9 @@ class OffloadAdamW(torch.optim.Optimizer):
       compiled by numba without a C++ compiler (kernels/numba_loop.py).
     * ``max_grad_norm`` (default None): clip the gradients to this total 2-norm
       inside ``step``, before the update (like DeepSpeed's ``gradient_clipping``),
-      with torch's ``clip_grad_norm_`` arithmetic over the gradients in this
-      optimizer's order; ``last_grad_norm`` holds the norm before clipping. With
+      with torch's ``clip_grad_norm_`` arithmetic over the gradients in the model's
+      parameter order (``clip_order``, optim/clip_order.py), as
+      ``clip_grad_norm_(model.parameters())``; ``last_grad_norm`` holds the norm before clipping. With
       GradScaler, unscale first (``scaler.unscale_(opt)``). With ``update_in_backward``
       the norms are taken in backward's hooks and the updates start when backward ends.
     * ``update_in_backward`` (default False; needs ``offload_gradients``): start each
@@ -112,7 +114,7 @@ class OffloadAdamW(torch.optim.Optimizer):
       from the second step on (accel/overlap.py). Every backward outside ``no_sync()``
       must be followed by ``step()``; loss scaling is refused. With ``max_grad_norm`` or a
       ``nonfinite`` policy the updates start when backward ends (norms and non-finite counts are
-      taken on the device in backward's hooks).
+      taken on the device in backward's hooks); ``last_grad_norm`` is each step's total norm, clipping or not.
 
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
@@ -184,6 +186,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Tensor | None = None
+        self._clip_order = ClipOrder()
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -252,6 +255,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.last_grad_norm = options.get("last_grad_norm")
         self.nonfinite = options.get("nonfinite", "propagate")
         self.skipped_steps = options.get("skipped_steps", 0)
+        self._clip_order = ClipOrder()  # the copy's parameters are others: their model is searched for again
         self._pin_memory = bool(options.get("_pin_memory", False))
         self._pipeline_options = dict(options.get("_pipeline_options", {"transfer_pipeline": False,
                                                                            "offload_gradients": False,
@@ -447,6 +451,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.attach_ddp(ddp)
 
+    def clip_order(self, model: torch.nn.Module) -> None:
+        """Reduce the gradient norms of ``max_grad_norm=`` in ``model.parameters()``' order, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does (optim/clip_order.py: without this call the
+        model is searched for)."""
+        self._clip_order.use(model)
+
+    def clip_parameters(self) -> list[Tensor]:
+        """This optimizer's parameters in the order clipping reduces their norms: the model's (optim/clip_order.py)."""
+        return self._clip_order.of([p for g in self.param_groups for p in g["params"]])
+
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: bool | None = None
     ) -> Tensor:
@@ -578,7 +592,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
             found_inf = getattr(self, "found_inf", None)
             if not (isinstance(found_inf, Tensor) and bool(found_inf.item() != 0)):
-                self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
+                # In the model's parameter order, as torch's clip_grad_norm_(model.parameters()) (optim/clip_order.py).
+                self.last_grad_norm = _clip_grad_norm_(self, self.max_grad_norm, order=self.clip_parameters())
         if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
             self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
             return loss

@@ -12,6 +12,13 @@ Contract:
 * :func:`predict_host_optimizer_bytes` is exactly what
   :meth:`offload_adamw.OffloadAdamW.host_state_bytes` reports once every
   tensor has state (the validation tests hold the two equal byte for byte).
+* :func:`fsdp_rank_host_bytes` is exactly what one FSDP2 rank's OffloadAdamW allocates in host memory
+  once every tensor has stepped: its state (``host_state_bytes``) and its transfer pipeline's buffers
+  (``host_buffer_bytes``: a gradient buffer per shard, an accumulation buffer where micro-batches are
+  added on the host, a staging copy per shard of a parameter on an accelerator), for the shards FSDP2
+  gives that rank (dim 0 in chunks of ``ceil(rows / world)``: rank 0 holds the largest). The
+  OffloadAdamW strategies' host bills are these figures times the ranks of a node (tested at small
+  scale against the real Trainer on FSDP2).
 * The ideal host-step memory traffic is docs/contract.md#traffic-bill: 28 bytes per
   element (36 with AMSGrad); transfers add what they move. Step-time bounds are
   bytes / bandwidth per link, the slowest link wins (perfect overlap), so they
@@ -57,6 +64,8 @@ __all__ = [
     "STRATEGIES",
     "COMPARISONS",
     "predict_host_optimizer_bytes",
+    "RankHostBytes",
+    "fsdp_rank_host_bytes",
     "memory_bill",
     "activation_bytes",
     "plan",
@@ -80,6 +89,81 @@ def predict_host_optimizer_bytes(params: Iterable[ParamSpec], *, amsgrad: bool =
     for spec in params:
         total += bills.tensor_state_bytes(spec.numel, dtype_name(spec.dtype), on_host=spec.on_host, amsgrad=amsgrad).total
     return total
+
+
+def _local_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of dim 0 that rank ``rank`` holds when FSDP2 shards ``rows`` rows over ``world`` ranks (torch.chunk)."""
+    chunk = math.ceil(rows / world)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankHostBytes:
+    """Host bytes one rank's OffloadAdamW allocates for its FSDP2 shards: the state and the transfer buffers."""
+
+    master: int = 0
+    """float32 masters (none for a float32 parameter in host memory: it is its own master)."""
+    exp_avg: int = 0
+    """m, float32."""
+    exp_avg_sq: int = 0
+    """v, float32."""
+    max_exp_avg_sq: int = 0
+    """AMSGrad's max_v, float32."""
+    step_counts: int = 0
+    """One float32 step count per tensor."""
+    gradients: int = 0
+    """The pipeline's host gradient buffers, in the parameters' dtype (``host_buffer_bytes()["gradients"]``)."""
+    accumulation: int = 0
+    """The second buffer of host accumulation, where FSDP2 reduces every micro-batch into the host gradient."""
+    staging: int = 0
+    """The parameter-dtype copies device parameters are sent back from (``"parameter staging"``)."""
+
+    @property
+    def state(self) -> int:
+        """What ``OffloadAdamW.host_state_bytes()`` reports."""
+        return self.master + self.exp_avg + self.exp_avg_sq + self.max_exp_avg_sq + self.step_counts
+
+    def buffers(self) -> dict[str, int]:
+        """What ``OffloadAdamW.host_buffer_bytes()`` reports, by purpose (its labels; nothing for a purpose not allocated)."""
+        named = {"gradients": self.gradients, "accumulation": self.accumulation, "parameter staging": self.staging}
+        return {label: value for label, value in named.items() if value}
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gradients + self.accumulation + self.staging
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "state": self.state, "total": self.total}
+
+
+def fsdp_rank_host_bytes(
+    shapes: Iterable[tuple[int, ...]], *, world: int, rank: int = 0, param_dtype: str = "bfloat16",
+    on_host: bool = False, host_accumulation: bool = False, amsgrad: bool = False,
+) -> RankHostBytes:
+    """Host bytes of rank ``rank``'s OffloadAdamW with the transfer pipeline over the FSDP2 shards of ``shapes``.
+
+    ``shapes``: the full shapes of the trainable parameters (each once); FSDP2 gives rank ``rank`` its chunk of dim 0.
+    ``on_host``: the shards live in host memory (the CPU as device: no staging, a float32 shard its own master).
+    ``host_accumulation``: micro-batches are added on the host (FSDP2 reducing every micro-batch), not inside
+    ``set_requires_gradient_sync(False)`` (what accelerate's and the Trainer's ``no_sync`` does).
+    """
+    if not (isinstance(world, int) and 0 < world and isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"rank must be in [0, world) and world positive, got rank={rank!r}, world={world!r}")
+    name = dtype_name(param_dtype)
+    p = dtype_bytes(name)
+    state = bills.StateBytes()
+    elements = 0
+    for shape in shapes:
+        local = _local_rows(shape[0], world, rank) * math.prod(shape[1:]) if shape else 1
+        elements += local
+        state = state + bills.tensor_state_bytes(local, name, on_host=on_host, amsgrad=amsgrad)
+    one = state.moments // (3 if amsgrad else 2)  # bytes of one moment over every shard
+    grads = p * elements
+    return RankHostBytes(
+        master=state.master, exp_avg=one, exp_avg_sq=one, max_exp_avg_sq=one if amsgrad else 0,
+        step_counts=state.step, gradients=grads, accumulation=grads if host_accumulation else 0,
+        staging=0 if on_host else grads,
+    )
 
 
 # --------------------------------------------------------------------------- hardware, training
@@ -241,6 +325,9 @@ class StrategyPlan:
     step_time_overlapped_s: float | None = None
     """The same with each group's host update started as its gradients arrive
     (equal to serial where the optimizer runs on the GPU)."""
+    host_per_rank: RankHostBytes | None = None
+    """What one rank's OffloadAdamW allocates in host memory (rank 0, which holds the largest shards); None where
+    OffloadAdamW is not the optimizer. ``host`` holds it once per rank of a node."""
 
     @property
     def gpu_margin(self) -> float:
@@ -275,6 +362,7 @@ class StrategyPlan:
             "comparison": self.comparison,
             "step_time_serial_s": self.step_time_serial_s,
             "step_time_overlapped_s": self.step_time_overlapped_s,
+            "host_bytes_per_rank": None if self.host_per_rank is None else self.host_per_rank.as_dict(),
             "notes": list(self.notes),
         }
 
@@ -449,7 +537,7 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
         return t.serial_s, t.overlapped_s
 
     def add(name: str, *, gpu: MemoryBill, host: MemoryBill, h2d: int, d2h: int, host_traffic: int,
-            gpu_traffic: int, gpus_used: int, notes: Sequence[str] = ()) -> None:
+            gpu_traffic: int, gpus_used: int, notes: Sequence[str] = (), per_rank: RankHostBytes | None = None) -> None:
         bound, bottleneck = _bound(hardware, h2d=h2d, d2h=d2h, host=host_traffic, gpu=gpu_traffic)
         serial, overlapped = times(host_traffic, gpu_traffic, h2d, d2h, gpus_used)
         results.append(
@@ -459,7 +547,7 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
                 pcie_h2d_bytes=h2d, pcie_d2h_bytes=d2h, host_memory_traffic_bytes=host_traffic,
                 gpu_memory_traffic_bytes=gpu_traffic, step_time_lower_bound_s=bound, bottleneck=bottleneck,
                 gpus_used=gpus_used, notes=tuple(notes), comparison=name in COMPARISONS,
-                step_time_serial_s=serial, step_time_overlapped_s=overlapped,
+                step_time_serial_s=serial, step_time_overlapped_s=overlapped, host_per_rank=per_rank,
             )
         )
 
@@ -482,12 +570,25 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
         notes=("FSDP2 with MixedPrecisionPolicy arranges the same 16 bytes/element as fp32 shard + fp32 grad + m + v",))
 
     # OffloadAdamW: gradients go down once per step (accumulated on the GPU), the updated parameters come back.
+    # Its host memory is what each rank's optimizer allocates (fsdp_rank_host_bytes), once per rank of the node.
     node_shard = per_node * shard
-    offload_grad_landing = g * node_shard  # pinned host buffers the gradients land in
+    full_shapes = [s for _, s in shapes]
+
+    def offload_host(rank_bytes: RankHostBytes) -> MemoryBill:
+        r = rank_bytes
+        return MemoryBill(
+            gradients=per_node * (r.gradients + r.accumulation), master=per_node * r.master,
+            exp_avg=per_node * r.exp_avg, exp_avg_sq=per_node * r.exp_avg_sq, max_exp_avg_sq=per_node * r.max_exp_avg_sq,
+            step_counts=per_node * r.step_counts, buffers=per_node * r.staging, reserved=host_reserved,
+        )
+
+    kept_rank = fsdp_rank_host_bytes(full_shapes, world=world, param_dtype=training.param_dtype, amsgrad=amsgrad)
+    staging_note = ("host buffers: the staging copy each updated shard is sent back from, in the parameters' dtype "
+                    "(accel/host_update.py)")
     add(
         "fsdp+offload-adamw",
         gpu=MemoryBill(parameters=p * shard, gradients=g * shard, activations=acts, buffers=fsdp_buffers, reserved=gpu_reserved),
-        host=MemoryBill(gradients=offload_grad_landing, **host_offload_state(shard), reserved=host_reserved),
+        host=offload_host(kept_rank),
         h2d=p * shard,
         d2h=g * shard,
         host_traffic=node_shard * (g + update_bytes + p),
@@ -496,19 +597,25 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
         notes=(
             "host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), "
             "parameter DMA out",
+            staging_note,
         ),
+        per_rank=kept_rank,
     )
     # offload_gradients: every micro-batch's gradient goes down and is accumulated in host memory.
+    freed_rank = fsdp_rank_host_bytes(full_shapes, world=world, param_dtype=training.param_dtype, amsgrad=amsgrad,
+                                      host_accumulation=accum > 1)
     accumulate = (accum - 1) * 4 * g  # per extra micro-batch: DMA in, read staging, read + write accumulator
     add("fsdp+offload-adamw+offload-grads",
         gpu=MemoryBill(parameters=p * shard, activations=acts, buffers=fsdp_buffers, reserved=gpu_reserved),
-        host=MemoryBill(gradients=offload_grad_landing * (2 if accum > 1 else 1), **host_offload_state(shard),
-                        reserved=host_reserved),
+        host=offload_host(freed_rank),
         h2d=p * shard, d2h=accum * g * shard,
         host_traffic=node_shard * (g + accumulate + update_bytes + p), gpu_traffic=0, gpus_used=world,
         notes=("GPU gradients are transient (one FSDP unit, inside buffers)",
-               "accumulation > 1: a staging buffer next to the host accumulator; 4 bytes of traffic per byte of "
-               "gradient per extra micro-batch")
+               "accumulation > 1: FSDP2 reduces every micro-batch and the host adds it, through an accumulation buffer "
+               "next to the host gradient; 4 bytes of traffic per byte of gradient per extra micro-batch. (accelerate's "
+               "and the Trainer's no_sync instead keep FSDP2's unsharded gradients on the GPU until the last one.)",
+               staging_note),
+        per_rank=freed_rank,
         )
     # Streaming: the state comes up in chunks, the GPU updates it, it goes back down.
     streamed = (0 if fp32_params else 4) + 4 * state_copies  # bytes per element that travel each way
