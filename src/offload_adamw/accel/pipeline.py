@@ -19,6 +19,10 @@ Contract:
   non-finite policies by accel/gate.py. What cannot be made exact after updates ran is refused by name.
 * **Buffers follow the parameters** (accel/slots.py): a parameter cast or moved gets buffers laid out
   anew, with the parameter's strides; every allocation passes the optimizer's host-memory check first.
+* **Where each group's update runs** (``update_on``): on the host (accel/host_update.py), streamed through a ring of
+  device buffers (accel/stream_update.py) or on the device with resident state (accel/device_update.py), routed per
+  group by accel/placements.py; a streamed or resident group's gradient never leaves the device
+  (accel/device_grads.py), also with ``offload_gradients``, which frees the gradients of host groups only.
 * **Nothing of this is optimizer state**: ``state_dict`` looks the same with or without the pipeline.
 * **GradScaler**: ``step`` honours ``grad_scale`` (gradients divided by it in float32, as torch's fused
   AdamW does) and ``found_inf`` (the step is skipped, nothing changes). Freed gradients are invisible to
@@ -41,18 +45,24 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import bucketing, standin
+from offload_adamw.accel import amp, bucketing, standin
+from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
+from offload_adamw.accel.device_update import DeviceUpdate
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.host_update import HostUpdate
 from offload_adamw.accel.overlap import UpdateRecord
+from offload_adamw.accel.placements import Placements
 from offload_adamw.accel.residency import FreedGradients, KeptGradients
 from offload_adamw.accel.schedule import AtStep, DuringBackward
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import AutogradHooks, DdpSource
+from offload_adamw.accel.stream_update import StreamUpdate
 from offload_adamw.accel.timeline import Recorder, StepTimeline
 from offload_adamw.accel.transfer import TransferEngine
 from offload_adamw.distributed import local_tensor
+from offload_adamw.kernels.adamw import StepHyper
+from offload_adamw.kernels.fused_device import StateOperands
 
 __all__ = ["GradientPipeline", "PipelineConfig", "UpdateTarget"]
 
@@ -68,7 +78,8 @@ class UpdateTarget(Protocol):
     host gradient, staging buffer): a device parameter's staging buffer receives round(master), which the
     pipeline sends back; for a host parameter it is None and the optimizer writes the parameter itself.
     ``current[k]`` says that update k's staging buffer holds its device parameter's current value (read back
-    after an edit), whose edits the update takes over.
+    after an edit), whose edits the update takes over. A streamed or resident group's update asks
+    ``state_operands`` for its state instead (and ``check_device_buffers`` before its device buffers).
     """
 
     param_groups: list[dict[str, Any]]
@@ -86,6 +97,10 @@ class UpdateTarget(Protocol):
     def preflight(self, fresh: list[tuple[int, int]]) -> None: ...
 
     def check_host_buffers(self, nbytes: int, label: str) -> None: ...
+
+    def check_device_buffers(self, nbytes: int, device: torch.device, label: str) -> None: ...
+
+    def state_operands(self, group_index: int, params: list[Tensor]) -> tuple[StepHyper, list[StateOperands]]: ...
 
     def update_group(
         self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None,
@@ -105,10 +120,19 @@ class PipelineConfig:
     """Start each bucket's host update on a worker thread as soon as its gradients are all in during
     backward (from the second step on: buckets follow the previous backward's order). Needs freed
     device gradients; micro-batches that only accumulate run inside ``no_sync()``."""
+    stream_chunk_bytes: int = 64 << 20
+    """Device bytes of one ring buffer of a streamed group (its state arrays and a gradient buffer), and of the
+    widening buffer of a resident group; at least 1 MiB, rounded down to a multiple of 4 KiB."""
+    stream_buffers: int = 2
+    """Ring buffers per device of the streamed groups: 2 or 3."""
 
     def __post_init__(self) -> None:
         if not 0 < self.bucket_bytes:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if not (isinstance(self.stream_chunk_bytes, int) and 1 << 20 <= self.stream_chunk_bytes):
+            raise ValueError(f"stream_chunk_bytes must be an int of at least 1 MiB (1048576), got {self.stream_chunk_bytes!r}")
+        if self.stream_buffers not in (2, 3) or isinstance(self.stream_buffers, bool):
+            raise ValueError(f"stream_buffers must be 2 or 3, got {self.stream_buffers!r}")
         if self.update_in_backward and not self.offload_gradients:
             raise ValueError(
                 "update_in_backward=True needs offload_gradients=True: a gradient kept on the device could still "
@@ -138,15 +162,22 @@ class GradientPipeline:
         self.recorder = Recorder()
         self._places: dict[Tensor, tuple[int, int]] = {}
         self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe)
-        self.host = HostUpdate(opt, self.slots, self.engine, self.recorder, lambda: self.gate.coefficient)
+        coefficient = lambda: self.gate.coefficient  # noqa: E731
+        chunk = config.stream_chunk_bytes // 4096 * 4096
+        self.placements = Placements(opt, self.slots, {
+            "host": HostUpdate(opt, self.slots, self.engine, self.recorder, coefficient),
+            "stream": StreamUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk, buffers=config.stream_buffers),
+            "device": DeviceUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk),
+        })
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
                            thread_init=self.engine.thread_init)
             if config.update_in_backward else AtStep()
         )
-        self.residency: FreedGradients | KeptGradients = (
+        self.residency = ByPlacement(
             FreedGradients(self.engine, self.slots, self.schedule, self._lock, self._describe)
-            if config.offload_gradients else KeptGradients(self.engine, self.slots)
+            if config.offload_gradients else KeptGradients(self.engine, self.slots),
+            DeviceGradients(self.engine, marks=config.update_in_backward),
         )
         self.hooks = AutogradHooks(
             self.slots, self, self._lock, freed=config.offload_gradients,
@@ -174,6 +205,7 @@ class GradientPipeline:
         new = self.slots.add(self._places)
         for slot in new:
             self.engine.claim(slot.local)
+        self.placements.assign(self._places)
         self.slots.relayout(defer_pin=False)
         self.hooks.watch(new)
 
@@ -253,7 +285,7 @@ class GradientPipeline:
         opt = self.optimizer
         where = self._where()[slot.param]
         opt.check_gradient(where[0], where[1], grad)
-        if self.offload_gradients and grad.dtype != slot.param.dtype:
+        if self.offload_gradients and slot.on_host and grad.dtype != slot.param.dtype:
             raise RuntimeError(
                 f"gradient of {opt.describe_param(*where)} has dtype {grad.dtype}, the parameter {slot.param.dtype}: "
                 "with offload_gradients=True gradients are accumulated in host buffers of the parameter's dtype; "
@@ -310,27 +342,8 @@ class GradientPipeline:
         self.refresh()
 
     def unscale_(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict[torch.device, Tensor]:
-        """GradScaler's unscale-and-check over the host gradients (freed mode); found_inf stays on its device."""
-        pairs = self.host_gradients()
-        if not allow_fp16 and any(g.dtype == torch.float16 for _, g in pairs):
-            raise ValueError("Attempting to unscale FP16 gradients.")
-        host_found = torch.zeros((), dtype=torch.float32)
-        host_inv = inv_scale.detach().to("cpu", torch.float32)
-        by_kind: dict[tuple[torch.dtype, bool], list[Tensor]] = {}
-        for p, g in pairs:
-            stand_in = p.grad if local_tensor(p) is not p and is_host_resident(p.grad) else None
-            by_kind.setdefault((g.dtype, stand_in is not None), []).append(g if stand_in is None else stand_in)
-        for (_, sharded), same in by_kind.items():
-            if sharded:
-                # DTensor stand-ins (FSDP2): DTensor's unscale reduces found_inf over the mesh, so that every rank
-                # skips the step when one rank's shard has an inf, as torch's GradScaler on FSDP2 gradients does.
-                found = torch.zeros_like(found_inf)
-                torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale)
-                found_inf.add_(found)
-            else:
-                torch._amp_foreach_non_finite_check_and_unscale_(same, host_found, host_inv)
-        found_inf.add_(host_found.to(found_inf.device))
-        return {found_inf.device: found_inf}
+        """GradScaler's unscale-and-check over the gradients wherever they live (freed mode; accel/amp.py)."""
+        return amp.unscale_gradients_(self.host_gradients(), inv_scale, found_inf, allow_fp16)
 
     def refuse_mid_step(self, what: str) -> None:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
@@ -383,6 +396,7 @@ class GradientPipeline:
         if opt.nonfinite != "propagate" and self._skip_for_nonfinite(where, early.params):
             return
         opt.preflight([w for p, w in where.items() if p not in early.params and p.grad is not None and not opt.state.get(p)])
+        self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
 
         # Parameters the device still reads in backward must not be overwritten: sends wait for compute.
@@ -401,12 +415,13 @@ class GradientPipeline:
                 self.residency.prefetch([self.slots[p] for p in todo[k + 1]])  # copies while this bucket updates
             record = UpdateRecord(bucket=len(records), ready=self.recorder.landed_at(bucket, step_called))
             record.start = time.monotonic()
-            sent += self.host.run(bucket, where, scale, self._ready, record.extra)
+            sent += self.placements.run(bucket, where, scale, self._ready, record.extra)
             record.end = time.monotonic()
             records.append(record)
         # The next forward waits for the parameters on the device; the host does not wait at all.
         for device, done in sent:
             self.engine.compute_waits(device, done)
+        self.placements.settle()  # streamed state is back in host memory when step() returns
         self.slots.pin_deferred()
         self._new_step()
         self.recorder.finish(records, step_called)
@@ -454,13 +469,14 @@ class GradientPipeline:
         members = [p for p in bucket if p in where]
         landed = [p for p in members if self.slots[p].holding is not Holding.NOTHING]
         for p in landed:
-            slot = self.slots[p]
-            assert slot.host_grad is not None  # landed: the hook or the communication hook copied into it
-            opt.check_gradient(*where[p], slot.host_grad)
+            grad = self.residency.landed(self.slots[p])
+            assert grad is not None  # landed: in its host buffer (the hook or the communication hook copied it) or device
+            opt.check_gradient(*where[p], grad)
         opt.preflight([where[p] for p in landed if not opt.state.get(p)])
+        self.placements.prepare(landed)
         times: dict[str, float] = {}
         with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
-            sent = self.host.run(members, where, None, self.residency.landed, times)
+            sent = self.placements.run(members, where, None, self.residency.landed, times)
         return sent, times
 
 

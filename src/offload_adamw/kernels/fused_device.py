@@ -28,6 +28,7 @@ Contract (docs/placement.md#the-bitwise-guarantee):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,11 +37,71 @@ from torch import Tensor
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.edits import take_model_edits_
 
-__all__ = ["CHUNK_ALIGN", "advance_steps", "fused_adamw_"]
+__all__ = ["CHUNK_ALIGN", "Piece", "StateOperands", "advance_steps", "chunk_plan", "fused_adamw_"]
 
 #: chunk boundaries inside a tensor are multiples of this many elements (64 for the CPU kernel's vector
 #: loop, times 64 so that a chunk of any state dtype starts on a 16 KiB boundary of its tensor).
 CHUNK_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class StateOperands:
+    """One tensor's state as the device-side update reads and writes it (all but ``step`` on one device)."""
+
+    master: Tensor
+    """The float32 (float64) master the update writes: the stored master, or the parameter that is its own."""
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    max_exp_avg_sq: Tensor | None
+    """With amsgrad, else None."""
+    step: Tensor
+    """The float32 0-dim host step count."""
+    model: Tensor | None
+    """The tensor that receives round(master) after the update (the parameter), or None when it is the master."""
+    follow_edits: bool
+    """Whether ``model`` is a host parameter whose edits since the last update every update takes over."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, end)`` of tensor ``index``'s flat view, at element ``offset`` of its chunk."""
+
+    index: int
+    start: int
+    end: int
+    offset: int
+
+
+def chunk_plan(numels: Sequence[int], capacity: int) -> list[list[Piece]]:
+    """Pack tensors of ``numels`` elements, in order, into chunks of at most ``capacity`` elements.
+
+    A tensor is split only at multiples of CHUNK_ALIGN of its own elements (``capacity`` is one, at least
+    CHUNK_ALIGN), so that chunking changes no bit; pieces start at multiples of 64 elements within their chunk.
+    Empty tensors get no piece.
+    """
+    if capacity < CHUNK_ALIGN or capacity % CHUNK_ALIGN:
+        raise ValueError(f"chunk_plan: capacity must be a positive multiple of {CHUNK_ALIGN}, got {capacity}")
+    chunks: list[list[Piece]] = []
+    current: list[Piece] = []
+    used = 0
+    for index, n in enumerate(numels):
+        start = 0
+        while start < n:
+            room = capacity - used
+            take = n - start if n - start <= room else room // CHUNK_ALIGN * CHUNK_ALIGN
+            if take <= 0:
+                chunks.append(current)
+                current, used = [], 0
+                continue
+            current.append(Piece(index, start, start + take, used))
+            used += -(-take // 64) * 64
+            start += take
+            if used >= capacity:
+                chunks.append(current)
+                current, used = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def advance_steps(steps: Sequence[Tensor], device: torch.device) -> list[Tensor]:
