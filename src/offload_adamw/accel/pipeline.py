@@ -191,7 +191,8 @@ class GradientPipeline:
             lands_early=config.update_in_backward,
         )
         self.gate.decision_groups = self.ddp.process_groups
-        self.hooks.on_backward = [self.ddp.check_unattached, self.schedule.backward_began]
+        self.hooks.on_backward = [lambda: self.placements.assign(self._places), self.ddp.check_unattached,
+                                  self.schedule.backward_began]
         self.refresh()
 
     # ------------------------------------------------------------------ set-up
@@ -395,8 +396,8 @@ class GradientPipeline:
             self.gate.clip_at_step(present, bool(early.params), self._clip_inputs)
         if opt.nonfinite != "propagate" and self._skip_for_nonfinite(where, early.params):
             return
-        opt.preflight([w for p, w in where.items() if p not in early.params and p.grad is not None and not opt.state.get(p)])
         self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
+        opt.preflight([w for p, w in where.items() if p not in early.params and p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
 
         # Parameters the device still reads in backward must not be overwritten: sends wait for compute.
@@ -472,8 +473,8 @@ class GradientPipeline:
             grad = self.residency.landed(self.slots[p])
             assert grad is not None  # landed: in its host buffer (the hook or the communication hook copied it) or device
             opt.check_gradient(*where[p], grad)
-        opt.preflight([where[p] for p in landed if not opt.state.get(p)])
         self.placements.prepare(landed)
+        opt.preflight([where[p] for p in landed if not opt.state.get(p)])
         times: dict[str, float] = {}
         with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
             sent = self.placements.run(members, where, None, self.residency.landed, times)

@@ -6,10 +6,11 @@ Contract:
   (contract/rules.py's PLACEMENTS): ``"host"`` to accel/host_update.py, ``"stream"`` to accel/stream_update.py,
   ``"device"`` to accel/device_update.py. Device work is issued first, so that it runs while the host updates
   the host groups of the same bucket. The front builds the three components; this router only chooses.
-* :meth:`Placements.assign` reads every group's placement at each refresh, refusing an unknown value by the
-  group's name; a slot whose placement changed drops (or, back on the host, gets) its host buffers. A change
-  while the slot holds a gradient of the current step (between backward and ``step()``) is refused: the
-  gradient was landed for the old placement.
+* :meth:`Placements.assign` reads every group's placement at each refresh and at the first hook of every backward
+  (so that a placement changed between steps takes effect for the next backward's gradients), refusing an unknown
+  value by the group's name; a slot whose placement changed drops (or, back on the host, gets) its host buffers. A
+  change while a host slot holds its gradient in host memory (freed gradients, between backward and ``step()``)
+  is refused: that gradient left the device for the old placement. A device gradient serves every placement.
 * :meth:`Placements.prepare` runs after the optimizer's pre-flight and before any update of a step: each
   on-device component allocates its device buffers there (after its own memory check), so that a step that
   cannot get them fails before it has changed anything. :meth:`Placements.settle` ends a step: the host waits
@@ -66,12 +67,11 @@ class Placements:
             name = names[gi]
             if slot.update_on == name:
                 continue
-            busy = slot.holding is not Holding.NOTHING if slot.on_host else p.grad is not None
-            if busy:
+            if slot.on_host and slot.holding is not Holding.NOTHING:
                 raise RuntimeError(
                     f"{self._optimizer.describe_param(gi, places[p][1])}: param_groups[{gi}]['{PLACEMENT_KEY}'] changed "
-                    f"from {slot.update_on!r} to {name!r} while it holds this step's gradient; change a group's "
-                    "placement between steps, after opt.zero_grad(set_to_none=True)"
+                    f"from {slot.update_on!r} to {name!r} while its gradient is held in host memory (offload_gradients, "
+                    "between backward and step()); change a group's placement between steps, after opt.zero_grad()"
                 )
             slot.holding, slot.fetched = Holding.NOTHING, None
             self._slots.place(slot, name)
