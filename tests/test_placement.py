@@ -28,10 +28,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import test_offload_parity as parity  # noqa: E402
-from _parity import same_bits  # noqa: E402
-from offload_adamw import OffloadAdamW, checkpoint, is_host_resident  # noqa: E402
-from offload_adamw.optim.preflight import HostMemoryError  # noqa: E402
+import test_offload_parity as parity
+from _parity import same_bits
+from offload_adamw import OffloadAdamW, checkpoint, is_host_resident
+from offload_adamw.optim.preflight import HostMemoryError
 
 C = {case.id: case for case in parity.CASES}
 CHUNK = 1 << 20  # the smallest ring buffer: the ring's tests cut their tensors into many chunks
@@ -278,8 +278,8 @@ def _params() -> list[nn.Parameter]:
 
 
 BAD = {
-    "constructor": (lambda: OffloadAdamW(_params(), update_on="gpu"),
-                    ValueError, r"OffloadAdamW\(update_on=\.\.\.\): update_on must be one of \('host', 'stream', 'device'\), got 'gpu'"),
+    "constructor": (lambda: OffloadAdamW(_params(), update_on="gpu"), ValueError,
+                    r"OffloadAdamW\(update_on=\.\.\.\): update_on must be one of \('host', 'stream', 'device'\), got 'gpu'"),
     "group": (lambda: OffloadAdamW([{"params": _params()[:1]}, {"params": _params()[1:], "update_on": "Stream"}]),
               ValueError, r"param_groups\[1\]: update_on must be one of .* got 'Stream'"),
     "not a string": (lambda: OffloadAdamW(_params(), update_on=None), ValueError, "got None"),
