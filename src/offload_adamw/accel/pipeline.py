@@ -171,7 +171,7 @@ class GradientPipeline:
         })
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
-                           thread_init=self.engine.thread_init)
+                           thread_init=self.engine.thread_init, intact=lambda slot: self.residency.intact(slot))
             if config.update_in_backward else AtStep()
         )
         self.residency = ByPlacement(
@@ -191,6 +191,7 @@ class GradientPipeline:
             lands_early=config.update_in_backward,
         )
         self.gate.decision_groups = self.ddp.process_groups
+        self.gate.intact = self.residency.intact
         self.hooks.on_backward = [lambda: self.placements.assign(self._places), self.ddp.check_unattached,
                                   self.schedule.backward_began]
         self.refresh()

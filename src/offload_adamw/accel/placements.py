@@ -135,6 +135,8 @@ def gather(optimizer: Any, slots: SlotTable, params: list[Tensor], where: dict[T
         if grad is not None:
             if coefficient is not None:
                 grad.mul_(coefficient.to(grad.device))  # what clip_grads_with_norm_ does to p.grad
+                if isinstance(slot.fetched, tuple) and slot.fetched[0] is grad:
+                    slot.fetched = (grad, grad._version)  # the clipping the update does is no change after backward
             by_group.setdefault(where[p][0], []).append((slot, grad))
     out = []
     for gi, members in by_group.items():
