@@ -169,9 +169,10 @@ class GradientPipeline:
             "stream": StreamUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk, buffers=config.stream_buffers),
             "device": DeviceUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk),
         })
+        intact = lambda slot: self.residency.intact(slot)  # noqa: E731, PLW0108 - the residency is built below
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
-                           thread_init=self.engine.thread_init, intact=lambda slot: self.residency.intact(slot))
+                           thread_init=self.engine.thread_init, intact=intact)
             if config.update_in_backward else AtStep()
         )
         self.residency = ByPlacement(
