@@ -101,8 +101,12 @@ def _train_against_torch(dtype: torch.dtype, placements: tuple[str, str], *, ams
             net(x).float().square().mean().backward()
         for p in reference.parameters():
             copies[p].grad = p.grad.float()
-        ours.step()
         theirs.step()
+        ours.step()
+        # The state is whole in host memory when step() returns: read at once, in model order (the tensors backward
+        # reached last, so streamed last).
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert same_bits(ours.state[p]["exp_avg_sq"], theirs.state[copies[q]]["exp_avg_sq"])
         with torch.no_grad():
             for p in reference.parameters():
                 p.copy_(copies[p])
