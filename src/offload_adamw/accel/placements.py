@@ -135,8 +135,6 @@ def gather(optimizer: Any, slots: SlotTable, params: list[Tensor], where: dict[T
         if grad is not None:
             if coefficient is not None:
                 grad.mul_(coefficient.to(grad.device))  # what clip_grads_with_norm_ does to p.grad
-                if isinstance(slot.fetched, tuple) and slot.fetched[0] is grad:
-                    slot.fetched = (grad, grad._version)  # the clipping the update does is no change after backward
             by_group.setdefault(where[p][0], []).append((slot, grad))
     out = []
     for gi, members in by_group.items():
@@ -160,6 +158,10 @@ def _work(slot: Slot, grad: Tensor, state: StateOperands) -> TensorWork:
     def write_back() -> None:
         aligned.write_back()
         slot.sent_version, slot.sent_ptr = local._version, local.data_ptr()  # our own write is no edit
+        if isinstance(slot.fetched, tuple) and slot.fetched[0] is grad:
+            # Nor is our own use of the gradient a change after backward: the clip coefficient's multiply, and torch's
+            # fused op, whose schema marks its gradients as written (it moves their version counter).
+            slot.fetched = (grad, grad._version)
 
     return TensorWork(
         slot=slot, state=state, grad=layout.flat(g), model=None if out is None else layout.flat(out),
