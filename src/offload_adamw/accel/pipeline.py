@@ -175,7 +175,7 @@ class GradientPipeline:
                            thread_init=self.engine.thread_init, intact=intact)
             if config.update_in_backward else AtStep()
         )
-        self.residency = ByPlacement(
+        self.residency: ByPlacement = ByPlacement(
             FreedGradients(self.engine, self.slots, self.schedule, self._lock, self._describe)
             if config.offload_gradients else KeptGradients(self.engine, self.slots),
             DeviceGradients(self.engine, marks=config.update_in_backward),
