@@ -115,10 +115,13 @@ def advance_steps(steps: Sequence[Tensor], device: torch.device) -> list[Tensor]
 
 
 def _lr_for(lr: float | Tensor, device: torch.device) -> float | Tensor:
-    """torch's choice: a tensor lr off the CPU goes to the update device; a CPU tensor lr is passed as it is."""
-    if isinstance(lr, Tensor) and lr.device.type != "cpu" and lr.device != device:
-        return lr.to(device)
-    return lr
+    """torch's choice: a tensor lr off the CPU goes to the update device; a CPU tensor lr is read as a double (what
+    the fused op does with it on any device: on the CPU it is passed as it is, as torch passes it)."""
+    if not isinstance(lr, Tensor):
+        return lr
+    if lr.device.type == "cpu":
+        return lr if device.type == "cpu" else float(lr.item())
+    return lr if lr.device == device else lr.to(device)
 
 
 def fused_adamw_(
