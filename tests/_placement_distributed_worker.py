@@ -82,6 +82,32 @@ def check_ddp(pattern, freed, in_backward, clip, accumulation, mesh, measured: d
     measured["overlaps"] = [round(t.overlap, 3) for t in timelines if t is not None]
 
 
+def check_ddp_clipped_gradients(mesh, measured: dict) -> None:
+    """Streamed groups, freed, updates during backward, max_grad_norm: after step() each streamed parameter's p.grad
+    holds the clipped gradient, as torch's clip_grad_norm_ leaves it on the reference (the coefficient multiplies
+    p.grad, not DDP's bucket)."""
+    rank = dist.get_rank()
+    reference, model = ddp_cases.wrapped(), ddp_cases.wrapped()
+    theirs = torch.optim.AdamW(reference.parameters(), lr=ddp_cases.LR, weight_decay=ddp_cases.WEIGHT_DECAY, fused=True)
+    ours = OffloadAdamW(placed(model.module.blocks, ("stream",)), lr=ddp_cases.LR, weight_decay=ddp_cases.WEIGHT_DECAY,
+                        offload_gradients=True, update_in_backward=True, max_grad_norm=ddp_cases.CLIP,
+                        stream_chunk_bytes=CHUNK)
+    ours.attach(model)
+    differing = []
+    for step in range(ddp_cases.STEPS):
+        for net in (reference, model):
+            net(ddp_cases.batch(step, 0, rank)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), ddp_cases.CLIP)
+        theirs.step()
+        ours.step()
+        differing += [f"step {step} {name}" for (name, p), q in zip(reference.named_parameters(), model.parameters())
+                      if not torch.equal(p.grad, q.grad)]
+        theirs.zero_grad()
+        ours.zero_grad()
+    ddp_cases.assert_same(reference, theirs, model, ours)
+    assert not differing, "p.grad after step() is not the clipped gradient: " + ", ".join(differing[:4])
+
+
 def fsdp_groups(model, pattern):
     return placed(model.blocks, pattern, rest=[model.norm.weight, model.norm.bias, model.probe])
 
@@ -173,6 +199,7 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
 
     for name, *args in DDP_CASES:
         run(name, check_ddp, *args)
+    run("ddp-stream-freed-inbwd-clip-grads-after-step", check_ddp_clipped_gradients)
     for name, *args in FSDP_CASES:
         run(name, check_fsdp, *args)
     run("dcp-placement-change", check_dcp, Path(out))

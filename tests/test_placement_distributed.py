@@ -5,7 +5,8 @@ The worker (tests/_placement_distributed_worker.py) trains 8 blocks, each a para
 backward; clipping; accumulation inside ``ddp_model.no_sync()``) and under FSDP2 (one group per block and the root;
 kept and freed gradients; torch's clip_grad_norm_ on the model and max_grad_norm; accumulation with
 ``set_requires_gradient_sync(False)``), against DDP / FSDP2 + torch.optim.AdamW(fused=True) under the same user
-calls. Property: every parameter (local shard) and second moment bitwise equal on both ranks. Updates during
+calls. Property: every parameter (local shard) and second moment bitwise equal on both ranks (and, clipped during
+backward under DDP, p.grad after step() is the clipped gradient, as torch's clipping leaves it). Updates during
 backward without clipping run before backward ends. DCP: a run saved with one placement and loaded at world size 2
 into another continues bitwise as the uninterrupted run; loaded at world size 1 (resharded) its state is the saved
 state, whatever the placement it is loaded into.
@@ -31,7 +32,8 @@ from _parity import same_bits
 from offload_adamw import OffloadAdamW
 
 WORKER = Path(__file__).resolve().parent / "_placement_distributed_worker.py"
-CASES = [name for name, *_ in worker_cases.DDP_CASES + worker_cases.FSDP_CASES] + ["dcp-placement-change"]
+CASES = [name for name, *_ in worker_cases.DDP_CASES + worker_cases.FSDP_CASES] + [
+    "ddp-stream-freed-inbwd-clip-grads-after-step", "dcp-placement-change"]
 
 
 @pytest.fixture(scope="module")
