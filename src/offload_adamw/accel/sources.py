@@ -394,11 +394,11 @@ class DdpSource:
         with self._lock:
             self._callback_queued = False
             self._gate.ddp_pending = False
-            if self._gate.gated():
-                self._gate.decide()
             written, self._written = self._written, set()
             for slot in written:
-                self._after_ddp(slot)
+                self._after_ddp(slot)  # before the gate opens: an update it starts reads the gradient p.grad now holds
+            if self._gate.gated():
+                self._gate.decide()
 
     def new_step(self) -> None:
         """A backward that raised never ran DDP's final callback: the next backward must queue it again."""
