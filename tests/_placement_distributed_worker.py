@@ -78,6 +78,10 @@ def check_ddp(pattern, freed, in_backward, clip, accumulation, mesh, measured: d
     timelines: list = []
     ddp_cases.train(model, ours, clip, accumulation, ours=True, timelines=timelines)
     ddp_cases.assert_same(reference, theirs, model, ours)
+    host_params = [p for g in ours.param_groups if g["update_on"] == "host" for p in g["params"]]
+    gradient_bytes = ours.host_buffer_bytes().get("gradients", 0)
+    assert gradient_bytes == sum(p.numel() * p.element_size() for p in host_params), \
+        f"host gradient buffers of {gradient_bytes} bytes: a streamed or resident group's gradient never leaves the device"
     measured["device_buffer_bytes"] = ours.device_buffer_bytes()
     measured["overlaps"] = [round(t.overlap, 3) for t in timelines if t is not None]
 
