@@ -374,8 +374,9 @@ class DdpSource:
             for p, grad in _ddp.bucket_views(params, reduced):
                 slot = self._slots.get(p)
                 if slot is not None:
-                    self._slots.ensure_grad_buffer(slot)
-                    slot.adding.wait()
+                    if slot.on_host:  # a streamed or resident group's gradient never leaves the device
+                        self._slots.ensure_grad_buffer(slot)
+                        slot.adding.wait()
                     members.append((slot, grad))
         syncing = self._landing.syncing() and self._lands_early
         if syncing and not lands and self._gate.gated():
