@@ -6,7 +6,8 @@ Contract (docs/contract.md):
   ``state_dict`` layout as ``torch.optim.AdamW`` (PyTorch 2.8 to 2.13).
 * Per parameter tensor the state is ``step``, ``exp_avg``, ``exp_avg_sq`` (and
   ``max_exp_avg_sq``) and, unless the parameter is its own master, a float32
-  ``master_param``, all in host memory (optim/state.py). After every update a
+  ``master_param``, all in host memory (optim/state.py), or on the parameter's device for a
+  group with ``update_on="device"`` (optim/placement.py, docs/placement.md). After every update a
   low-precision or device parameter receives the round-to-nearest copy of its master.
 * The update math is :mod:`offload_adamw.kernels`; every update runs through
   :mod:`offload_adamw.optim.update`, with or without the transfer pipeline.
@@ -14,8 +15,9 @@ Contract (docs/contract.md):
 * ``load_state_dict`` is all or nothing and matches by name (optim/loading.py).
 * The transfer pipeline (accel/pipeline.py) talks to this class only through
   the methods of :class:`~offload_adamw.accel.pipeline.UpdateTarget`:
-  ``describe_param``, ``check_gradient``, ``skip_for_nonfinite``, ``preflight``
-  and ``update_group``.
+  ``describe_param``, ``check_gradient``, ``skip_for_nonfinite``, ``preflight``,
+  ``update_group`` and, for streamed and resident groups, ``state_operands`` and
+  ``check_device_buffers``.
 """
 
 from __future__ import annotations
