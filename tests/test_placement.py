@@ -303,12 +303,18 @@ def test_bad_placement_options_are_refused_by_name(name) -> None:
         build()
 
 
-def test_a_group_added_off_the_host_without_a_pipeline_is_refused_and_not_added() -> None:
+def test_a_group_added_off_the_host_without_a_pipeline_or_with_a_typo_is_refused_and_not_added() -> None:
     opt = OffloadAdamW(_params())
     assert opt.transfer_pipeline is None
     with pytest.raises(ValueError, match=r"param_groups\[1\] has update_on='stream'"):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "update_on": "stream"})
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: update_on must be one of"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "update_on": "hots"})
     assert len(opt.param_groups) == 1
+    placed = OffloadAdamW(_params(), update_on="stream")
+    placed.add_param_group({"params": [nn.Parameter(torch.randn(3))]})
+    assert [g["update_on"] for g in placed.param_groups] == ["stream", "stream"], "the constructor's placement"
+    assert "update_on" not in placed.defaults, "defaults stay torch's"
 
 
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "plain-step"])

@@ -6,9 +6,10 @@ Contract:
   on the device (``update_on`` "stream" or "device"): ``p.grad`` on the device is the gradient, read where it
   is; nothing is copied to the host and no host buffer exists for it. ``offload_gradients=True`` frees the
   gradients of host groups only: the update of a streamed or resident group reads its gradient on the device.
-* A gradient that backward's hook (or DDP's communication hook) lands is recorded with a completion of the
-  work that produced it, so that an update during backward (``update_in_backward``) orders its device work
-  after it, and with its version, so that a gradient changed after its update ran is seen (:meth:`intact`).
+* With updates during backward (``update_in_backward``), a gradient that backward's hook (or DDP's communication
+  hook) lands is recorded, weakly (a cleared ``p.grad`` is freed), with a completion of the work that produced it,
+  so that the update orders its device work after it, and with its version, so that a gradient changed after its
+  update ran is seen (:meth:`intact`). With every update at the step nothing is recorded: the step reads ``p.grad``.
 * :class:`ByPlacement` answers every residency call of the pipeline for a slot from the residency of its
   placement: the configured one (kept or freed gradients) for host slots, :class:`DeviceGradients` for the
   others. Both are chosen once, at construction; a slot's placement is the one of its latest refresh.
@@ -16,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,15 +37,17 @@ class DeviceGradients:
 
     freed = False
 
-    def __init__(self, engine: TransferEngine, *, marks: bool) -> None:
+    def __init__(self, engine: TransferEngine, *, early: bool) -> None:
         self._engine = engine
-        self._marks = marks  # updates during backward: their device work follows the stream that produced a gradient
+        self._early = early  # updates during backward: they read what landed, after the stream that produced it
 
     def land(self, slot: Slot, grad: Tensor) -> None:
         """A gradient complete on its device (backward's hook; DDP's reduced bucket slice)."""
+        if not self._early:
+            return
         local = local_tensor(grad)
-        slot.fetched = (local, local._version)
-        slot.landing = self._engine.mark(local.device) if self._marks and self._engine.is_device(local.device) else DONE
+        slot.fetched = (weakref.ref(local), local._version)
+        slot.landing = self._engine.mark(local.device) if self._engine.is_device(local.device) else DONE
         slot.holding = Holding.GRADIENT
 
     def land_reduced(self, slot: Slot, grad: Tensor) -> None:
@@ -68,9 +72,9 @@ class DeviceGradients:
 
     def landed(self, slot: Slot) -> Tensor | None:
         """An update during backward's gradient: the one its hook landed, after the work that produced it."""
-        if slot.holding is Holding.NOTHING or slot.fetched is None:
+        grad = None if slot.holding is Holding.NOTHING or slot.fetched is None else slot.fetched[0]()
+        if grad is None:
             return None
-        grad, _ = slot.fetched
         self._engine.current_stream_waits(grad.device, slot.landing)
         return grad
 
@@ -98,8 +102,13 @@ class DeviceGradients:
         grad = slot.param.grad
         if slot.fetched is None or grad is None:
             return False
-        landed, version = slot.fetched
-        return local_tensor(grad) is landed and landed._version == version
+        landed, version = slot.fetched[0](), slot.fetched[1]
+        return landed is not None and local_tensor(grad) is landed and landed._version == version
+
+    def used(self, slot: Slot, grad: Tensor) -> None:
+        """The update read (and may have scaled) ``grad``: its version now is no change after backward."""
+        if self._early and slot.fetched is not None and slot.fetched[0]() is grad:
+            slot.fetched = (slot.fetched[0], grad._version)
 
 
 class ByPlacement:
@@ -145,6 +154,11 @@ class ByPlacement:
 
     def in_host_memory(self, slot: Slot) -> bool:
         return bool(self._of(slot).in_host_memory(slot))
+
+    def used(self, slot: Slot, grad: Tensor) -> None:
+        """An on-device update read ``grad`` (accel/placements.py)."""
+        if not slot.on_host:
+            self.device.used(slot, grad)
 
     def intact(self, slot: Slot) -> bool:
         """Whether ``p.grad`` is still the gradient backward's hook landed: the host buffer's stand-in (freed host

@@ -163,11 +163,13 @@ class GradientPipeline:
         self._places: dict[Tensor, tuple[int, int]] = {}
         self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe)
         coefficient = lambda: self.gate.coefficient  # noqa: E731
+        used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
         chunk = config.stream_chunk_bytes // 4096 * 4096
         self.placements = Placements(opt, self.slots, {
             "host": HostUpdate(opt, self.slots, self.engine, self.recorder, coefficient),
-            "stream": StreamUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk, buffers=config.stream_buffers),
-            "device": DeviceUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk),
+            "stream": StreamUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk,
+                                   buffers=config.stream_buffers, used=used),
+            "device": DeviceUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk, used=used),
         })
         intact = lambda slot: self.residency.intact(slot)  # noqa: E731, PLW0108 - the residency is built below
         self.schedule: AtStep | DuringBackward = (
@@ -178,7 +180,7 @@ class GradientPipeline:
         self.residency: ByPlacement = ByPlacement(
             FreedGradients(self.engine, self.slots, self.schedule, self._lock, self._describe)
             if config.offload_gradients else KeptGradients(self.engine, self.slots),
-            DeviceGradients(self.engine, marks=config.update_in_backward),
+            DeviceGradients(self.engine, early=config.update_in_backward),
         )
         self.hooks = AutogradHooks(
             self.slots, self, self._lock, freed=config.offload_gradients,

@@ -18,7 +18,8 @@ Contract:
 * :func:`gather` is what both on-device components do first for a group: each parameter's device gradient
   (multiplied in place by the step's clip coefficient, as ``clip_grads_with_norm_`` does), its state from the
   optimizer, and the flat operands the kernel pairs element by element (kernels/layout.py: temporaries only
-  where a tensor is laid out otherwise), with the edits a device parameter took since the last update.
+  where a tensor is laid out otherwise), with the edits a device parameter took since the last update; after the
+  update it tells the residency the gradient was used (``used``: the version it has now is the update's own).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ class TensorWork:
 
 
 def gather(optimizer: Any, slots: SlotTable, params: list[Tensor], where: dict[Tensor, tuple[int, int]],
-           gradient: Callable[[Slot], Tensor | None], coefficient: Tensor | None
+           gradient: Callable[[Slot], Tensor | None], coefficient: Tensor | None,
+           used: Callable[[Slot, Tensor], None] = lambda slot, grad: None,
            ) -> list[tuple[int, StepHyper, dict[torch.device, list[TensorWork]]]]:
     """Per group (in order of first appearance): its index, hyperparameters and work by update device."""
     by_group: dict[int, list[tuple[Slot, Tensor]]] = {}
@@ -141,12 +143,12 @@ def gather(optimizer: Any, slots: SlotTable, params: list[Tensor], where: dict[T
         hp, states = optimizer.state_operands(gi, [slot.param for slot, _ in members])
         by_device: dict[torch.device, list[TensorWork]] = {}
         for (slot, grad), state in zip(members, states):
-            by_device.setdefault(slot.local.device, []).append(_work(slot, grad, state))
+            by_device.setdefault(slot.local.device, []).append(_work(slot, grad, state, used))
         out.append((gi, hp, by_device))
     return out
 
 
-def _work(slot: Slot, grad: Tensor, state: StateOperands) -> TensorWork:
+def _work(slot: Slot, grad: Tensor, state: StateOperands, used: Callable[[Slot, Tensor], None]) -> TensorWork:
     local = slot.local
     moved = slot.sent_version is not None and (local._version != slot.sent_version or local.data_ptr() != slot.sent_ptr)
     model = state.model
@@ -158,10 +160,9 @@ def _work(slot: Slot, grad: Tensor, state: StateOperands) -> TensorWork:
     def write_back() -> None:
         aligned.write_back()
         slot.sent_version, slot.sent_ptr = local._version, local.data_ptr()  # our own write is no edit
-        if isinstance(slot.fetched, tuple) and slot.fetched[0] is grad:
-            # Nor is our own use of the gradient a change after backward: the clip coefficient's multiply, and torch's
-            # fused op, whose schema marks its gradients as written (it moves their version counter).
-            slot.fetched = (grad, grad._version)
+        # Nor is our own use of the gradient a change after backward: the clip coefficient's multiply, and torch's
+        # fused op, whose schema marks its gradients as written (it moves their version counter).
+        used(slot, grad)
 
     return TensorWork(
         slot=slot, state=state, grad=layout.flat(g), model=None if out is None else layout.flat(out),

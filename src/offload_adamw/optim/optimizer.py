@@ -236,8 +236,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             "differentiable": differentiable,
             "fused": fused,
             "decoupled_weight_decay": True,
-            PLACEMENT_KEY: check_placement(update_on, "OffloadAdamW(update_on=...)"),
         }
+        # Not in defaults, which stay torch's: add_param_group gives each group without one this placement.
+        self._update_on = check_placement(update_on, "OffloadAdamW(update_on=...)")
         super().__init__(params, defaults)
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
@@ -253,7 +254,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     # --------------------------------------------------------- copy and pickle
 
     #: attributes of this class that a copy or a pickle carries, beside torch's defaults, state and groups
-    _COPIED_ATTRIBUTES = ("max_grad_norm", "last_grad_norm", "nonfinite", "skipped_steps", "_pin_memory", "_pipeline_options")
+    _COPIED_ATTRIBUTES = ("max_grad_norm", "last_grad_norm", "nonfinite", "skipped_steps", "_pin_memory", "_pipeline_options",
+                          "_update_on")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's (defaults, state, param_groups) and this class's options; the transfer pipeline is not
@@ -282,6 +284,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.last_grad_norm = options.get("last_grad_norm")
         self.nonfinite = options.get("nonfinite", "propagate")
         self.skipped_steps = options.get("skipped_steps", 0)
+        self._update_on = options.get("_update_on", "host")
         self._pin_memory = bool(options.get("_pin_memory", False))
         self._pipeline_options = dict(options.get("_pipeline_options", {"transfer_pipeline": False,
                                                                            "offload_gradients": False,
@@ -301,6 +304,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             pipeline.refuse_mid_step("add a parameter group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        group.setdefault(PLACEMENT_KEY, getattr(self, "_update_on", "host"))
         for index, p in enumerate(group["params"]):
             if torch.is_complex(p):
                 raise ValueError(
@@ -309,10 +313,13 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
             if not p.is_floating_point():
                 raise ValueError(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
-        placement = _placement.group_placement(group, len(self.param_groups) - 1)
-        if placement != "host" and pipeline is None and hasattr(self, "_pipeline_options"):
-            self.param_groups.pop()
-            raise ValueError(self._needs_pipeline(len(self.param_groups), placement))
+        try:
+            placement = _placement.group_placement(group, len(self.param_groups) - 1)
+            if placement != "host" and pipeline is None and hasattr(self, "_pipeline_options"):
+                raise ValueError(self._needs_pipeline(len(self.param_groups) - 1, placement))
+        except ValueError:
+            self.param_groups.pop()  # a refused group is not added
+            raise
         if pipeline is not None:
             pipeline.refresh()  # hooks for the new parameters before the next backward, whose clipping must count them
 
