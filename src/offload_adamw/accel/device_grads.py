@@ -7,9 +7,11 @@ Contract:
   is; nothing is copied to the host and no host buffer exists for it. ``offload_gradients=True`` frees the
   gradients of host groups only: the update of a streamed or resident group reads its gradient on the device.
 * With updates during backward (``update_in_backward``), a gradient that backward's hook (or DDP's communication
-  hook) lands is recorded, weakly (a cleared ``p.grad`` is freed), with a completion of the work that produced it,
-  so that the update orders its device work after it, and with its version, so that a gradient changed after its
-  update ran is seen (:meth:`intact`). With every update at the step nothing is recorded: the step reads ``p.grad``.
+  hook: a slice of its reduced bucket) lands is recorded with a completion of the work that produced it, so that
+  the update orders its device work after it, and with its version, so that a gradient changed after its update
+  ran is seen (:meth:`intact`). The record holds the tensor until the step ends (:meth:`new_step`), not longer: a
+  ``p.grad`` cleared between steps is freed. With every update at the step nothing is recorded: the step reads
+  ``p.grad``.
 * :class:`ByPlacement` answers every residency call of the pipeline for a slot from the residency of its
   placement: the configured one (kept or freed gradients) for host slots, :class:`DeviceGradients` for the
   others. Both are chosen once, at construction; a slot's placement is the one of its latest refresh.
@@ -17,7 +19,6 @@ Contract:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.residency import Residency
-from offload_adamw.accel.slots import Holding, Slot
+from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.transfer import DONE, TransferEngine
 from offload_adamw.distributed import local_tensor
 
@@ -37,8 +38,9 @@ class DeviceGradients:
 
     freed = False
 
-    def __init__(self, engine: TransferEngine, *, early: bool) -> None:
+    def __init__(self, engine: TransferEngine, slots: SlotTable, *, early: bool) -> None:
         self._engine = engine
+        self._slots = slots
         self._early = early  # updates during backward: they read what landed, after the stream that produced it
 
     def land(self, slot: Slot, grad: Tensor) -> None:
@@ -46,7 +48,7 @@ class DeviceGradients:
         if not self._early:
             return
         local = local_tensor(grad)
-        slot.fetched = (weakref.ref(local), local._version)
+        slot.fetched = (local, local._version)
         slot.landing = self._engine.mark(local.device) if self._engine.is_device(local.device) else DONE
         slot.holding = Holding.GRADIENT
 
@@ -72,7 +74,7 @@ class DeviceGradients:
 
     def landed(self, slot: Slot) -> Tensor | None:
         """An update during backward's gradient: the one its hook landed, after the work that produced it."""
-        grad = None if slot.holding is Holding.NOTHING or slot.fetched is None else slot.fetched[0]()
+        grad = None if slot.holding is Holding.NOTHING or slot.fetched is None else slot.fetched[0]
         if grad is None:
             return None
         self._engine.current_stream_waits(grad.device, slot.landing)
@@ -102,13 +104,19 @@ class DeviceGradients:
         grad = slot.param.grad
         if slot.fetched is None or grad is None:
             return False
-        landed, version = slot.fetched[0](), slot.fetched[1]
-        return landed is not None and local_tensor(grad) is landed and landed._version == version
+        landed, version = slot.fetched
+        return bool(local_tensor(grad) is landed and landed._version == version)
 
     def used(self, slot: Slot, grad: Tensor) -> None:
         """The update read (and may have scaled) ``grad``: its version now is no change after backward."""
-        if self._early and slot.fetched is not None and slot.fetched[0]() is grad:
-            slot.fetched = (slot.fetched[0], grad._version)
+        if self._early and slot.fetched is not None and slot.fetched[0] is grad:
+            slot.fetched = (grad, grad._version)
+
+    def new_step(self) -> None:
+        """The step has ended: the landings of its backward are let go (what landed stays counted until zero_grad)."""
+        for slot in self._slots:
+            if not slot.on_host:
+                slot.fetched = None
 
 
 class ByPlacement:
@@ -159,6 +167,9 @@ class ByPlacement:
         """An on-device update read ``grad`` (accel/placements.py)."""
         if not slot.on_host:
             self.device.used(slot, grad)
+
+    def new_step(self) -> None:
+        self.device.new_step()
 
     def intact(self, slot: Slot) -> bool:
         """Whether ``p.grad`` is still the gradient backward's hook landed: the host buffer's stand-in (freed host

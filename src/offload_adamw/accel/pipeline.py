@@ -180,7 +180,7 @@ class GradientPipeline:
         self.residency: ByPlacement = ByPlacement(
             FreedGradients(self.engine, self.slots, self.schedule, self._lock, self._describe)
             if config.offload_gradients else KeptGradients(self.engine, self.slots),
-            DeviceGradients(self.engine, early=config.update_in_backward),
+            DeviceGradients(self.engine, self.slots, early=config.update_in_backward),
         )
         self.hooks = AutogradHooks(
             self.slots, self, self._lock, freed=config.offload_gradients,
@@ -367,6 +367,7 @@ class GradientPipeline:
         self.gate.reset()
         self.hooks.new_step()
         self.ddp.new_step()
+        self.residency.new_step()
 
     # --------------------------------------------------------------------- step
 
