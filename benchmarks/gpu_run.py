@@ -41,7 +41,11 @@ Contract:
   1B parameters, step time and peak device memory of (a) torch AdamW(fused) with float32 parameters and moments
   under bf16 autocast, (b) torch AdamW(fused) on bf16 parameters, (c) OffloadAdamW with device gradients kept,
   (d) freed, (e) freed with the host updates started during backward (update_in_backward), (f) the same with
-  max_grad_norm (``gpu_run_rows.LLAMA_VARIANTS``); each row also times a forward+backward-only step in the same
+  max_grad_norm, (g) the update streamed (``update_on="stream"``: state in pinned host memory, updated on the GPU
+  through a ring of device buffers), (h) a mixed placement (half the decoder layers resident on the GPU, half
+  streamed, embeddings and head on the host), whose rows also time ``step()`` alone (the PCIe bytes a step moves
+  over that time) and hold two more steps bitwise to torch AdamW(fused=True) on float32 masters where each group
+  runs (``gpu_run_rows.LLAMA_VARIANTS``, docs/placement.md); each row also times a forward+backward-only step in the same
   process (the exposed optimizer time is the difference) and, for (c)-(f), profiles two steps and reads from the
   device timeline how much of the gradient copies ran before backward ended and the copies' own bandwidth (the
   pipeline's CUDA events are internal and untimed, so they are not read). ``host``: the in-place triad and the

@@ -95,6 +95,10 @@ def _headline(section: str, row: str, r: dict) -> str:
         if sm:
             text += (f"; peak alloc {_gb(sm['peak_allocated_bytes'])} GiB, reserved {_gb(sm['peak_reserved_bytes'])} GiB,"
                      f" optimizer share {_gb(r.get('optimizer_share_bytes'))} GiB")
+        if "parity" in r:  # a row with a placement of the update (docs/placement.md)
+            text += (f"; parity bitwise={r['parity']['bitwise']}, step() alone "
+                     f"{r['optimizer_step_s_median'] * 1e3:.0f} ms moving {r['transfer_bytes_per_step'] / GIB:.2f} GiB "
+                     f"over PCIe ({r['pcie_GBps_achieved']:.1f} GB/s), device buffers {_gb(r['device_buffer_bytes'])} GiB")
         ov = r.get("overlap", {})
         if ov.get("measured"):
             frac = ov.get("d2h_overlap_fraction")

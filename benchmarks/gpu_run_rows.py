@@ -209,10 +209,18 @@ class LlamaVariant:
     """OffloadAdamW's keyword options (besides lr and weight_decay)."""
     keep_trace: bool = False
     """Keep the profiler trace of its two profiled steps (traces/llama-KEY.json.gz)."""
+    placement: str | None = None
+    """Where the update runs (docs/placement.md): ``"stream"`` (one streamed group) or ``"mixed"`` (the first half of
+    the decoder layers resident on the device, the second half streamed, embeddings, final norm and head on the
+    host). Such a row also times ``step()`` alone (the PCIe bytes it moves over that time: the achieved bandwidth)
+    and, after its timed steps, holds ``parity_steps`` more steps bitwise to torch.optim.AdamW(fused=True) on float32
+    master copies where each group runs (the device for streamed and resident groups, host memory for host ones)."""
+    parity_steps: int = 2
+    """Steps of the parity check of a row with a placement."""
 
 
-# A placement of the host state ("stream", mixed) is one more entry here: its OffloadAdamW options in `options`,
-# Phase.TARGETS for a placement the targets read.
+# A placement of the update ("stream", mixed) is one more entry here, its grouping in `placement`; Phase.TARGETS
+# for one the targets read.
 LLAMA_VARIANTS: dict[str, LlamaVariant] = {
     "a": LlamaVariant(description="torch.optim.AdamW(fused=True), float32 params + moments, bf16 autocast (16 B/param)",
                       short="torch, fp32 master", phase=Phase.REFERENCE, torch_adamw=True, param_dtype="float32", autocast=True),
@@ -228,7 +236,73 @@ LLAMA_VARIANTS: dict[str, LlamaVariant] = {
     "f": LlamaVariant(description="OffloadAdamW(offload_gradients=True, update_in_backward=True, max_grad_norm=1.0), "
                                   "bf16 params", short="freed, in backward, clipped", phase=Phase.TARGETS,
                       options={"offload_gradients": True, "update_in_backward": True, "max_grad_norm": 1.0}),
+    "g": LlamaVariant(description="OffloadAdamW(update_on='stream'), bf16 params: float32 master and moments in pinned "
+                                  "host memory, streamed through a ring of device buffers and updated on the GPU",
+                      short="streamed", phase=Phase.TARGETS, placement="stream"),
+    "h": LlamaVariant(description="OffloadAdamW, bf16 params: the first half of the decoder layers resident "
+                                  "(update_on='device'), the second half streamed, embeddings, norm and head on the host",
+                      short="mixed placement", phase=Phase.TARGETS, placement="mixed"),
 }
+
+
+def _placement_groups(model: Any, placement: str) -> list[dict]:
+    """The param_groups of a row's placement (LlamaVariant.placement)."""
+    if placement == "stream":
+        return [{"params": list(model.parameters()), "update_on": "stream"}]
+    layers = model.model.layers
+    resident = [p for layer in layers[:len(layers) // 2] for p in layer.parameters()]
+    streamed = [p for layer in layers[len(layers) // 2:] for p in layer.parameters()]
+    placed = {id(p) for p in resident + streamed}
+    rest = [p for p in model.parameters() if id(p) not in placed]
+    groups = [{"params": resident, "update_on": "device"}, {"params": streamed, "update_on": "stream"},
+              {"params": rest, "update_on": "host"}]
+    return [g for g in groups if g["params"]]
+
+
+def _placement_parity(ctx: Context, opt: Any, forward_backward: Callable[[int], None], steps: int) -> dict:
+    """``steps`` more steps of ``opt`` beside torch.optim.AdamW(fused=True) on float32 copies of its masters and
+    moments, on the device for streamed and resident groups and in host memory for host ones, fed the same
+    (upcast) gradients: parameters, masters and moments bitwise after each step."""
+    import torch
+
+    from offload_adamw.benchmarking.bitwise import same_bits
+
+    copies: dict[Any, Any] = {}
+    references = []
+    for group in opt.param_groups:
+        where = "cpu" if group["update_on"] == "host" else ctx.device
+        hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")}
+        group_copies = []
+        for p in group["params"]:
+            copies[p] = torch.nn.Parameter(opt.master_value(p).detach().to(where, torch.float32, copy=True))
+            group_copies.append(copies[p])
+        reference = torch.optim.AdamW([{"params": group_copies, **hyper}], fused=True)
+        for p in group["params"]:
+            state = opt.state[p]
+            reference.state[copies[p]] = {key: state[key].detach().to(where, torch.float32, copy=True)
+                                          for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") if key in state}
+        references.append(reference)
+    mismatches: list[str] = []
+    for i in range(steps):
+        forward_backward(i)
+        for p, c in copies.items():
+            c.grad = p.grad.detach().to(c.device, torch.float32, copy=True)
+        opt.step()
+        for reference in references:
+            reference.step()
+        opt.zero_grad(set_to_none=True)
+        ctx.sync()
+        for index, (p, c) in enumerate(copies.items()):
+            if not same_bits(p.detach(), c.detach().to(p.device, p.dtype)):
+                mismatches.append(f"step {i} param {index}")
+            if not same_bits(opt.master_value(p).detach().cpu(), c.detach().cpu()):
+                mismatches.append(f"step {i} master {index}")
+            theirs = next(r.state[c] for r in references if c in r.state)
+            if not same_bits(opt.state[p]["exp_avg_sq"].cpu(), theirs["exp_avg_sq"].cpu()):
+                mismatches.append(f"step {i} exp_avg_sq {index}")
+    return {"bitwise": not mismatches, "steps": steps, "mismatch_count": len(mismatches), "mismatches": mismatches[:20],
+            "reference": f"torch.optim.AdamW(fused=True) on float32 masters ({ctx.device} for streamed and resident "
+                         "groups, host memory for host groups)"}
 
 
 def sections(sizes: Sizes) -> tuple[Section, ...]:
@@ -827,6 +901,8 @@ def llama_row(ctx: Context, row: Row) -> dict:
     opt: Any
     if variant.torch_adamw:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    elif variant.placement is not None:
+        opt = OffloadAdamW(_placement_groups(model, variant.placement), lr=1e-4, weight_decay=0.1, **variant.options)
     else:
         opt = OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **variant.options)
 
@@ -861,8 +937,23 @@ def llama_row(ctx: Context, row: Row) -> dict:
         out["optimizer_share_bytes"] = step_memory["peak_allocated_bytes"] - fb_memory["peak_allocated_bytes"]
         out["optimizer_share_reserved_bytes"] = step_memory["peak_reserved_bytes"] - fb_memory["peak_reserved_bytes"]
     if isinstance(opt, OffloadAdamW):
+        from offload_adamw.benchmarking.placement import traffic
+
         out["host_state_bytes"] = opt.host_state_bytes()
         out["pinned_bytes"] = opt.pinned_bytes()
+        out["device_buffer_bytes"] = opt.device_buffer_bytes()
+        out.update(traffic(opt))  # PCIe bytes of one step (counted from the state held), host-memory bytes
+        if variant.placement is not None:
+            out["placements"] = [g["update_on"] for g in opt.param_groups]
+            forward_backward(0)
+            step_only = timed(sizes.llama_timed, lambda i: opt.step())  # the same gradients, stepped again
+            opt.zero_grad(set_to_none=True)
+            out["optimizer_step_s_median"] = statistics.median(step_only)
+            out["pcie_GBps_achieved"] = out["transfer_bytes_per_step"] / statistics.median(step_only) / 1e9
+            ctx.partial(out)
+            out["parity"] = _placement_parity(ctx, opt, forward_backward, variant.parity_steps)
+            if not out["parity"]["bitwise"]:
+                out["status"] = "failed"
         from offload_adamw import numba_kernel_status
 
         out["numba_loop"] = numba_kernel_status()

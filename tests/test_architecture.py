@@ -412,7 +412,8 @@ ACCEL_MAX_LINES = 500
 ACCEL_MAX_METHODS = 30
 #: the components of accel/, each built only by the front (accel/pipeline.py), which chooses them once
 ACCEL_COMPONENTS = {"SlotTable", "Gate", "HostUpdate", "AtStep", "DuringBackward", "FreedGradients", "KeptGradients",
-                    "AutogradHooks", "DdpSource", "Recorder", "TransferEngine"}
+                    "AutogradHooks", "DdpSource", "Recorder", "TransferEngine", "StreamUpdate", "DeviceUpdate",
+                    "Placements", "DeviceGradients", "ByPlacement"}
 #: the one other place that builds an engine: the stand-in device's factory
 ENGINE_FACTORIES = {"standin.py": {"TransferEngine"}}
 

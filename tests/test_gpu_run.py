@@ -91,6 +91,12 @@ def test_quick_cpu_rehearsal_runs_every_section(tmp_path: Path) -> None:
         if row["max_grad_norm"] is not None:  # clipped: every update waits for the global norm, after backward
             assert row["clip_norms_bitwise"] and overlaps == [0.0] * len(overlaps), row
     assert {k for k, r in sections["llama"]["rows"].items() if r["status"] == "ok"} == set(gpu_run_rows.LLAMA_VARIANTS)
+    for key, variant in gpu_run_rows.LLAMA_VARIANTS.items():  # the placements: parity, PCIe bytes, device buffers
+        if variant.placement is not None:
+            row = sections["llama"]["rows"][key]
+            assert row["parity"]["bitwise"] and row["parity"]["steps"] == variant.parity_steps, (key, row["parity"])
+            assert row["transfer_bytes_per_step"] > 0 and row["device_buffer_bytes"] > 0 and row["pcie_GBps_achieved"] > 0
+    assert sections["llama"]["rows"]["h"]["placements"] == ["stream", "host"]  # --quick: one layer, none resident
     # (e) starts the host updates in backward: its timeline says how much of them ran before backward ended
     assert 0.0 <= sections["llama"]["rows"]["e"]["timeline_overlap"] <= 1.0
     overlap = sections["llama"]["rows"]["d"]["overlap"]  # the trace was exported and its ranges found; no device
@@ -282,20 +288,20 @@ def test_the_run_takes_its_rows_by_value_and_groups_them_into_children() -> None
     order = [(section.name, row.name) for section, row in gpu_run_rows.run_order(table)]
     assert sorted(order) == sorted((s.name, r.name) for s in table for r in s.rows)  # every row once
     assert order[0] == ("gpu_tests", "pytest -m gpu")
-    llama = ("d", "e", "f", "a", "b", "c")  # the rows the targets read, their reference, the rest
-    assert order[1:7] == [("llama", key) for key in llama]
+    llama = ("d", "e", "f", "g", "h", "a", "b", "c")  # the rows the targets read (and the placements), their reference, the rest
+    assert order[1:9] == [("llama", key) for key in llama]
     compiled = [name for name, case in gpu_run_rows.PARITY_CASES.items() if case[6]]
     assert order[-len(compiled):] == [("parity", name) for name in compiled]
-    sections_in_order = [name for name, _ in order[7:-len(compiled)]]
+    sections_in_order = [name for name, _ in order[9:-len(compiled)]]
     assert sections_in_order == sorted(sections_in_order, key=["parity", "pcie", "host"].index)
-    assert {("parity", name) for name in gpu_run_rows.FSDP_OVERLAP_CASES} <= set(order[7:-len(compiled)])
+    assert {("parity", name) for name in gpu_run_rows.FSDP_OVERLAP_CASES} <= set(order[9:-len(compiled)])
 
     pending = gpu_run_rows.run_order(table)
     on_gpu = [(kind, [name for _, row in items for name in [row.name]]) for kind, items in
               gpu_run.child_batches(pending, cuda=True)]
     assert on_gpu[0] == ("command", ["pytest -m gpu"])
-    assert on_gpu[1:7] == [("llama", [key]) for key in llama]  # a clean process each
-    assert [kind for kind, _ in on_gpu[7:]] == ["parity", "pcie", "host", "parity"]  # the compiled row alone, last
+    assert on_gpu[1:9] == [("llama", [key]) for key in llama]  # a clean process each
+    assert [kind for kind, _ in on_gpu[9:]] == ["parity", "pcie", "host", "parity"]  # the compiled row alone, last
     assert on_gpu[-1][1] == compiled
     on_cpu = gpu_run.child_batches([item for item in pending if not item[0].command], cuda=False)
     assert [kind for kind, _ in on_cpu] == ["cpu", "cpu"]  # the rehearsal: one child, and the compiled row's own

@@ -86,7 +86,7 @@ def test_kept_gradients_are_copied_once_per_step(bucket_bytes) -> None:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     engine = _CountingEngine()
     opt.transfer_pipeline.engine = engine  # the same calls, counted
-    for component in (opt.transfer_pipeline.residency, opt.transfer_pipeline.slots):
+    for component in (opt.transfer_pipeline.residency.host, opt.transfer_pipeline.slots):  # host groups' residency
         component._engine = engine
     for step in range(3):
         for m, o in ((model, opt), (ref, ref_opt)):

@@ -27,6 +27,9 @@ PARITY_FREED = "tests/test_standin_suites.py::test_parity_table_on_the_standin_d
 PARITY_KEPT = "tests/test_standin_suites.py::test_parity_table_on_the_standin_device[fp32-acc1-kept-noclip-scaler_none-seed11]"
 UIB = "tests/test_standin_suites.py::test_updates_during_backward_on_the_standin_device[acc1-noclip-seed21]"
 SCALER = "tests/test_standin_suites.py::test_loss_scaling_and_torch_clipping_on_the_standin_device"
+RING = "tests/test_standin_suites.py::test_the_ring_on_the_standin_device[buffers2-seed91]"
+PLACED = ("tests/test_standin_suites.py::test_placements_on_the_standin_device"
+          "[stream+device-fp32-acc4-freed-clip-scaler_none-seed81]")
 
 #: name -> (module under src/, the text removed or changed, its replacement, the tests that must catch it)
 MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
@@ -56,6 +59,14 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         f"{ACCEL}/schedule.py",
         "        _, records = updater.finish()\n        sent, self._sent = self._sent, []",
         "        sent, self._sent = self._sent, []\n        _, records = updater.finish()", [UIB]),
+    "ring: a buffer refilled before its copy out of the previous chunk has read it": (
+        f"{ACCEL}/stream_update.py", "pairs(c), after=ring.free[buffer(c)])", "pairs(c))", [RING]),
+    "ring: a chunk updated before its copy in has landed": (
+        f"{ACCEL}/stream_update.py", "            self._engine.compute_waits(device, inbound.pop(c))",
+        "            inbound.pop(c)", [RING]),
+    "stream: step() returns before the streamed state is back in host memory": (
+        f"{ACCEL}/stream_update.py", "        for done in pending:\n            done.wait()",
+        "        for done in pending:\n            pass", [RING, PLACED]),
 }
 
 #: waits kept for CUDA that the stand-in cannot catch (see the module docstring)
@@ -65,6 +76,11 @@ NOT_CAUGHT = {
         "compute stream has waited for it at the end of the step",
     "a reduced DDP bucket waits for a pending add before its copy (land_reduced's slot.complete())":
         "DDP accumulates on the device, so no add is ever pending on a DDP parameter's buffer",
+    "a streamed or resident update during backward orders its device work after the stream that produced the gradient "
+    "(DeviceGradients.landed's current_stream_waits), and the next forward waits for the parameters it wrote (the mark "
+    "StreamUpdate.run and DeviceUpdate.run return)":
+        "the stand-in's compute stream is the calling thread, so its marks are complete when taken: the order these "
+        "waits keep between streams of one device exists on CUDA only (the GPU run's update-in-backward rows)",
 }
 
 

@@ -7,8 +7,10 @@ must give the same bits: single device with kept and freed gradients, accumulati
 scaling (the parity table of tests/test_offload_parity.py, with small buckets so that a kept gradient's copy of
 the next bucket is in flight while a bucket updates), updates during backward with and without clipping
 (tests/test_update_in_backward.py), zero_grad and accumulation in host memory (tests/test_offload.py), and DDP and
-FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and tests/test_overlap_fsdp.py). Each row has its
-own seed. tests/test_standin_mutations.py shows that removing any one wait of the pipeline fails one of these.
+FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and tests/test_overlap_fsdp.py), and the placements
+of tests/test_placement.py (streamed and resident groups, alone and beside host groups, the ring over tensors of many
+chunks with 2 and 3 buffers, updates during backward). Each row has its own seed. tests/test_standin_mutations.py
+shows that removing any one wait of the pipeline fails one of these.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from offload_adamw.accel import standin
 
@@ -28,6 +31,7 @@ sys.path.insert(0, str(HERE))
 
 import test_offload  # noqa: E402
 import test_offload_parity  # noqa: E402
+import test_placement  # noqa: E402
 import test_update_in_backward  # noqa: E402
 
 PARITY = [(case, seed) for seed, case in enumerate(test_offload_parity.CASES, start=11)]
@@ -106,3 +110,33 @@ def test_distributed_suites_on_the_standin_device(which, tmp_path) -> None:
 def test_loss_scaling_and_torch_clipping_on_the_standin_device(unscale, standin_device) -> None:
     """GradScaler and torch's clip_grad_norm_ read the freed gradients through p.grad's stand-in."""
     test_offload.test_plain_grad_scaler_with_freed_gradients_matches_torch(unscale)
+
+
+PLACED = [(placed, test_placement.C[name], seed) for seed, (placed, name) in enumerate([
+    (("stream", "device"), "fp32-acc4-freed-clip-scaler_none"),
+    (("host", "stream"), "fp32-acc4-kept-clip-scaler_unscale"),
+    (("device", "host"), "fp32-acc1-freed-noclip-scaler_step"),
+    (("stream", "stream"), "bf16-acc4-kept-clip-scaler_none"),
+], start=81)]
+
+
+@pytest.mark.parametrize(("placed", "case", "standin_device"), PLACED,
+                         ids=[f"{'+'.join(p)}-{c.id}-seed{s}" for p, c, s in PLACED], indirect=["standin_device"])
+def test_placements_on_the_standin_device(placed, case, standin_device) -> None:
+    test_offload_parity.run_case(case, bucket_bytes=4096, update_on=placed, stream_chunk_bytes=test_placement.CHUNK)
+
+
+RING = [(buffers, seed) for seed, buffers in enumerate([2, 3], start=91)]
+
+
+@pytest.mark.parametrize(("buffers", "standin_device"), RING, ids=[f"buffers{b}-seed{s}" for b, s in RING],
+                         indirect=["standin_device"])
+def test_the_ring_on_the_standin_device(buffers, standin_device) -> None:
+    """Every tensor spans several chunks: each ring buffer is refilled several times in a step."""
+    test_placement.test_the_ring_streams_tensors_of_many_chunks_bitwise(torch.bfloat16, True, buffers)
+
+
+@pytest.mark.parametrize("standin_device", [95], indirect=True)
+def test_streamed_updates_during_backward_on_the_standin_device(standin_device) -> None:
+    test_update_in_backward.test_streamed_and_resident_groups_update_during_backward_bitwise_torch_fused(
+        ("stream", "host"), 4, False)

@@ -113,6 +113,77 @@ def test_clipped_updates_during_backward_are_bitwise_torch_clip_and_fused(accumu
     assert all(b.update_start >= last.backward_end for b in last.buckets)
 
 
+def _placed(model: Blocks, pattern: tuple[str, ...]) -> list[dict]:
+    """One group per block, placed by ``pattern`` in turn (docs/placement.md)."""
+    return [{"params": list(block.parameters()), "update_on": pattern[k % len(pattern)]}
+            for k, block in enumerate(model.blocks)]
+
+
+PLACED = [(("stream",), 1, False), (("stream", "host"), 4, False), (("device", "stream", "host"), 1, True),
+          (("stream",), 4, True)]
+
+
+@pytest.mark.parametrize(("pattern", "accumulation", "clipped"), PLACED,
+                         ids=[f"{'+'.join(p)}-acc{a}-{'clip' if c else 'noclip'}" for p, a, c in PLACED])
+def test_streamed_and_resident_groups_update_during_backward_bitwise_torch_fused(pattern, accumulation, clipped) -> None:
+    """A streamed (or resident) group's update starts when its gradients are complete, like a host group's: during
+    backward, or when it ends with clipping; its gradient stays on the device."""
+    torch.manual_seed(0)
+    reference = Blocks()
+    model = copy.deepcopy(reference)
+    clip = 0.05 if clipped else None
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(_placed(model, pattern), lr=1e-3, weight_decay=0.1, offload_gradients=True,
+                        update_in_backward=True, bucket_bytes=_block_bytes(model), max_grad_norm=clip,
+                        stream_chunk_bytes=1 << 20)
+    torch_norms = _train(reference, theirs, 4, accumulation, ours=False, clip=clip)
+    timelines = _train(model, ours, 4, accumulation, ours=True)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert same_bits(p.detach(), q.detach())
+        assert same_bits(theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"])
+    if clipped:
+        assert same_bits(ours.last_grad_norm, torch_norms[-1]) and float(torch_norms[-1]) > 0.05
+    last = timelines[-1]
+    assert len(last.buckets) == BLOCKS
+    started = [b.update_start < last.backward_end for b in last.buckets]
+    assert (not any(started)) if clipped else any(started), "early updates must start as their buckets complete"
+
+
+def test_clipped_streamed_updates_start_when_backward_ends() -> None:
+    """With max_grad_norm the gate opens at the end of backward, streamed groups' updates included: they run on the
+    worker before step() is called, not in it."""
+    model = Blocks(width=32)
+    opt = OffloadAdamW(_placed(model, ("stream", "device", "host")), offload_gradients=True, update_in_backward=True,
+                       bucket_bytes=_block_bytes(model), max_grad_norm=0.05, stream_chunk_bytes=1 << 20)
+    for x in _batches(3, width=32):
+        model(x).square().mean().backward()
+        time.sleep(0.5)  # the worker has run every bucket once the gate opened
+        step_called = time.monotonic()
+        opt.step()
+        opt.zero_grad()
+    last = opt.last_step_timeline()
+    assert len(last.buckets) == BLOCKS
+    assert all(last.backward_end <= b.update_start < step_called for b in last.buckets)
+
+
+def test_a_streamed_gradient_changed_after_its_early_update_is_refused() -> None:
+    """The gradient of a streamed group stays on the device, so torch's clipping can reach it after its update ran
+    during backward: the step refuses by name instead of pretending the clipping counted."""
+    model = Blocks(width=16)
+    opt = OffloadAdamW(_placed(model, ("stream",)), offload_gradients=True, update_in_backward=True, bucket_bytes=64,
+                       stream_chunk_bytes=1 << 20)
+    x = _batches(1, width=16)[0]
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).square().mean().backward()
+    time.sleep(0.5)  # the worker has updated every bucket before the clipping below
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="changed after backward.*its update already ran during backward"):
+        opt.step()
+
+
 def test_the_timeline_shows_updates_hidden_behind_backward() -> None:
     torch.manual_seed(0)
     model = Blocks(width=384)

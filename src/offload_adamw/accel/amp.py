@@ -4,6 +4,9 @@ Contract: :class:`OffloadGradScaler` is ``torch.amp.GradScaler`` for every optim
 for an optimizer whose ``host_gradient_holder()`` returns a holder (OffloadAdamW with freed device
 gradients) it unscales and checks the holder's host gradients, with the same
 ``_amp_foreach_non_finite_check_and_unscale_`` op on the same values.
+
+:func:`unscale_gradients_` is that unscale-and-check for a holder whose gradients live in several places: host
+buffers, a DTensor's stand-in (FSDP2), and the device gradients of groups updated on the device.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["HostGradientHolder", "OffloadGradScaler"]
+from offload_adamw.distributed import local_tensor
+
+__all__ = ["HostGradientHolder", "OffloadGradScaler", "unscale_gradients_"]
 
 
 class HostGradientHolder(Protocol):
@@ -40,3 +45,32 @@ class OffloadGradScaler(torch.amp.GradScaler):
         if holder is None:
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         return holder.unscale_(inv_scale, found_inf, allow_fp16)
+
+
+def unscale_gradients_(pairs: list[tuple[Tensor, Tensor]], inv_scale: Tensor, found_inf: Tensor,
+                       allow_fp16: bool) -> dict[torch.device, Tensor]:
+    """GradScaler's unscale-and-check over (parameter, local gradient) ``pairs``; found_inf stays on its device."""
+    if not allow_fp16 and any(g.dtype == torch.float16 for _, g in pairs):
+        raise ValueError("Attempting to unscale FP16 gradients.")
+    host_found = torch.zeros((), dtype=torch.float32)
+    host_inv = inv_scale.detach().to("cpu", torch.float32)
+    by_kind: dict[tuple[torch.dtype, bool, torch.device], list[Tensor]] = {}
+    for p, g in pairs:
+        grad = p.grad
+        sharded = local_tensor(p) is not p and grad is not None and local_tensor(grad) is not grad
+        by_kind.setdefault((g.dtype, sharded, g.device), []).append(grad if sharded and grad is not None else g)
+    for (_, sharded, device), same in by_kind.items():
+        if sharded:
+            # DTensor gradients (FSDP2): DTensor's unscale reduces found_inf over the mesh, so that every rank
+            # skips the step when one rank's shard has an inf, as torch's GradScaler on FSDP2 gradients does.
+            found = torch.zeros_like(found_inf)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale)
+            found_inf.add_(found)
+        elif device.type == "cpu":
+            torch._amp_foreach_non_finite_check_and_unscale_(same, host_found, host_inv)
+        else:  # a device gradient of a group updated on the device
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale.to(device, torch.float32))
+            found_inf.add_(found.to(found_inf.device))
+    found_inf.add_(host_found.to(found_inf.device))
+    return {found_inf.device: found_inf}

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from offload_adamw.accel import clipping
 from offload_adamw.accel.freed import is_host_resident
-from offload_adamw.accel.slots import SlotTable, Source
+from offload_adamw.accel.slots import Slot, SlotTable, Source
 from offload_adamw.accel.transfer import Completion, TransferEngine
 from offload_adamw.distributed import any_rank, local_tensor
 
@@ -71,6 +71,9 @@ class Gate:
         """DDP's final callback is still to come in this backward: the decision follows it."""
         self.clipping_at_step = False
         """The step's own clipping is reading the gradients (no update has run yet)."""
+        self.intact: Callable[[Slot], bool] = lambda slot: is_host_resident(slot.param.grad)
+        """Whether ``p.grad`` is still the gradient backward's hook landed (a host stand-in; a streamed or resident
+        group's device gradient, unchanged: accel/device_grads.py)."""
         self.reset()
 
     def reset(self) -> None:
@@ -180,7 +183,7 @@ class Gate:
         (a layer the last micro-batch does not reach) or set by hand. Its norm and count are not the hooks', so the
         step's clipping and policy, which read it, must come before any update."""
         return any(
-            slot.source is not Source.DDP and slot.param.grad is not None and not is_host_resident(slot.param.grad)
+            slot.source is not Source.DDP and slot.param.grad is not None and not self.intact(slot)
             for slot in self._slots
         )
 
@@ -269,7 +272,7 @@ class Gate:
         if max_norm != self._max_norm:
             return f"max_grad_norm changed from {self._max_norm} to {max_norm} between backward and step()"
         for p in present:
-            if not is_host_resident(p.grad) or p not in self._params:
+            if not self.intact(self._slots[p]) or p not in self._params:
                 return f"{self._describe(p)} has a gradient that backward's hooks did not see"
         gone = [p for p in self._params if p not in set(present)]
         if gone:

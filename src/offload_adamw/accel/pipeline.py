@@ -19,7 +19,11 @@ Contract:
   non-finite policies by accel/gate.py. What cannot be made exact after updates ran is refused by name.
 * **Buffers follow the parameters** (accel/slots.py): a parameter cast or moved gets buffers laid out
   anew, with the parameter's strides; every allocation passes the optimizer's host-memory check first.
-  A parameter that leaves ``param_groups`` (accelerate's and the Trainer's swap to FSDP2 shards, any edit) is
+* **Where each group's update runs** (``update_on``): on the host (accel/host_update.py), streamed through a ring of
+  device buffers (accel/stream_update.py) or on the device with resident state (accel/device_update.py), routed per
+  group by accel/placements.py; a streamed or resident group's gradient never leaves the device
+  (accel/device_grads.py), also with ``offload_gradients``, which frees the gradients of host groups only.
+* A parameter that leaves ``param_groups`` (accelerate's and the Trainer's swap to FSDP2 shards, any edit) is
   released with its hooks and buffers, and one put in gets its hooks before its first backward (accel/swaps.py).
 * **Nothing of this is optimizer state**: ``state_dict`` looks the same with or without the pipeline.
 * **GradScaler**: ``step`` honours ``grad_scale`` (gradients divided by it in float32, as torch's fused
@@ -43,18 +47,24 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import bucketing, standin, swaps
+from offload_adamw.accel import amp, bucketing, standin, swaps
+from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
+from offload_adamw.accel.device_update import DeviceUpdate
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.host_update import HostUpdate
 from offload_adamw.accel.overlap import UpdateRecord
+from offload_adamw.accel.placements import Placements
 from offload_adamw.accel.residency import FreedGradients, KeptGradients
 from offload_adamw.accel.schedule import AtStep, DuringBackward
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import AutogradHooks, DdpSource
+from offload_adamw.accel.stream_update import StreamUpdate
 from offload_adamw.accel.timeline import Recorder, StepTimeline
 from offload_adamw.accel.transfer import TransferEngine
 from offload_adamw.distributed import local_tensor
+from offload_adamw.kernels.adamw import StepHyper
+from offload_adamw.kernels.fused_device import StateOperands
 
 __all__ = ["GradientPipeline", "PipelineConfig", "UpdateTarget"]
 
@@ -70,7 +80,8 @@ class UpdateTarget(Protocol):
     host gradient, staging buffer): a device parameter's staging buffer receives round(master), which the
     pipeline sends back; for a host parameter it is None and the optimizer writes the parameter itself.
     ``current[k]`` says that update k's staging buffer holds its device parameter's current value (read back
-    after an edit), whose edits the update takes over.
+    after an edit), whose edits the update takes over. A streamed or resident group's update asks
+    ``state_operands`` for its state instead (and ``check_device_buffers`` before its device buffers).
     """
 
     param_groups: list[dict[str, Any]]
@@ -88,6 +99,10 @@ class UpdateTarget(Protocol):
     def preflight(self, fresh: list[tuple[int, int]]) -> None: ...
 
     def check_host_buffers(self, nbytes: int, label: str) -> None: ...
+
+    def check_device_buffers(self, nbytes: int, device: torch.device, label: str) -> None: ...
+
+    def state_operands(self, group_index: int, params: list[Tensor]) -> tuple[StepHyper, list[StateOperands]]: ...
 
     def update_group(
         self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None,
@@ -111,10 +126,19 @@ class PipelineConfig:
     """Start each bucket's host update on a worker thread as soon as its gradients are all in during
     backward (from the second step on: buckets follow the previous backward's order). Needs freed
     device gradients; micro-batches that only accumulate run inside ``no_sync()``."""
+    stream_chunk_bytes: int = 64 << 20
+    """Device bytes of one ring buffer of a streamed group (its state arrays and a gradient buffer), and of the
+    widening buffer of a resident group; at least 1 MiB, rounded down to a multiple of 4 KiB."""
+    stream_buffers: int = 2
+    """Ring buffers per device of the streamed groups: 2 or 3."""
 
     def __post_init__(self) -> None:
         if not 0 < self.bucket_bytes:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if not (isinstance(self.stream_chunk_bytes, int) and 1 << 20 <= self.stream_chunk_bytes):
+            raise ValueError(f"stream_chunk_bytes must be an int of at least 1 MiB (1048576), got {self.stream_chunk_bytes!r}")
+        if self.stream_buffers not in (2, 3) or isinstance(self.stream_buffers, bool):
+            raise ValueError(f"stream_buffers must be 2 or 3, got {self.stream_buffers!r}")
         if self.update_in_backward and not self.offload_gradients:
             raise ValueError(
                 "update_in_backward=True needs offload_gradients=True: a gradient kept on the device could still "
@@ -144,15 +168,25 @@ class GradientPipeline:
         self.recorder = Recorder()
         self._places: dict[Tensor, tuple[int, int]] = {}
         self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe)
-        self.host = HostUpdate(opt, self.slots, self.engine, self.recorder, lambda: self.gate.coefficient)
+        coefficient = lambda: self.gate.coefficient  # noqa: E731
+        used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
+        chunk = config.stream_chunk_bytes // 4096 * 4096
+        self.placements = Placements(opt, self.slots, {
+            "host": HostUpdate(opt, self.slots, self.engine, self.recorder, coefficient),
+            "stream": StreamUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk,
+                                   buffers=config.stream_buffers, used=used),
+            "device": DeviceUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk, used=used),
+        })
+        intact = lambda slot: self.residency.intact(slot)  # noqa: E731, PLW0108 - the residency is built below
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
-                           thread_init=self.engine.thread_init)
+                           thread_init=self.engine.thread_init, intact=intact)
             if config.update_in_backward else AtStep()
         )
-        self.residency: FreedGradients | KeptGradients = (
+        self.residency: ByPlacement = ByPlacement(
             FreedGradients(self.engine, self.slots, self.schedule, self._lock, self._describe)
-            if config.offload_gradients else KeptGradients(self.engine, self.slots)
+            if config.offload_gradients else KeptGradients(self.engine, self.slots),
+            DeviceGradients(self.engine, self.slots, early=config.update_in_backward),
         )
         self.hooks = AutogradHooks(
             self.slots, self, self._lock, freed=config.offload_gradients,
@@ -166,8 +200,9 @@ class GradientPipeline:
             lands_early=config.update_in_backward,
         )
         self.gate.decision_groups = self.ddp.process_groups
-        self.hooks.on_backward = [self.ddp.check_unattached, self.schedule.backward_began,
-                                  lambda: swaps.look_before_next_forward(self)]
+        self.gate.intact = self.residency.intact
+        self.hooks.on_backward = [lambda: self.placements.assign(self._places), self.ddp.check_unattached,
+                                  self.schedule.backward_began, lambda: swaps.look_before_next_forward(self)]
         self.refresh()
         swaps.look_before_next_forward(self)
 
@@ -189,6 +224,7 @@ class GradientPipeline:
         new = self.slots.add(self._places)
         for slot in new:
             self.engine.claim(slot.local)
+        self.placements.assign(self._places)
         self.slots.relayout(defer_pin=False)
         self.hooks.watch(new)
 
@@ -270,7 +306,7 @@ class GradientPipeline:
         opt = self.optimizer
         where = self._where()[slot.param]
         opt.check_gradient(where[0], where[1], grad)
-        if self.offload_gradients and grad.dtype != slot.param.dtype:
+        if self.offload_gradients and slot.on_host and grad.dtype != slot.param.dtype:
             raise RuntimeError(
                 f"gradient of {opt.describe_param(*where)} has dtype {grad.dtype}, the parameter {slot.param.dtype}: "
                 "with offload_gradients=True gradients are accumulated in host buffers of the parameter's dtype; "
@@ -329,27 +365,8 @@ class GradientPipeline:
         self.refresh()
 
     def unscale_(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict[torch.device, Tensor]:
-        """GradScaler's unscale-and-check over the host gradients (freed mode); found_inf stays on its device."""
-        pairs = self.host_gradients()
-        if not allow_fp16 and any(g.dtype == torch.float16 for _, g in pairs):
-            raise ValueError("Attempting to unscale FP16 gradients.")
-        host_found = torch.zeros((), dtype=torch.float32)
-        host_inv = inv_scale.detach().to("cpu", torch.float32)
-        by_kind: dict[tuple[torch.dtype, bool], list[Tensor]] = {}
-        for p, g in pairs:
-            stand_in = p.grad if local_tensor(p) is not p and is_host_resident(p.grad) else None
-            by_kind.setdefault((g.dtype, stand_in is not None), []).append(g if stand_in is None else stand_in)
-        for (_, sharded), same in by_kind.items():
-            if sharded:
-                # DTensor stand-ins (FSDP2): DTensor's unscale reduces found_inf over the mesh, so that every rank
-                # skips the step when one rank's shard has an inf, as torch's GradScaler on FSDP2 gradients does.
-                found = torch.zeros_like(found_inf)
-                torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale)
-                found_inf.add_(found)
-            else:
-                torch._amp_foreach_non_finite_check_and_unscale_(same, host_found, host_inv)
-        found_inf.add_(host_found.to(found_inf.device))
-        return {found_inf.device: found_inf}
+        """GradScaler's unscale-and-check over the gradients wherever they live (freed mode; accel/amp.py)."""
+        return amp.unscale_gradients_(self.host_gradients(), inv_scale, found_inf, allow_fp16)
 
     def refuse_mid_step(self, what: str) -> None:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
@@ -369,6 +386,7 @@ class GradientPipeline:
         self.hooks.new_step()
         self.ddp.new_step()
         swaps.look_before_next_forward(self)
+        self.residency.new_step()
 
     # --------------------------------------------------------------------- step
 
@@ -402,6 +420,7 @@ class GradientPipeline:
             self.gate.clip_at_step(present, bool(early.params), self._clip_inputs)
         if opt.nonfinite != "propagate" and self._skip_for_nonfinite(where, early.params):
             return
+        self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
         opt.preflight([w for p, w in where.items() if p not in early.params and p.grad is not None and not opt.state.get(p)])
         scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
 
@@ -421,12 +440,13 @@ class GradientPipeline:
                 self.residency.prefetch([self.slots[p] for p in todo[k + 1]])  # copies while this bucket updates
             record = UpdateRecord(bucket=len(records), ready=self.recorder.landed_at(bucket, step_called))
             record.start = time.monotonic()
-            sent += self.host.run(bucket, where, scale, self._ready, record.extra)
+            sent += self.placements.run(bucket, where, scale, self._ready, record.extra)
             record.end = time.monotonic()
             records.append(record)
         # The next forward waits for the parameters on the device; the host does not wait at all.
         for device, done in sent:
             self.engine.compute_waits(device, done)
+        self.placements.settle()  # streamed state is back in host memory when step() returns
         self.slots.pin_deferred()
         self._new_step()
         self.recorder.finish(records, step_called)
@@ -474,13 +494,14 @@ class GradientPipeline:
         members = [p for p in bucket if p in where]
         landed = [p for p in members if self.slots[p].holding is not Holding.NOTHING]
         for p in landed:
-            slot = self.slots[p]
-            assert slot.host_grad is not None  # landed: the hook or the communication hook copied into it
-            opt.check_gradient(*where[p], slot.host_grad)
+            grad = self.residency.landed(self.slots[p])
+            assert grad is not None  # landed: in its host buffer (the hook or the communication hook copied it) or device
+            opt.check_gradient(*where[p], grad)
+        self.placements.prepare(landed)
         opt.preflight([where[p] for p in landed if not opt.state.get(p)])
         times: dict[str, float] = {}
         with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
-            sent = self.host.run(members, where, None, self.residency.landed, times)
+            sent = self.placements.run(members, where, None, self.residency.landed, times)
         return sent, times
 
 

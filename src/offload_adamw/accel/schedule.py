@@ -122,8 +122,10 @@ class DuringBackward:
 
     def __init__(self, optimizer: Any, slots: SlotTable, gate: Gate, *, describe: Callable[[Slot], str],
                  run_early: Callable[[list[Tensor]], tuple[Sent, dict[str, float]]],
-                 thread_init: Callable[[], None]) -> None:
+                 thread_init: Callable[[], None], intact: Callable[[Slot], bool] = lambda s: is_host_resident(s.param.grad),
+                 ) -> None:
         self._optimizer = optimizer
+        self._intact = intact  # p.grad is still the gradient backward's hook landed (a host stand-in, or on the device)
         self._slots = slots
         self._gate = gate
         self._describe = describe
@@ -345,10 +347,12 @@ class DuringBackward:
                     "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
                     "clear gradients after optimizer.step()"
                 )
-            if not is_host_resident(p.grad):
+            if not self._intact(self._slots[p]):
                 raise RuntimeError(
-                    f"{describe(*where[p])} was given a gradient after backward, but with update_in_backward=True "
-                    "its update already ran during backward; set gradients only through backward"
+                    f"{describe(*where[p])} was given a gradient after backward, or its gradient was changed after "
+                    "backward (clipped, unscaled: a streamed or resident group's gradient stays on the device), but with "
+                    "update_in_backward=True its update already ran during backward; set gradients only through "
+                    "backward, and clip with max_grad_norm"
                 )
         if early.params and self._optimizer.nonfinite != "propagate" and self._gate.checked_policy == "propagate":
             raise RuntimeError(

@@ -11,6 +11,8 @@ Contract:
   yet; a parameter on the meta device gets none until it is materialised. A buffer has the parameter's
   strides where the parameter is dense (``channels_last``, a transposed view), as ``torch.empty_like``
   lays it out, so the host kernel pairs the same elements torch does.
+* A slot of a parameter whose update runs on its device (a group with ``update_on`` "stream" or "device":
+  ``Slot.update_on``) gets no host buffers: its gradient never leaves the device.
 * Host buffers are carved out of a few exactly-sized arenas (accel/host_memory.py), page-locked where
   the transfer engine copies asynchronously; every allocation passes the optimizer's host-memory check
   first; buffers first needed inside backward are page-locked after it (:meth:`SlotTable.pin_deferred`).
@@ -63,7 +65,8 @@ class Slot:
 
     __slots__ = (
         "param", "host_grad", "incoming", "staging", "layout", "holding", "landing", "adding", "sending",
-        "fetched", "arrival", "group", "source", "handles", "grad_node", "sent_version", "sent_ptr", "__weakref__",
+        "fetched", "arrival", "group", "source", "handles", "grad_node", "sent_version", "sent_ptr", "update_on",
+        "__weakref__",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -98,6 +101,13 @@ class Slot:
         self.sent_ptr = 0
         self.grad_node: Any = None
         """Its AccumulateGrad node (freed gradients: whether a backward will accumulate into ``p.grad``)."""
+        self.update_on = "host"
+        """Where its group's update runs (contract/rules.py's PLACEMENTS), as of the latest refresh."""
+
+    @property
+    def on_host(self) -> bool:
+        """Whether its update runs on the host (its gradient and parameter pass through host buffers)."""
+        return self.update_on == "host"
 
     @property
     def local(self) -> Tensor:
@@ -177,16 +187,26 @@ class SlotTable:
             self._drop_unused_arenas()
         return gone
 
+    def place(self, slot: Slot, update_on: str) -> None:
+        """``slot``'s group's update now runs ``update_on``: off the host it keeps no host buffers (the next
+        relayout gives a slot back on the host its buffers)."""
+        slot.update_on = update_on
+        if not slot.on_host:
+            slot.host_grad = slot.incoming = slot.staging = None
+            slot.layout.clear()
+            self._drop_unused_arenas()
+
     # ------------------------------------------------------------------ layout
 
     def relayout(self, *, defer_pin: bool) -> None:
         """Buffers for what has none or was laid out for another device or dtype (see the module contract)."""
-        idle = [s for s in self.slots.values() if s.holding is Holding.NOTHING]
+        idle = [s for s in self.slots.values() if s.holding is Holding.NOTHING and s.on_host]
         grads = [s for s in idle if s.param.requires_grad and self.stale(s, "host_grad")]
         for s in grads:
             s.incoming = None  # laid out again with the next accumulation
         self._allocate("host_grad", grads, "gradients", defer_pin=defer_pin)
-        staging = [s for s in self.slots.values() if self._engine.is_device(s.local.device) and self.stale(s, "staging")]
+        staging = [s for s in self.slots.values()
+                   if s.on_host and self._engine.is_device(s.local.device) and self.stale(s, "staging")]
         self._allocate("staging", staging, "parameter staging", defer_pin=defer_pin)
 
     @staticmethod

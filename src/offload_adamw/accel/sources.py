@@ -376,8 +376,9 @@ class DdpSource:
             for p, grad in _ddp.bucket_views(params, reduced):
                 slot = self._slots.get(p)
                 if slot is not None:
-                    self._slots.ensure_grad_buffer(slot)
-                    slot.adding.wait()
+                    if slot.on_host:  # a streamed or resident group's gradient never leaves the device
+                        self._slots.ensure_grad_buffer(slot)
+                        slot.adding.wait()
                     members.append((slot, grad))
         syncing = self._landing.syncing() and self._lands_early
         if syncing and not lands and self._gate.gated():
@@ -396,11 +397,11 @@ class DdpSource:
         with self._lock:
             self._callback_queued = False
             self._gate.ddp_pending = False
-            if self._gate.gated():
-                self._gate.decide()
             written, self._written = self._written, set()
             for slot in written:
-                self._after_ddp(slot)
+                self._after_ddp(slot)  # before the gate opens: an update it starts reads the gradient p.grad now holds
+            if self._gate.gated():
+                self._gate.decide()
 
     def new_step(self) -> None:
         """A backward that raised never ran DDP's final callback: the next backward must queue it again."""

@@ -192,7 +192,24 @@ class _StandInLane:
 
         return self.d2h.submit(land, copy=True)
 
-    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+    def copy_all_to_host(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+        expected = [src.detach().clone() for src, _ in pairs]
+        for _, dst in pairs:
+            _poison(dst)
+
+        def land() -> None:
+            with torch.no_grad():
+                for (src, dst), before in zip(pairs, expected):
+                    dst.copy_(src)
+                    if not _same(src.detach(), before):
+                        _poison(dst)
+                        _record(f"a device tensor of shape {tuple(src.shape)} changed while its copy to the host was "
+                                "pending")
+
+        return self.d2h.submit(land, copy=True)
+
+    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]], after: Completion = DONE) -> Completion:
+        after.wait()  # where CUDA's copy stream would wait for the event, the calling thread blocks
         expected = [host.detach().clone() for _, host in pairs]
         for device_tensor, _ in pairs:
             _poison(device_tensor.detach())

@@ -13,10 +13,13 @@ Contract:
 * ``add_on_host(after, dst, src)``: ``dst += src`` in host memory, on the accumulator thread, once
   ``after`` is complete: ``old + new`` rounded once to the gradient's dtype, which is what autograd's
   accumulation computes. The hook that asks for it never waits.
-* ``send_to_device(pairs)``: each device tensor receives its host source; :meth:`TransferEngine.send_after_compute`
-  orders later sends after the compute stream's work issued so far (the parameters the device still
-  reads), and :meth:`TransferEngine.compute_waits` makes the compute stream (the next forward) wait for a send
-  without the host waiting.
+* ``send_to_device(pairs, after=...)``: each device tensor receives its host source, once ``after`` (a copy
+  that still reads a device tensor about to be overwritten: a ring slot's copy out) is complete;
+  :meth:`send_after_compute` orders later sends after the compute stream's work issued so far (the
+  parameters the device still reads), and :meth:`compute_waits` makes the compute stream (the next
+  forward, or the update of a chunk that was sent) wait for a send without the host waiting.
+* ``copy_all_to_host(device, pairs)``: every host buffer receives its device tensor, ordered after the work
+  issued so far on the current stream of ``device`` (the update that wrote them); one completion for all.
 * ``mark(device)`` is a completion for the work issued so far on the current stream of ``device``
   (a gradient norm taken in a hook); :meth:`TransferEngine.current_stream_waits` orders the current stream after it.
 * Lanes, one per device, chosen by the device's type, never by a flag: CUDA devices get side streams
@@ -114,7 +117,9 @@ class Lane(Protocol):
 
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion: ...
 
-    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion: ...
+    def copy_all_to_host(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion: ...
+
+    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]], after: Completion = DONE) -> Completion: ...
 
     def send_after_compute(self) -> None: ...
 
@@ -140,7 +145,14 @@ class _Synchronous:
         dst.copy_(src)
         return DONE
 
-    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+    def copy_all_to_host(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+        with torch.no_grad():
+            for src, dst in pairs:
+                dst.copy_(src)
+        return DONE
+
+    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]], after: Completion = DONE) -> Completion:
+        after.wait()
         with torch.no_grad():
             for device_tensor, host in pairs:
                 device_tensor.copy_(host)
@@ -186,7 +198,20 @@ class _CudaStreams:
         src.record_stream(self.d2h)
         return self._event(self.d2h)
 
-    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+    def copy_all_to_host(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h), torch.no_grad():
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+        for src, _ in pairs:
+            src.record_stream(self.d2h)
+        return self._event(self.d2h)
+
+    def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]], after: Completion = DONE) -> Completion:
+        if isinstance(after, _CudaCompletion):
+            self.h2d.wait_event(after.event)  # the device waits, not the host
+        else:
+            after.wait()
         with torch.cuda.stream(self.h2d), torch.no_grad():
             for device_tensor, host in pairs:
                 device_tensor.copy_(host, non_blocking=True)
@@ -300,8 +325,12 @@ class TransferEngine:
     def add_on_host(self, after: Completion, dst: Tensor, src: Tensor) -> Completion:
         return self.accumulator.submit(after, dst, src)
 
-    def send_to_device(self, device: torch.device, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
-        return self.lane(device).send_to_device(pairs)
+    def copy_all_to_host(self, device: torch.device, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
+        return self.lane(device).copy_all_to_host(pairs)
+
+    def send_to_device(self, device: torch.device, pairs: Sequence[tuple[Tensor, Tensor]],
+                       after: Completion = DONE) -> Completion:
+        return self.lane(device).send_to_device(pairs, after)
 
     def send_after_compute(self, devices: set[torch.device]) -> None:
         for device in devices:

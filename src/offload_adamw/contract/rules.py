@@ -1,8 +1,8 @@
 """The names and rules every part of the project shares (docs/contract.md#state, #what-each-input-does, #validation).
 
 One source for each: the keys of a tensor's state, the keys of an AdamW parameter group, the
-non-finite policies, torch's range checks. No torch here: the checker's report, the planner and
-the audit of a saved state_dict use these without it.
+non-finite policies, the placements of an update (docs/placement.md), torch's range checks. No torch
+here: the checker's report, the planner and the audit of a saved state_dict use these without it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ __all__ = [
     "MASTER_KEY",
     "MOMENT_KEYS",
     "NONFINITE_POLICIES",
+    "PLACEMENTS",
+    "PLACEMENT_KEY",
     "STATE_KEYS",
     "check_hyperparameter_ranges",
+    "check_placement",
 ]
 
 #: the float32 (float64) master copy of a parameter that is not its own master.
@@ -40,6 +43,20 @@ ADAMW_GROUP_KEYS = (
 )
 #: what a step does with an inf or NaN gradient: update anyway (torch), skip the whole step, raise.
 NONFINITE_POLICIES = ("propagate", "skip", "raise")
+#: the parameter-group key (and constructor keyword) that says where a group's update runs (docs/placement.md).
+#: It is where this process runs the update, not state: ``state_dict()`` leaves it out and a load keeps the
+#: optimizer's own, so a resume may change placement.
+PLACEMENT_KEY = "update_on"
+#: where an update runs: on the host (state in host memory, the host kernel), streamed (state in host memory,
+#: streamed through a ring of device buffers, updated on the device), on the device (state on the device).
+PLACEMENTS = ("host", "stream", "device")
+
+
+def check_placement(value: Any, where: str) -> str:
+    """``value`` when it is one of :data:`PLACEMENTS`, else ValueError naming ``where`` (a group, the constructor)."""
+    if not (isinstance(value, str) and value in PLACEMENTS):
+        raise ValueError(f"{where}: {PLACEMENT_KEY} must be one of {PLACEMENTS}, got {value!r}")
+    return value
 
 
 def check_hyperparameter_ranges(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload_adamw.contract.rules import MASTER_KEY, MOMENT_KEYS, check_hyperparameter_ranges
+from offload_adamw.contract.rules import MASTER_KEY, MOMENT_KEYS, PLACEMENT_KEY, check_hyperparameter_ranges
 from offload_adamw.distributed import local_shard_of, local_tensor
 from offload_adamw.optim import state as host_state
 
@@ -256,7 +256,9 @@ def prepare_load(
             if hyper_problem is not None:
                 problems.append(f"param_groups[{gi}]: {hyper_problem}")
             merged = dict(group)
-            merged.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k not in ("params", "param_names")})
+            # The placement is this optimizer's own (a resume may change it), never the saved one's.
+            local_keys = ("params", "param_names", PLACEMENT_KEY)
+            merged.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k not in local_keys})
             merged["params"] = group["params"]
             if "param_names" in group:
                 merged["param_names"] = group["param_names"]

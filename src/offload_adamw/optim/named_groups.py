@@ -43,12 +43,13 @@ from typing import Any, TypeAlias
 import torch
 
 from offload_adamw.contract.rules import ADAMW_GROUP_KEYS as TORCH_GROUP_KEYS
+from offload_adamw.contract.rules import PLACEMENT_KEY
 
 __all__ = ["Rule", "ParamGroupError", "named_param_groups", "param_groups", "ADAMW_GROUP_KEYS", "DEFAULT_GROUP_RULE"]
 
 #: hyperparameter keys that a group of torch.optim.AdamW / OffloadAdamW understands
-#: (plus ``initial_lr``, which lr schedulers add).
-ADAMW_GROUP_KEYS = frozenset(TORCH_GROUP_KEYS) | {"initial_lr"}
+#: (plus ``initial_lr``, which lr schedulers add, and ``update_on``, where OffloadAdamW runs the update).
+ADAMW_GROUP_KEYS = frozenset(TORCH_GROUP_KEYS) | {"initial_lr", PLACEMENT_KEY}
 #: the ``rule`` entry of the group of parameters that no rule matched.
 DEFAULT_GROUP_RULE = "<default>"
 _RESERVED_KEYS = frozenset({"params", "param_names", "tied_names", "rule"})

@@ -6,7 +6,8 @@ Contract (docs/contract.md):
   ``state_dict`` layout as ``torch.optim.AdamW`` (PyTorch 2.8 to 2.13).
 * Per parameter tensor the state is ``step``, ``exp_avg``, ``exp_avg_sq`` (and
   ``max_exp_avg_sq``) and, unless the parameter is its own master, a float32
-  ``master_param``, all in host memory (optim/state.py). After every update a
+  ``master_param``, all in host memory (optim/state.py), or on the parameter's device for a
+  group with ``update_on="device"`` (optim/placement.py, docs/placement.md). After every update a
   low-precision or device parameter receives the round-to-nearest copy of its master.
 * The update math is :mod:`offload_adamw.kernels`; every update runs through
   :mod:`offload_adamw.optim.update`, with or without the transfer pipeline.
@@ -14,12 +15,14 @@ Contract (docs/contract.md):
 * ``load_state_dict`` is all or nothing and matches by name (optim/loading.py).
 * The transfer pipeline (accel/pipeline.py) talks to this class only through
   the methods of :class:`~offload_adamw.accel.pipeline.UpdateTarget`:
-  ``describe_param``, ``check_gradient``, ``skip_for_nonfinite``, ``preflight``
-  and ``update_group``.
+  ``describe_param``, ``check_gradient``, ``skip_for_nonfinite``, ``preflight``,
+  ``update_group`` and, for streamed and resident groups, ``state_operands`` and
+  ``check_device_buffers``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 import weakref
@@ -35,9 +38,19 @@ from offload_adamw.accel import ddp as _ddp
 from offload_adamw.accel.amp import HostGradientHolder
 from offload_adamw.accel.clipping import clip_grad_norm_ as _clip_grad_norm_
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
-from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES, check_hyperparameter_ranges
+from offload_adamw.contract import bills
+from offload_adamw.contract.rules import (
+    MASTER_KEY,
+    NONFINITE_POLICIES,
+    PLACEMENT_KEY,
+    check_hyperparameter_ranges,
+    check_placement,
+)
 from offload_adamw.distributed import dtensor as _distributed
+from offload_adamw.kernels.adamw import StepHyper
+from offload_adamw.kernels.fused_device import StateOperands
 from offload_adamw.optim import loading as _loading
+from offload_adamw.optim import placement as _placement
 from offload_adamw.optim import preflight as _preflight
 from offload_adamw.optim import state as host_state
 from offload_adamw.optim import update as _update
@@ -115,6 +128,17 @@ class OffloadAdamW(torch.optim.Optimizer):
       must be followed by ``step()``; loss scaling is refused. With ``max_grad_norm`` or a
       ``nonfinite`` policy the updates start when backward ends (norms and non-finite counts are
       taken on the device in backward's hooks); ``last_grad_norm`` is each step's total norm, clipping or not.
+    * ``update_on`` (default ``"host"``; also a parameter-group key): where a group's update runs
+      (docs/placement.md). ``"host"``: the state in host memory, the host kernel. ``"stream"``: the
+      float32 master and moments stay in (page-locked) host memory and are streamed through a ring of
+      device buffers, updated on the device by torch's fused kernel and streamed back; the gradient
+      never leaves the device. ``"device"``: the state lives on the parameter's device, no transfer.
+      Every placement is bitwise torch.optim.AdamW(fused=True) on float32 masters on the device where
+      it runs. Streamed and resident groups need the transfer pipeline (on by default for them);
+      ``offload_gradients`` frees the gradients of host groups only. ``state_dict()`` leaves the key
+      out and a load keeps the optimizer's own: a resume may change placement.
+    * ``stream_chunk_bytes`` (default 64 MiB, at least 1 MiB) and ``stream_buffers`` (2 or 3): the size
+      and number of the ring's device buffers per device (``device_buffer_bytes()`` reports them).
 
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
@@ -150,6 +174,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         compiled_kernel: bool = False,
         max_grad_norm: float | None = None,
         update_in_backward: bool = False,
+        update_on: str = "host",
+        stream_chunk_bytes: int = 64 << 20,
+        stream_buffers: int = 2,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
         if isinstance(lr, Tensor):
@@ -182,6 +209,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if differentiable:
             raise ValueError("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
 
+        PipelineConfig(stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers)  # refuses bad values now
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -212,6 +240,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             "fused": fused,
             "decoupled_weight_decay": True,
         }
+        # Not in defaults, which stay torch's: add_param_group gives each group without one this placement.
+        self._update_on = check_placement(update_on, "OffloadAdamW(update_on=...)")
         super().__init__(params, defaults)
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
@@ -219,14 +249,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Kept for a copy or an unpickled optimizer, which builds its own pipeline from them (__setstate__).
         self._pipeline_options: dict[str, Any] = dict(
             offload_gradients=offload_gradients, transfer_pipeline=transfer_pipeline, bucket_bytes=bucket_bytes,
-            pin_memory=pin_memory, update_in_backward=update_in_backward,
+            pin_memory=pin_memory, update_in_backward=update_in_backward, stream_chunk_bytes=stream_chunk_bytes,
+            stream_buffers=stream_buffers,
         )
         self._setup_pipeline(**self._pipeline_options)
 
     # --------------------------------------------------------- copy and pickle
 
     #: attributes of this class that a copy or a pickle carries, beside torch's defaults, state and groups
-    _COPIED_ATTRIBUTES = ("max_grad_norm", "last_grad_norm", "nonfinite", "skipped_steps", "_pin_memory", "_pipeline_options")
+    _COPIED_ATTRIBUTES = ("max_grad_norm", "last_grad_norm", "nonfinite", "skipped_steps", "_pin_memory", "_pipeline_options",
+                          "_update_on")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's (defaults, state, param_groups) and this class's options; the transfer pipeline is not
@@ -256,6 +288,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.nonfinite = options.get("nonfinite", "propagate")
         self.skipped_steps = options.get("skipped_steps", 0)
         self._clip_order = ClipOrder()  # the copy's parameters are others: their model is searched for again
+        self._update_on = options.get("_update_on", "host")
         self._pin_memory = bool(options.get("_pin_memory", False))
         self._pipeline_options = dict(options.get("_pipeline_options", {"transfer_pipeline": False,
                                                                            "offload_gradients": False,
@@ -275,6 +308,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             pipeline.refuse_mid_step("add a parameter group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        group.setdefault(PLACEMENT_KEY, getattr(self, "_update_on", "host"))
         for index, p in enumerate(group["params"]):
             if torch.is_complex(p):
                 raise ValueError(
@@ -283,8 +317,21 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
             if not p.is_floating_point():
                 raise ValueError(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
+        try:
+            placement = _placement.group_placement(group, len(self.param_groups) - 1)
+            if placement != "host" and pipeline is None and hasattr(self, "_pipeline_options"):
+                raise ValueError(self._needs_pipeline(len(self.param_groups) - 1, placement))
+        except ValueError:
+            self.param_groups.pop()  # a refused group is not added
+            raise
         if pipeline is not None:
             pipeline.refresh()  # hooks for the new parameters before the next backward, whose clipping must count them
+
+    @staticmethod
+    def _needs_pipeline(group_index: int, placement: str) -> str:
+        return (f"param_groups[{group_index}] has {PLACEMENT_KEY}={placement!r}, whose update runs on the device through "
+                "the transfer pipeline, but this optimizer has none (transfer_pipeline=False, or created with host "
+                "groups only): create it with transfer_pipeline=True, or keep the group on update_on='host'")
 
     def _describe(self, group: dict[str, Any], index: int) -> str:
         """The parameter's name where names were given, else its place and shape."""
@@ -341,7 +388,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------- transfer pipeline
 
     def _setup_pipeline(self, offload_gradients: bool, transfer_pipeline: bool | None, bucket_bytes: int, pin_memory: bool | None,
-                        update_in_backward: bool = False) -> None:
+                        update_in_backward: bool = False, stream_chunk_bytes: int = 64 << 20,
+                        stream_buffers: int = 2) -> None:
         """The device path (accel/pipeline.py): hooks, exactly-sized pinned buffers, streams, bucketed step."""
         params = [p for g in self.param_groups for p in g["params"]]
         sharded = any(_distributed.is_dtensor(p) for p in params)
@@ -349,11 +397,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError("update_in_backward=True needs the transfer pipeline (transfer_pipeline=False was given)")
         if update_in_backward and transfer_pipeline is None:
             transfer_pipeline = True
+        placements = [_placement.group_placement(g, gi) for gi, g in enumerate(self.param_groups)]
+        on_device = next((gi for gi, name in enumerate(placements) if name != "host"), None)
         if transfer_pipeline is None:
             # Meta parameters hold no data and say nothing about where they will live: they do not switch it on.
-            transfer_pipeline = offload_gradients or (
+            transfer_pipeline = offload_gradients or on_device is not None or (
                 any(p.device.type not in ("cpu", "meta") for p in params) and not sharded
             )
+        if on_device is not None and not transfer_pipeline:
+            raise ValueError(self._needs_pipeline(on_device, placements[on_device]))
         if offload_gradients and not transfer_pipeline:
             raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
         if not transfer_pipeline:
@@ -362,6 +414,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._pin_memory = False  # the pipeline's own exact pinned buffers carry every transfer
         self._pipeline = GradientPipeline(self, PipelineConfig(
             offload_gradients=offload_gradients, bucket_bytes=bucket_bytes, update_in_backward=update_in_backward,
+            stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers,
         ))
         # The pipeline holds this optimizer weakly: when the user lets it go, its hooks and threads go with it.
         weakref.finalize(self, self._pipeline.close)
@@ -499,33 +552,112 @@ class OffloadAdamW(torch.optim.Optimizer):
         return skip
 
     def preflight(self, fresh: list[tuple[int, int]]) -> None:
-        """Fail early, with the figures, when the state about to be created cannot fit in host memory.
+        """Fail early, with the figures, when the state about to be created cannot fit where it goes.
 
-        Then the state of every parameter in ``fresh`` is created, all or none, before any group
-        is updated: a step whose allocation fails raises MemoryError and changes nothing.
+        The state of a host or streamed group goes to host memory (the host pre-flight), that of a resident
+        group (``update_on="device"``) to its device (the device pre-flight, optim/placement.py); a state
+        whose group changed placement since is moved to its new home, checked likewise. Then the state of
+        every parameter in ``fresh`` is created, all or none, before any group is updated: a step whose
+        allocation fails raises MemoryError and changes nothing.
         """
+        homes = {(gi, i): self._home(gi, _distributed.local_tensor(p))
+                 for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])}
+        moves = [(gi, i) for (gi, i), (device, pin) in homes.items()
+                 if self.state.get(self.param_groups[gi]["params"][i])
+                 and _placement.misplaced(self.state[self.param_groups[gi]["params"][i]],
+                                          _distributed.local_tensor(self.param_groups[gi]["params"][i]), device, pin)]
+        if not fresh and not moves:
+            return
+        host_fresh = [(gi, i) for gi, i in fresh if homes[(gi, i)][0].type == "cpu"]
+        if host_fresh:
+            _preflight.check_host_memory([(self.param_groups[gi], i) for gi, i in host_fresh],
+                                         pin_memory=any(homes[w][1] for w in host_fresh))
+        device_bytes: dict[torch.device, int] = {}
+        for gi, i in fresh:
+            if homes[(gi, i)][0].type != "cpu":
+                local = _distributed.local_tensor(self.param_groups[gi]["params"][i])
+                bill = bills.tensor_state_bytes(local.numel(), host_state.dtype_name(local.dtype), on_host=False,
+                                                amsgrad=self.param_groups[gi]["amsgrad"])
+                device_bytes[homes[(gi, i)][0]] = device_bytes.get(homes[(gi, i)][0], 0) + bill.moments + bill.master
+        host_bytes = 0
+        for gi, i in moves:
+            p = self.param_groups[gi]["params"][i]
+            nbytes = _placement.moved_bytes(self.state[p], _distributed.local_tensor(p))
+            device = homes[(gi, i)][0]
+            if device.type == "cpu":
+                host_bytes += nbytes
+            else:
+                device_bytes[device] = device_bytes.get(device, 0) + nbytes
+        for device, nbytes in device_bytes.items():
+            _placement.check_device_memory(device, nbytes, "optimizer state of update_on='device' groups")
+        if host_bytes:
+            self.check_host_buffers(host_bytes, "optimizer state moved back to host memory")
+        for gi, i in moves:
+            p = self.param_groups[gi]["params"][i]
+            _placement.place_state_(self.state[p], _distributed.local_tensor(p), *homes[(gi, i)])
         if fresh:
-            _preflight.check_host_memory([(self.param_groups[gi], i) for gi, i in fresh], pin_memory=self._pin_memory)
-            self._allocate_state(fresh)
+            self._allocate_state(fresh, homes)
 
-    def _allocate_state(self, fresh: list[tuple[int, int]]) -> None:
+    def _home(self, group_index: int, local: Tensor) -> tuple[torch.device, bool]:
+        """(device, pinned) where the state of ``local`` (a parameter of group ``group_index``) lives."""
+        placement = _placement.group_placement(self.param_groups[group_index], group_index)
+        pins = self._pipeline is not None and self._pipeline.engine.pins(local.device)
+        return _placement.home_of(placement, local, pin_default=self._pin_memory, pins=pins)
+
+    def _allocate_state(self, fresh: list[tuple[int, int]], homes: dict[tuple[int, int], tuple[torch.device, bool]]) -> None:
         created: dict[Tensor, dict[str, Tensor]] = {}
         for gi, i in fresh:
             group = self.param_groups[gi]
             p = group["params"][i]
+            device, pin = homes[(gi, i)]
             try:
-                created[p] = host_state.new_state(_distributed.local_tensor(p), amsgrad=group["amsgrad"], pin=self._pin_memory)
+                created[p] = _placement.new_state_at(_distributed.local_tensor(p), amsgrad=group["amsgrad"], device=device,
+                                                     pin=pin)
             except (RuntimeError, MemoryError) as exc:
                 created.clear()  # what was allocated so far goes back
-                if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+                if not isinstance(exc, MemoryError) and "allocate" not in str(exc) and "out of memory" not in str(exc):
                     raise
+                where = "host" if device.type == "cpu" else str(device)
                 raise MemoryError(
-                    f"OffloadAdamW could not allocate the host state of {self.describe_param(gi, i)} "
+                    f"OffloadAdamW could not allocate the {where} state of {self.describe_param(gi, i)} "
                     f"({type(exc).__name__}: {exc}); no state or parameter was changed. Free host memory, raise the "
                     "address-space limit (ulimit -v) or shard the optimizer over more processes."
                 ) from exc
         for p, state in created.items():
             self.state[p].update(state)
+
+    def state_operands(self, group_index: int, params: list[Tensor]) -> tuple[StepHyper, list[StateOperands]]:
+        """The hyperparameters of group ``group_index`` and each parameter's state as the device-side update of a
+        streamed or resident group takes it (optim/placement.py); the pre-flight created the state."""
+        group = self.param_groups[group_index]
+        hp = _update.step_hyper(group)
+        if isinstance(group["lr"], Tensor) and group["lr"].device.type != "cpu":
+            hp = dataclasses.replace(hp, lr=group["lr"])  # torch's fused AdamW reads a device lr on its device
+        operands = []
+        for p in params:
+            local = _distributed.local_tensor(p)
+            operands.append(_placement.state_operands(group, local, self.state[p], pin=self._home(group_index, local)[1]))
+        return hp, operands
+
+    def check_device_buffers(self, nbytes: int, device: torch.device, label: str) -> None:
+        """Fail early, with the figures, when the pipeline's device buffers (``label``) cannot fit on ``device``
+        (the CPU as device: in host memory)."""
+        if device.type == "cuda":
+            _placement.check_device_memory(device, nbytes, f"{label} buffers")
+        else:
+            self.check_host_buffers(nbytes, label)
+
+    def device_buffer_bytes(self) -> int:
+        """Device bytes this optimizer holds, as allocated: the ring buffers of streamed groups (and the widening buffer
+        of resident ones) and the state of ``update_on="device"`` groups (its moments and masters; the step counts stay
+        in host memory). On the CPU as device these bytes are host memory (``host_state_bytes`` counts the state too)."""
+        total = 0 if self._pipeline is None else self._pipeline.placements.device_buffer_bytes()
+        for gi, group in enumerate(self.param_groups):
+            if _placement.group_placement(group, gi) == "device":
+                for p in group["params"]:
+                    total += sum(v.numel() * v.element_size() for k, v in self.state.get(p, {}).items()
+                                 if k != "step" and isinstance(v, Tensor))
+        return total
 
     def check_host_buffers(self, nbytes: int, label: str) -> None:
         """Fail early, with the figures, when the pipeline's host buffers (``label``) cannot fit in host memory."""
@@ -597,6 +729,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
             self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
             return loss
+        for gi, group in enumerate(self.param_groups):  # a typo, or a group moved off the host between steps
+            if _placement.group_placement(group, gi) != "host":
+                raise RuntimeError(self._needs_pipeline(gi, group[PLACEMENT_KEY]))
 
         present = [
             (gi, i, p, p.grad)
@@ -660,7 +795,26 @@ class OffloadAdamW(torch.optim.Optimizer):
         if isinstance(out, dict) and isinstance(out.get("state"), dict):
             out = dict(out)
             out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
+        if isinstance(out, dict) and isinstance(out.get("param_groups"), list):
+            # Where this process runs a group's update is not state: the saved state is the same whatever the placement.
+            out["param_groups"] = [{k: v for k, v in g.items() if k != PLACEMENT_KEY} if isinstance(g, dict) else g
+                                   for g in out["param_groups"]]
         return out
+
+    def _place_loaded(self, groups: list[dict[str, Any]], states: dict[Tensor, dict[str, Any]]) -> None:
+        """Loaded states go where their group's placement (this optimizer's own) keeps them, before the commit."""
+        device_bytes: dict[torch.device, int] = {}
+        homes = {}
+        for gi, group in enumerate(groups):
+            for p in group["params"]:
+                local = _distributed.local_tensor(p)
+                if p in states and _placement.group_placement(group, gi) == "device" and local.device.type == "cuda":
+                    homes[p] = local.device
+                    device_bytes[local.device] = device_bytes.get(local.device, 0) + _placement.moved_bytes(states[p], local)
+        for device, nbytes in device_bytes.items():
+            _placement.check_device_memory(device, nbytes, "loaded optimizer state of update_on='device' groups")
+        for p, device in homes.items():
+            _placement.place_state_(states[p], _distributed.local_tensor(p), device, False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of OffloadAdamW or torch.optim.AdamW, all or nothing (optim/loading.py).
@@ -679,6 +833,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         new_groups, new_state = _loading.prepare_load(self, state_dict, pin=self._pin_memory)
+        self._place_loaded(new_groups, new_state)
         # Commit: nothing above touched the optimizer or the parameters.
         self.param_groups = new_groups
         self.state = new_state
