@@ -681,8 +681,9 @@ def plan(
     (in any order, on any threads, each once) updates each listed tensor's first
     ``done[i]`` elements (a multiple of 64); tensors absent from ``done`` are left to the
     caller. Where ``take_model_edits[i]``, the loop takes the model copy's edits first
-    (kernels/edits.py). The inputs are the blocked kernel's: flat, contiguous host tensors (memory-order
-    views whose element k pairs with element k of the others).
+    (kernels/edits.py). The inputs are the blocked kernel's: dense host tensors, the operands of each
+    tensor in one layout, read and written in memory order from their first element (the k-th element
+    in memory of each pairs with the k-th of the others).
     """
     done: dict[int, int] = {}
     if torch.compiler.is_compiling():
@@ -737,10 +738,12 @@ def plan(
         for i, stop, row_scalars in work:
             tensors = (masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
                        max_exp_avg_sqs[i] if hp.amsgrad else None, model_params[i] if model_params is not None else None)
+            # (first address, bytes per element) of each operand; an absent one stays at address 0
+            bases = [(0, 0) if t is None else (t.data_ptr(), t.element_size()) for t in tensors]
             start = 0
             while start < stop:
                 take = min(stop - start, room)
-                rows.append([0 if t is None else _address(t, start) for t in tensors] + [take, row_scalars])
+                rows.append([a + start * size if a else 0 for a, size in bases] + [take, row_scalars])
                 start += take
                 room -= take
                 if room == 0:
