@@ -13,7 +13,7 @@ import sys
 
 from offload_adamw.benchmarking.host_step import ALL_CASES, BenchConfig, run_benchmark
 from offload_adamw.benchmarking.host_step_report import format_report, write_plot
-from offload_adamw.benchmarking.workload import MIB
+from offload_adamw.benchmarking.workload import MIB, MIXES
 from offload_adamw.cli import common
 
 
@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="elements of the thread-scaling measurement, or 'none' to skip it (default 16M)")
     parser.add_argument("--scaling-threads", default=None,
                         help="comma-separated thread counts for the scaling measurement (default 1..all CPUs)")
+    parser.add_argument("--mixes", default=None,
+                        help="comma-separated named mixes of tensor shapes timed after the sizes, or 'none' "
+                             f"({', '.join(MIXES)}; default: all, none with --quick)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
     common.add_json_argument(parser, what="all numbers")
     common.add_plot_argument(parser, what="a bar chart and the thread scaling")
@@ -73,6 +76,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise _usage(f"--cases: unknown case(s) {unknown or [args.cases]}; choose from {', '.join(ALL_CASES)}")
     if not sizes:
         raise _usage(f"--sizes: no size in {args.sizes!r}")
+    if args.mixes is None:
+        mixes: tuple[str, ...] = () if args.quick else tuple(MIXES)
+    else:
+        mixes = tuple(m.strip() for m in args.mixes.split(",") if m.strip() and m.strip().lower() != "none")
+        unknown_mixes = [m for m in mixes if m not in MIXES]
+        if unknown_mixes:
+            raise _usage(f"--mixes: unknown mix(es) {unknown_mixes}; choose from {', '.join(MIXES)} or none")
     if args.repeats < 1:
         raise _usage("--repeats must be at least 1")
     if args.warmup < 0:
@@ -82,10 +92,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.quick:
         return BenchConfig(sizes=(MIB, 4 * MIB), repeats=3, warmup=1, cases=cases, bandwidth_elements=16 * MIB,
                            scaling_size=MIB if scaling_size else None, scaling_threads=scaling_threads,
-                           parity_elements=256 * 1024)
+                           parity_elements=256 * 1024, mixes=mixes)
     return BenchConfig(sizes=sizes, repeats=args.repeats, warmup=args.warmup, cases=cases,
                        bandwidth_elements=args.bandwidth_elements, scaling_size=scaling_size,
-                       scaling_threads=scaling_threads)
+                       scaling_threads=scaling_threads, mixes=mixes)
 
 
 def run(args: argparse.Namespace) -> int:
