@@ -217,3 +217,23 @@ def test_bench_cli_times_a_named_mix_like_a_size(tmp_path, capsys, monkeypatch):
     assert any(t["mix"] == "tiny-layers" and "torch fused float32" in t["target"] for t in result["targets"])
     assert cli.main(["bench", "--mixes", "nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, mixes", [
+    ([], ("llama-layers",)),  # the default run times the mix beside the default sizes
+    (["--sizes", "64K"], ()),  # chosen sizes: only those
+    (["--quick"], ()),  # a smoke run
+    (["--sizes", "64K", "--mixes", "llama-layers"], ("llama-layers",)),
+    (["--mixes", "none"], ()),
+])
+def test_which_mixes_a_run_times(argv, mixes):
+    import argparse
+
+    from offload_adamw.cli.bench import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(argv))
+    assert config.mixes == mixes
+    assert config.sizes == ((16 * 2**20, 64 * 2**20, 256 * 2**20) if "--sizes" not in argv and "--quick" not in argv
+                            else config.sizes)

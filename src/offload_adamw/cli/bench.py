@@ -33,10 +33,12 @@ def parse_size(text: str) -> int:
 
 # --------------------------------------------------------------------- CLI
 
+_DEFAULT_SIZES = "16M,64M,256M"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default="16M,64M,256M",
-                        help="comma-separated element counts, K/M/G = 2**10/20/30 (default 16M,64M,256M)")
+    parser.add_argument("--sizes", default=None,
+                        help=f"comma-separated element counts, K/M/G = 2**10/20/30 (default {_DEFAULT_SIZES})")
     parser.add_argument("--repeats", type=int, default=BenchConfig.repeats,
                         help=f"timed repetitions per case, in rotated order (default {BenchConfig.repeats})")
     parser.add_argument("--warmup", type=int, default=BenchConfig.warmup,
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated thread counts for the scaling measurement (default 1..all CPUs)")
     parser.add_argument("--mixes", default=None,
                         help="comma-separated named mixes of tensor shapes timed after the sizes, or 'none' "
-                             f"({', '.join(MIXES)}; default: all, none with --quick)")
+                             f"({', '.join(MIXES)}; default: all with the default sizes, none with --sizes or --quick)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
     common.add_json_argument(parser, what="all numbers")
     common.add_plot_argument(parser, what="a bar chart and the thread scaling")
@@ -64,7 +66,7 @@ def _usage(message: str) -> common.UsageError:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration; a bad argument raises common.UsageError (exit status 2) naming it."""
     try:
-        sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
+        sizes = tuple(parse_size(s) for s in (_DEFAULT_SIZES if args.sizes is None else args.sizes).split(",") if s.strip())
         scaling_size = None if args.scaling_size.strip().lower() == "none" else parse_size(args.scaling_size)
         scaling_threads = (tuple(int(t) for t in args.scaling_threads.split(",") if t.strip())
                            if args.scaling_threads else None)
@@ -76,8 +78,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise _usage(f"--cases: unknown case(s) {unknown or [args.cases]}; choose from {', '.join(ALL_CASES)}")
     if not sizes:
         raise _usage(f"--sizes: no size in {args.sizes!r}")
-    if args.mixes is None:
-        mixes: tuple[str, ...] = () if args.quick else tuple(MIXES)
+    if args.mixes is None:  # the default run times every mix; a run of chosen sizes (or a smoke run) only those
+        mixes: tuple[str, ...] = () if args.quick or args.sizes is not None else tuple(MIXES)
     else:
         mixes = tuple(m.strip() for m in args.mixes.split(",") if m.strip() and m.strip().lower() != "none")
         unknown_mixes = [m for m in mixes if m not in MIXES]
