@@ -68,7 +68,7 @@ def test_bench_cli_end_to_end(tmp_path, capsys):
     cases = "ours-bf16,ours-fp32,torch-fused-fp32,torch-naive-bf16"
     status = cli.main(["bench", "--sizes", "64K", "--repeats", "3", "--warmup", "1", "--cases", cases,
                        "--bandwidth-elements", "1M", "--scaling-size", "64K", "--scaling-threads", "1,2",
-                       "--json", str(json_path), "--plot", str(png_path)])
+                       "--mixes", "none", "--json", str(json_path), "--plot", str(png_path)])
     out = capsys.readouterr().out
     assert status == 0
     assert "targets:" in out and "in-place triad" in out and "thread scaling" in out
@@ -154,3 +154,86 @@ def test_bitwise_comparison_sees_signed_zeros_and_nans_and_counts_elements():
     assert same_bits(wide.t(), wide.t().contiguous())  # compared by value, whatever the layout
     with pytest.raises(ValueError, match="cannot compare"):
         differing_elements(wide, wide.t())
+
+
+def test_the_llama_layer_mix_is_thirty_tensors_of_a_llama_layers_shapes():
+    from offload_adamw.benchmarking.workload import MIXES, llama_layer_mix
+
+    shapes = llama_layer_mix()
+    assert MIXES["llama-layers"] == shapes and len(shapes) == 30
+    assert sum(math.prod(s) for s in shapes) == 50_512_896  # 50.5 M elements
+    assert set(shapes) == {(4096, 4096), (1024, 4096), (11008,), (4096,)}
+    assert sum(len(s) == 1 for s in shapes) == 24  # most tensors are small vectors ...
+    assert sum(math.prod(s) for s in shapes if len(s) == 2) > 0.99 * 50_512_896  # ... most elements are in matrices
+
+
+def test_the_host_model_and_staging_cases_compute_the_parity_bits():
+    """One step of each, from the workload's state: the bits of torch's fused step on float32 copies, then
+    the round-to-nearest copy (the host model into its parameters, the staging case into the staging buffers)."""
+    import torch
+
+    from offload_adamw.benchmarking.host_step import HOST_MODEL, STAGING, build_cases
+    from offload_adamw.benchmarking.workload import HYPER, make_workload
+
+    shapes = [(64, 48), (1001,), (4096,)]
+    ref = make_workload(0, seed=3, shapes=shapes)
+    params = [torch.nn.Parameter(m.clone()) for m in ref.master]
+    opt = torch.optim.AdamW(params, **HYPER, fused=True)
+    for p, g in zip(params, ref.grad16):
+        p.grad = g.float()
+    opt.step()
+    want = [p.detach().to(torch.bfloat16) for p in params]
+    for name in (HOST_MODEL, STAGING):
+        w = make_workload(0, seed=3, shapes=shapes)
+        cases = build_cases(w, (name,), {})
+        before = [m.clone() for m in w.model16]
+        cases[name]()
+        if name == STAGING:  # the staging buffers (the workload's bf16 copy) receive round(master)
+            got = w.model16
+        else:  # the host model updates its own parameters; the shared copy is left alone
+            assert all(torch.equal(a, b) for a, b in zip(before, w.model16))
+            opt_step = cases[name]
+            got = [p.detach() for p in opt_step.__self__.param_groups[0]["params"]]
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+
+
+def test_bench_cli_times_a_named_mix_like_a_size(tmp_path, capsys, monkeypatch):
+    from offload_adamw.benchmarking import workload
+
+    monkeypatch.setitem(workload.MIXES, "tiny-layers", [(256, 64), (64, 64), (11008,), (4096,), (4096,)])
+    json_path = tmp_path / "bench.json"
+    cases = "ours-bf16,ours-bf16-host-model,ours-bf16-staging,torch-fused-fp32"
+    status = cli.main(["bench", "--sizes", "64K", "--repeats", "2", "--warmup", "1", "--cases", cases,
+                       "--bandwidth-elements", "1M", "--scaling-size", "none", "--mixes", "tiny-layers",
+                       "--json", str(json_path)])
+    out = capsys.readouterr().out
+    assert status == 0
+    result = json.loads(json_path.read_text())
+    plain, mix = result["sizes"]
+    assert plain["mix"] is None and mix["mix"] == "tiny-layers" and mix["tensors"] == 5
+    assert mix["elements"] == 256 * 64 + 64 * 64 + 11008 + 2 * 4096 and set(mix["cases"]) == set(cases.split(","))
+    assert "tiny-layers mix" in out
+    assert any(t["mix"] == "tiny-layers" and "torch fused float32" in t["target"] for t in result["targets"])
+    assert cli.main(["bench", "--mixes", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, mixes", [
+    ([], ("llama-layers",)),  # the default run times the mix beside the default sizes
+    (["--sizes", "64K"], ()),  # chosen sizes: only those
+    (["--quick"], ()),  # a smoke run
+    (["--sizes", "64K", "--mixes", "llama-layers"], ("llama-layers",)),
+    (["--mixes", "none"], ()),
+])
+def test_which_mixes_a_run_times(argv, mixes):
+    import argparse
+
+    from offload_adamw.cli.bench import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(argv))
+    assert config.mixes == mixes
+    assert config.sizes == ((16 * 2**20, 64 * 2**20, 256 * 2**20) if "--sizes" not in argv and "--quick" not in argv
+                            else config.sizes)

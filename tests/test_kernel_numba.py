@@ -11,10 +11,11 @@ without numba the chunk loop runs with the same bits after one warning; the deca
 factor where one and two roundings differ; ``compiled_kernel=True`` is deprecated and
 changes no bit.
 
-Threads: the loop runs on ``torch.get_num_threads()`` worker threads (one thread: the
-caller's), starts no thread pool of its own (no oversubscription with torch's intra-op
-threads); a DataLoader with ``num_workers=2`` forked after a step works; two optimizers
-stepping from two threads at once compute what they compute one after the other.
+Threads: the loop runs on ``torch.get_num_threads()`` threads, the caller's and workers (one
+thread: the caller's alone), many small tensors in a few calls, starts no thread pool of its
+own (no oversubscription with torch's intra-op threads); a DataLoader with ``num_workers=2``
+forked after a step works; two optimizers stepping from two threads at once compute what they
+compute one after the other.
 """
 
 from __future__ import annotations
@@ -377,9 +378,71 @@ def test_torch_set_num_threads_is_honoured(threads, batch_threads):
     assert len(batch_threads) >= 4 * threads  # enough batches for every worker to take some
     if threads == 1:
         assert set(batch_threads) == {threading.main_thread()}  # no pool at all: the caller's thread
-    else:
-        assert all(t.name.startswith("offload-adamw") for t in batch_threads)
+    else:  # the pool's workers and the calling thread, which takes batches too: never more than torch's count
+        caller = threading.current_thread()
+        assert all(t.name.startswith("offload-adamw") or t is caller for t in batch_threads)
         assert 1 <= len(set(batch_threads)) <= threads
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("follow", [False, True], ids=["staging", "edits-taken"])
+def test_many_small_tensors_are_batched_into_few_loop_calls_with_the_same_bits(threads, follow, batch_threads, coverage):
+    """300 tensors of 64 to 5000 elements (some ragged, one 0-dim, some of another layout): a few calls of
+    the loop cover all of them, each tensor's bits are the parity definition's, and the ragged tails go
+    through the chunk loop."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = [int(x) for x in torch.randint(64, 5000, (300,), generator=gen)]
+    ts = [_tensors(n, torch.bfloat16, torch.bfloat16, seed=k) for k, n in enumerate(sizes)]
+    ts.append(_tensors(1, torch.bfloat16, torch.bfloat16, seed=999))
+    ts[0] = {k: (v.reshape(1, -1) if v is not None and v.dim() else v) for k, v in ts[0].items()}  # a size-1 dimension
+    for t in ts:
+        t["out"].copy_(t["master"])  # the model copy holds round(master): no element is an edit
+    refs = [{k: (v.clone() if v is not None else None) for k, v in t.items()} for t in ts]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for _ in range(2):
+            blocked_adamw_([t["master"] for t in ts], [t["grad"] for t in ts], [t["m"] for t in ts], [t["v"] for t in ts],
+                           [], [t["step"] for t in ts], [t["out"] for t in ts], HP,
+                           take_model_edits=[follow] * len(ts))
+            for ref in refs:
+                _reference_step(ref, HP)
+    finally:
+        torch.set_num_threads(before)
+    for t, ref in zip(ts, refs):
+        assert _same_state(t, ref)
+        assert torch.equal(t["out"].view(torch.int16), ref["master"].to(torch.bfloat16).view(torch.int16))
+    total = sum(n - n % numba_loop.ALIGN for n in sizes)
+    assert all(len(done) == sum(n >= numba_loop.ALIGN for n in sizes) for done in coverage)
+    # every batch covers at least 64 Ki elements (or the rest): far fewer calls than tensors
+    assert len(batch_threads) <= 2 * (total // (64 * 1024) + 1) < len(ts) / 10
+
+
+def test_an_error_in_a_batch_reaches_the_caller_after_every_worker_stopped(monkeypatch):
+    real = numba_loop._run
+    calls = []
+    running = []
+
+    def failing(*args):
+        calls.append(threading.current_thread())
+        if len(calls) == 3:
+            raise RuntimeError("batch 3 failed")
+        running.append(1)
+        try:
+            return real(*args)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(numba_loop, "_run", failing)
+    t = _tensors(1 << 20, torch.bfloat16, torch.bfloat16, seed=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match="batch 3 failed"):
+            blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP)
+    finally:
+        torch.set_num_threads(before)
+    assert not running  # no batch still writing when the error came back
 
 
 def _tasks() -> int:

@@ -26,6 +26,7 @@ from offload_adamw.planning.planner import (
     HardwareConfig,
     TrainingConfig,
     activation_bytes,
+    fsdp_rank_host_bytes,
     plan,
     predict_host_optimizer_bytes,
 )
@@ -133,6 +134,22 @@ def test_offload_adamw_host_bill_equals_the_prediction_for_the_shards():
     assert state == 4 * predict_host_optimizer_bytes(shards)  # four ranks per node
 
 
+@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_every_host_placement_bills_per_rank_what_fsdp_rank_host_bytes_says(accumulation, amsgrad):
+    # The strategies with every group on the host are priced through the placement model; what they bill per
+    # rank must be what one rank's OffloadAdamW allocates (fsdp_rank_host_bytes, measured in test_integrations_fsdp).
+    hardware = HardwareConfig(gpus_per_node=4, nodes=1)
+    result = plan(SMALL, hardware, TrainingConfig(grad_accumulation=accumulation, amsgrad=amsgrad))
+    full = [shape for _, shape in SMALL.parameter_shapes()]
+    for name, host_accumulation in (("fsdp+offload-adamw", False),
+                                    ("fsdp+offload-adamw+offload-grads", accumulation > 1)):
+        s = result.strategy(name)
+        expected = fsdp_rank_host_bytes(full, world=4, amsgrad=amsgrad, host_accumulation=host_accumulation)
+        assert s.host_per_rank == expected, name
+        assert s.host.total - s.host.reserved == 4 * expected.total, name
+
+
 def test_accumulation_costs_offload_grads_traffic_but_not_plain_offload():
     one = plan(SMALL, ONE_GPU, TrainingConfig(grad_accumulation=1))
     four = plan(SMALL, ONE_GPU, TrainingConfig(grad_accumulation=4))
@@ -212,15 +229,22 @@ def test_70b_on_8x80gb():
     assert result.recommendation in result.reason and "fsdp (" in result.reason
 
 
-def test_70b_is_not_told_to_use_a_strategy_this_project_lacks(capsys, monkeypatch):
+def test_70b_is_told_the_mix_of_placements_and_the_param_groups_to_pass(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # wide enough that no strategy name is wrapped
     result = plan(PRESETS["llama-3-70b"], HardwareConfig(), TrainingConfig())
-    assert result.strategy("fsdp+streamed-state").fits  # it would be the fastest, but it is not provided
-    assert result.recommendation.startswith("fsdp+offload-adamw")
+    streamed, mixed = result.strategy("fsdp+streamed-state"), result.strategy(planner.MIX)
+    host = result.strategy("fsdp+offload-adamw+offload-grads")
+    assert streamed.fits and not streamed.comparison and mixed.fits and not mixed.comparison
+    # some groups resident, the rest streamed: below every single placement's bound, within the GPU
+    assert mixed.mix.count("device") > 0 and mixed.mix.count("stream") > 0
+    assert mixed.step_time_lower_bound_s < streamed.step_time_lower_bound_s < host.step_time_lower_bound_s
+    assert mixed.gpu.total <= 80 * GB and result.recommendation == planner.MIX
     assert cli.main(["plan", "--preset", "llama-3-70b"]) == 0
     out = capsys.readouterr().out
-    assert "fsdp+streamed-state (comparison)" in out and "fsdp+cpu-offload (comparison)" in out
-    assert "Recommendation: fsdp+offload-adamw" in out
+    assert "fsdp+cpu-offload (comparison)" in out and "fsdp+streamed-state (comparison)" not in out
+    assert f"Recommendation: {planner.MIX}" in out and "Chosen mix of the 83 groups: " in out
+    assert f"bound {mixed.step_time_lower_bound_s:.2f} s" in out and f"{host.step_time_lower_bound_s:.2f} s" in out
+    assert "groups = named_param_groups(model, [" in out and 'default={"update_on": "stream"})' in out
 
 
 @settings(max_examples=40, deadline=None)
@@ -426,3 +450,14 @@ def test_cli_on_a_binary_or_unreadable_config_names_the_file(tmp_path, capsys, c
     assert cli.main(["plan", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith(f"offload-adamw plan: {path}: not "), err
+
+
+def test_the_70b_document_shows_what_the_command_prints(capsys, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.setenv("COLUMNS", "100")  # the width docs/plan-70b.md was produced at
+    assert cli.main(["plan", "--preset", "llama-3-70b"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "plan-70b.md").read_text(encoding="utf-8")
+    block = doc.split("```text\n", 1)[1].split("```", 1)[0].rstrip("\n")
+    assert block == printed, "docs/plan-70b.md is stale: regenerate it with COLUMNS=100 offload-adamw plan --preset llama-3-70b"

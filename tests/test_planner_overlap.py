@@ -31,6 +31,36 @@ def test_overlap_is_bounded_by_serial_and_by_the_busiest_part(fwd, bwd, host, d2
     assert unclipped.overlapped_s <= t.overlapped_s + tol, "clipping can only delay the updates"
 
 
+@settings(max_examples=300, deadline=None)
+@given(fwd=seconds, bwd=seconds, host=seconds, d2h=seconds, h2d=seconds, groups=st.integers(1, 64), clip=st.booleans(),
+       device=seconds, device_groups=st.integers(1, 64), shared=seconds)
+def test_a_device_lane_beside_the_host_lane_keeps_the_laws(fwd, bwd, host, d2h, h2d, groups, clip, device, device_groups,
+                                                          shared) -> None:
+    kwargs = dict(forward_s=fwd, backward_s=bwd, host_update_s=host, d2h_s=d2h, h2d_s=h2d, groups=groups,
+                  device_update_s=device, device_groups=device_groups, host_memory_s=shared)
+    t = step_times(StepTimeModel(**kwargs, clipping=clip))
+    tol = 1e-9 * (1 + t.serial_s)
+    assert t.overlapped_s <= t.serial_s + tol
+    assert t.serial_s == pytest.approx(fwd + bwd + max(d2h + host + h2d, device, shared), rel=1e-12, abs=1e-12)
+    assert t.overlapped_s >= fwd + max(device, shared) - tol  # neither lane nor host memory starts before forward ends
+    if clip:  # nothing of the device lane, nor of host memory's share, before backward ends
+        assert t.overlapped_s >= fwd + bwd + max(device, shared) - tol
+    host_alone = step_times(StepTimeModel(forward_s=fwd, backward_s=bwd, host_update_s=host, d2h_s=d2h, h2d_s=h2d,
+                                          groups=groups, clipping=clip))
+    assert t.overlapped_s >= host_alone.overlapped_s - tol  # another lane never makes the host lane faster
+    unclipped = step_times(StepTimeModel(**kwargs))
+    assert unclipped.overlapped_s <= t.overlapped_s + tol, "clipping can only delay the updates"
+
+
+def test_a_device_lane_hides_behind_backward_without_clipping() -> None:
+    t = step_times(StepTimeModel(forward_s=1, backward_s=4, host_update_s=0, d2h_s=0, h2d_s=0, device_update_s=2,
+                                 device_groups=100))
+    assert t.serial_s == pytest.approx(7.0) and t.overlapped_s == pytest.approx(5.0 + 2.0 / 100)
+    clipped = step_times(StepTimeModel(forward_s=1, backward_s=4, host_update_s=0, d2h_s=0, h2d_s=0, device_update_s=2,
+                                       device_groups=100, clipping=True))
+    assert clipped.overlapped_s == pytest.approx(7.0)
+
+
 def test_one_group_hides_nothing() -> None:
     t = step_times(StepTimeModel(forward_s=1, backward_s=2, host_update_s=3, d2h_s=0.5, h2d_s=0.5, groups=1))
     assert t.serial_s == pytest.approx(7.0) and t.overlapped_s == pytest.approx(7.0)
@@ -51,10 +81,12 @@ def test_with_clipping_only_the_copies_to_the_host_are_hidden() -> None:
     assert t.overlapped_s == pytest.approx(5.0 + 2.0 + 0.5 / 100)
 
 
-@pytest.mark.parametrize("field", ["forward_s", "backward_s", "host_update_s", "d2h_s", "h2d_s"])
+@pytest.mark.parametrize("field", ["forward_s", "backward_s", "host_update_s", "d2h_s", "h2d_s", "device_update_s",
+                                   "host_memory_s"])
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
 def test_bad_times_are_refused_by_name(field: str, bad: float) -> None:
-    kwargs = dict(forward_s=1.0, backward_s=1.0, host_update_s=1.0, d2h_s=1.0, h2d_s=1.0)
+    kwargs = dict(forward_s=1.0, backward_s=1.0, host_update_s=1.0, d2h_s=1.0, h2d_s=1.0, device_update_s=1.0,
+                  host_memory_s=1.0)
     kwargs[field] = bad
     with pytest.raises(ValueError, match=field):
         StepTimeModel(**kwargs)
@@ -87,6 +119,13 @@ def test_the_70b_plan_estimates_serial_and_overlapped_step_times() -> None:
         # the host update (5.6 s at 400 GB/s) is longer than backward: clipped, only the copies hide
         assert f.step_time_overlapped_s < c.step_time_overlapped_s < c.step_time_serial_s
         assert f.step_time_serial_s - f.step_time_overlapped_s > 4.0
+    # resident and streamed groups: no copy to hide with clipping, so serial and overlapped agree; without
+    # clipping the streamed updates start as their gradients arrive
+    for name in ("fsdp+streamed-state", "fsdp+placement-mix"):
+        c, f = clipped.strategy(name), free.strategy(name)
+        assert c.step_time_overlapped_s == pytest.approx(c.step_time_serial_s)
+        assert f.step_time_overlapped_s < c.step_time_overlapped_s
+        assert c.step_time_serial_s < clipped.strategy("fsdp+offload-adamw").step_time_serial_s
     gpu_only = clipped.strategy("fsdp")
     assert gpu_only.step_time_overlapped_s == pytest.approx(gpu_only.step_time_serial_s)
     assert clipped.as_dict()["strategies"][0]["step_time_serial_s"] is not None

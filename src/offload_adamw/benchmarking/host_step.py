@@ -7,8 +7,10 @@ Contract: in one run the benchmark
 2. checks, on a 1 Mi-element workload, that the default mixed step gives
    bitwise the same master, moments and bf16 copy as the naive path (the
    parity definition), and reports the result;
-3. per size (elements in a transformer's mix of tensor shapes), times one
-   optimizer step of each case below after ``warmup`` untimed steps;
+3. per size (elements in a transformer's mix of tensor shapes), and per named
+   mix of shapes (``mixes``, :data:`~offload_adamw.benchmarking.workload.MIXES`:
+   ``llama-layers``, 50.5 M elements in 30 tensors shaped like a Llama layer's),
+   times one optimizer step of each case below after ``warmup`` untimed steps;
    repetitions are interleaved and the case order is rotated by one at each
    repetition (A B C, B C A, C A B, ...), so that machine noise and the cache
    state a case inherits from its predecessor hit every case alike; reports
@@ -32,6 +34,15 @@ gradients and write a bf16 model copy):
   numba loop, the chunk loop for tails); ``ours-bf16-chunk-loop``: the chunk
   loop alone (the fallback where numba is unavailable); ``ours-fp32``: float32
   gradients and parameters (torch's fused op, as torch.optim.AdamW runs it);
+* ``ours-bf16-host-model``: ``OffloadAdamW.step()`` on a bf16 model in host
+  memory, as users run it: every per-tensor check of the step, and the kernel
+  reading each parameter first to take its edits since the last step
+  (docs/contract.md#edits-between-steps: 30 bytes per element). It has a master
+  and a model of its own, which only it writes, so its parameters hold
+  round(master) as in training and no element is taken as edited;
+  ``ours-bf16-staging``: ``OffloadAdamW.update_group`` with a staging buffer per
+  tensor and no edits to take, as the transfer pipeline calls it for a device
+  model's bucket (the staging buffers written, never read);
 * ``torch-fused-fp32``: ``torch.optim.AdamW(fused=True)`` on float32 parameters
   of the same size: the practical ceiling, the same arithmetic on the same 28
   bytes per element without casts; ``torch-foreach-fp32``,
@@ -51,8 +62,9 @@ gradients and write a bf16 model copy):
   reported); elsewhere they are skipped with the reason.
 
 Every case works on the same arrays (master, m, v, float32 and bf16 gradients,
-bf16 copy), about 20 bytes per element for all cases together; values drift from
-case to case, which does not change the work done.
+bf16 copy), about 20 bytes per element for all cases together (6 more for the
+host model's own master and parameters); values drift from case to case, which
+does not change the work done.
 """
 
 from __future__ import annotations
@@ -73,27 +85,35 @@ from offload_adamw.benchmarking.timing import summary, time_rotated, usable_cpus
 from offload_adamw.benchmarking.workload import (
     HYPER,
     MIB,
+    MIXES,
     Workload,
     format_size,
     make_workload,
     step_hyper,
     transformer_shapes,
 )
+from offload_adamw.contract.rules import MASTER_KEY
 from offload_adamw.kernels.adamw import adamw_update_
 from offload_adamw.kernels.blocked import BlockConfig, blocked_adamw_, chunk_loop_status
 from offload_adamw.kernels.numba_loop import numba_kernel_status
+from offload_adamw.optim.optimizer import OffloadAdamW
 
 MEMORY_ALLOWANCE = 64 * MIB  # what a step may allocate beyond its state
 
 TRIAD_CASE = "inplace-triad"  # timed in the same rotation: the ceiling under the same conditions
 TRIAD_BYTES_PER_ELEMENT = 12
 DEFAULT_MIXED = "ours-bf16"
+HOST_MODEL = "ours-bf16-host-model"
+STAGING = "ours-bf16-staging"
 NAIVE = "torch-naive-bf16"
 CEILING = "torch-fused-fp32"
 LOSSY_CASES = ("deepspeed-bf16-native",)
-BF16_CASES = (DEFAULT_MIXED, "ours-bf16-chunk-loop", NAIVE, "deepspeed-fp32+casts", "deepspeed-bf16-native")
+BF16_CASES = (DEFAULT_MIXED, HOST_MODEL, STAGING, "ours-bf16-chunk-loop", NAIVE, "deepspeed-fp32+casts",
+              "deepspeed-bf16-native")
 ALL_CASES = (
     DEFAULT_MIXED,
+    HOST_MODEL,
+    STAGING,
     "ours-bf16-chunk-loop",
     "ours-fp32",
     CEILING,
@@ -134,6 +154,8 @@ class BenchConfig:
     """Thread counts of the scaling measurement (None: 1, 2, ... all CPUs this process may use)."""
     parity_elements: int = MIB
     """Elements of the bitwise check of the default mixed step against the naive path (0: skip)."""
+    mixes: tuple[str, ...] = ("llama-layers",)
+    """Named mixes of tensor shapes (workload.MIXES) timed after the sizes, like a size."""
 
 
 # ------------------------------------------------------------------- cases
@@ -201,6 +223,31 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
 
         return step
 
+    def offload_optimizer(params: list[torch.nn.Parameter], master: list[torch.Tensor]) -> OffloadAdamW:
+        """OffloadAdamW over ``params`` with its state set to ``master`` and the shared moments."""
+        opt = OffloadAdamW(params, **HYPER)
+        for p, theta, m, v in zip(params, master, w.exp_avg, w.exp_avg_sq):
+            opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32), "exp_avg": m, "exp_avg_sq": v,
+                            MASTER_KEY: theta}
+        return opt
+
+    def host_model():
+        # its own master and bf16 parameters (round of it), written by no other case: no element is an edit
+        master = [m.clone() for m in w.master]
+        params = [torch.nn.Parameter(m.to(torch.bfloat16)) for m in master]
+        for p, g in zip(params, w.grad16):
+            p.grad = g
+        return offload_optimizer(params, master).step
+
+    def staging():
+        # the pipeline's call for a device model's bucket: (parameter, host gradient, staging buffer), the
+        # staging buffer receiving round(master); here the bf16 copy of the workload serves as staging
+        params = [torch.nn.Parameter(torch.empty_like(m)) for m in w.model16]
+        opt = offload_optimizer(params, w.master)
+        updates = list(zip(params, w.grad16, w.model16))
+        current = [False] * len(updates)
+        return lambda: opt.update_group(0, updates, current=current)
+
     ds_class = _deepspeed_class(info) if any(n.startswith("deepspeed") for n in names) else None
 
     def deepspeed_fp32():
@@ -232,6 +279,10 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
     for name in names:
         if name == DEFAULT_MIXED:
             cases[name] = ours(w.grad16, w.model16)
+        elif name == HOST_MODEL:
+            cases[name] = host_model()
+        elif name == STAGING:
+            cases[name] = staging()
         elif name == "ours-bf16-chunk-loop":
             cases[name] = ours(w.grad16, w.model16, BlockConfig(numba_loop=False))
         elif name == "ours-fp32":
@@ -267,10 +318,13 @@ def build_cases(w: Workload, names: tuple[str, ...], info: dict) -> dict[str, Ca
 # --------------------------------------------------------------------- run
 
 
-def run_size(total: int, config: BenchConfig, info: dict, progress: bool = False) -> dict:
-    w = make_workload(total)
+def run_size(total: int, config: BenchConfig, info: dict, progress: bool = False, mix: str | None = None) -> dict:
+    """One size (or, with ``mix``, the named mix of shapes: ``total`` is then ignored), every case rotated."""
+    shapes = MIXES[mix] if mix is not None else transformer_shapes(total)
+    w = make_workload(total, shapes=shapes)
     cases = build_cases(w, config.cases, info)
-    samples, extras = time_rotated(cases, config.warmup, config.repeats, f"{format_size(total)} elements", progress)
+    label = f"{mix} mix" if mix is not None else f"{format_size(total)} elements"
+    samples, extras = time_rotated(cases, config.warmup, config.repeats, label, progress)
     n = w.elements
     state_bytes = sum(t.numel() * t.element_size() for t in w.master + w.exp_avg + w.exp_avg_sq)
     triad = summary(samples.pop(TRIAD_CASE), n)
@@ -285,7 +339,8 @@ def run_size(total: int, config: BenchConfig, info: dict, progress: bool = False
     gc.collect()  # optimizers hold reference cycles; free this size's arrays before the next
     return {
         "elements": n,
-        "tensors": len(transformer_shapes(total)),
+        "tensors": len(shapes),
+        "mix": mix,
         "state_bytes": state_bytes,
         "inplace_triad_gbps": triad_gbps,
         "inplace_triad_ms": triad["ms_per_step"],
@@ -349,7 +404,8 @@ def targets(result: dict) -> list[dict]:
         checks.append((f"{DEFAULT_MIXED} extra memory in a step (MiB, at most)", extra, MEMORY_ALLOWANCE / MIB, True))
         for label, value, need, at_most in checks:
             met = None if value is None else (value <= need if at_most else value >= need)
-            out.append({"size": size["elements"], "target": label, "value": value, "required": need, "met": met})
+            out.append({"size": size["elements"], "mix": size.get("mix"), "target": label, "value": value,
+                        "required": need, "met": met})
     parity = result.get("parity")
     if parity is not None:
         out.append({"size": parity["elements"], "target": f"{DEFAULT_MIXED} bitwise equal to the naive path",
@@ -367,6 +423,8 @@ def run_benchmark(config: BenchConfig, *, progress: bool = False) -> dict:
         result["parity"] = parity_check(config.parity_elements)
     for total in config.sizes:
         result["sizes"].append(run_size(total, config, info, progress))
+    for mix in config.mixes:
+        result["sizes"].append(run_size(0, config, info, progress, mix=mix))
     if config.scaling_size:
         result["thread_scaling"] = thread_scaling(config.scaling_size, config, info, progress)
     info["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None

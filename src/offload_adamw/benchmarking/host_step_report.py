@@ -37,7 +37,7 @@ def format_report(result: dict) -> str:
     header = (f"{'case':22s} {'ms/step':>9s} {'min-max':>15s} {'G elem/s':>9s} {'GB/s@28B':>9s} {'of triad':>9s} "
               f"{'vs ref':>7s} {'step +MiB':>9s}")
     for size in result["sizes"]:
-        lines += ["", f"{format_size(size['elements'])} elements in {size['tensors']} tensors "
+        lines += ["", f"{_label(size)} in {size['tensors']} tensors "
                       f"(state {size['state_bytes'] / MIB:.0f} MiB); in-place triad in the same rotation: "
                       f"{size['inplace_triad_gbps']:.1f} GB/s = {size['inplace_triad_gbps'] / BYTES_PER_ELEMENT:.3f} "
                       f"G elements/s at {BYTES_PER_ELEMENT} B", header, "-" * len(header)]
@@ -66,8 +66,16 @@ def format_report(result: dict) -> str:
     for t in result["targets"]:
         value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-        lines.append(f"  {format_size(t['size']):>5s}  {t['target']:62s} {value:>7s} (need {t['required']:g}): {verdict}")
+        where = f"{t['mix']} mix" if t.get("mix") else format_size(t["size"])
+        lines.append(f"  {where:>5s}  {t['target']:62s} {value:>7s} (need {t['required']:g}): {verdict}")
     return "\n".join(lines)
+
+
+def _label(size: dict) -> str:
+    """'16M elements', or for a named mix of shapes 'llama-layers mix, 50,512,896 elements'."""
+    if size.get("mix"):
+        return f"{size['mix']} mix, {size['elements']:,} elements"
+    return f"{format_size(size['elements'])} elements"
 
 
 def write_plot(result: dict, path: str) -> None:
@@ -97,7 +105,7 @@ def write_plot(result: dict, path: str) -> None:
         ax.hlines(ceiling, k - width, k + 0.8, colors="black", linestyles="--", linewidth=1,
                   label="in-place triad / 28 B (same rotation)" if k == 0 else None)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(sizes))])
-    ax.set_xticklabels([f"{format_size(s['elements'])} elements" for s in sizes])
+    ax.set_xticklabels([_label(s) for s in sizes])
     ax.set_ylabel("G elements / s (median; bars: fastest and slowest repetition)")
     ax.set_title(f"AdamW host step, {result['machine']['cpu']}, {result['machine']['torch_threads']} threads", fontsize=9)
     top = max([s["inplace_triad_gbps"] / BYTES_PER_ELEMENT for s in sizes]

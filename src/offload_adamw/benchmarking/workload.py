@@ -1,8 +1,9 @@
 """The host-step benchmarks' workload: a transformer's mix of tensor shapes and the arrays of one step.
 
-Contract: :func:`transformer_shapes` sums to exactly the asked number of elements; :func:`make_workload` is
-reproducible from its seed (float32 master, moments at zero, float32 and bf16 gradients, bf16 model copy);
-:data:`HYPER` and :func:`step_hyper` are the hyperparameters every case steps with.
+Contract: :func:`transformer_shapes` sums to exactly the asked number of elements; :data:`MIXES` names fixed
+mixes of shapes (``llama-layers``: :func:`llama_layer_mix`); :func:`make_workload` is reproducible from its
+seed (float32 master, moments at zero, float32 and bf16 gradients, bf16 model copy), over the shapes of a
+size or of a mix; :data:`HYPER` and :func:`step_hyper` are the hyperparameters every case steps with.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from offload_adamw.kernels.adamw import StepHyper
 
-__all__ = ["BYTES_PER_ELEMENT", "MIB", "HYPER", "Workload", "transformer_shapes", "make_workload", "step_hyper",
-           "format_size"]
+__all__ = ["BYTES_PER_ELEMENT", "MIB", "HYPER", "MIXES", "Workload", "transformer_shapes", "llama_layer_mix",
+           "make_workload", "step_hyper", "format_size"]
 
 BYTES_PER_ELEMENT = 28  # docs/contract.md#traffic-bill: the ideal traffic of one host step
 MIB = 2**20
@@ -51,6 +52,22 @@ def transformer_shapes(total: int) -> list[tuple[int, ...]]:
     return shapes
 
 
+def llama_layer_mix() -> list[tuple[int, ...]]:
+    """50.5 M elements in 30 tensors shaped like a Llama layer's: twice q (4096 x 4096), k and v (1024 x 4096,
+    grouped-query attention), six vectors of the MLP's width (11008) and six of the model's (4096).
+
+    Most elements are in a few large matrices and most tensors are small vectors: the mix where what a
+    step spends per tensor shows, against torch's fused step over the same tensors.
+    """
+    half: list[tuple[int, ...]] = [(4096, 4096), (1024, 4096), (1024, 4096)]
+    half.extend((width,) for width in [11008] * 6 + [4096] * 6)
+    return 2 * half
+
+
+#: Fixed mixes of tensor shapes a benchmark can time besides its sizes, by name.
+MIXES: dict[str, list[tuple[int, ...]]] = {"llama-layers": llama_layer_mix()}
+
+
 @dataclass
 class Workload:
     """The shared arrays of one size."""
@@ -68,9 +85,10 @@ class Workload:
         return sum(t.numel() for t in self.master)
 
 
-def make_workload(total: int, seed: int = 0) -> Workload:
+def make_workload(total: int, seed: int = 0, shapes: list[tuple[int, ...]] | None = None) -> Workload:
+    """The arrays of ``transformer_shapes(total)``, or of ``shapes`` where given (``total`` is then ignored)."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = transformer_shapes(total)
+    shapes = transformer_shapes(total) if shapes is None else list(shapes)
 
     def randn(shape, scale):
         return torch.randn(shape, generator=gen).mul_(scale)

@@ -13,7 +13,7 @@ import sys
 
 from offload_adamw.benchmarking.host_step import ALL_CASES, BenchConfig, run_benchmark
 from offload_adamw.benchmarking.host_step_report import format_report, write_plot
-from offload_adamw.benchmarking.workload import MIB
+from offload_adamw.benchmarking.workload import MIB, MIXES
 from offload_adamw.cli import common
 
 
@@ -33,10 +33,12 @@ def parse_size(text: str) -> int:
 
 # --------------------------------------------------------------------- CLI
 
+_DEFAULT_SIZES = "16M,64M,256M"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default="16M,64M,256M",
-                        help="comma-separated element counts, K/M/G = 2**10/20/30 (default 16M,64M,256M)")
+    parser.add_argument("--sizes", default=None,
+                        help=f"comma-separated element counts, K/M/G = 2**10/20/30 (default {_DEFAULT_SIZES})")
     parser.add_argument("--repeats", type=int, default=BenchConfig.repeats,
                         help=f"timed repetitions per case, in rotated order (default {BenchConfig.repeats})")
     parser.add_argument("--warmup", type=int, default=BenchConfig.warmup,
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="elements of the thread-scaling measurement, or 'none' to skip it (default 16M)")
     parser.add_argument("--scaling-threads", default=None,
                         help="comma-separated thread counts for the scaling measurement (default 1..all CPUs)")
+    parser.add_argument("--mixes", default=None,
+                        help="comma-separated named mixes of tensor shapes timed after the sizes, or 'none' "
+                             f"({', '.join(MIXES)}; default: all with the default sizes, none with --sizes or --quick)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
     common.add_json_argument(parser, what="all numbers")
     common.add_plot_argument(parser, what="a bar chart and the thread scaling")
@@ -61,7 +66,7 @@ def _usage(message: str) -> common.UsageError:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration; a bad argument raises common.UsageError (exit status 2) naming it."""
     try:
-        sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
+        sizes = tuple(parse_size(s) for s in (_DEFAULT_SIZES if args.sizes is None else args.sizes).split(",") if s.strip())
         scaling_size = None if args.scaling_size.strip().lower() == "none" else parse_size(args.scaling_size)
         scaling_threads = (tuple(int(t) for t in args.scaling_threads.split(",") if t.strip())
                            if args.scaling_threads else None)
@@ -73,6 +78,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise _usage(f"--cases: unknown case(s) {unknown or [args.cases]}; choose from {', '.join(ALL_CASES)}")
     if not sizes:
         raise _usage(f"--sizes: no size in {args.sizes!r}")
+    if args.mixes is None:  # the default run times every mix; a run of chosen sizes (or a smoke run) only those
+        mixes: tuple[str, ...] = () if args.quick or args.sizes is not None else tuple(MIXES)
+    else:
+        mixes = tuple(m.strip() for m in args.mixes.split(",") if m.strip() and m.strip().lower() != "none")
+        unknown_mixes = [m for m in mixes if m not in MIXES]
+        if unknown_mixes:
+            raise _usage(f"--mixes: unknown mix(es) {unknown_mixes}; choose from {', '.join(MIXES)} or none")
     if args.repeats < 1:
         raise _usage("--repeats must be at least 1")
     if args.warmup < 0:
@@ -82,10 +94,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.quick:
         return BenchConfig(sizes=(MIB, 4 * MIB), repeats=3, warmup=1, cases=cases, bandwidth_elements=16 * MIB,
                            scaling_size=MIB if scaling_size else None, scaling_threads=scaling_threads,
-                           parity_elements=256 * 1024)
+                           parity_elements=256 * 1024, mixes=mixes)
     return BenchConfig(sizes=sizes, repeats=args.repeats, warmup=args.warmup, cases=cases,
                        bandwidth_elements=args.bandwidth_elements, scaling_size=scaling_size,
-                       scaling_threads=scaling_threads)
+                       scaling_threads=scaling_threads, mixes=mixes)
 
 
 def run(args: argparse.Namespace) -> int:

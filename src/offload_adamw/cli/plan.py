@@ -5,7 +5,11 @@ training set-up from the command line, prints tables (or JSON with ``--json``, s
 :mod:`offload_adamw.cli.common`), optionally writes a PNG of stacked bars per strategy against
 the GPU and host capacities (``--plot FILE.png``). Exit status 0 when a strategy this project
 provides fits, 1 when none does, 2 on bad input. Only provided strategies are recommended; the
-others (``planner.COMPARISONS``) are shown marked as comparisons.
+others (``planner.COMPARISONS``) are shown marked as comparisons. For OffloadAdamW's strategies a
+table shows how many groups each runs on the device, streamed and on the host, and the chosen
+mix's bound against the single placements'; the recommended placement (or the mix, when the
+recommendation is not OffloadAdamW's) is printed as the Python that builds it
+(``named_param_groups`` rules with ``update_on``, :mod:`offload_adamw.planning.placement`).
 
 ``--config`` takes a ``config.json``, or a directory holding one, read without transformers
 (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V3). With transformers installed it also
@@ -32,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.colors import ListedColormap
 
 from offload_adamw.cli import common
-from offload_adamw.planning import models, planner
+from offload_adamw.planning import models, placement, planner
 from offload_adamw.planning.from_transformers import model_from_config
 from offload_adamw.planning.planner import GB, HardwareConfig, Plan, TrainingConfig
 
@@ -97,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--no-clipping", action="store_true", help="no gradient clipping: host updates may start during backward")
     t.add_argument("--mfu", type=float, default=tr.model_flops_utilization, metavar="FRACTION",
                    help="fraction of the GPU's peak that forward and backward reach (step-time estimate)")
+    t.add_argument("--stream-chunk-mib", type=float, default=tr.stream_chunk_bytes / 2**20, metavar="MIB",
+                   help="bytes of one device buffer of update_on='stream' (OffloadAdamW's stream_chunk_bytes), MiB")
+    t.add_argument("--stream-buffers", type=int, choices=(2, 3), default=tr.stream_buffers,
+                   help="device buffers in the ring of update_on='stream'")
 
     o = parser.add_argument_group("output")
     common.add_json_argument(parser, what="the plan", parent=o)
@@ -159,8 +167,16 @@ def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         activation_checkpointing=args.checkpointing == "on", flash_attention=not args.eager_attention,
         grad_accumulation=args.grad_accum, amsgrad=args.amsgrad,
         model_flops_utilization=args.mfu, clipping=not args.no_clipping,
+        stream_chunk_bytes=_chunk_bytes(args.stream_chunk_mib), stream_buffers=args.stream_buffers,
     )
     return planner.plan(model, hardware, training), messages
+
+
+def _chunk_bytes(mib: float) -> int:
+    """--stream-chunk-mib as whole bytes; not a positive size: ValueError naming the option."""
+    if not (math.isfinite(mib) and mib > 0 and mib * 2**20 >= 1):
+        raise ValueError(f"--stream-chunk-mib must be a positive size in MiB, got {mib!r}")
+    return int(mib * 2**20)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -246,12 +262,21 @@ def render(result: Plan) -> str:
                    f"{' (clipping: updates wait for the global norm)' if tr.clipping else ''}")
         out.append(_table(["strategy", "serial s", "overlapped s"], rows))
         out.append("")
+    out.extend(_placement_section(result))
     if result.recommendation:
         out.append(f"Recommendation: {result.recommendation}")
     else:
         out.append("Recommendation: none fits")
     out.append(f"  because {result.reason}")
     out.append("")
+    shown = result.strategy(result.recommendation) if result.recommendation else None
+    if shown is None or shown.mix is None:
+        mix = result.strategy(planner.MIX)
+        shown = mix if mix.fits else None
+    if shown is not None and shown.mix is not None:
+        out.append(f"As OffloadAdamW's param_groups ({shown.name}):")
+        out.extend(("    " + line) if line else "" for line in param_groups_code(shown.mix))
+        out.append("")
     out.append("Notes:")
     for s in result.strategies:
         for note in s.notes:
@@ -259,6 +284,53 @@ def render(result: Plan) -> str:
     for assumption in result.assumptions:
         out.append(f"  {assumption}")
     return "\n".join(out)
+
+
+def _placement_section(result: Plan) -> list[str]:
+    """Groups per placement of each OffloadAdamW strategy, and the chosen mix against the single placements."""
+    offload = [s for s in result.strategies if s.mix is not None]
+    if not offload:
+        return []
+    rows = []
+    for s in offload:
+        mix = s.mix
+        assert mix is not None
+        rows.append([_label(s), *(str(mix.count(x)) for x in placement.PLACEMENTS),
+                     "yes" if mix.offload_gradients else "no", _gb(s.gpu.total), f"{s.step_time_lower_bound_s:.3f}",
+                     s.bottleneck, "yes" if s.fits else "no"])
+    out = ["Where each group's update runs (OffloadAdamW update_on; groups: decoder layers and the other tensors)"]
+    out.append(_table(["strategy", *placement.PLACEMENTS, "offload grads", "GB/GPU", "bound s", "set by", "fits"], rows))
+    chosen = result.strategy(planner.MIX)
+    mix = chosen.mix
+    assert mix is not None
+    if chosen.fits:
+        counts = ", ".join(f"{mix.count(x)} {word}" for x, word in
+                           (("device", "resident on the GPU"), ("stream", "streamed"), ("host", "on the host")))
+        singles = [s for s in offload if s.name != planner.MIX and s.fits]
+        against = ", ".join(f"{s.step_time_lower_bound_s:.2f} s ({s.name})" for s in singles)
+        out.append(f"Chosen mix of the {len(mix.assignment)} groups: {counts}; bound {chosen.step_time_lower_bound_s:.2f} s "
+                   f"({chosen.bottleneck}){' against ' + against if against else ''}")
+    else:
+        out.append("Chosen mix: none fits")
+    out.append("")
+    return out
+
+
+def param_groups_code(mix: placement.Mix) -> list[str]:
+    """The Python that builds OffloadAdamW with this placement (named_param_groups rules, first match wins)."""
+    flag = ", offload_gradients=True" if mix.offload_gradients else ""
+    if mix.uniform is not None:
+        return ["from offload_adamw import OffloadAdamW",
+                f'opt = OffloadAdamW(model.parameters(), update_on="{mix.uniform}"{flag})  # and your lr, weight_decay, ...']
+    rules, default = mix.param_group_rules()
+    lines = ["from offload_adamw import OffloadAdamW, named_param_groups", "", "groups = named_param_groups(model, ["]
+    lines += [f"    (r\"{pattern}\", {_hyper(hyper)})," for pattern, hyper in rules]
+    lines += [f"], default={_hyper(default)})", f"opt = OffloadAdamW(groups{flag})  # and your lr, weight_decay, ..."]
+    return lines
+
+
+def _hyper(hyper: dict[str, str]) -> str:
+    return "{" + ", ".join(f'"{key}": "{value}"' for key, value in hyper.items()) + "}"
 
 
 _PLOT_ITEMS = (

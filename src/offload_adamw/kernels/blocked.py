@@ -175,7 +175,7 @@ def _is_blockable(i: int, masters: Sequence[Tensor], grads: Sequence[Tensor], ex
     out = model_params[i] if model_params is not None else None
     if out is not None:
         tensors.append(out)
-    return all(t.device.type == "cpu" for t in tensors)
+    return all(t.is_cpu for t in tensors)
 
 
 def _chunk_loop(
@@ -464,33 +464,35 @@ def _aligned_adamw_(
     if not blocked:
         return
     threads = torch.get_num_threads() if config.threads < 0 else config.threads
-    # Memory-order flat views of each blocked tensor (indexed as the given lists; the others are
-    # not read): its operands share one dense layout, so element k of every flat view belongs to
-    # the same index.
-    is_blocked = set(blocked)
-
-    def flat_views(tensors: Sequence[Tensor | None]) -> list[Any]:
-        return [layout.flat(t) if i in is_blocked and t is not None else t for i, t in enumerate(tensors)]
-
-    flat: list[list[Any]] = [
-        flat_views(masters), flat_views(grads), flat_views(exp_avgs), flat_views(exp_avg_sqs),
-        flat_views(max_exp_avg_sqs) if hp.amsgrad else [], list(steps),
-        flat_views(model_params) if model_params is not None else [None] * len(masters),
-    ]
+    # The numba loop reads each blocked tensor through raw addresses in memory order (its operands
+    # share one dense layout, so the k-th element in memory of each belongs to the same index); the
+    # chunk loop below slices memory-order flat views, made only for the tensors it runs.
+    steps_list = list(steps)
+    outs: list[Tensor | None] = list(model_params) if model_params is not None else [None] * len(masters)
     # The numba loop updates each tensor up to a multiple of 64 elements and says where it
     # stopped; the chunk loop below does the rest (the same bits) and whatever it declines.
     start_at: dict[int, int] = {}
     jobs: list[Callable[[], None]] = []
     if config.numba_loop:
-        start_at, jobs = numba_loop.plan(flat[0], flat[1], flat[2], flat[3], flat[4], flat[5], flat[6], hp, blocked,
-                                         workers=threads, take_model_edits=follow)
+        start_at, jobs = numba_loop.plan(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps_list, outs, hp,
+                                         blocked, workers=threads, take_model_edits=follow)
         # The loop writes through raw addresses: tell autograd, as an in-place torch op would, so that
         # a graph that saved a parameter before the step refuses to run backward on the new values.
-        written = [t for i in start_at for t in (flat[0][i], flat[2][i], flat[3][i],
-                                                   flat[4][i] if hp.amsgrad else None, flat[6][i])
+        written = [t for i in start_at for t in (masters[i], exp_avgs[i], exp_avg_sqs[i],
+                                                   max_exp_avg_sqs[i] if hp.amsgrad else None, outs[i])
                    if t is not None]
         if written:
             torch.autograd.graph.increment_version(written)
+    rest = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]
+    is_rest = set(rest)
+
+    def flat_views(tensors: Sequence[Tensor | None]) -> list[Any]:
+        return [layout.flat(t) if i in is_rest and t is not None else t for i, t in enumerate(tensors)]
+
+    flat: list[list[Any]] = [
+        flat_views(masters), flat_views(grads), flat_views(exp_avgs), flat_views(exp_avg_sqs),
+        flat_views(max_exp_avg_sqs) if hp.amsgrad else [], steps_list, flat_views(outs),
+    ] if rest else []
     loop: Any  # the scripted or the Python loop, called with the unpacked lists below
     lr: float | Tensor
     if isinstance(hp.lr, Tensor):
@@ -503,7 +505,7 @@ def _aligned_adamw_(
                bool(hp.amsgrad), bool(hp.maximize))
     # Chunks of tensors with the same master dtype (one buffer dtype per loop call).
     by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
-    for i in blocked:
+    for i in rest:
         n = masters[i].numel()
         by_dtype.setdefault(masters[i].dtype, []).extend(
             (i, a, min(a + chunk, n)) for a in range(start_at.get(i, 0), n, chunk)
@@ -520,24 +522,34 @@ def _aligned_adamw_(
             run(dtype, work)
         return
 
-    # Workers pull jobs (numba batches first, then batches of consecutive chunks) from one
-    # shared iterator (next() on a list iterator is atomic under the GIL), so a worker that
-    # the OS deschedules simply does fewer of them; a few batches per worker keep that
-    # balance while each loop call covers many chunks.
+    # Workers pull jobs (numba batches first, then batches of consecutive chunks) from shared
+    # iterators (next() on a list iterator is atomic under the GIL), so a worker that the OS
+    # deschedules simply does fewer of them; a few batches per worker keep that balance while
+    # each loop call covers many chunks. The calling thread takes numba batches too (they run
+    # no torch op, so its own intra-op threads never start): one worker fewer to wake per step.
+    chunk_jobs: list[Callable[[], None]] = []
     for dtype, work in by_dtype.items():
         size = max(1, min(_MAX_BATCH_CHUNKS, len(work) // (_BATCHES_PER_WORKER * threads)))
-        jobs.extend(functools.partial(run, dtype, work[k : k + size]) for k in range(0, len(work), size))
-    if not jobs:
+        chunk_jobs.extend(functools.partial(run, dtype, work[k : k + size]) for k in range(0, len(work), size))
+    if not jobs and not chunk_jobs:
         return
-    pending = iter(jobs)
+    pending, pending_chunks = iter(jobs), iter(chunk_jobs)
 
     def drain() -> None:
         for job in pending:
             job()
+        for job in pending_chunks:
+            job()
 
-    pool = _get_pool(threads)
-    for f in [pool.submit(drain) for _ in range(min(threads, len(jobs)))]:
-        f.result()
+    helpers = min(threads, len(jobs) + len(chunk_jobs)) - (0 if chunk_jobs else 1)
+    futures = [_get_pool(threads).submit(drain) for _ in range(helpers)] if helpers > 0 else []
+    try:
+        if not chunk_jobs:
+            for job in pending:
+                job()
+    finally:  # the workers are done with the tensors before the caller sees them again, or an error
+        for f in futures:
+            f.result()
 
 
 def naive_mixed_adamw_(masters: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

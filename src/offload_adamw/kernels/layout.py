@@ -89,7 +89,9 @@ def align(tensors: Sequence[Tensor | None], *, read: Sequence[bool], written: Se
     """
     master = tensors[0]
     assert master is not None
-    if master.numel() == 0:
+    # Row-major tensors (what the optimizer's state and autograd's gradients of a row-major parameter
+    # are) share the layout zeros_like gives a row-major master: nothing to compute per step.
+    if master.numel() == 0 or all(t is None or t.is_contiguous() for t in tensors):
         return Aligned(list(tensors))
     strides = zeros_like_strides(master)
 

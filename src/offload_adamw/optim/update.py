@@ -179,9 +179,10 @@ def update_group(
         state = u.state
         if not state:
             state.update(host_state.new_state(u.param, amsgrad=group["amsgrad"], pin=pin_memory))
-        else:
+        elif not (u.param.is_contiguous() and all(t.is_contiguous() for t in state.values() if isinstance(t, Tensor))):
             # Laid out like the parameter (re-laid out once where the parameter's layout changed), so
-            # that the kernel pairs its elements without a copy at every step.
+            # that the kernel pairs its elements without a copy at every step; a row-major parameter
+            # and row-major state already are.
             host_state.relayout_like(state, u.param)
         master = host_state.stored_master(state, u.param)
         grad = u.grad

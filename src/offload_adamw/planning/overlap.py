@@ -14,6 +14,15 @@ last copy back.
   before the global gradient norm is known, which is when the last group's partial norm is: the end
   of backward. What is hidden then is the copies, not the updates.
 
+Updates that run on the device (``update_on="stream"`` or ``"device"``) form a second lane beside the
+host's: ``device_groups`` groups, one stage each (a streamed group's chunks go up, are updated and
+come back through the ring, so the group takes as long as its slowest link), their gradients ready
+at evenly spaced moments of backward, gated like the host updates by clipping. The two lanes run at
+once; both use host memory (the host update, the streams' DMA), so the optimizer cannot end before
+``host_memory_s`` after the moment updates may start (forward's end; with clipping backward's end).
+Without a device lane and with ``host_memory_s`` at most the host update, the times are those of the
+host lane alone.
+
 The model ignores the contention of the copies with backward's own traffic and assumes one host
 worker (the host update of one group uses the whole memory bandwidth).
 """
@@ -43,14 +52,21 @@ class StepTimeModel:
     """Parameter groups (FSDP units or buckets) that flow through the stages one by one."""
     clipping: bool = False
     """Whether the update needs the global gradient norm first."""
+    device_update_s: float = 0.0
+    """The updates of the groups placed on the device (streamed or resident), one group at a time."""
+    device_groups: int = 1
+    """Groups in the device lane."""
+    host_memory_s: float = 0.0
+    """Host-memory time of all the optimizer's work after updates may start, both lanes together."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "host_update_s", "d2h_s", "h2d_s"):
+        for name in ("forward_s", "backward_s", "host_update_s", "d2h_s", "h2d_s", "device_update_s", "host_memory_s"):
             value = getattr(self, name)
             if not 0.0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        if not 1 <= self.groups:
-            raise ValueError(f"groups must be at least 1, got {self.groups!r}")
+        for name in ("groups", "device_groups"):
+            if not 1 <= getattr(self, name):
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -87,10 +103,17 @@ def step_times(model: StepTimeModel) -> StepTimes:
     g = model.groups
     backward_end = model.forward_s + model.backward_s
     per_group = [model.d2h_s / g, model.host_update_s / g, model.h2d_s / g]
-    serial = backward_end + model.d2h_s + model.host_update_s + model.h2d_s
+    host_lane = model.d2h_s + model.host_update_s + model.h2d_s
+    serial = backward_end + max(host_lane, model.device_update_s, model.host_memory_s)
     ready = [model.forward_s + model.backward_s * (i + 1) / g for i in range(g)]
     update_gate = backward_end if model.clipping else 0.0
     overlapped = _flow_shop(ready, per_group, [0.0, update_gate, 0.0])
+    if model.device_update_s > 0:
+        k = model.device_groups
+        device_ready = [model.forward_s + model.backward_s * (i + 1) / k for i in range(k)]
+        overlapped = max(overlapped, _flow_shop(device_ready, [model.device_update_s / k], [update_gate]))
+    start = backward_end if model.clipping else model.forward_s
+    overlapped = max(overlapped, start + model.host_memory_s)
     return StepTimes(serial_s=serial, overlapped_s=max(overlapped, backward_end), backward_end_s=backward_end)
 
 
@@ -107,11 +130,14 @@ def training_step_model(
     h2d_s: float,
     groups: int,
     clipping: bool,
+    device_update_s: float = 0.0,
+    device_groups: int = 1,
+    host_memory_s: float = 0.0,
 ) -> StepTimeModel:
     """The step of a dense transformer: 2 FLOPs per parameter and token forward, 4 backward (plus 2 for
     the recomputed forward under full activation checkpointing), at ``model_flops_utilization`` of the
     GPU's peak. Only the last micro-batch's backward can hide the optimizer: the earlier micro-batches
-    count as forward time.
+    count as forward time. The optimizer's lanes and the host-memory floor are passed through.
     """
     if not 0.0 < model_flops_utilization <= 1.0:
         raise ValueError(f"model_flops_utilization must be in (0, 1], got {model_flops_utilization!r}")
@@ -128,4 +154,7 @@ def training_step_model(
         h2d_s=h2d_s,
         groups=groups,
         clipping=clipping,
+        device_update_s=device_update_s,
+        device_groups=device_groups,
+        host_memory_s=host_memory_s,
     )

@@ -23,6 +23,13 @@ Contract:
   element (36 with AMSGrad); transfers add what they move. Step-time bounds are
   bytes / bandwidth per link, the slowest link wins (perfect overlap), so they
   are lower bounds: compute, kernel launch and collectives are not included.
+* OffloadAdamW's strategies are placements of each group's update (``update_on``,
+  :mod:`offload_adamw.planning.placement`, one count of their bytes): every update on the
+  host (with and without ``offload_gradients``), every group streamed (``"stream"``: the
+  state up and back over PCIe, its ring of device buffers), and the mix chosen for the
+  hardware (some groups resident, ``"device"``, the others streamed or on the host), whose
+  ``update_on`` per group is printed as the ``named_param_groups`` rules to pass. A mix is
+  recommended only where its bound is more than 5% below every other fitting strategy's.
 * Activations follow Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models" (arXiv:2205.05198), with no tensor
   or sequence parallelism: per layer ``s*b*h*(34 + 5*a*s/h)`` bytes without
@@ -44,6 +51,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from offload_adamw.contract import bills
+from offload_adamw.planning import placement
 from offload_adamw.planning.models import (
     Model,
     ModelConfig,
@@ -63,6 +71,7 @@ __all__ = [
     "Plan",
     "STRATEGIES",
     "COMPARISONS",
+    "MIX",
     "predict_host_optimizer_bytes",
     "RankHostBytes",
     "fsdp_rank_host_bytes",
@@ -236,6 +245,11 @@ class TrainingConfig:
     """Fraction of the GPU's peak that forward and backward reach (the step-time estimate's one guess)."""
     clipping: bool = True
     """Gradient clipping by global norm (transformers' Trainer default): host updates wait for the norm."""
+    stream_chunk_bytes: int = 64 * 2**20
+    """Bytes of one device buffer of the streamed state's ring (OffloadAdamW's ``stream_chunk_bytes``)."""
+    stream_buffers: int = 3
+    """Device buffers in the ring, 2 or 3: with 3 the copy up of chunk k+1 and down of chunk k-1 run while chunk k is
+    updated."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.model_flops_utilization <= 1.0:
@@ -244,10 +258,12 @@ class TrainingConfig:
         if name == "float64":
             raise ValueError("training: param_dtype float64 is not a GPU training dtype this planner models")
         object.__setattr__(self, "param_dtype", name)
-        for f in ("seq_len", "micro_batch", "grad_accumulation"):
+        for f in ("seq_len", "micro_batch", "grad_accumulation", "stream_chunk_bytes"):
             value = getattr(self, f)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"training: {f} must be a positive integer, got {value!r}")
+        if self.stream_buffers not in (2, 3) or isinstance(self.stream_buffers, bool):
+            raise ValueError(f"training: stream_buffers must be 2 or 3, got {self.stream_buffers!r}")
 
 
 # --------------------------------------------------------------------------- results
@@ -328,6 +344,8 @@ class StrategyPlan:
     host_per_rank: RankHostBytes | None = None
     """What one rank's OffloadAdamW allocates in host memory (rank 0, which holds the largest shards); None where
     OffloadAdamW is not the optimizer. ``host`` holds it once per rank of a node."""
+    mix: placement.Mix | None = None
+    """Where OffloadAdamW runs each group's update (``update_on``); None for the strategies without OffloadAdamW."""
 
     @property
     def gpu_margin(self) -> float:
@@ -363,8 +381,23 @@ class StrategyPlan:
             "step_time_serial_s": self.step_time_serial_s,
             "step_time_overlapped_s": self.step_time_overlapped_s,
             "host_bytes_per_rank": None if self.host_per_rank is None else self.host_per_rank.as_dict(),
+            "placement": None if self.mix is None else mix_as_dict(self.mix),
             "notes": list(self.notes),
         }
+
+
+def mix_as_dict(mix: placement.Mix) -> dict[str, Any]:
+    """A placement mix as JSON: the flag, groups per placement, the rules to pass, and each group's placement."""
+    rules, default = mix.param_group_rules()
+    return {
+        "offload_gradients": mix.offload_gradients,
+        "groups_per_placement": {x: mix.count(x) for x in placement.PLACEMENTS},
+        "elements_per_gpu": dict(mix.totals.elements),
+        "param_group_rules": [[pattern, hyper] for pattern, hyper in rules],
+        "default_group": default,
+        "groups": [{"group": grp.label, "update_on": x, "elements_per_gpu": grp.elements, "tensors": grp.tensors}
+                   for grp, x in mix.assignment],
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -443,26 +476,26 @@ def activation_bytes(model: Model, training: TrainingConfig) -> int:
     return layers_bytes + outside
 
 
-def _shard_numel(shape: tuple[int, ...], world: int) -> int:
-    """Elements one rank holds of a tensor that FSDP2 shards on dim 0 (padded to a multiple of world)."""
-    rows = shape[0]
-    rest = math.prod(shape[1:])
-    return math.ceil(rows / world) * rest
-
-
 STRATEGIES: dict[str, str] = {
     "single-gpu": "no sharding: one GPU holds parameters, gradients, master, m and v",
     "ddp": "DDP: every GPU holds a full replica and the step runs on the GPU",
     "fsdp": "FSDP full shard: everything sharded over all GPUs, step on the GPU",
     "fsdp+offload-adamw": "FSDP full shard, OffloadAdamW: master, m, v in host memory, step on the host",
     "fsdp+offload-adamw+offload-grads": "the same with offload_gradients=True: gradients freed on the GPU after their copy",
-    "fsdp+streamed-state": "FSDP, state in host memory streamed to the GPU for a step on the GPU",
+    "fsdp+streamed-state": "the same with update_on=\"stream\": master, m, v in pinned host memory, streamed through "
+                           "the GPU in chunks for torch's fused AdamW there",
+    "fsdp+placement-mix": "OffloadAdamW with update_on per group: some groups' state resident on the GPU, the others "
+                          "streamed or updated on the host, as fits this hardware best",
     "fsdp+cpu-offload": "FSDP2 CPUOffloadPolicy: parameters, gradients and state in host memory, torch AdamW on the host",
 }
 
+#: the strategy of OffloadAdamW with a placement chosen per group (planning/placement.py).
+MIX = "fsdp+placement-mix"
+STAGING_NOTE = ("host buffers: the staging copy each updated shard is sent back from, in the parameters' dtype "
+                "(accel/host_update.py)")
+
 # Strategies planned only to compare with: never recommended, marked as comparisons in every output.
 COMPARISONS: dict[str, str] = {
-    "fsdp+streamed-state": "not provided by this project",
     "fsdp+cpu-offload": "PyTorch's FSDP2 CPUOffloadPolicy with torch AdamW, not this project",
 }
 
@@ -487,16 +520,14 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
     fp32_params = p == 4
     amsgrad = training.amsgrad
     accum = training.grad_accumulation
-    state_copies = 3 if amsgrad else 2  # m, v (, max_v): float32 each
+    state_bytes = placement.state_bytes_per_element(amsgrad=amsgrad)  # a device parameter's master, m, v (, max_v)
     update_bytes = 28 + (8 if amsgrad else 0)  # docs/contract.md#traffic-bill: the ideal single pass per element
     acts = activation_bytes(model, training)
     unit = model.largest_unit_parameters()
     gpu_reserved = int(hardware.gpu_reserved_bytes)
     host_reserved = int(hardware.host_reserved_bytes)
 
-    shard = sum(_shard_numel(s, world) for _, s in shapes)  # elements per rank under FSDP (padded)
-    n_tensors = len(shapes)
-    largest_shard = max(_shard_numel(s, world) for _, s in shapes)
+    shard = sum(placement.shard_numel(s, world) for _, s in shapes)  # elements per rank under FSDP (padded)
     # all-gather of the unsharded unit, prefetched one ahead, and the unit's unsharded gradients for reduce-scatter
     fsdp_buffers = 2 * unit * p + unit * g
 
@@ -508,38 +539,32 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
             "max_exp_avg_sq": 4 * elements if amsgrad else 0,
         }
 
-    def host_offload_state(elements_per_rank: int) -> dict[str, int]:
-        # OffloadAdamW over GPU parameters: a host master even for float32 parameters (they are not on the host).
-        node = per_node * elements_per_rank
-        return {
-            "master": 4 * node,
-            "exp_avg": 4 * node,
-            "exp_avg_sq": 4 * node,
-            "max_exp_avg_sq": 4 * node if amsgrad else 0,
-            "step_counts": per_node * n_tensors * bills.STEP_COUNT_BYTES,
-        }
-
     results: list[StrategyPlan] = []
 
     groups = (model.num_hidden_layers + 2) if isinstance(model, ModelConfig) else 1
     tokens = training.seq_len * training.micro_batch
 
-    def times(host_traffic: int, gpu_traffic: int, h2d: int, d2h: int, gpus_used: int) -> tuple[float, float]:
+    def times(host_traffic: int, gpu_traffic: int, h2d: int, d2h: int, lanes: dict[str, Any] | None) -> tuple[float, float]:
+        if lanes is None:  # one lane: the host update (or the GPU's own step) and the copies around it
+            lanes = dict(
+                host_update_s=host_traffic / hardware.host_memory_bytes_per_s + gpu_traffic / hardware.gpu_memory_bytes_per_s,
+                d2h_s=d2h / hardware.pcie_bytes_per_s, h2d_s=h2d / hardware.pcie_bytes_per_s,
+                groups=groups if host_traffic else 1,
+            )
         step = training_step_model(
             num_parameters=n, tokens_per_gpu=tokens, gpu_flops_per_s=hardware.gpu_flops_per_s,
             model_flops_utilization=training.model_flops_utilization,
             activation_checkpointing=training.activation_checkpointing, grad_accumulation=accum,
-            host_update_s=host_traffic / hardware.host_memory_bytes_per_s + gpu_traffic / hardware.gpu_memory_bytes_per_s,
-            d2h_s=d2h / hardware.pcie_bytes_per_s, h2d_s=h2d / hardware.pcie_bytes_per_s,
-            groups=groups if host_traffic else 1, clipping=training.clipping,
+            clipping=training.clipping, **lanes,
         )
         t = step_times(step)
         return t.serial_s, t.overlapped_s
 
     def add(name: str, *, gpu: MemoryBill, host: MemoryBill, h2d: int, d2h: int, host_traffic: int,
-            gpu_traffic: int, gpus_used: int, notes: Sequence[str] = (), per_rank: RankHostBytes | None = None) -> None:
+            gpu_traffic: int, gpus_used: int, notes: Sequence[str] = (), mix: placement.Mix | None = None,
+            lanes: dict[str, Any] | None = None, per_rank: RankHostBytes | None = None) -> None:
         bound, bottleneck = _bound(hardware, h2d=h2d, d2h=d2h, host=host_traffic, gpu=gpu_traffic)
-        serial, overlapped = times(host_traffic, gpu_traffic, h2d, d2h, gpus_used)
+        serial, overlapped = times(host_traffic, gpu_traffic, h2d, d2h, lanes)
         results.append(
             StrategyPlan(
                 name=name, description=STRATEGIES[name], gpu=gpu, host=host,
@@ -547,7 +572,8 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
                 pcie_h2d_bytes=h2d, pcie_d2h_bytes=d2h, host_memory_traffic_bytes=host_traffic,
                 gpu_memory_traffic_bytes=gpu_traffic, step_time_lower_bound_s=bound, bottleneck=bottleneck,
                 gpus_used=gpus_used, notes=tuple(notes), comparison=name in COMPARISONS,
-                step_time_serial_s=serial, step_time_overlapped_s=overlapped, host_per_rank=per_rank,
+                step_time_serial_s=serial, step_time_overlapped_s=overlapped, mix=mix,
+                host_per_rank=per_rank,
             )
         )
 
@@ -569,66 +595,102 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
         host=host_idle, h2d=0, d2h=0, host_traffic=0, gpu_traffic=update_bytes * shard, gpus_used=world,
         notes=("FSDP2 with MixedPrecisionPolicy arranges the same 16 bytes/element as fp32 shard + fp32 grad + m + v",))
 
-    # OffloadAdamW: gradients go down once per step (accumulated on the GPU), the updated parameters come back.
-    # Its host memory is what each rank's optimizer allocates (fsdp_rank_host_bytes), once per rank of the node.
+    # OffloadAdamW: each group's update on the host, streamed through the GPU, or on the GPU (update_on), one
+    # count of their bytes (planning/placement.py). On the host the gradients go down once per step (accumulated
+    # on the GPU) and the updated parameters come back; with offload_gradients every micro-batch's gradient goes
+    # down and is accumulated in host memory.
     node_shard = per_node * shard
-    full_shapes = [s for _, s in shapes]
-
-    def offload_host(rank_bytes: RankHostBytes) -> MemoryBill:
-        r = rank_bytes
-        return MemoryBill(
-            gradients=per_node * (r.gradients + r.accumulation), master=per_node * r.master,
-            exp_avg=per_node * r.exp_avg, exp_avg_sq=per_node * r.exp_avg_sq, max_exp_avg_sq=per_node * r.max_exp_avg_sq,
-            step_counts=per_node * r.step_counts, buffers=per_node * r.staging, reserved=host_reserved,
-        )
-
-    kept_rank = fsdp_rank_host_bytes(full_shapes, world=world, param_dtype=training.param_dtype, amsgrad=amsgrad)
-    staging_note = ("host buffers: the staging copy each updated shard is sent back from, in the parameters' dtype "
-                    "(accel/host_update.py)")
-    add(
-        "fsdp+offload-adamw",
-        gpu=MemoryBill(parameters=p * shard, gradients=g * shard, activations=acts, buffers=fsdp_buffers, reserved=gpu_reserved),
-        host=offload_host(kept_rank),
-        h2d=p * shard,
-        d2h=g * shard,
-        host_traffic=node_shard * (g + update_bytes + p),
-        gpu_traffic=0,
-        gpus_used=world,
-        notes=(
-            "host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), "
-            "parameter DMA out",
-            staging_note,
-        ),
-        per_rank=kept_rank,
+    plan_groups = placement.planning_groups(shapes, world)
+    costs = {flag: placement.placement_costs(param_bytes=p, grad_bytes=g, amsgrad=amsgrad, grad_accumulation=accum,
+                                             offload_gradients=flag) for flag in (False, True)}
+    ring = training.stream_buffers * training.stream_chunk_bytes
+    limits = placement.Limits(
+        gpu_fixed_bytes=p * shard + acts + fsdp_buffers + gpu_reserved, gpu_capacity=hardware.gpu_memory_bytes,
+        host_fixed_bytes=host_reserved, host_capacity=hardware.host_memory_bytes, ranks_per_node=per_node,
+        ring_bytes=ring, pcie_bytes_per_s=hardware.pcie_bytes_per_s,
+        host_memory_bytes_per_s=hardware.host_memory_bytes_per_s, gpu_memory_bytes_per_s=hardware.gpu_memory_bytes_per_s,
     )
-    # offload_gradients: every micro-batch's gradient goes down and is accumulated in host memory.
-    freed_rank = fsdp_rank_host_bytes(full_shapes, world=world, param_dtype=training.param_dtype, amsgrad=amsgrad,
-                                      host_accumulation=accum > 1)
-    accumulate = (accum - 1) * 4 * g  # per extra micro-batch: DMA in, read staging, read + write accumulator
-    add("fsdp+offload-adamw+offload-grads",
-        gpu=MemoryBill(parameters=p * shard, activations=acts, buffers=fsdp_buffers, reserved=gpu_reserved),
-        host=offload_host(freed_rank),
-        h2d=p * shard, d2h=accum * g * shard,
-        host_traffic=node_shard * (g + accumulate + update_bytes + p), gpu_traffic=0, gpus_used=world,
-        notes=("GPU gradients are transient (one FSDP unit, inside buffers)",
-               "accumulation > 1: FSDP2 reduces every micro-batch and the host adds it, through an accumulation buffer "
-               "next to the host gradient; 4 bytes of traffic per byte of gradient per extra micro-batch. (accelerate's "
-               "and the Trainer's no_sync instead keep FSDP2's unsharded gradients on the GPU until the last one.)",
-               staging_note),
-        per_rank=freed_rank,
+
+    def uniform(where: str, offload_gradients: bool) -> placement.Mix:
+        elements = {where: sum(grp.elements for grp in plan_groups)}
+        tensors = {where: sum(grp.tensors for grp in plan_groups)}
+        return placement.Mix(offload_gradients=offload_gradients, assignment=tuple((grp, where) for grp in plan_groups),
+                             totals=placement.evaluate(elements, tensors, costs[offload_gradients], limits))
+
+    def add_offload(name: str, mix: placement.Mix, notes: Sequence[str]) -> None:
+        t = mix.totals
+        e, k = t.elements, t.tensors
+        flag = mix.offload_gradients
+        state = {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "max_exp_avg_sq": 4 if amsgrad else 0}
+        kept = e["device"] + e["stream"] + (0 if flag else e["host"])  # gradients that stay on the GPU
+        landing = g * e["host"] * (2 if flag and accum > 1 else 1)  # host buffers the host groups' gradients land in
+        streamed = e["stream"] > 0 or k["stream"] > 0
+        gpu = MemoryBill(parameters=p * shard, gradients=g * kept, **{key: b * e["device"] for key, b in state.items()},
+                         step_counts=bills.STEP_COUNT_BYTES * k["device"], activations=acts,
+                         buffers=fsdp_buffers + (ring if streamed else 0), reserved=gpu_reserved)
+        # One rank's host bytes (fsdp_rank_host_bytes for the groups on the host): the state of host and streamed
+        # groups; the host groups' gradient buffers, their accumulation buffer, and the staging copies their updated
+        # parameters are sent back from. The node holds it once per rank.
+        held = e["host"] + e["stream"]
+        rank = RankHostBytes(
+            master=4 * held, exp_avg=4 * held, exp_avg_sq=4 * held, max_exp_avg_sq=4 * held if amsgrad else 0,
+            step_counts=bills.STEP_COUNT_BYTES * (k["host"] + k["stream"]), gradients=g * e["host"],
+            accumulation=landing - g * e["host"], staging=p * e["host"],
         )
-    # Streaming: the state comes up in chunks, the GPU updates it, it goes back down.
-    streamed = (0 if fp32_params else 4) + 4 * state_copies  # bytes per element that travel each way
-    add("fsdp+streamed-state",
-        gpu=MemoryBill(parameters=p * shard, gradients=g * shard, activations=acts,
-                       buffers=fsdp_buffers + 2 * largest_shard * streamed, reserved=gpu_reserved),
-        host=MemoryBill(master=0 if fp32_params else 4 * node_shard, exp_avg=4 * node_shard,
-                        exp_avg_sq=4 * node_shard, max_exp_avg_sq=4 * node_shard if amsgrad else 0,
-                        reserved=host_reserved),
-        h2d=streamed * shard, d2h=streamed * shard,
-        host_traffic=node_shard * 2 * streamed, gpu_traffic=shard * (update_bytes + 2 * streamed), gpus_used=world,
-        notes=("buffers include two chunks of the largest tensor's state (double buffering)",
-               "comparison only: not provided by this project, never recommended"))
+        host = MemoryBill(
+            gradients=per_node * (rank.gradients + rank.accumulation), master=per_node * rank.master,
+            exp_avg=per_node * rank.exp_avg, exp_avg_sq=per_node * rank.exp_avg_sq,
+            max_exp_avg_sq=per_node * rank.max_exp_avg_sq, step_counts=per_node * rank.step_counts,
+            buffers=per_node * rank.staging, reserved=host_reserved,
+        )
+        assert gpu.total == t.gpu_bytes and host.total == t.host_bytes, (name, gpu.total, t.gpu_bytes, host.total, t.host_bytes)
+        add(name, gpu=gpu, host=host, h2d=t.h2d, d2h=t.d2h, host_traffic=t.host_traffic, gpu_traffic=t.gpu_traffic,
+            gpus_used=world, notes=notes, mix=mix, lanes=None if mix.uniform == "host" else lanes(mix), per_rank=rank)
+
+    def lanes(mix: placement.Mix) -> dict[str, float]:
+        """The step-time model's lanes of a mix (planning/overlap.py): host updates, device updates, host memory."""
+        e = mix.totals.elements
+        c = costs[mix.offload_gradients]
+        pcie, host_bw, gpu_bw = hardware.pcie_bytes_per_s, hardware.host_memory_bytes_per_s, hardware.gpu_memory_bytes_per_s
+        stream = e["stream"]
+        # a streamed group takes as long as its slowest link; the resident groups' update reads and writes device memory
+        device = max(c["stream"].h2d * stream / pcie, per_node * c["stream"].host_traffic * stream / host_bw,
+                     c["stream"].gpu_traffic * stream / gpu_bw) + c["device"].gpu_traffic * e["device"] / gpu_bw
+        # what uses host memory once updates may start: the host update and its parameters going out, the streams
+        after_start = per_node * ((update_bytes + p) * e["host"] + c["stream"].host_traffic * stream)
+        return {
+            "host_update_s": per_node * c["host"].host_traffic * e["host"] / host_bw,
+            "d2h_s": c["host"].d2h * e["host"] / pcie, "h2d_s": c["host"].h2d * e["host"] / pcie,
+            "groups": max(1, mix.count("host")), "device_update_s": device,
+            "device_groups": max(1, mix.count("stream") + mix.count("device")), "host_memory_s": after_start / host_bw,
+        }
+
+    add_offload("fsdp+offload-adamw", uniform("host", False), (
+        "host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), "
+        "parameter DMA out", STAGING_NOTE))
+    add_offload("fsdp+offload-adamw+offload-grads", uniform("host", True), (
+        "GPU gradients are transient (one FSDP unit, inside buffers)",
+        "accumulation > 1: FSDP2 reduces every micro-batch and the host adds it, through an accumulation buffer "
+        "next to the host gradient; 4 bytes of traffic per byte of gradient per extra micro-batch. (accelerate's "
+        "and the Trainer's no_sync instead keep FSDP2's unsharded gradients on the GPU until the last one.)",
+        STAGING_NOTE))
+    add_offload("fsdp+streamed-state", uniform("stream", False), (
+        f"update_on=\"stream\": buffers include the ring of {training.stream_buffers} x "
+        f"{training.stream_chunk_bytes / 2**20:g} MiB device buffers (opt.device_buffer_bytes())",
+        f"{state_bytes} bytes per parameter each way over PCIe (master, m, v), {2 * state_bytes} through host "
+        "memory, no host core; the gradient and the parameter stay on the GPU"))
+    chosen = placement.choose_mix(plan_groups, costs, limits)
+    mix_notes = [
+        "per group: update_on=\"device\" (state on the GPU, 12 bytes per parameter, 16 with amsgrad), \"stream\" or "
+        "\"host\", chosen for the smallest bound that fits (planning/placement.py); resident: the first layers, "
+        "whose gradients come last in backward",
+    ]
+    if chosen is None:
+        chosen = uniform("host", True)
+        mix_notes.append("no mix of placements fits; shown: every group on the host with offload_gradients")
+    mix_notes.extend(chosen.notes)
+    add_offload(MIX, chosen, mix_notes)
+
     # FSDP2 CPU offload: fp32 shards on the host are copied up for every all-gather (forward and backward),
     # the reduced gradient is cast to fp32 on the GPU and copied down (torch's foreach_reduce), torch AdamW runs on the host.
     add("fsdp+cpu-offload",
@@ -702,6 +764,9 @@ def _recommend(strategies: Sequence[StrategyPlan], world: int) -> tuple[str | No
     best_time = min(s.step_time_lower_bound_s for s in candidates)
     # within 5% of the best bound the difference is below what the bound can tell apart
     close = [s for s in candidates if s.step_time_lower_bound_s <= best_time * 1.05 + 1e-12]
+    # a mix of placements is chosen only where it beats every other strategy that fits by more than that
+    if len(close) > 1:
+        close = [s for s in close if s.name != MIX]
     best = max(close, key=lambda s: s.gpu_margin)
     others = [s for s in candidates if s is not best]
     misfits = [s for s in provided if not s.fits]
