@@ -44,6 +44,9 @@ def _placed(net: nn.Module, placement: str) -> list[dict]:
 @pytest.mark.parametrize("placement", ["stream", "device"])
 def test_a_dropped_optimizer_frees_its_device_buffers_and_landed_gradients(placement) -> None:
     net = model()
+    warm = nn.Linear(2, 2)  # the first step of a process keeps its optimizer in a frame (torch's own AdamW too): not this one
+    warm(torch.ones(1, 2)).sum().backward()
+    torch.optim.AdamW(warm.parameters()).step()
     gc.collect()
     gc.disable()  # no collector: what the optimizer holds must go when its last reference does
     try:
