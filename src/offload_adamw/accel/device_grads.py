@@ -9,9 +9,9 @@ Contract:
 * With updates during backward (``update_in_backward``), a gradient that backward's hook (or DDP's communication
   hook: a slice of its reduced bucket) lands is recorded with a completion of the work that produced it, so that
   the update orders its device work after it, and with its version, so that a gradient changed after its update
-  ran is seen (:meth:`intact`). The record holds the tensor until the step ends (:meth:`new_step`), not longer: a
-  ``p.grad`` cleared between steps is freed. With every update at the step nothing is recorded: the step reads
-  ``p.grad``.
+  ran is seen (:meth:`intact`). The record holds the tensor until the step ends (:meth:`new_step`) or the optimizer
+  is dropped, not longer: a ``p.grad`` cleared between steps is freed. With every update at the step nothing is
+  recorded: the step reads ``p.grad``.
 * :class:`ByPlacement` answers every residency call of the pipeline for a slot from the residency of its
   placement: the configured one (kept or freed gradients) for host slots, :class:`DeviceGradients` for the
   others. Both are chosen once, at construction; a slot's placement is the one of its latest refresh.

@@ -257,7 +257,8 @@ class Gate:
         if self._stale or self._partial:
             return "a gradient was accumulated over more than one backward (or changed after its norm was taken)"
         for p in present:
-            if not is_host_resident(p.grad) or p not in self._norms:
+            # intact: a host stand-in, or a streamed or resident group's device gradient unchanged since its landing
+            if p not in self._norms or not self.intact(self._slots[p]):
                 return f"{self._describe(p)} has a gradient that backward's hooks did not see"
         if len(self._norms) != len(present):
             return "a gradient was cleared after backward"

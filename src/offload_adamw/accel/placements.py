@@ -14,7 +14,8 @@ Contract:
 * :meth:`Placements.prepare` runs after the optimizer's pre-flight and before any update of a step: each
   on-device component allocates its device buffers there (after its own memory check), so that a step that
   cannot get them fails before it has changed anything. :meth:`Placements.settle` ends a step: the host waits
-  for the copies of streamed state back into host memory.
+  for the copies of streamed state back into host memory; :meth:`Placements.close` (the optimizer dropped) lets the
+  device buffers go at once.
 * :func:`gather` is what both on-device components do first for a group: each parameter's device gradient
   (multiplied in place by the step's clip coefficient, as ``clip_grads_with_norm_`` does), its state from the
   optimizer, and the flat operands the kernel pairs element by element (kernels/layout.py: temporaries only
@@ -97,6 +98,11 @@ class Placements:
     def settle(self) -> None:
         for name in ("stream", "device"):
             self._components[name].settle()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """The optimizer is gone: its device buffers go now, not when the collector finds the pipeline's cycle."""
+        for name in ("stream", "device"):
+            self._components[name].close()  # type: ignore[attr-defined]
 
     def device_buffer_bytes(self) -> int:
         return sum(self._components[n].buffer_bytes() for n in ("stream", "device"))  # type: ignore[attr-defined]
