@@ -187,3 +187,21 @@ def test_a_swap_seen_first_in_inference_mode_is_taken_in_at_the_next_forward_out
     assert all(is_host_resident(p.grad) for p in shards.parameters())
     opt.step()
     assert opt.host_buffer_bytes()["gradients"] == exact_bytes(shards.parameters())
+
+
+def test_a_pipeline_whose_optimizer_is_gone_is_passed_over_by_the_next_forward():
+    # A pipeline built over an optimizer that is then let go waits in the forward pre-hook's set until the
+    # collector finds it; the next module forward anywhere must not reach for the gone optimizer.
+    from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
+
+    model = nn.Linear(4, 4)
+    target = OffloadAdamW(model.parameters(), transfer_pipeline=False)
+    pipeline = GradientPipeline(target, PipelineConfig(offload_gradients=True))
+    gc.disable()
+    try:
+        del target
+        other = nn.Linear(4, 4)
+        other(torch.randn(2, 4)).sum().backward()  # raised ReferenceError from the first pipeline's refresh
+    finally:
+        gc.enable()
+        pipeline.close()
