@@ -38,7 +38,7 @@ from offload_adamw.accel.slots import Slot, SlotTable, Source
 from offload_adamw.accel.transfer import Completion, TransferEngine
 from offload_adamw.distributed import any_rank, local_tensor
 
-__all__ = ["Gate"]
+__all__ = ["Gate", "clip_inputs"]
 
 
 def _nonfinite_count(grad: Tensor) -> Tensor:
@@ -208,13 +208,17 @@ class Gate:
 
     # ------------------------------------------------------------------ at step
 
-    def clip_at_step(self, present: Sequence[Tensor], early: bool,
-                     gradients: Callable[[Sequence[Tensor]], list[Tensor]]) -> None:
+    def clip_at_step(self, present: Sequence[Tensor], early: bool, ready: Callable[[Tensor], Tensor | None]) -> None:
         """Clipping with update_in_backward: the coefficient taken after backward while it is the step's, else torch's
-        now over ``gradients(present)``; refused after updates ran with a coefficient that is not the step's. Without
-        ``max_grad_norm`` the step's total norm all the same (the module contract)."""
+        now over the complete gradients ``ready(p)`` of ``present`` (:func:`clip_inputs`); refused after updates ran
+        with a coefficient that is not the step's. Without ``max_grad_norm`` the step's total norm all the same (the
+        module contract)."""
         max_norm = self._optimizer.max_grad_norm
         reason = self._not_the_steps(present, max_norm)
+
+        def gradients(params: Sequence[Tensor]) -> list[Tensor]:
+            return clip_inputs(params, ready)
+
         if reason is not None and early and (max_norm is not None or self.coefficient is not None):
             raise RuntimeError(
                 f"{reason}, but with update_in_backward=True and max_grad_norm the updates that ran during backward "
@@ -279,3 +283,14 @@ class Gate:
         if gone:
             return f"{self._describe(gone[0])}'s gradient was cleared after backward"
         return None
+
+
+def clip_inputs(params: Sequence[Tensor], ready: Callable[[Tensor], Tensor | None]) -> list[Tensor]:
+    """What clipping reads for each of ``params`` that has a complete gradient ``ready(p)``: its stand-in DTensor
+    (FSDP2: the norm is reduced over the ranks), else that gradient (a host buffer, or a device gradient)."""
+    grads = []
+    for p in params:
+        grad = ready(p)
+        if grad is not None:
+            grads.append(p.grad if local_tensor(p) is not p and p.grad is not None else grad)
+    return grads

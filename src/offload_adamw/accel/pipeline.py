@@ -51,7 +51,7 @@ from offload_adamw.accel import amp, bucketing, standin, swaps
 from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
 from offload_adamw.accel.device_update import DeviceUpdate
 from offload_adamw.accel.freed import is_host_resident
-from offload_adamw.accel.gate import Gate
+from offload_adamw.accel.gate import Gate, clip_inputs
 from offload_adamw.accel.host_update import HostUpdate
 from offload_adamw.accel.overlap import UpdateRecord
 from offload_adamw.accel.placements import Placements
@@ -166,7 +166,7 @@ class GradientPipeline:
         check = None if getattr(opt, "check_host_buffers", None) is None else self._check_host_buffers
         self.slots = SlotTable(self.engine, check)
         self.recorder = Recorder()
-        self._places: dict[Tensor, tuple[int, int]] = {}
+        self._places: dict[Tensor, tuple[int, int]] = {}  # (group, index) of each parameter as of the latest refresh()
         self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe)
         coefficient = lambda: self.gate.coefficient  # noqa: E731
         used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
@@ -295,19 +295,15 @@ class GradientPipeline:
 
     # ---------------------------------------------------------------- gradients
 
-    def _where(self) -> dict[Tensor, tuple[int, int]]:
-        """Each parameter's (group, index) in ``param_groups``, as of the latest refresh() (every step begins with one)."""
-        return self._places
-
     def _describe(self, which: Slot | Tensor) -> str:
         """A slot's or parameter's name, as the optimizer's messages give it."""
-        where = self._where().get(which.param if isinstance(which, Slot) else which)
+        where = self._places.get(which.param if isinstance(which, Slot) else which)
         return self.optimizer.describe_param(*where) if where is not None else "a parameter"
 
     def _validate(self, slot: Slot, grad: Tensor) -> None:
         """The optimizer's checks (optim/update.py), then what the pipeline's buffers need."""
         opt = self.optimizer
-        where = self._where()[slot.param]
+        where = self._places[slot.param]
         opt.check_gradient(where[0], where[1], grad)
         if self.offload_gradients and slot.on_host and grad.dtype != slot.param.dtype:
             raise RuntimeError(
@@ -329,7 +325,7 @@ class GradientPipeline:
         """(parameter, complete host gradient) for every parameter that has one, in optimizer order (or ``order``'s)."""
         self.refresh()
         out = []
-        for p in self._where() if order is None else order:
+        for p in self._places if order is None else order:
             grad = self._ready(self.slots[p])
             if grad is not None:
                 out.append((p, grad))
@@ -344,7 +340,8 @@ class GradientPipeline:
                 "backward: they cannot be read or changed between backward and step(); use update_in_backward=False"
             )
         if self.offload_gradients:
-            return [_clipped_view(p, g) for p, g in self.host_gradients(order)]
+            held = dict(self.host_gradients(order))
+            return clip_inputs(list(held), held.get)
         params = [p for g in self.optimizer.param_groups for p in g["params"]] if order is None else order
         return [p.grad for p in params if p.grad is not None]
 
@@ -354,7 +351,7 @@ class GradientPipeline:
             return p.grad
         self.refuse_mid_step("read a gradient")
         self.refresh()
-        if p not in self._where():
+        if p not in self._places:
             raise KeyError("the tensor is not a parameter of this optimizer")
         return self._ready(self.slots[p])
 
@@ -402,7 +399,7 @@ class GradientPipeline:
             self.schedule.refuse_loss_scaling()
         self.refresh()
         self.ddp.check_unattached()
-        where = self._where()
+        where = self._places
         if called_by_scaler and not isinstance(found_inf, Tensor) and self.offload_gradients:
             if any(self.residency.present(s) or s.param.grad is not None for s in self.slots):
                 raise RuntimeError(
@@ -420,7 +417,7 @@ class GradientPipeline:
             # last_grad_norm is its own (inf or NaN), not the previous step's.
             present = [p for p in where if p.grad is not None
                        and (self.residency.present(self.slots[p]) or not is_host_resident(p.grad))]
-            self.gate.clip_at_step(present, bool(early.params), self._clip_inputs)
+            self.gate.clip_at_step(present, bool(early.params), lambda p: self._ready(self.slots[p]))
         if opt.nonfinite != "propagate" and self._skip_for_nonfinite(where, early.params):
             return
         self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
@@ -468,15 +465,6 @@ class GradientPipeline:
                 assert slot.host_grad is not None  # present: host_grad holds it
                 opt.check_gradient(w[0], w[1], slot.host_grad)
 
-    def _clip_inputs(self, present: Sequence[Tensor]) -> list[Tensor]:
-        """The gradients the step's own clipping reads: host buffers, a DTensor's stand-in so the norm is every rank's."""
-        grads = []
-        for p in present:
-            grad = self._ready(self.slots[p])
-            if grad is not None:
-                grads.append(_clipped_view(p, grad))
-        return grads
-
     def _skip_for_nonfinite(self, where: dict[Tensor, tuple[int, int]], early: set[Tensor]) -> bool:
         """The non-finite policy over the gradients still to update (after updates during backward every gradient
         they used was found finite on the device; a skip is then too late)."""
@@ -493,7 +481,7 @@ class GradientPipeline:
     def _run_early(self, bucket: list[Tensor]) -> tuple[list[Any], dict[str, float]]:
         """A bucket's update on the worker thread, while backward goes on (accel/schedule.py)."""
         opt = self.optimizer
-        where = self._where()
+        where = self._places
         members = [p for p in bucket if p in where]
         landed = [p for p in members if self.slots[p].holding is not Holding.NOTHING]
         for p in landed:
@@ -506,10 +494,4 @@ class GradientPipeline:
         with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
             sent = self.placements.run(members, where, None, self.residency.landed, times)
         return sent, times
-
-
-def _clipped_view(p: Tensor, host: Tensor) -> Tensor:
-    """What clipping reads for ``p``: its stand-in DTensor (FSDP2: the norm is reduced over the ranks), else the host
-    gradient itself."""
-    return p.grad if local_tensor(p) is not p and p.grad is not None else host
 
