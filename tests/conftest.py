@@ -3,12 +3,20 @@
 The suite runs in one process, and some results (bitwise comparisons above all) depend on settings a test
 could change and forget: the default dtype, deterministic algorithms, denormal flushing, the grad mode and
 the number of threads. A test that leaks one fails here, by name, instead of making a later test fail.
+
+The shared helpers and the scripts that tests run in processes of their own live in ``tests/support``, which
+is put on ``sys.path`` here, before any test module imports them.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
 def _settings() -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("_checkpoint_fsdp_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "_checkpoint_fsdp_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A load that races a save replacing the same checkpoint reads the old checkpoint or the new one, whole.
 
-A writer process (tests/_overwrite_worker.py) replaces one checkpoint directory over and over
+A writer process (tests/support/_overwrite_worker.py) replaces one checkpoint directory over and over
 (``overwrite=True``), with the atomic exchange and with the two-rename fallback; this process loads
 it meanwhile, hundreds of times. Every save holds one value everywhere (model, optimizer moments and
 step counts, recorded step, ``extra``), so every load must come back with one value everywhere (no
@@ -26,7 +26,7 @@ from _overwrite_worker import WIDTH, build, fill
 from offload_adamw import checkpoint
 from offload_adamw.checkpoint import CheckpointError, publication
 
-WORKER = Path(__file__).with_name("_overwrite_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "_overwrite_worker.py"
 MODES = {"exchange": "1", "fallback": "0"}
 
 

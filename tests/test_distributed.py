@@ -30,7 +30,7 @@ from _distributed_worker import RESUME_AT, RESUME_END
 from offload_adamw import OffloadAdamW
 from offload_adamw import distributed as offload_distributed
 
-WORKER = Path(__file__).resolve().parent / "_distributed_worker.py"
+WORKER = Path(__file__).resolve().parent / "support" / "_distributed_worker.py"
 CHECKS = [
     "fsdp_parity",
     "host_bytes",

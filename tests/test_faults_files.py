@@ -23,7 +23,7 @@ from _parity import assert_same_snapshot
 from offload_adamw import checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
-WORKER = Path(__file__).with_name("_fault_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "_fault_worker.py"
 FILES = [*checkpoint.DATA_FILES, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE]
 
 

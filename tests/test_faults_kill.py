@@ -6,7 +6,7 @@ Modes: one directory replaced at every save, with the atomic exchange
 per save ("series"). No resume ever starts before a save that had returned:
 the previous checkpoint or the new one is there at every moment.
 
-One worker process per mode (tests/_fault_worker.py) forks a real child per
+One worker process per mode (tests/support/_fault_worker.py) forks a real child per
 training run. Kill points are drawn (seeded) from the events of an
 uninterrupted reference run, half during saves (before/after every file
 write, fsync, rename, exchange, removal; torn files included) and half during
@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 from offload_adamw import checkpoint
 
-WORKER = Path(__file__).with_name("_fault_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "_fault_worker.py"
 KILLS = {"overwrite": 14, "fallback": 14, "series": 10}  # kill points per mode (38 in all), plus double and timer kills
 DOUBLE, TIMER = 2, 3
 

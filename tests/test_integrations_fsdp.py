@@ -42,7 +42,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-WORKER = Path(__file__).resolve().parent / "_integrations_fsdp_worker.py"
+WORKER = Path(__file__).resolve().parent / "support" / "_integrations_fsdp_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 from _integrations_fsdp_worker import CASES, QUICK  # noqa: E402
 

@@ -28,7 +28,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _overlap_ddp_worker import CASES, MISUSES, MIXED, SETTINGS, case_name
 
-WORKER = Path(__file__).resolve().parent / "_overlap_ddp_worker.py"
+WORKER = Path(__file__).resolve().parent / "support" / "_overlap_ddp_worker.py"
 
 
 @pytest.fixture(scope="module")

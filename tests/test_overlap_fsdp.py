@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _overlap_fsdp_worker import BLOCKS, CASES, FREED_CASES, case_name, freed_case_name
 
-WORKER = Path(__file__).resolve().parent / "_overlap_fsdp_worker.py"
+WORKER = Path(__file__).resolve().parent / "support" / "_overlap_fsdp_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Placements under DDP and FSDP2 on 2 gloo ranks, and DCP checkpoints that change placement (the CPU as device).
 
-The worker (tests/_placement_distributed_worker.py) trains 8 blocks, each a parameter group placed by a pattern of
+The worker (tests/support/_placement_distributed_worker.py) trains 8 blocks, each a parameter group placed by a pattern of
 ``"stream"``, ``"device"`` and ``"host"``: under DDP (attached; kept and freed gradients; updates at step() and during
 backward; clipping; accumulation inside ``ddp_model.no_sync()``) and under FSDP2 (one group per block and the root;
 kept and freed gradients; torch's clip_grad_norm_ on the model and max_grad_norm; accumulation with
@@ -31,7 +31,7 @@ from _overlap_fsdp_worker import Blocks
 from _parity import same_bits
 from offload_adamw import OffloadAdamW
 
-WORKER = Path(__file__).resolve().parent / "_placement_distributed_worker.py"
+WORKER = Path(__file__).resolve().parent / "support" / "_placement_distributed_worker.py"
 CASES = [name for name, *_ in worker_cases.DDP_CASES + worker_cases.FSDP_CASES] + [
     "ddp-stream-freed-inbwd-clip-grads-after-step", "dcp-placement-change"]
 

@@ -12,7 +12,7 @@ import torch
 import _resume_worker
 from _parity import same_bits
 
-WORKER = Path(__file__).with_name("_resume_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "_resume_worker.py"
 N, M = 12, 9
 
 

@@ -76,8 +76,8 @@ def test_found_inf_skip_on_the_standin_device(standin_device) -> None:
 
 def _run_worker(worker: str, out: Path, seed: int, only: list[str]) -> list[dict]:
     env = dict(os.environ, **{standin.ENV: str(seed)})
-    proc = subprocess.run([sys.executable, str(HERE / worker), "--out", str(out), "--only", *only], capture_output=True,
-                          text=True, timeout=400, env=env)
+    proc = subprocess.run([sys.executable, str(HERE / "support" / worker), "--out", str(out), "--only", *only],
+                          capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).resolve().parent / "_wrappers_distributed_worker.py"
+WORKER = Path(__file__).resolve().parent / "support" / "_wrappers_distributed_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 from _wrappers_distributed_worker import CASES, QUICK, case_name  # noqa: E402
 

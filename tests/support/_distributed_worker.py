@@ -1,6 +1,6 @@
 """The 2-process half of test_distributed.py: real torch.distributed (gloo, CPU), FSDP2, DDP and DCP.
 
-Run as ``python tests/_distributed_worker.py --out DIR [--ckpt-w1 DIR]``: it spawns two
+Run as ``python tests/support/_distributed_worker.py --out DIR [--ckpt-w1 DIR]``: it spawns two
 ranks that share one process group for all checks (gloo start-up is the slow
 part), runs every check in turn and writes ``DIR/results_rank{r}.json``:
 ``{check: {"ok": bool, "error": str, "measured": {...}}}``. A check that fails

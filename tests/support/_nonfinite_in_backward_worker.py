@@ -1,8 +1,8 @@
-"""The 2-process half of test_review2_findings.py: FSDP2 (gloo, the CPU as device), update_in_backward with a
+"""The 2-process half of test_nonfinite_in_backward.py: FSDP2 (gloo, the CPU as device), update_in_backward with a
 non-finite policy.
 
-Run as ``python tests/_review2_worker.py --out DIR``: two ranks run every case of ``CASES`` and write
-``DIR/review2_rank{r}.json`` = ``{case: {"ok": bool, "error": str, "measured": {...}}}``. A case trains the same
+Run as ``python tests/support/_nonfinite_in_backward_worker.py --out DIR``: two ranks run every case of ``CASES`` and write
+``DIR/results_rank{r}.json`` = ``{case: {"ok": bool, "error": str, "measured": {...}}}``. A case trains the same
 model with OffloadAdamW(update_in_backward=True) and with OffloadAdamW(update_in_backward=False) (the reference:
 the step's policy over every gradient, decided on every rank alike) from the same initialisation and user calls.
 """
@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _clipping_in_backward_fsdp_worker import CLIP, LR, WEIGHT_DECAY, Net, differing, loss_of, sharded
 from _distributed_common import spawn_ranks
-from _review_fsdp_worker import CLIP, LR, WEIGHT_DECAY, Net, differing, loss_of, sharded
 from offload_adamw import OffloadAdamW
 
 WORLD = 2
@@ -167,10 +167,10 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
             results[name] = {"ok": not bad, "error": "; ".join(bad[:6]), "measured": measured}
         except Exception:
             results[name] = {"ok": False, "error": traceback.format_exc()[-3000:], "measured": measured}
-        (Path(out) / f"review2_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
+        (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
         with contextlib.suppress(Exception):
             dist.barrier()
-    (Path(out) / f"review2_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
+    (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
 """The 2-process half of test_overlap_fsdp.py: FSDP2 over 8 sharded blocks, host updates during backward.
 
-Run as ``python tests/_overlap_fsdp_worker.py --out DIR``: it spawns two gloo ranks (CPU as device) and
+Run as ``python tests/support/_overlap_fsdp_worker.py --out DIR``: it spawns two gloo ranks (CPU as device) and
 writes ``DIR/results_rank{r}.json``: ``{case: {"ok": bool, "error": str, "measured": {...}}}``, one case
 per (clipping, accumulation). Each case trains FSDP2 + OffloadAdamW(offload_gradients=True,
 update_in_backward=True) and FSDP2 + torch.optim.AdamW(fused=True) from the same initialisation on the

@@ -1,6 +1,6 @@
 """The 2-process half of test_wrappers_distributed.py: OffloadAdamW's transfer pipeline under real DDP and FSDP2 (gloo, CPU).
 
-Run as ``python tests/_wrappers_distributed_worker.py --out DIR [--quick]``: two ranks, one process group, every
+Run as ``python tests/support/_wrappers_distributed_worker.py --out DIR [--quick]``: two ranks, one process group, every
 case in turn; each rank writes ``DIR/ddp_rank{r}.json`` = ``{case: {"ok": bool, "error": str}}``.
 
 A case trains DDP + OffloadAdamW (pipeline with the CPU as device) and DDP + torch.optim.AdamW(fused=True)

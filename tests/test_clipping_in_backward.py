@@ -1,4 +1,4 @@
-"""Review of freed DTensor gradients, update_in_backward under FSDP2 and clipping with update_in_backward.
+"""Clipping with updates during backward, and freed DTensor gradients under FSDP2: the edge cases.
 
 Each test states what must hold (the project's rule: torch.optim.AdamW's exact result for the same user
 calls, or a clear refusal); the single-device ones run with the CPU as device (transfer pipeline on CPU).
@@ -362,9 +362,9 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-FSDP_WORKER = Path(__file__).resolve().parent / "_review_fsdp_worker.py"
+FSDP_WORKER = Path(__file__).resolve().parent / "support" / "_clipping_in_backward_fsdp_worker.py"
 sys.path.insert(0, str(FSDP_WORKER.parent))
-from _review_fsdp_worker import CASES as FSDP_CASES  # noqa: E402
+from _clipping_in_backward_fsdp_worker import CASES as FSDP_CASES  # noqa: E402
 
 
 @pytest.fixture(scope="module")

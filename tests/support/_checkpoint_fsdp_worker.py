@@ -1,6 +1,6 @@
 """The 2-process half of tests/test_checkpoint_fsdp.py: checkpoint.save and load of an FSDP2 model (gloo).
 
-Run as ``python tests/_checkpoint_fsdp_worker.py --out DIR``: two ranks build a model whose first layer
+Run as ``python tests/support/_checkpoint_fsdp_worker.py --out DIR``: two ranks build a model whose first layer
 stays a plain module and whose second is sharded with ``fully_shard`` (so ``1.weight`` is the first
 DTensor entry of its state), train one step with OffloadAdamW, then try ``checkpoint.save`` (with the
 optimizer, and of the model alone) and ``checkpoint.load`` of a checkpoint of the same model unsharded.

@@ -1,6 +1,6 @@
 """The 2-process half of test_integrations_fsdp.py: the real HF Trainer and accelerate on FSDP2 (gloo, the CPU).
 
-Run as ``python tests/_integrations_fsdp_worker.py --out DIR [--only CASE ...]``: two ranks run the cases of
+Run as ``python tests/support/_integrations_fsdp_worker.py --out DIR [--only CASE ...]``: two ranks run the cases of
 ``CASES`` in turn and write ``DIR/fsdp_rank{r}.json`` = ``{case: {"ok": bool, "error": str, "measured": {...}}}``.
 A case trains a tiny Llama with ``transformers.Trainer`` (accelerate prepares and shards it with FSDP2) and
 compares every local shard bitwise with the same Trainer run with ``optim="adamw_torch_fused"`` (cached per

@@ -1,6 +1,6 @@
 """The 2-process half of test_overlap_ddp.py: DDP over 8 blocks in several buckets, host updates during backward.
 
-Run as ``python tests/_overlap_ddp_worker.py --out DIR``: it spawns two gloo ranks (CPU as device) and writes
+Run as ``python tests/support/_overlap_ddp_worker.py --out DIR``: it spawns two gloo ranks (CPU as device) and writes
 ``DIR/results_rank{r}.json``: ``{case: {"ok": bool, "error": str, "measured": {...}}}``. Each case trains
 DDP + OffloadAdamW(offload_gradients=True, update_in_backward=True) (attached) and DDP +
 torch.optim.AdamW(fused=True) from the same initialisation on the same batches, with the same user calls, and

@@ -1,8 +1,8 @@
 """The 2-process half of test_placement_distributed.py: DDP, FSDP2 and DCP with streamed and resident groups.
 
-Run as ``python tests/_placement_distributed_worker.py --out DIR``: two gloo ranks (the CPU as device) write
+Run as ``python tests/support/_placement_distributed_worker.py --out DIR``: two gloo ranks (the CPU as device) write
 ``DIR/results_rank{r}.json``: ``{case: {"ok": bool, "error": str, "measured": {...}}}``. The models, batches,
-training loops and references are those of tests/_overlap_ddp_worker.py and tests/_overlap_fsdp_worker.py (8
+training loops and references are those of tests/support/_overlap_ddp_worker.py and tests/support/_overlap_fsdp_worker.py (8
 blocks; DDP in several buckets; FSDP2 one group per block and the root); here each block is a parameter group
 placed by a pattern (docs/placement.md), with kept or freed gradients, the update at step() or during backward,
 clipping and accumulation. Every parameter (local shard) and second moment must be bitwise the reference's:

@@ -1,6 +1,6 @@
-"""The 2-process half of test_review_findings.py: FSDP2 (gloo, the CPU as device) with freed DTensor gradients.
+"""The 2-process half of test_clipping_in_backward.py: FSDP2 (gloo, the CPU as device) with freed DTensor gradients.
 
-Run as ``python tests/_review_fsdp_worker.py --out DIR``: two ranks run every case of ``CASES`` in turn and
+Run as ``python tests/support/_clipping_in_backward_fsdp_worker.py --out DIR``: two ranks run every case of ``CASES`` in turn and
 write ``DIR/review_rank{r}.json`` = ``{case: {"ok": bool, "error": str, "measured": {...}}}``. A case trains
 FSDP2 + OffloadAdamW(offload_gradients=True, ...) and FSDP2 + torch.optim.AdamW(fused=True) from the same
 initialisation with the same user calls, and requires every local shard bitwise equal (or, where the case
