@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the Trainer tests' dataset and arguments
 from _distributed_common import spawn_ranks
 
 WORLD = 2
