@@ -97,7 +97,7 @@ def race(root: Path, mode: str, loads: int, limit_s: float) -> dict:
     return {"loads": len(seen), "saves": saves, "distinct": len(set(seen)), "mixed": mixed, "refused": refused}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "fallback" else m for m in MODES])
 def test_a_load_racing_an_overwrite_gets_one_whole_checkpoint(fast_dir, one_thread, mode):
     seen = race(fast_dir, mode, loads=300, limit_s=240)
     assert seen["loads"] == 300, seen

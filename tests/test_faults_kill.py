@@ -148,7 +148,7 @@ def check_runs(report: dict, mode: str, n_kills: int, n_double: int) -> dict:
     return {"runs": len(runs), "kills": kills, "resumes_from_a_checkpoint": resumes, "bitwise_equal_runs": len(runs)}
 
 
-@pytest.mark.parametrize("mode", ["overwrite", "fallback", "series"])
+@pytest.mark.parametrize("mode", ["overwrite", pytest.param("fallback", marks=pytest.mark.slow), "series"])
 def test_sigkill_anywhere_then_resume_is_bitwise_equal(fast_dir, mode):
     report = run_worker(fast_dir / mode, mode, KILLS[mode], DOUBLE, TIMER, 7, timeout=240)
     check_runs(report, mode, KILLS[mode], DOUBLE)

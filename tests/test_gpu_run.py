@@ -63,6 +63,7 @@ def test_a_hanging_row_and_a_crashing_row_lose_only_themselves(tmp_path: Path) -
     assert (tmp_path / "gpu_run.log").read_text().count("selftest/after: ok") == 1
 
 
+@pytest.mark.slow  # 20 s: every section of the GPU run, rehearsed on the CPU
 def test_quick_cpu_rehearsal_runs_every_section(tmp_path: Path) -> None:
     """Every section has a status; what runs on the CPU runs and finds parity; the CUDA rows say why not."""
     done = _run(tmp_path, "--cpu-rehearsal", "--quick")

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_bench.py"
 
 
@@ -19,6 +21,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow  # a benchmark's smoke run (13 s)
 def test_quick_run_writes_every_case_and_the_timeline(tmp_path: Path) -> None:
     proc = _run("--quick", "--json", str(tmp_path / "o.json"), "--timeline", str(tmp_path / "o.png"))
     assert proc.returncode == 0, proc.stderr[-3000:]

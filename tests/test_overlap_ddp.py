@@ -27,14 +27,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _overlap_ddp_worker import CASES, MISUSES, MIXED, SETTINGS, case_name
+from _quick import only, table
 
 WORKER = Path(__file__).resolve().parent / "support" / "_overlap_ddp_worker.py"
 
 
+#: what CI runs (the rest is slow): unclipped and clipped with accumulation, bucket views, a parameter outside DDP,
+#: a misuse refused, the non-finite skip
+QUICK = [case_name(None, 1, True), case_name(0.05, 4, True), "bucket_views-clip", "head_outside_ddp-clip",
+         "opt_no_sync_without_ddp_no_sync_refused", "nonfinite-skip"]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
+def results(tmp_path_factory, request) -> list[dict]:
     out = tmp_path_factory.mktemp("overlap_ddp")
-    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out), *only(request.config, QUICK)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
 
@@ -55,25 +63,25 @@ def _check(results: list[dict], name: str, clip: float | None) -> None:
             assert measured["last_grad_norm"] == measured["reference_norm"] > clip, "torch's norm, and the clipping acted"
 
 
-@pytest.mark.parametrize(("clip", "accumulation", "opt_no_sync"), CASES, ids=[case_name(*c) for c in CASES])
+@pytest.mark.parametrize(("clip", "accumulation", "opt_no_sync"), table(CASES, [case_name(*c) for c in CASES], QUICK))
 def test_ddp_updates_during_backward(results, clip, accumulation, opt_no_sync) -> None:
     _check(results, case_name(clip, accumulation, opt_no_sync), clip)
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=[s[0] for s in SETTINGS])
+@pytest.mark.parametrize("setting", table([(s,) for s in SETTINGS], [s[0] for s in SETTINGS], QUICK))
 def test_ddp_settings_with_updates_during_backward(results, setting) -> None:
     """Bucket views with the model's zero_grad(), and with clipping and accumulation; static_graph."""
     _check(results, setting[0], setting[2])
 
 
-@pytest.mark.parametrize("name", MIXED)
+@pytest.mark.parametrize("name", table(MIXED, MIXED, QUICK))
 def test_ddp_with_parameters_outside_it_clips_exactly(results, name) -> None:
     """Norms from the hooks (outside DDP) and from the reduced buckets make one coefficient, torch's."""
     for rank, result in enumerate(results):
         assert result[name]["ok"], f"rank {rank}:\n{result[name]['error']}"
 
 
-@pytest.mark.parametrize("name", MISUSES)
+@pytest.mark.parametrize("name", table(MISUSES, MISUSES, QUICK))
 def test_ddp_misuses_are_exact_or_refused(results, name) -> None:
     for rank, result in enumerate(results):
         assert result[name]["ok"], f"rank {rank}:\n{result[name]['error']}"

@@ -24,19 +24,26 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _overlap_fsdp_worker import BLOCKS, CASES, FREED_CASES, case_name, freed_case_name
+from _quick import only, table
 
 WORKER = Path(__file__).resolve().parent / "support" / "_overlap_fsdp_worker.py"
 
 
+#: what CI runs (the rest is slow): updates during backward unclipped and clipped with accumulation, freed gradients
+#: clipped by torch, and the non-finite skip
+QUICK = [case_name(None, 1), case_name(0.05, 4), freed_case_name("torch", 4, True), "nonfinite-skip"]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
+def results(tmp_path_factory, request) -> list[dict]:
     out = tmp_path_factory.mktemp("overlap_fsdp")
-    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out), *only(request.config, QUICK)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize(("clip", "accumulation"), CASES, ids=[case_name(c, a) for c, a in CASES])
+@pytest.mark.parametrize(("clip", "accumulation"), table(CASES, [case_name(c, a) for c, a in CASES], QUICK))
 def test_fsdp2_updates_during_backward(results, clip, accumulation) -> None:
     for rank, result in enumerate(results):
         case = result[case_name(clip, accumulation)]
@@ -56,8 +63,8 @@ def test_fsdp2_updates_during_backward(results, clip, accumulation) -> None:
             results[1][case_name(clip, accumulation)]["measured"]["last_grad_norm"], "one global norm"
 
 
-@pytest.mark.parametrize(("clip_by", "accumulation", "sync_each"), FREED_CASES,
-                         ids=[freed_case_name(*c) for c in FREED_CASES])
+@pytest.mark.parametrize(("clip_by", "accumulation", "sync_each"),
+                         table(FREED_CASES, [freed_case_name(*c) for c in FREED_CASES], QUICK))
 def test_fsdp2_freed_gradients_with_the_update_at_step(results, clip_by, accumulation, sync_each) -> None:
     """Freed DTensor gradients: torch's clip_grad_norm_ on the model and FSDP2's own accumulation reach the host."""
     for rank, result in enumerate(results):

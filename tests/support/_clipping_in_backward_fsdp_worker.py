@@ -1,7 +1,7 @@
 """The 2-process half of test_clipping_in_backward.py: FSDP2 (gloo, the CPU as device) with freed DTensor gradients.
 
 Run as ``python tests/support/_clipping_in_backward_fsdp_worker.py --out DIR``: two ranks run every case of ``CASES`` in turn and
-write ``DIR/review_rank{r}.json`` = ``{case: {"ok": bool, "error": str, "measured": {...}}}``. A case trains
+write ``DIR/results_rank{r}.json`` = ``{case: {"ok": bool, "error": str, "measured": {...}}}``. A case trains
 FSDP2 + OffloadAdamW(offload_gradients=True, ...) and FSDP2 + torch.optim.AdamW(fused=True) from the same
 initialisation with the same user calls, and requires every local shard bitwise equal (or, where the case
 says so, a clear error).
@@ -471,7 +471,7 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
             results[name] = {"ok": False, "error": traceback.format_exc()[-3000:], "measured": measured}
         with contextlib.suppress(Exception):
             dist.barrier()
-    (Path(out) / f"review_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
+    (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
     dist.destroy_process_group()
 
 
