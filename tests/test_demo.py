@@ -185,6 +185,7 @@ def test_tiny_demo_offload_is_exact_and_naive_drifts(tmp_path):
     assert runs["naive_bf16"]["state_bytes"] // n == 4
 
 
+@pytest.mark.slow  # the whole demo through its command line (13 s); test_tiny_demo_offload_is_exact_and_naive_drifts runs in CI
 def test_demo_command_line_writes_its_files(tmp_path):
     out = tmp_path / "demo out"
     env = dict(os.environ, PYTHONWARNINGS="ignore")

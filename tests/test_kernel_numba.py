@@ -327,6 +327,7 @@ FALLBACK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh process without numba (8 s); the chunk loop's bits are test_kernel's in CI
 def test_without_numba_the_chunk_loop_runs_with_the_same_bits_after_one_warning():
     def run(mode):
         out = subprocess.run([sys.executable, "-c", FALLBACK, mode], capture_output=True, text=True, timeout=180)
