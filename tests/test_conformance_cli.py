@@ -164,7 +164,8 @@ ON_IMPORT = {
 }
 
 
-@pytest.mark.parametrize("module", list(ON_IMPORT))
+@pytest.mark.parametrize("module", [pytest.param(m, marks=pytest.mark.slow) if m == "hangs_on_import" else m
+                                    for m in ON_IMPORT])  # a hang waits out its time limit: -m slow
 def test_a_candidate_that_ends_or_hangs_on_import_is_refused_with_its_name_never_passed(tmp_path, module):
     # The candidate is imported in a process of its own, within --timeout: what its module does on import
     # reaches neither the exit status (0 would read as conforming) nor the command's own output.

@@ -148,7 +148,8 @@ def check_runs(report: dict, mode: str, n_kills: int, n_double: int) -> dict:
     return {"runs": len(runs), "kills": kills, "resumes_from_a_checkpoint": resumes, "bitwise_equal_runs": len(runs)}
 
 
-@pytest.mark.parametrize("mode", ["overwrite", pytest.param("fallback", marks=pytest.mark.slow), "series"])
+@pytest.mark.parametrize("mode", ["overwrite", pytest.param("fallback", marks=pytest.mark.slow),
+                                  pytest.param("series", marks=pytest.mark.slow)])
 def test_sigkill_anywhere_then_resume_is_bitwise_equal(fast_dir, mode):
     report = run_worker(fast_dir / mode, mode, KILLS[mode], DOUBLE, TIMER, 7, timeout=240)
     check_runs(report, mode, KILLS[mode], DOUBLE)
