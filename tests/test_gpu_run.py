@@ -44,6 +44,7 @@ def _every_row_has_a_status(result: dict) -> None:
             assert row["status"] != "not run", f"{section.name}/{name} never ran and was not skipped"
 
 
+@pytest.mark.slow  # the GPU run driver waits out a row time limit (5 s)
 def test_a_hanging_row_and_a_crashing_row_lose_only_themselves(tmp_path: Path) -> None:
     """The driver kills a row past its limit and a child that dies, and runs the rows after each."""
     done = _run(tmp_path, "--cpu-rehearsal", "--quick", "--only", "selftest",

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "placement_bench.py"
 MIB = 1 << 20
 
@@ -21,6 +23,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow  # a benchmark smoke run (5 s)
 def test_quick_run_writes_every_placement_against_the_host_one(tmp_path: Path) -> None:
     proc = _run("--quick", "--json", str(tmp_path / "p.json"), "--buffers", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -45,6 +48,7 @@ def test_quick_run_writes_every_placement_against_the_host_one(tmp_path: Path) -
     assert "stream" in proc.stdout and "vs host" in proc.stdout
 
 
+@pytest.mark.slow  # two benchmark processes importing torch (5 s)
 def test_bad_sizes_are_usage_errors() -> None:
     proc = _run("--chunk-bytes", "4096")
     assert proc.returncode == 2 and "--chunk-bytes" in proc.stderr

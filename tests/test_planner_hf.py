@@ -165,6 +165,7 @@ def test_another_architecture_is_counted_from_the_meta_device_model(tmp_path, ca
     assert any("meta device" in a for a in data["assumptions"])
 
 
+@pytest.mark.slow  # a process importing transformers (7 s)
 def test_a_model_id_is_read_by_autoconfig_from_the_hub_cache(tmp_path):
     import os
     import subprocess

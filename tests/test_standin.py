@@ -92,6 +92,7 @@ def test_every_tensor_the_stand_in_serves_is_a_device_tensor() -> None:
     assert "master_param" in opt.state[p], "a float32 parameter on a device has a host master"
 
 
+@pytest.mark.slow  # fresh processes (7 s); the suites select it with standin.use in CI
 def test_the_environment_selects_the_stand_in_and_a_bad_seed_is_refused() -> None:
     code = (
         "import torch\nfrom offload_adamw import OffloadAdamW\nfrom offload_adamw.accel import standin\n"
