@@ -119,11 +119,13 @@ def placement_costs(*, param_bytes: int, grad_bytes: int, amsgrad: bool, grad_ac
 # --------------------------------------------------------------------------- groups
 
 
-def shard_numel(shape: tuple[int, ...], world: int) -> int:
-    """Elements one rank holds of a tensor that FSDP2 shards on dim 0 (padded to a multiple of world)."""
+def shard_numel(shape: tuple[int, ...], world: int, rank: int = 0) -> int:
+    """Elements rank ``rank`` holds of a tensor that FSDP2 shards on dim 0: chunks of ``ceil(rows / world)`` rows
+    (torch.chunk), so rank 0 holds the largest (padded to a multiple of ``world``)."""
     if not shape:
         return 1
-    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+    chunk = math.ceil(shape[0] / world)
+    return max(0, min(chunk, shape[0] - rank * chunk)) * math.prod(shape[1:])
 
 
 _LAYER_CONTAINERS = ("layers", "h", "blocks")

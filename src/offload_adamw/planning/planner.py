@@ -100,12 +100,6 @@ def predict_host_optimizer_bytes(params: Iterable[ParamSpec], *, amsgrad: bool =
     return total
 
 
-def _local_rows(rows: int, world: int, rank: int) -> int:
-    """Rows of dim 0 that rank ``rank`` holds when FSDP2 shards ``rows`` rows over ``world`` ranks (torch.chunk)."""
-    chunk = math.ceil(rows / world)
-    return max(0, min(chunk, rows - rank * chunk))
-
-
 @dataclass(frozen=True, kw_only=True)
 class RankHostBytes:
     """Host bytes one rank's OffloadAdamW allocates for its FSDP2 shards: the state and the transfer buffers."""
@@ -163,7 +157,7 @@ def fsdp_rank_host_bytes(
     state = bills.StateBytes()
     elements = 0
     for shape in shapes:
-        local = _local_rows(shape[0], world, rank) * math.prod(shape[1:]) if shape else 1
+        local = placement.shard_numel(shape, world, rank)
         elements += local
         state = state + bills.tensor_state_bytes(local, name, on_host=on_host, amsgrad=amsgrad)
     one = state.moments // (3 if amsgrad else 2)  # bytes of one moment over every shard
