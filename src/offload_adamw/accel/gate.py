@@ -38,7 +38,7 @@ from offload_adamw.accel.slots import Slot, SlotTable, Source
 from offload_adamw.accel.transfer import Completion, TransferEngine
 from offload_adamw.distributed import any_rank, local_tensor
 
-__all__ = ["Gate", "clip_inputs"]
+__all__ = ["Gate", "clip_inputs", "clipped_view"]
 
 
 def _nonfinite_count(grad: Tensor) -> Tensor:
@@ -285,12 +285,12 @@ class Gate:
         return None
 
 
+def clipped_view(p: Tensor, grad: Tensor) -> Tensor:
+    """What clipping reads for ``p`` whose complete gradient is ``grad``: its stand-in DTensor (FSDP2: the norm is
+    reduced over the ranks), else ``grad`` itself (a host buffer, or a device gradient)."""
+    return p.grad if local_tensor(p) is not p and p.grad is not None else grad
+
+
 def clip_inputs(params: Sequence[Tensor], ready: Callable[[Tensor], Tensor | None]) -> list[Tensor]:
-    """What clipping reads for each of ``params`` that has a complete gradient ``ready(p)``: its stand-in DTensor
-    (FSDP2: the norm is reduced over the ranks), else that gradient (a host buffer, or a device gradient)."""
-    grads = []
-    for p in params:
-        grad = ready(p)
-        if grad is not None:
-            grads.append(p.grad if local_tensor(p) is not p and p.grad is not None else grad)
-    return grads
+    """:func:`clipped_view` of each of ``params`` that has a complete gradient ``ready(p)``."""
+    return [clipped_view(p, grad) for p in params if (grad := ready(p)) is not None]

@@ -51,7 +51,7 @@ from offload_adamw.accel import amp, bucketing, standin, swaps
 from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
 from offload_adamw.accel.device_update import DeviceUpdate
 from offload_adamw.accel.freed import is_host_resident
-from offload_adamw.accel.gate import Gate, clip_inputs
+from offload_adamw.accel.gate import Gate, clipped_view
 from offload_adamw.accel.host_update import HostUpdate
 from offload_adamw.accel.overlap import UpdateRecord
 from offload_adamw.accel.placements import Placements
@@ -152,6 +152,7 @@ class GradientPipeline:
     def __init__(self, optimizer: UpdateTarget, config: PipelineConfig) -> None:
         # Held weakly: the optimizer owns the pipeline, and a dropped optimizer must take its hooks with it.
         self.optimizer: Any = weakref.proxy(optimizer)
+        self._closing = weakref.finalize(optimizer, self._close)  # held weakly: closed when it goes
         self.config = config
         self.offload_gradients = config.offload_gradients
         seed = standin.requested_seed()
@@ -229,7 +230,10 @@ class GradientPipeline:
         self.hooks.watch(new)
 
     def close(self) -> None:
-        """Remove the hooks and stop the worker threads (the optimizer no longer sees gradients as they arrive)."""
+        """Remove the hooks, stop the worker threads, free the device buffers; once, here or when the optimizer goes."""
+        self._closing()
+
+    def _close(self) -> None:
         swaps.stop_looking(self)
         self.hooks.close()
         self.schedule.close()
@@ -340,8 +344,7 @@ class GradientPipeline:
                 "backward: they cannot be read or changed between backward and step(); use update_in_backward=False"
             )
         if self.offload_gradients:
-            held = dict(self.host_gradients(order))
-            return clip_inputs(list(held), held.get)
+            return [clipped_view(p, g) for p, g in self.host_gradients(order)]
         params = [p for g in self.optimizer.param_groups for p in g["params"]] if order is None else order
         return [p.grad for p in params if p.grad is not None]
 

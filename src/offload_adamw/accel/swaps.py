@@ -20,8 +20,8 @@ Contract:
 * One global forward pre-hook serves every pipeline (registered with the first); it holds the pipelines
   weakly, costs a set lookup per module forward while no pipeline waits, and looks at nothing while a
   graph is compiled, inside backward (activation checkpointing's recomputation) or in inference mode
-  (host buffers laid out there could not be written outside it): the next forward outside looks. A pipeline
-  whose optimizer is gone (it holds it weakly) is passed over.
+  (host buffers laid out there could not be written outside it): the next forward outside looks. A pipeline stops
+  being looked at when it closes, which it does when its optimizer goes (accel/pipeline.py).
 """
 
 from __future__ import annotations
@@ -90,7 +90,4 @@ def _before_forward(module: torch.nn.Module, args: Any) -> None:
     waiting = list(_WAITING)
     _WAITING.clear()
     for pipeline in waiting:
-        try:
-            pipeline.refresh(if_changed=True)
-        except ReferenceError:
-            continue  # its optimizer was let go (the pipeline holds it weakly): nothing is left to refresh
+        pipeline.refresh(if_changed=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -416,8 +415,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             offload_gradients=offload_gradients, bucket_bytes=bucket_bytes, update_in_backward=update_in_backward,
             stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers,
         ))
-        # The pipeline holds this optimizer weakly: when the user lets it go, its hooks and threads go with it.
-        weakref.finalize(self, self._pipeline.close)
         # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
         self._step_supports_amp_scaling = True
 
