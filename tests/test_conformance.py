@@ -586,3 +586,36 @@ def test_quantized_state_is_seen_on_a_tensor_large_enough_to_be_quantized():
     assert report.result(8).verdict == "fail"
     detail = report.result(8).detail
     assert "float32 parameters: state narrower than float32: exp_avg.codes uint8, exp_avg_sq.codes uint8" in detail
+
+
+def test_the_references_are_ready_only_for_what_was_computed(monkeypatch):
+    from offload_adamw.conformance import clauses as clauses_module
+
+    monkeypatch.setattr(clauses_module, "_REFERENCES", {})
+    takes_decay, takes_none = HyperMapping().accepts, HyperMapping(names={"weight_decay": None}).accepts
+    assert not clauses_module.references_ready([1, 8], mapping_accepts=takes_decay)
+    clauses_module.prepare_references([1, 8], mapping_accepts=takes_decay)
+    assert clauses_module.references_ready([1, 8], mapping_accepts=takes_decay)
+    assert clauses_module.references_ready([2, 3], mapping_accepts=takes_none)  # no clause compares with a reference
+    assert not clauses_module.references_ready([8], mapping_accepts=takes_none)  # its long horizon runs without decay
+
+
+def test_a_second_check_in_one_process_reuses_the_references_and_reports_the_same(monkeypatch):
+    from offload_adamw.conformance import checker as checker_module
+    from offload_adamw.conformance import clauses as clauses_module
+
+    monkeypatch.setattr(clauses_module, "_REFERENCES", {})
+    computed = []
+    pending = checker_module.Pending
+
+    def counted(*args, **kwargs):
+        computed.append(args)
+        return pending(*args, **kwargs)
+
+    monkeypatch.setattr(checker_module, "Pending", counted)
+    first = check(broken.MomentsInParamDtype, clauses=[1, 8])
+    second = check(broken.MomentsInParamDtype, clauses=[1, 8])
+    assert len(computed) == 1  # the first check computed them beside torch's lazy imports; the second found them
+    assert first.failed and [r.number for r in first.failed] == [8]
+    assert [(r.verdict, r.deviation, r.detail) for r in second.results] == [
+        (r.verdict, r.deviation, r.detail) for r in first.results]

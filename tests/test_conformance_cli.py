@@ -193,3 +193,58 @@ def test_the_command_keeps_torch_out_of_its_own_process(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split()[-2:] == ["0", "False"], proc.stdout + proc.stderr
     assert json.loads(out.read_text())["results"][0]["verdict"] == "pass"
+
+
+def test_several_candidates_one_command_each_report_a_summary_and_the_worst_exit(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # the summary's rows on one line each
+    out = tmp_path / "study.json"
+    candidates = ["offload_adamw:OffloadAdamW", f"{BROKEN_FILE}:EpsInsideRoot", "no_such_module_xyz:Opt"]
+    status = main(["check", *candidates, "--clauses", "1,2", "--json", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert status == 2  # one candidate could not be loaded: the others were still checked
+    assert captured.err.count("offload-adamw check:") == 1 and "no_such_module_xyz" in captured.err
+    summary = captured.out[captured.out.rindex("\ncandidate "):]
+    rows = [line for line in summary.splitlines() if line.split() and line.split()[0] in candidates]
+    assert [r.split()[0] for r in rows] == candidates
+    assert "conforming" in rows[0] and "NOT conforming" in rows[1] and "not checked" in rows[2]
+    assert captured.out.count("conformance of ") == 2  # both reports, before the summary
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == 1 and data["command"] == "check"
+    assert [(r["candidate"], r["failed"]) for r in data["reports"]] == [(candidates[0], []), (candidates[1], [1])]
+    assert [n["candidate"] for n in data["not_checked"]] == [candidates[2]]
+    assert "schema_version" not in data["reports"][0]
+
+
+def test_several_candidates_exit_1_when_one_does_not_conform_and_0_when_all_do(capsys):
+    assert main(["check", "offload_adamw:OffloadAdamW", f"{BROKEN_FILE}:EpsInsideRoot", "--clauses", "1",
+                 "--no-progress"]) == 1
+    assert main(["check", "offload_adamw:OffloadAdamW", "torch.optim:AdamW", "--clauses", "1,2",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+
+
+def test_an_invalid_argument_stops_several_candidates_before_the_first_with_one_line(tmp_path, capsys):
+    out = tmp_path / "study.json"
+    status = main(["check", "offload_adamw:OffloadAdamW", "torch.optim:AdamW", "--dtype", "int8", "--json", str(out),
+                   "--no-progress"])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.err.count("offload-adamw check:") == 1 and "unknown dtype" in captured.err
+    assert "conformance of " not in captured.out
+    data = json.loads(out.read_text())
+    assert data["reports"] == [] and len(data["not_checked"]) == 2
+
+
+def test_real_subprocess_checks_several_candidates_in_one_child(tmp_path):
+    out = tmp_path / "study.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "400"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "offload_adamw", "check", "torch.optim:AdamW", f"{BROKEN_FILE}:NoValidation",
+         "--clauses", "12", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(out.read_text())
+    assert [(r["candidate"], r["failed"]) for r in data["reports"]] == [
+        ("torch.optim:AdamW", []), (f"{BROKEN_FILE}:NoValidation", [12])]
+    assert "NOT conforming" in proc.stdout and proc.stdout.count("conformance of ") == 2

@@ -12,12 +12,21 @@ clause, bad mapping, a non-positive ``--timeout``), a device that is not there, 
 ``--json`` path that cannot be written, a ``--setup`` method the optimizer lacks, or a
 constructor that does not take the canonical keywords (with the ``--map`` that fits).
 
+Several candidates (each with the same options) are checked one after another in one
+process, which imports torch once: each report is printed, then a summary with a row per
+candidate. A candidate that cannot be checked gets its one line on stderr and its row, and
+the others are still checked; an invalid argument stops before the first. The exit status
+is 2 when any candidate could not be checked, else 1 when any does not conform, else 0.
+With ``--json`` the document holds ``reports`` (each the one-candidate document's fields
+below ``schema_version``) and ``not_checked`` (``candidate`` and ``why``).
+
 Examples::
 
     offload-adamw check torch.optim:AdamW
     offload-adamw check offload_adamw:OffloadAdamW --dtype bf16 --json report.json
     offload-adamw check my_opt.py:MyAdamW --map '{"betas": ["beta1", "beta2"], "eps": "epsilon"}' \\
         --kwargs '{"correct_bias": true}'
+    offload-adamw check torch.optim:AdamW torch.optim:Adam my_opt.py:MyAdamW --json study.json
 """
 
 from __future__ import annotations
@@ -60,16 +69,19 @@ Clauses (--dtype D sets the parameter dtype of every clause except where said):
   15  cost of one step vs. torch.optim.AdamW(fused=True) on 262,144 elements of D (info)
 
 The candidate is imported in a child process and each clause runs in a child of that one,
-two at a time, each with a time limit. Exit status: 0 conforming, 1 not (a clause fails or
-errs, or the update rule could not be compared), 2 usage error (a candidate that cannot be
-loaded, also one that exits or hangs on import).
+two at a time, each with a time limit. Several candidates are checked one after another in
+one process, which imports torch once (then a summary). Exit status: 0 conforming, 1 not (a
+clause fails or errs, or the update rule could not be compared), 2 usage error (a candidate
+that cannot be loaded, also one that exits or hangs on import).
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (parser.description or "") + CLAUSE_HELP
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("candidate", help="the optimizer: 'package.module:Class' or 'path/to/file.py:Class'")
+    parser.add_argument("candidates", nargs="+", metavar="candidate",
+                        help="the optimizer: 'package.module:Class' or 'path/to/file.py:Class' (several: each is "
+                             "checked with the same options, torch imported once)")
     parser.add_argument("--dtype", default="fp32", help="parameter dtype of the checked run: fp32 (default), bf16, fp16, fp64 "
                                                         "(what it changes per clause: see above)")
     parser.add_argument("--kwargs", default=None, metavar="JSON",
@@ -114,31 +126,59 @@ def _json_argument(flag: str, text: str | None) -> Any:
     return value
 
 
-def _checked(candidate: str, options: dict[str, Any]) -> tuple[str, Any]:
-    """("report", the Report) or ("usage", the one-line message): the check run where torch is imported."""
+Outcome = tuple[str, Any]
+"""("report", the Report), ("usage", the one-line message) or ("lost", why the check gave no report)."""
+
+
+def _checked(candidates: list[str], options: dict[str, Any]) -> list[Outcome]:
+    """One outcome per candidate, in order, checked where torch is imported; an invalid argument (the same
+    for every candidate) ends the list after its first usage outcome."""
     from offload_adamw.conformance.checker import CandidateLoadError, UsageError, check
 
-    try:
-        return "report", check(candidate, **options)
-    except CandidateLoadError as exc:
-        return "usage", f"cannot load the candidate: {exc}"
-    except (UsageError, ValueError) as exc:
-        return "usage", str(exc)
+    outcomes: list[Outcome] = []
+    for candidate in candidates:
+        try:
+            outcomes.append(("report", check(candidate, **options)))
+        except CandidateLoadError as exc:
+            outcomes.append(("usage", f"cannot load the candidate: {exc}"))
+        except UsageError as exc:
+            outcomes.append(("usage", str(exc)))
+        except ValueError as exc:
+            outcomes.append(("usage", str(exc)))
+            break
+    return outcomes
 
 
-def _check_in_a_child(candidate: str, options: dict[str, Any]) -> tuple[str, Any]:
+def _check_in_a_child(candidates: list[str], options: dict[str, Any]) -> list[Outcome]:
     """:func:`_checked` in a forked child where fork exists and torch is not imported here, else here.
 
     The child imports torch (and torch._dynamo, which the steps of torch's optimizers import) and ends
     with os._exit; this process, which never imported them, then ends without tearing them down
     (about as long as importing them), and what the candidate does cannot reach it either."""
     if "torch" in sys.modules or not hasattr(os, "fork"):
-        return _checked(candidate, options)
+        return _checked(candidates, options)
     from offload_adamw.conformance.processes import Pending
 
-    ran, outcome = Pending(lambda: _checked(candidate, options),
-                           ended="the process that ran the check ended ({status}) without a report").result(None)
-    return outcome if ran else ("lost", outcome)
+    ran, outcomes = Pending(lambda: _checked(candidates, options),
+                            ended="the process that ran the check ended ({status}) without a report").result(None)
+    return outcomes if ran else [("lost", outcomes)]
+
+
+def _summary(candidates: list[str], outcomes: list[Outcome]) -> str:
+    """One row per candidate: conforming or not (and the clauses that fail or err), or why it was not checked."""
+    from offload_adamw._output import render_table
+
+    rows = []
+    for candidate, (kind, outcome) in zip(candidates, outcomes):
+        if kind == "report":
+            failed = ",".join(str(r.number) for r in outcome.failed) or "-"
+            verdict = "conforming" if outcome.conforming else "NOT conforming"
+            rows.append([candidate, outcome.dtype, verdict, failed, f"{outcome.seconds:.1f}"])
+        else:
+            rows.append([candidate, "-", "not checked", "-", "-"])  # why: its line on stderr
+    for candidate in candidates[len(outcomes):]:
+        rows.append([candidate, "-", "not checked", "-", "-"])
+    return render_table(["candidate", "dtype", "verdict", "failing clauses", "seconds"], rows, align="lllrr", wrap=0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,12 +201,28 @@ def run(args: argparse.Namespace) -> int:
                                "progress": common.progress_wanted(args), "setup": args.setup}
     if args.timeout is not None:
         options["timeout"] = args.timeout
-    kind, outcome = _check_in_a_child(args.candidate, options)
-    if kind != "report":
-        print(f"offload-adamw check: {outcome}", file=sys.stderr)
-        return 2 if kind == "usage" else 1
-    report = outcome
-    if not common.json_to_stdout(args, "json_path"):
-        print(report.to_table())
-    common.write_json("check", report.to_json(), args.json_path)
-    return 0 if report.conforming else 1
+    candidates: list[str] = list(args.candidates)
+    outcomes = _check_in_a_child(candidates, options)
+    if outcomes and outcomes[0][0] == "lost":
+        print(f"offload-adamw check: {outcomes[0][1]}", file=sys.stderr)
+        return 1
+    tables = not common.json_to_stdout(args, "json_path")
+    for kind, outcome in outcomes:
+        if kind != "report":
+            print(f"offload-adamw check: {outcome}", file=sys.stderr)
+        elif tables:
+            print(outcome.to_table() + ("\n" if len(candidates) > 1 else ""))
+    if len(candidates) == 1:
+        if outcomes[0][0] == "report":
+            common.write_json("check", outcomes[0][1].to_json(), args.json_path)
+    else:
+        if tables:
+            print(_summary(candidates, outcomes))
+        reports = [{k: v for k, v in o.to_json().items() if k != "schema_version"} for kind, o in outcomes if kind == "report"]
+        not_checked = [{"candidate": c, "why": str(o)} for c, (kind, o) in zip(candidates, outcomes) if kind != "report"]
+        not_checked += [{"candidate": c, "why": "not checked: an invalid argument stopped the check"}
+                        for c in candidates[len(outcomes):]]
+        common.write_json("check", {"reports": reports, "not_checked": not_checked}, args.json_path)
+    if len(outcomes) < len(candidates) or any(kind == "usage" for kind, _ in outcomes):
+        return 2
+    return 0 if all(o.conforming for _, o in outcomes) else 1

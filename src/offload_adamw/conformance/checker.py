@@ -101,6 +101,7 @@ from offload_adamw.conformance.clauses import (
     Context,
     install_references,
     prepare_references,
+    references_ready,
 )
 from offload_adamw.conformance.harness import Harness, HyperMapping, NotApplicable, SetupError, hyper, random_values
 from offload_adamw.conformance.processes import (
@@ -382,8 +383,8 @@ def _run_forked_check(plan: _Plan, name: str, report: Report, progress: Any) -> 
     """The clauses' results, from the process that holds the candidate, into ``report`` (in clause order)."""
     needs_references = any(c.number in REFERENCE_CLAUSES for c in plan.clauses)
     numbers = [c.number for c in plan.clauses]
-    references = (Pending(lambda: prepare_references(numbers, mapping_accepts=plan.mapping.accepts))
-                  if needs_references else None)
+    missing = needs_references and not references_ready(numbers, mapping_accepts=plan.mapping.accepts)
+    references = Pending(lambda: prepare_references(numbers, mapping_accepts=plan.mapping.accepts)) if missing else None
     _import_lazily_loaded_modules()  # meanwhile the references are computed beside this
     if references is not None:
         ran, data = references.result(plan.timeout + _GRACE_SECONDS)

@@ -78,6 +78,7 @@ failing every clause that happens to take a step. The pairs:
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -239,6 +240,10 @@ OWN_EPS_BAND = (1e-30, 1e-6)
 """A candidate that takes no eps argument (mapped to null) is compared with the reference for every eps in this range."""
 
 
+def _update_key(label: str, eps: float | None) -> tuple[Any, ...]:
+    return ("update", label, eps)
+
+
 def _update_reference(label: str, eps: float | None = None) -> list[dict[str, Tensor]]:
     """The reference trajectory of one variant (with ``eps`` in place of the problem's, where given)."""
     def compute() -> list[dict[str, Tensor]]:
@@ -246,7 +251,7 @@ def _update_reference(label: str, eps: float | None = None) -> list[dict[str, Te
         values = variants[label] if eps is None else {**variants[label], "eps": eps}
         return _reference_series(theta0, grads, values)
 
-    return cast(list[dict[str, Tensor]], _referenced(("update", label, eps), compute))
+    return cast(list[dict[str, Tensor]], _referenced(_update_key(label, eps), compute))
 
 
 def _narrower(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -904,6 +909,14 @@ LONG_SHAPE = (64, 64)
 TILES = LONG_SHAPE[0] * LONG_SHAPE[1] // (len(PARTS) * PART_SIZE)
 
 
+def _long_data_key(wd: float) -> tuple[Any, ...]:
+    return ("long-data", wd)
+
+
+def _long_key(wd: float) -> tuple[Any, ...]:
+    return ("long", wd)
+
+
 def _long_horizon_unique(wd: float) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """32 element trajectories in four parts of 8: theta0 (32,), the gradients (steps, 32), the hyperparameters."""
     def compute() -> tuple[Tensor, Tensor, dict[str, Any]]:
@@ -924,7 +937,7 @@ def _long_horizon_unique(wd: float) -> tuple[Tensor, Tensor, dict[str, Any]]:
             grads.append(torch.cat([zeros, second, steady, cycle[k % 7]]))
         return theta0, torch.stack(grads), hyper(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
 
-    return cast(tuple[Tensor, Tensor, dict[str, Any]], _referenced(("long-data", wd), compute))
+    return cast(tuple[Tensor, Tensor, dict[str, Any]], _referenced(_long_data_key(wd), compute))
 
 
 def _tile(t: Tensor) -> Tensor:
@@ -945,7 +958,7 @@ def _long_horizon_reference(wd: float) -> Tensor:
             state = reference.adamw_step(state, tuple(g), hp)
         return _tile(torch.tensor(state.theta, dtype=torch.float64))
 
-    return cast(Tensor, _referenced(("long", wd), compute))
+    return cast(Tensor, _referenced(_long_key(wd), compute))
 
 
 def _ulp(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -1466,18 +1479,38 @@ REFERENCE_CLAUSES = (1, 8)
 """The clauses that compare with reference trajectories (:func:`prepare_references`)."""
 
 
+_Need = tuple[tuple[Any, ...], Callable[[], Any]]
+"""A reference's key and the call that computes it and caches it under that key."""
+
+
+def _reference_needs(numbers: Sequence[int], mapping_accepts: Callable[[str], bool]) -> list[_Need]:
+    """Every reference the selected clauses compare with."""
+    needs: list[_Need] = []
+    if 1 in numbers:
+        needs.extend((_update_key(label, eps), functools.partial(_update_reference, label, eps))
+                     for label in UPDATE_VARIANTS for eps in (None, *OWN_EPS_BAND))
+    if 8 in numbers:
+        wd = 0.1 if mapping_accepts("weight_decay") else 0.0
+        needs.append((_long_data_key(wd), functools.partial(_long_horizon_unique, wd)))
+        needs.append((_long_key(wd), functools.partial(_long_horizon_reference, wd)))
+    return needs
+
+
+def references_ready(numbers: Sequence[int], *, mapping_accepts: Callable[[str], bool]) -> bool:
+    """Whether every reference the selected clauses need is here already (an earlier check in this process
+    computed or installed it): then :func:`prepare_references` has nothing left to do."""
+    return all(key in _REFERENCES for key, _ in _reference_needs(numbers, mapping_accepts))
+
+
 def prepare_references(numbers: Sequence[int], *, mapping_accepts: Callable[[str], bool]) -> dict[tuple[Any, ...], Any]:
     """The reference trajectories (and long-horizon data) the selected clauses compare with, by key.
 
     Computed where the checker can do it beside other work (a forked child while torch's lazily
     imported modules load); :func:`install_references` puts them where the clauses look, and
-    clause children forked afterwards inherit them instead of computing them again."""
-    if 1 in numbers:
-        for label in UPDATE_VARIANTS:
-            for eps in (None, *OWN_EPS_BAND):
-                _update_reference(label, eps)
-    if 8 in numbers:
-        _long_horizon_reference(0.1 if mapping_accepts("weight_decay") else 0.0)
+    clause children forked afterwards inherit them instead of computing them again. A reference
+    computed once in a process is not computed again (a study checks many candidates in one)."""
+    for _, compute in _reference_needs(numbers, mapping_accepts):
+        compute()
     return dict(_REFERENCES)
 
 
