@@ -297,3 +297,51 @@ def test_the_trainer_route_refuses_a_second_max_grad_norm_with_updates_during_ba
     )
     with pytest.raises(ValueError, match=r"max_grad_norm=0\.5 differs from the Trainer's max_grad_norm=1\.0"):
         trainer.train()
+
+
+MIX_RULES = [(r"re:(?:^|\.)model\.layers\.0\.", {"update_on": "device"}), ("lm_head.weight", {"update_on": "stream"})]
+
+
+def test_a_placement_mix_by_name_rules_keeps_the_trainers_split_and_matches_adamw_torch_fused(tmp_path):
+    from offload_adamw.integrations.hf import OffloadAdamWTrainer
+
+    reference = tiny_llama()
+    Trainer(
+        model=reference, args=training_args(tmp_path / "torch", optim="adamw_torch_fused"), train_dataset=TokenWindows(),
+    ).train()
+    model = tiny_llama()
+    trainer = OffloadAdamWTrainer(model=model, args=training_args(tmp_path / "mix"), train_dataset=TokenWindows(),
+                                  param_group_rules=MIX_RULES, param_group_default={"update_on": "host"},
+                                  offload_adamw_kwargs={"pin_memory": False})
+    trainer.train()
+    assert_bitwise(params_of(model), params_of(reference))
+
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    decay = set(trainer.get_decay_parameter_names(model))
+    seen = [(g["rule"], g["update_on"], g["weight_decay"]) for g in inner.param_groups]
+    # rule by rule, each split the Trainer's way (the lm_head has no norm or bias: no group without decay)
+    assert seen == [(MIX_RULES[0][0], "device", WD), (MIX_RULES[0][0], "device", 0.0), ("lm_head.weight", "stream", WD),
+                    ("<default>", "host", WD), ("<default>", "host", 0.0)]
+    for g in inner.param_groups:
+        assert all((n in decay) == (g["weight_decay"] == WD) for n in g["param_names"]), g["rule"]
+    names = [n for g in inner.param_groups for n in g["param_names"]]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("rules, default, culprit", [
+    ([("lm_head.weight", {"update_on": "stream", "weight_decay": 0.0})], None, "param_group_rules[0] 'lm_head.weight'"),
+    (MIX_RULES, {"weight_decay": 0.5}, "param_group_default"),
+    ([("no.such.*", {"update_on": "device"})], None, "rule 0 'no.such.*' takes no parameter"),
+])
+def test_a_rule_that_sets_weight_decay_or_takes_nothing_is_refused_by_name_before_any_update(tmp_path, rules, default,
+                                                                                            culprit):
+    from offload_adamw import ParamGroupError
+    from offload_adamw.integrations.hf import OffloadAdamWTrainer
+
+    model = tiny_llama()
+    before = params_of(model)
+    trainer = OffloadAdamWTrainer(model=model, args=training_args(tmp_path), train_dataset=TokenWindows(),
+                                  param_group_rules=rules, param_group_default=default)
+    with pytest.raises(ParamGroupError, match=culprit.replace("*", r"\*").replace("[", r"\[").replace("]", r"\]")):
+        trainer.train()
+    assert_bitwise(params_of(model), before)

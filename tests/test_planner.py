@@ -244,7 +244,9 @@ def test_70b_is_told_the_mix_of_placements_and_the_param_groups_to_pass(capsys, 
     assert "fsdp+cpu-offload (comparison)" in out and "fsdp+streamed-state (comparison)" not in out
     assert f"Recommendation: {planner.MIX}" in out and "Chosen mix of the 83 groups: " in out
     assert f"bound {mixed.step_time_lower_bound_s:.2f} s" in out and f"{host.step_time_lower_bound_s:.2f} s" in out
-    assert "groups = named_param_groups(model, [" in out and 'default={"update_on": "stream"})' in out
+    assert "rules = [" in out and 'default = {"update_on": "stream"}' in out
+    assert "named_param_groups(model, rules, default=default)" in out
+    assert "OffloadAdamWTrainer(model=model, args=args, param_group_rules=rules, param_group_default=default" in out
 
 
 @settings(max_examples=40, deadline=None)

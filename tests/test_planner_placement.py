@@ -327,6 +327,14 @@ def test_the_printed_rules_give_every_parameter_its_groups_placement(llama_12_la
     got = {name: group["update_on"] for group in built for name in group["param_names"]}
     want = {name: x for g, x in zip(groups, choice) for name in g.names}
     assert got == want
+    # the same rules through the HF Trainer's route: every parameter keeps its placement, and its group's decay
+    from offload_adamw.integrations.hf import trainer_param_groups
+
+    decay = {name for name in want if "norm" not in name}
+    split = trainer_param_groups(llama_12_layers, 0.1, decay_names=decay, rules=rules, default=default)
+    assert {name: group["update_on"] for group in split for name in group["param_names"]} == want
+    assert {name: group["weight_decay"] for group in split for name in group["param_names"]} == {
+        name: 0.1 if name in decay else 0.0 for name in want}
 
 
 def test_a_model_of_many_odd_tensors_puts_the_smallest_kinds_into_the_default_group(llama_12_layers):

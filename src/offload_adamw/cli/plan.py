@@ -317,20 +317,30 @@ def _placement_section(result: Plan) -> list[str]:
 
 
 def param_groups_code(mix: placement.Mix) -> list[str]:
-    """The Python that builds OffloadAdamW with this placement (named_param_groups rules, first match wins)."""
-    flag = ", offload_gradients=True" if mix.offload_gradients else ""
+    """The Python that builds OffloadAdamW with this placement (named_param_groups rules, first match wins), and the
+    same for the HF Trainer (integrations/hf.py: the Trainer's decay split within each rule's group)."""
+    trainer = "# with the HF Trainer (offload_adamw.integrations.hf), which splits each group by decay as it does:"
     if mix.uniform is not None:
+        options = {"update_on": mix.uniform, **({"offload_gradients": True} if mix.offload_gradients else {})}
+        keywords = ", ".join(f"{k}={v!r}".replace("'", '"') for k, v in options.items())
         return ["from offload_adamw import OffloadAdamW",
-                f'opt = OffloadAdamW(model.parameters(), update_on="{mix.uniform}"{flag})  # and your lr, weight_decay, ...']
+                f"opt = OffloadAdamW(model.parameters(), {keywords})  # and your lr, weight_decay, ...", trainer,
+                f"#   OffloadAdamWTrainer(model=model, args=args, offload_adamw_kwargs={_hyper(options)})"]
+    flag = ", offload_gradients=True" if mix.offload_gradients else ""
     rules, default = mix.param_group_rules()
-    lines = ["from offload_adamw import OffloadAdamW, named_param_groups", "", "groups = named_param_groups(model, ["]
+    lines = ["from offload_adamw import OffloadAdamW, named_param_groups", "", "rules = ["]
     lines += [f"    (r\"{pattern}\", {_hyper(hyper)})," for pattern, hyper in rules]
-    lines += [f"], default={_hyper(default)})", f"opt = OffloadAdamW(groups{flag})  # and your lr, weight_decay, ..."]
+    lines += ["]", f"default = {_hyper(default)}",
+              f"opt = OffloadAdamW(named_param_groups(model, rules, default=default){flag})  # and your lr, weight_decay, ...",
+              trainer,
+              "#   OffloadAdamWTrainer(model=model, args=args, param_group_rules=rules, param_group_default=default"
+              + (', offload_adamw_kwargs={"offload_gradients": True})' if mix.offload_gradients else ")")]
     return lines
 
 
-def _hyper(hyper: dict[str, str]) -> str:
-    return "{" + ", ".join(f'"{key}": "{value}"' for key, value in hyper.items()) + "}"
+def _hyper(hyper: dict[str, Any]) -> str:
+    return "{" + ", ".join(f'"{key}": ' + (f'"{value}"' if isinstance(value, str) else repr(value))
+                           for key, value in hyper.items()) + "}"
 
 
 _PLOT_ITEMS = (

@@ -10,6 +10,13 @@ Contract:
   ``param_names``, so the optimizer's state_dict is keyed by name (a resume after a
   refactor matches state by name, not by position). The Trainer takes ``params`` from the
   kwargs in place of its own unnamed groups.
+* With ``param_group_rules`` (and ``param_group_default``), ordered name rules as
+  :func:`~offload_adamw.named_param_groups` takes them (first match wins, a rule that takes no
+  parameter is an error naming it), the parameters are first grouped by rule, and each rule's
+  group is then split the Trainer's way: its decay names with ``args.weight_decay``, the rest with
+  0.0, each with the rule's keys (``update_on``, ``lr``, ...). This is how a placement mix the
+  planner prints (``offload-adamw plan``) reaches the Trainer. A rule (or the default) that sets
+  ``weight_decay`` is refused, naming it: the Trainer's split sets it.
 * The hyperparameters are those ``optim="adamw_torch_fused"`` takes from the arguments:
   ``lr=args.learning_rate``, ``betas=(args.adam_beta1, args.adam_beta2)``,
   ``eps=args.adam_epsilon``; keyword arguments given to :func:`trainer_optimizer` (e.g.
@@ -39,7 +46,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,25 +65,66 @@ def _decay_names(model: torch.nn.Module, trainer: Any = None) -> set[str]:
 
 
 def trainer_param_groups(model: torch.nn.Module, weight_decay: float, *, decay_names: Iterable[str] | None = None,
-                         trainer: Any = None) -> list[dict[str, Any]]:
+                         trainer: Any = None, rules: Any = None, default: Mapping[str, Any] | None = None,
+                         ) -> list[dict[str, Any]]:
     """The Trainer's two groups (decay, no decay) of trainable parameters, with ``param_names``.
 
     ``decay_names`` defaults to ``Trainer.get_decay_parameter_names(model)`` (of ``trainer`` when given).
+    With ``rules`` (and ``default``, as :func:`~offload_adamw.named_param_groups` takes them: the planner
+    prints them for a placement mix) each rule's group is split the Trainer's way in turn: see the module
+    docstring.
     """
     if not 0.0 <= weight_decay:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     decay = set(decay_names) if decay_names is not None else _decay_names(model, trainer)
+    named: list[dict[str, Any]]
+    if rules is None and default is None:
+        named = [{"params": [p for _, p in model.named_parameters() if p.requires_grad],
+                  "param_names": [n for n, p in model.named_parameters() if p.requires_grad]}]
+    else:
+        named = _rule_groups(model, [] if rules is None else rules, default)
     groups: list[dict[str, Any]] = []
-    for wants_decay, value in ((True, weight_decay), (False, 0.0)):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (n in decay) == wants_decay]
-        if named:
-            groups.append({"params": [p for _, p in named], "param_names": [n for n, _ in named], "weight_decay": value})
+    for base in named:
+        for wants_decay, value in ((True, weight_decay), (False, 0.0)):
+            picked = [i for i, n in enumerate(base["param_names"]) if (n in decay) == wants_decay]
+            if not picked:
+                continue
+            group = {k: v for k, v in base.items() if k not in ("params", "param_names", "tied_names")}
+            group["params"] = [base["params"][i] for i in picked]
+            group["param_names"] = [base["param_names"][i] for i in picked]
+            if "tied_names" in base:
+                group["tied_names"] = {n: base["tied_names"][n] for n in group["param_names"] if n in base["tied_names"]}
+            group["weight_decay"] = value
+            groups.append(group)
     if not groups:
         raise ValueError("the model has no trainable parameter")
     return groups
 
 
-def trainer_optimizer(model: torch.nn.Module, args: Any, **optimizer_kwargs: Any) -> tuple[type, dict[str, Any]]:
+def _rule_groups(model: torch.nn.Module, rules: Any, default: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """``named_param_groups(model, rules, default)``, refusing a rule that sets what the Trainer's split sets."""
+    from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups
+
+    listed = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    for index, rule in enumerate([*listed, ("<default>", default or {})]):
+        if isinstance(rule, Rule):
+            pattern, hyper = rule.pattern, rule.hyper
+        elif isinstance(rule, tuple) and len(rule) == 2:
+            pattern, hyper = rule
+        else:
+            continue  # named_param_groups names the malformed rule
+        if isinstance(hyper, Mapping) and "weight_decay" in hyper:
+            where = "param_group_default" if index == len(listed) else f"param_group_rules[{index}] {pattern!r}"
+            raise ParamGroupError(
+                f"{where} sets weight_decay, which the Trainer's decay split sets (args.weight_decay for the decay "
+                "parameters, 0 for biases and norms): set it in TrainingArguments, or build every group yourself "
+                "with named_param_groups and pass optimizer_cls_and_kwargs")
+    return named_param_groups(model, listed, default={} if default is None else default)
+
+
+def trainer_optimizer(model: torch.nn.Module, args: Any, *, param_group_rules: Any = None,
+                      param_group_default: Mapping[str, Any] | None = None,
+                      **optimizer_kwargs: Any) -> tuple[type, dict[str, Any]]:
     """``(OffloadAdamW, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)``; see the module docstring."""
     from offload_adamw.optim.optimizer import OffloadAdamW
 
@@ -88,7 +136,8 @@ def trainer_optimizer(model: torch.nn.Module, args: Any, **optimizer_kwargs: Any
         "weight_decay": args.weight_decay,
     }
     kwargs.update(optimizer_kwargs)
-    kwargs["params"] = trainer_param_groups(model, kwargs["weight_decay"], trainer=trainer)
+    kwargs["params"] = trainer_param_groups(model, kwargs["weight_decay"], trainer=trainer, rules=param_group_rules,
+                                            default=param_group_default)
     return OffloadAdamW, kwargs
 
 
@@ -141,9 +190,13 @@ def _make_trainer_class() -> type:
         """A ``transformers.Trainer`` whose default optimizer is OffloadAdamW over :func:`trainer_optimizer`'s groups
         (see the module contract, also for updates during backward)."""
 
-        def __init__(self, *args: Any, offload_adamw_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, offload_adamw_kwargs: dict[str, Any] | None = None,
+                     param_group_rules: Any = None, param_group_default: Mapping[str, Any] | None = None,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.offload_adamw_kwargs = dict(offload_adamw_kwargs or {})
+            self.param_group_rules = param_group_rules
+            self.param_group_default = param_group_default
             self._step_norm: Any = None  # the grad_norm handed to the Trainer, filled in after the step
 
         def create_optimizer(self, model: Any = None) -> Any:
@@ -151,7 +204,9 @@ def _make_trainer_class() -> type:
                 # the Trainer has its model by the time it creates the optimizer (its stubs allow None)
                 opt_model = cast("torch.nn.Module", self.model if model is None else model)
                 options = _clipping_options(self, dict(self.offload_adamw_kwargs))
-                self.optimizer_cls_and_kwargs = trainer_optimizer(opt_model, self.args, trainer=self, **options)
+                self.optimizer_cls_and_kwargs = trainer_optimizer(
+                    opt_model, self.args, trainer=self, param_group_rules=self.param_group_rules,
+                    param_group_default=self.param_group_default, **options)
                 optimizer = super().create_optimizer(model)
                 ours = _offload_adamw(optimizer)
                 if ours is not None:
