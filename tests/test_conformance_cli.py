@@ -248,3 +248,51 @@ def test_real_subprocess_checks_several_candidates_in_one_child(tmp_path):
     assert [(r["candidate"], r["failed"]) for r in data["reports"]] == [
         ("torch.optim:AdamW", []), (f"{BROKEN_FILE}:NoValidation", [12])]
     assert "NOT conforming" in proc.stdout and proc.stdout.count("conformance of ") == 2
+
+
+def test_a_batch_file_checks_each_entry_with_its_own_options_in_one_command(tmp_path, capsys):
+    study = tmp_path / "study.json"
+    study.write_text(json.dumps([
+        {"candidate": SPLIT, "map": json.loads(SPLIT_MAP), "kwargs": {"correct_bias": True}, "clauses": "1,2"},
+        {"candidate": SPLIT, "map": json.loads(SPLIT_MAP), "clauses": [1]},  # without its kwargs: no bias correction
+        {"candidate": "offload_adamw:OffloadAdamW", "dtype": "bf16"},
+        {"candidate": "torch.optim:AdamW", "dtype": "int8"},  # the checker refuses this entry's dtype: only this one
+    ]))
+    out = tmp_path / "reports.json"
+    status = main(["check", "--batch", str(study), "--clauses", "1,12", "--json", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.err.count("offload-adamw check:") == 1 and "torch.optim:AdamW: unknown dtype" in captured.err
+    data = json.loads(out.read_text())
+    seen = [(r["candidate"], r["dtype"], [x["number"] for x in r["results"]], r["failed"]) for r in data["reports"]]
+    assert seen == [(SPLIT, "float32", [1, 2], []), (SPLIT, "float32", [1], [1]),
+                    ("offload_adamw:OffloadAdamW", "bfloat16", [1, 12], [])]  # the flags' clauses where none given
+    assert [n["candidate"] for n in data["not_checked"]] == ["torch.optim:AdamW"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"candidate": "torch.optim:AdamW"}', "expected a non-empty JSON list"),
+    ("[]", "expected a non-empty JSON list"),
+    ("[1", "not valid JSON"),
+    ('[{"candidate": "torch.optim:AdamW"}, {"candidate": "x:Y", "mapping": {}}]', "entry 1: unknown key(s) ['mapping']"),
+    ('[{"dtype": "bf16"}]', "entry 0: 'candidate' must be a string"),
+    ('[{"candidate": "x:Y", "clauses": "1,a"}]', "entry 0: 'clauses': expected numbers"),
+    ('[{"candidate": "x:Y", "timeout": 0}]', "entry 0: 'timeout' must be a positive number"),
+    ('[{"candidate": "x:Y", "map": "eps"}]', "entry 0: 'map' must be a JSON object"),
+])
+def test_a_malformed_batch_file_is_a_usage_error_naming_the_entry_before_any_check(tmp_path, capsys, content, message):
+    study = tmp_path / "study.json"
+    study.write_text(content)
+    assert main(["check", "--batch", str(study), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1 and "conformance of " not in captured.out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "--no-progress"], "give a candidate to check"),
+    (["check", "torch.optim:AdamW", "--batch", "study.json", "--no-progress"], "not both"),
+    (["check", "--batch", "/no/such/study.json", "--no-progress"], "--batch: cannot read '/no/such/study.json'"),
+])
+def test_candidates_or_a_batch_file_one_of_them(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

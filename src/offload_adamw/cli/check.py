@@ -20,6 +20,13 @@ is 2 when any candidate could not be checked, else 1 when any does not conform, 
 With ``--json`` the document holds ``reports`` (each the one-candidate document's fields
 below ``schema_version``) and ``not_checked`` (``candidate`` and ``why``).
 
+``--batch FILE`` gives the candidates as a JSON list of entries instead, each with its own
+options (keys :data:`BATCH_KEYS`, named as the flags are; a flag gives what an entry leaves
+out), so that optimizers with other signatures are checked in one command. A malformed file
+or entry is a usage error naming the entry, before anything is checked; an entry whose
+options the checker rejects (an unknown dtype) is that entry's usage error, and the others
+are still checked.
+
 Examples::
 
     offload-adamw check torch.optim:AdamW
@@ -27,6 +34,7 @@ Examples::
     offload-adamw check my_opt.py:MyAdamW --map '{"betas": ["beta1", "beta2"], "eps": "epsilon"}' \\
         --kwargs '{"correct_bias": true}'
     offload-adamw check torch.optim:AdamW torch.optim:Adam my_opt.py:MyAdamW --json study.json
+    offload-adamw check --batch study.json   # [{"candidate": "my_opt.py:MyAdamW", "map": {...}}, ...]
 """
 
 from __future__ import annotations
@@ -70,7 +78,8 @@ Clauses (--dtype D sets the parameter dtype of every clause except where said):
 
 The candidate is imported in a child process and each clause runs in a child of that one,
 two at a time, each with a time limit. Several candidates are checked one after another in
-one process, which imports torch once (then a summary). Exit status: 0 conforming, 1 not (a
+one process, which imports torch once (then a summary); --batch FILE lists them with options
+of their own. Exit status: 0 conforming, 1 not (a
 clause fails or errs, or the update rule could not be compared), 2 usage error (a candidate
 that cannot be loaded, also one that exits or hangs on import).
 """
@@ -79,9 +88,14 @@ that cannot be loaded, also one that exits or hangs on import).
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (parser.description or "") + CLAUSE_HELP
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("candidates", nargs="+", metavar="candidate",
+    parser.add_argument("candidates", nargs="*", metavar="candidate",
                         help="the optimizer: 'package.module:Class' or 'path/to/file.py:Class' (several: each is "
                              "checked with the same options, torch imported once)")
+    parser.add_argument("--batch", default=None, metavar="FILE",
+                        help="check the candidates a JSON file lists instead, each with its own options: a list of "
+                             "entries like {\"candidate\": \"my_opt.py:MyAdamW\", \"map\": {\"eps\": \"epsilon\"}, "
+                             "\"dtype\": \"bf16\"} (keys: " + ", ".join(BATCH_KEYS) + "; the flags give what an "
+                             "entry leaves out)")
     parser.add_argument("--dtype", default="fp32", help="parameter dtype of the checked run: fp32 (default), bf16, fp16, fp64 "
                                                         "(what it changes per clause: see above)")
     parser.add_argument("--kwargs", default=None, metavar="JSON",
@@ -126,46 +140,131 @@ def _json_argument(flag: str, text: str | None) -> Any:
     return value
 
 
+def _clause_list(where: str, value: Any) -> list[int] | None:
+    """``"1,2"`` or ``[1, 2]`` as a list of clause numbers (None: every clause)."""
+    if value is None:
+        return None
+    if isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+        return list(value)
+    if isinstance(value, str):
+        try:
+            return [int(part) for part in value.split(",") if part.strip()]
+        except ValueError:
+            pass
+    raise ValueError(f"{where}: expected numbers separated by commas, got {value!r}")
+
+
+def _flag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The check's keyword arguments from the flags (every candidate's, or each batch entry's defaults)."""
+    if args.timeout is not None and not args.timeout > 0:  # written so that NaN fails too
+        raise ValueError(f"--timeout: expected a positive number of seconds, got {args.timeout!r}")
+    options: dict[str, Any] = {"dtype": args.dtype, "kwargs": _json_argument("--kwargs", args.kwargs),
+                               "mapping": _json_argument("--map", args.mapping),
+                               "clauses": _clause_list("--clauses", args.clauses), "nonfinite_policy": args.nonfinite,
+                               "device": args.device, "progress": common.progress_wanted(args), "setup": args.setup}
+    if args.timeout is not None:
+        options["timeout"] = args.timeout
+    return options
+
+
+BATCH_KEYS = ("candidate", "dtype", "kwargs", "map", "clauses", "nonfinite", "device", "setup", "timeout")
+"""What one entry of a ``--batch`` file may say (the flags of the same names give what it leaves out)."""
+
+
+def _batch_entries(path: str, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(candidate, the check's keyword arguments) of each entry of a ``--batch`` file; ValueError names the entry."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--batch: cannot read {path!r}: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--batch {path}: not valid JSON ({exc})") from exc
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--batch {path}: expected a non-empty JSON list of entries like "
+                         '{"candidate": "torch.optim:AdamW", "dtype": "bf16"}')
+    out = []
+    for index, entry in enumerate(entries):
+        where = f"--batch {path}: entry {index}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(entry).__name__}")
+        unknown = sorted(set(entry) - set(BATCH_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; an entry may have {', '.join(BATCH_KEYS)}")
+        candidate = entry.get("candidate")
+        if not isinstance(candidate, str):
+            raise ValueError(f"{where}: 'candidate' must be a string like 'package.module:Class', got {candidate!r}")
+        options = dict(defaults)
+        for key, target in (("kwargs", "kwargs"), ("map", "mapping")):
+            if key in entry:
+                if not isinstance(entry[key], dict):
+                    raise ValueError(f"{where}: {key!r} must be a JSON object, got {entry[key]!r}")
+                options[target] = entry[key]
+        for key in ("dtype", "device"):
+            if key in entry:
+                if not isinstance(entry[key], str):
+                    raise ValueError(f"{where}: {key!r} must be a string, got {entry[key]!r}")
+                options[key] = entry[key]
+        if "clauses" in entry:
+            options["clauses"] = _clause_list(f"{where}: 'clauses'", entry["clauses"])
+        if "nonfinite" in entry:
+            if entry["nonfinite"] not in (None, "propagate", "skip", "raise"):
+                raise ValueError(f"{where}: 'nonfinite' must be propagate, skip, raise or null, got {entry['nonfinite']!r}")
+            options["nonfinite_policy"] = entry["nonfinite"]
+        if "setup" in entry:
+            setup = [entry["setup"]] if isinstance(entry["setup"], str) else entry["setup"]
+            if not (isinstance(setup, list) and all(isinstance(m, str) for m in setup)):
+                raise ValueError(f"{where}: 'setup' must be a method name or a list of them, got {entry['setup']!r}")
+            options["setup"] = setup
+        if "timeout" in entry:
+            timeout = entry["timeout"]
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+                raise ValueError(f"{where}: 'timeout' must be a positive number of seconds, got {timeout!r}")
+            options["timeout"] = float(timeout)
+        out.append((candidate, options))
+    return out
+
+
 Outcome = tuple[str, Any]
 """("report", the Report), ("usage", the one-line message) or ("lost", why the check gave no report)."""
 
 
-def _checked(candidates: list[str], options: dict[str, Any]) -> list[Outcome]:
-    """One outcome per candidate, in order, checked where torch is imported; an invalid argument (the same
-    for every candidate) ends the list after its first usage outcome."""
+def _checked(entries: list[tuple[str, dict[str, Any]]], *, shared: bool) -> list[Outcome]:
+    """One outcome per entry, in order, checked where torch is imported. With ``shared`` options an invalid
+    argument is every entry's, so the list ends after its first usage outcome."""
     from offload_adamw.conformance.checker import CandidateLoadError, UsageError, check
 
     outcomes: list[Outcome] = []
-    for candidate in candidates:
+    for candidate, options in entries:
         try:
             outcomes.append(("report", check(candidate, **options)))
         except CandidateLoadError as exc:
             outcomes.append(("usage", f"cannot load the candidate: {exc}"))
         except UsageError as exc:
-            outcomes.append(("usage", str(exc)))
+            outcomes.append(("usage", f"{candidate}: {exc}" if not shared else str(exc)))
         except ValueError as exc:
-            outcomes.append(("usage", str(exc)))
-            break
+            outcomes.append(("usage", f"{candidate}: {exc}" if not shared else str(exc)))
+            if shared:
+                break
     return outcomes
 
 
-def _check_in_a_child(candidates: list[str], options: dict[str, Any]) -> list[Outcome]:
+def _check_in_a_child(entries: list[tuple[str, dict[str, Any]]], *, shared: bool) -> list[Outcome]:
     """:func:`_checked` in a forked child where fork exists and torch is not imported here, else here.
 
     The child imports torch (and torch._dynamo, which the steps of torch's optimizers import) and ends
     with os._exit; this process, which never imported them, then ends without tearing them down
     (about as long as importing them), and what the candidate does cannot reach it either."""
     if "torch" in sys.modules or not hasattr(os, "fork"):
-        return _checked(candidates, options)
+        return _checked(entries, shared=shared)
     from offload_adamw.conformance.processes import Pending
 
-    ran, outcomes = Pending(lambda: _checked(candidates, options),
+    ran, outcomes = Pending(lambda: _checked(entries, shared=shared),
                             ended="the process that ran the check ended ({status}) without a report").result(None)
     return outcomes if ran else [("lost", outcomes)]
 
 
 def _summary(candidates: list[str], outcomes: list[Outcome]) -> str:
-    """One row per candidate: conforming or not (and the clauses that fail or err), or why it was not checked."""
+    """One row per candidate: conforming or not (and the clauses that fail or err), or not checked."""
     from offload_adamw._output import render_table
 
     rows = []
@@ -183,26 +282,18 @@ def _summary(candidates: list[str], outcomes: list[Outcome]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.timeout is not None and not args.timeout > 0:  # written so that NaN fails too
-            raise ValueError(f"--timeout: expected a positive number of seconds, got {args.timeout!r}")
-        kwargs = _json_argument("--kwargs", args.kwargs)
-        mapping = _json_argument("--map", args.mapping)
-        clauses = None
-        if args.clauses:
-            try:
-                clauses = [int(part) for part in args.clauses.split(",") if part.strip()]
-            except ValueError:
-                raise ValueError(f"--clauses: expected numbers separated by commas, got {args.clauses!r}") from None
+        if bool(args.candidates) == (args.batch is not None):
+            raise ValueError("give the candidates to check, or --batch FILE, not both" if args.candidates
+                             else "give a candidate to check ('package.module:Class'), or --batch FILE")
+        defaults = _flag_options(args)
+        entries = ([(c, defaults) for c in args.candidates] if args.batch is None
+                   else _batch_entries(args.batch, defaults))
     except ValueError as exc:
         print(f"offload-adamw check: {exc}", file=sys.stderr)
         return 2
-    options: dict[str, Any] = {"dtype": args.dtype, "kwargs": kwargs, "mapping": mapping, "clauses": clauses,
-                               "nonfinite_policy": args.nonfinite, "device": args.device,
-                               "progress": common.progress_wanted(args), "setup": args.setup}
-    if args.timeout is not None:
-        options["timeout"] = args.timeout
-    candidates: list[str] = list(args.candidates)
-    outcomes = _check_in_a_child(candidates, options)
+    candidates = [c for c, _ in entries]
+    several = len(entries) > 1 or args.batch is not None
+    outcomes = _check_in_a_child(entries, shared=args.batch is None)
     if outcomes and outcomes[0][0] == "lost":
         print(f"offload-adamw check: {outcomes[0][1]}", file=sys.stderr)
         return 1
@@ -211,8 +302,8 @@ def run(args: argparse.Namespace) -> int:
         if kind != "report":
             print(f"offload-adamw check: {outcome}", file=sys.stderr)
         elif tables:
-            print(outcome.to_table() + ("\n" if len(candidates) > 1 else ""))
-    if len(candidates) == 1:
+            print(outcome.to_table() + ("\n" if several else ""))
+    if not several:
         if outcomes[0][0] == "report":
             common.write_json("check", outcomes[0][1].to_json(), args.json_path)
     else:
