@@ -345,3 +345,22 @@ def test_a_rule_that_sets_weight_decay_or_takes_nothing_is_refused_by_name_befor
     with pytest.raises(ParamGroupError, match=culprit.replace("*", r"\*").replace("[", r"\[").replace("]", r"\]")):
         trainer.train()
     assert_bitwise(params_of(model), before)
+
+
+def test_an_optimizer_the_trainer_creates_again_keeps_the_rules_and_the_names(tmp_path):
+    # With model_init every train() (and every hyperparameter-search trial) builds a fresh model and a fresh
+    # optimizer: each must get the rule groups (here an lr of its own) and the names again, not the Trainer's
+    # own unnamed groups with the rules dropped.
+    from offload_adamw.integrations.hf import OffloadAdamWTrainer
+
+    trainer = OffloadAdamWTrainer(model_init=tiny_llama, args=training_args(tmp_path), train_dataset=TokenWindows(),
+                                  param_group_rules=[("lm_head.weight", {"lr": LR / 10})],
+                                  offload_adamw_kwargs={"pin_memory": False})
+    runs = []
+    for _ in range(2):
+        trainer.train()
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        runs.append((params_of(trainer.model), [(g.get("rule"), g["initial_lr"], g.get("param_names"))
+                                                 for g in inner.param_groups]))
+    assert runs[1][1] == runs[0][1] and runs[0][1][0][:2] == ("lm_head.weight", LR / 10)
+    assert_bitwise(runs[1][0], runs[0][0])

@@ -23,7 +23,8 @@ Contract:
   ``pin_memory=False``, ``offload_gradients=True``) are added or win. With OffloadAdamW's
   default path the training is bitwise that of ``optim="adamw_torch_fused"``.
 * :class:`OffloadAdamWTrainer` is a ``Trainer`` that builds its optimizer this way when none
-  is passed, for set-ups that only pass ``TrainingArguments`` (its ``offload_adamw_kwargs``
+  is passed (each time the Trainer creates one: with ``model_init``, every ``train()``), for set-ups
+  that only pass ``TrainingArguments`` (its ``offload_adamw_kwargs``
   argument is the keyword arguments above). It builds the groups from the model the Trainer
   hands to ``create_optimizer`` and tells the optimizer that model's parameter order for
   clipping (``opt.clip_order(model)``); under FSDP2 accelerate then swaps the optimizer's
@@ -197,10 +198,13 @@ def _make_trainer_class() -> type:
             self.offload_adamw_kwargs = dict(offload_adamw_kwargs or {})
             self.param_group_rules = param_group_rules
             self.param_group_default = param_group_default
+            # Whether this Trainer builds the optimizer itself: the Trainer pops ``params`` from the kwargs it is
+            # given, so the kwargs of one build cannot build the next (model_init makes one per train() call).
+            self._builds_optimizer = self.optimizer_cls_and_kwargs is None
             self._step_norm: Any = None  # the grad_norm handed to the Trainer, filled in after the step
 
         def create_optimizer(self, model: Any = None) -> Any:
-            if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            if self.optimizer is None and self._builds_optimizer:
                 # the Trainer has its model by the time it creates the optimizer (its stubs allow None)
                 opt_model = cast("torch.nn.Module", self.model if model is None else model)
                 options = _clipping_options(self, dict(self.offload_adamw_kwargs))
