@@ -133,6 +133,18 @@ def test_a_signature_mismatch_suggests_the_map_that_fits(candidates, capsys):
     capsys.readouterr()
 
 
+
+def test_with_several_candidates_each_usage_line_names_its_candidate(candidates, capsys):
+    # The summary's row says only "not checked": the line on stderr must say which candidate it is about.
+    renamed = f"{candidates}:Renamed"
+    assert main(["check", "torch.optim:AdamW", renamed, "--clauses", "12", "--no-progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and repr(renamed) in lines[0] and "canonical AdamW keywords" in lines[0], lines
+    assert main(["check", "torch.optim:AdamW", "torch.optim:Adam", "--setup", "train", "--no-progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [("'torch.optim:AdamW'" in line, "'torch.optim:Adam'" in line, "no method 'train'" in line)
+            for line in lines] == [(True, False, True), (False, True, True)], lines
+
 # waits out a time limit (10 s); in CI the API-level test_a_hang_an_exit_or_a_dead_process_is_that_clauses_error_never_a_pass
 @pytest.mark.slow
 def test_a_hang_or_an_exit_in_the_candidate_is_exit_1_with_the_clause_named(tmp_path, candidates):
@@ -235,19 +247,47 @@ def test_an_invalid_argument_stops_several_candidates_before_the_first_with_one_
     assert data["reports"] == [] and len(data["not_checked"]) == 2
 
 
+CHATTY = ("import torch\nprint('chatty: imported')\n"
+          "class Chatty(torch.optim.AdamW):\n"
+          "    def __init__(self, *args, **kwargs):\n"
+          "        print('chatty: built')\n"
+          "        super().__init__(*args, **kwargs)\n")
+"""A conforming candidate that prints on import and in every clause."""
+
+
 def test_real_subprocess_checks_several_candidates_in_one_child(tmp_path):
     out = tmp_path / "study.json"
+    chatty = tmp_path / "chatty.py"
+    chatty.write_text(CHATTY)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "400"}
     proc = subprocess.run(
         [sys.executable, "-m", "offload_adamw", "check", "torch.optim:AdamW", f"{BROKEN_FILE}:NoValidation",
-         "--clauses", "12", "--json", str(out)],
+         f"{chatty}:Chatty", "--clauses", "12", "--json", str(out)],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert proc.returncode == 1, proc.stderr
     data = json.loads(out.read_text())
     assert [(r["candidate"], r["failed"]) for r in data["reports"]] == [
-        ("torch.optim:AdamW", []), (f"{BROKEN_FILE}:NoValidation", [12])]
-    assert "NOT conforming" in proc.stdout and proc.stdout.count("conformance of ") == 2
+        ("torch.optim:AdamW", []), (f"{BROKEN_FILE}:NoValidation", [12]), (f"{chatty}:Chatty", [])]
+    assert "NOT conforming" in proc.stdout and proc.stdout.count("conformance of ") == 3
+    # what a candidate prints is not the command's output: it goes to stderr, never between the reports
+    assert "chatty:" not in proc.stdout and "chatty: imported" in proc.stderr and "chatty: built" in proc.stderr
+
+
+
+@pytest.mark.slow  # a real subprocess of its own (about 3.5 s); the several-candidates test above covers the tables
+def test_what_a_candidate_prints_never_reaches_the_commands_stdout(tmp_path):
+    # With --json - stdout is the JSON document only: what a candidate prints on import or in a clause goes to
+    # stderr (each candidate is imported in a process of its own, so its output is not the command's).
+    path = tmp_path / "chatty.py"
+    path.write_text(CHATTY)
+    candidates = [f"{path}:Chatty", "torch.optim:AdamW"]
+    proc = subprocess.run([sys.executable, "-m", "offload_adamw", "check", *candidates, "--clauses", "12", "--json", "-",
+                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [r["candidate"] for r in data["reports"]] == candidates
+    assert "chatty: imported" in proc.stderr and "chatty: built" in proc.stderr
 
 
 def test_a_batch_file_checks_each_entry_with_its_own_options_in_one_command(tmp_path, capsys):
@@ -262,7 +302,7 @@ def test_a_batch_file_checks_each_entry_with_its_own_options_in_one_command(tmp_
     status = main(["check", "--batch", str(study), "--clauses", "1,12", "--json", str(out), "--no-progress"])
     captured = capsys.readouterr()
     assert status == 2
-    assert captured.err.count("offload-adamw check:") == 1 and "torch.optim:AdamW: unknown dtype" in captured.err
+    assert captured.err.count("offload-adamw check:") == 1 and "candidate 'torch.optim:AdamW': unknown dtype" in captured.err
     data = json.loads(out.read_text())
     seen = [(r["candidate"], r["dtype"], [x["number"] for x in r["results"]], r["failed"]) for r in data["reports"]]
     assert seen == [(SPLIT, "float32", [1, 2], []), (SPLIT, "float32", [1], [1]),

@@ -14,7 +14,7 @@ constructor that does not take the canonical keywords (with the ``--map`` that f
 
 Several candidates (each with the same options) are checked one after another in one
 process, which imports torch once: each report is printed, then a summary with a row per
-candidate. A candidate that cannot be checked gets its one line on stderr and its row, and
+candidate. A candidate that cannot be checked gets its one line on stderr (naming it) and its row, and
 the others are still checked; an invalid argument stops before the first. The exit status
 is 2 when any candidate could not be checked, else 1 when any does not conform, else 0.
 With ``--json`` the document holds ``reports`` (each the one-candidate document's fields
@@ -239,10 +239,10 @@ def _checked(entries: list[tuple[str, dict[str, Any]]], *, shared: bool) -> list
             outcomes.append(("report", check(candidate, **options)))
         except CandidateLoadError as exc:
             outcomes.append(("usage", f"cannot load the candidate: {exc}"))
-        except UsageError as exc:
-            outcomes.append(("usage", f"{candidate}: {exc}" if not shared else str(exc)))
-        except ValueError as exc:
-            outcomes.append(("usage", f"{candidate}: {exc}" if not shared else str(exc)))
+        except UsageError as exc:  # of this candidate: among several, its line says which one
+            outcomes.append(("usage", f"candidate {candidate!r}: {exc}" if len(entries) > 1 else str(exc)))
+        except ValueError as exc:  # shared options: every candidate's; a batch entry's own: this one's
+            outcomes.append(("usage", str(exc) if shared else f"candidate {candidate!r}: {exc}"))
             if shared:
                 break
     return outcomes
@@ -253,12 +253,19 @@ def _check_in_a_child(entries: list[tuple[str, dict[str, Any]]], *, shared: bool
 
     The child imports torch (and torch._dynamo, which the steps of torch's optimizers import) and ends
     with os._exit; this process, which never imported them, then ends without tearing them down
-    (about as long as importing them), and what the candidate does cannot reach it either."""
+    (about as long as importing them), and what the candidate does cannot reach it either. The child's
+    stdout is its stderr, so that what a candidate prints (every process of the check is forked from the
+    child) never mixes into the reports or the JSON this process prints."""
     if "torch" in sys.modules or not hasattr(os, "fork"):
         return _checked(entries, shared=shared)
     from offload_adamw.conformance.processes import Pending
 
-    ran, outcomes = Pending(lambda: _checked(entries, shared=shared),
+    def checked_with_stdout_on_stderr() -> list[Outcome]:
+        sys.stdout.flush()
+        os.dup2(2, 1)  # the descriptors, whatever objects sys.stdout and sys.stderr are here
+        return _checked(entries, shared=shared)
+
+    ran, outcomes = Pending(checked_with_stdout_on_stderr,
                             ended="the process that ran the check ended ({status}) without a report").result(None)
     return outcomes if ran else [("lost", outcomes)]
 
