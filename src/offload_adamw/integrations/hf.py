@@ -16,7 +16,9 @@ Contract:
   group is then split the Trainer's way: its decay names with ``args.weight_decay``, the rest with
   0.0, each with the rule's keys (``update_on``, ``lr``, ...). This is how a placement mix the
   planner prints (``offload-adamw plan``) reaches the Trainer. A rule (or the default) that sets
-  ``weight_decay`` is refused, naming it: the Trainer's split sets it.
+  ``weight_decay`` is refused, naming it: the Trainer's split sets it. ``param_group_default`` holds
+  the keys of the parameters no rule takes; None means none beyond the Trainer's (unlike
+  ``named_param_groups(default=None)``, where an unmatched parameter is an error).
 * The hyperparameters are those ``optim="adamw_torch_fused"`` takes from the arguments:
   ``lr=args.learning_rate``, ``betas=(args.adam_beta1, args.adam_beta2)``,
   ``eps=args.adam_epsilon``; keyword arguments given to :func:`trainer_optimizer` (e.g.
