@@ -255,24 +255,50 @@ CHATTY = ("import torch\nprint('chatty: imported')\n"
 """A conforming candidate that prints on import and in every clause."""
 
 
+KILLS_THE_CHECKS = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nclass Opt: pass\n"
+"""A module whose import kills its importing process's parent: the one process that runs the command's checks."""
+
+
 def test_real_subprocess_checks_several_candidates_in_one_child(tmp_path):
     out = tmp_path / "study.json"
-    chatty = tmp_path / "chatty.py"
+    chatty, killer = tmp_path / "chatty.py", tmp_path / "killer.py"
     chatty.write_text(CHATTY)
+    killer.write_text(KILLS_THE_CHECKS)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "400"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "offload_adamw", "check", "torch.optim:AdamW", f"{BROKEN_FILE}:NoValidation",
-         f"{chatty}:Chatty", "--clauses", "12", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, env=env,
-    )
-    assert proc.returncode == 1, proc.stderr
+    candidates = ["torch.optim:AdamW", f"{BROKEN_FILE}:NoValidation", f"{chatty}:Chatty", f"{killer}:Opt",
+                  "offload_adamw:OffloadAdamW"]
+    proc = subprocess.run([sys.executable, "-m", "offload_adamw", "check", *candidates, "--clauses", "12",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, proc.stderr  # the checks were lost, which is no usage error
     data = json.loads(out.read_text())
     assert [(r["candidate"], r["failed"]) for r in data["reports"]] == [
         ("torch.optim:AdamW", []), (f"{BROKEN_FILE}:NoValidation", [12]), (f"{chatty}:Chatty", [])]
     assert "NOT conforming" in proc.stdout and proc.stdout.count("conformance of ") == 3
     # what a candidate prints is not the command's output: it goes to stderr, never between the reports
     assert "chatty:" not in proc.stdout and "chatty: imported" in proc.stderr and "chatty: built" in proc.stderr
+    # the process that ran the checks was killed at the fourth: the three reports before it are kept, and the
+    # fourth and fifth are not checked, with why
+    lost = "the process that ran the checks ended (killed by signal SIGKILL) before the last report"
+    assert data["not_checked"] == [{"candidate": c, "why": lost} for c in candidates[3:]]
+    assert proc.stderr.count(lost) == 1
+    rows = [line.split()[0] for line in proc.stdout[proc.stdout.rindex("\ncandidate ") + 1:].splitlines()[2:]]
+    assert rows == candidates
 
+
+@pytest.mark.slow  # a real subprocess (about 8 s, most of it one clause waiting out its time limit)
+def test_each_report_is_printed_when_its_check_ends_not_after_the_last(tmp_path, candidates):
+    proc = subprocess.Popen([sys.executable, "-m", "offload_adamw", "check", "torch.optim:AdamW", f"{candidates}:Hangs",
+                             "--clauses", "12,14", "--timeout", "4", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    shown = time.monotonic()
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 1
+    ended = time.monotonic()
+    assert first.startswith("conformance of torch.optim:AdamW")
+    assert ended - shown > 3.0, "the first report waited for the second candidate's hanging clause"
+    assert "the clause did not finish within 4 s" in rest
 
 
 @pytest.mark.slow  # a real subprocess of its own (about 3.5 s); the several-candidates test above covers the tables
@@ -336,3 +362,39 @@ def test_a_malformed_batch_file_is_a_usage_error_naming_the_entry_before_any_che
 def test_candidates_or_a_batch_file_one_of_them(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The live processes whose command line holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if text.encode() in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
+def test_an_interrupt_ends_the_command_with_130_one_line_and_every_process_it_started(candidates):
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "offload_adamw", "check", f"{candidates}:Hangs", "torch.optim:AdamW",
+                             "--clauses", "1", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(_processes_naming(str(candidates))) < 4:  # the command, its checks, the candidate's, the clause's
+        assert time.monotonic() < deadline and proc.poll() is None, "the clause never started"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the terminal's group, here the command's session
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == ["offload-adamw check: interrupted"] and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while _processes_naming(str(candidates)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_naming(str(candidates)) == [], "a process the command started outlived it"

@@ -13,11 +13,13 @@ clause, bad mapping, a non-positive ``--timeout``), a device that is not there, 
 constructor that does not take the canonical keywords (with the ``--map`` that fits).
 
 Several candidates (each with the same options) are checked one after another in one
-process, which imports torch once: each report is printed, then a summary with a row per
-candidate. A candidate that cannot be checked gets its one line on stderr (naming it) and its row, and
-the others are still checked; an invalid argument stops before the first. The exit status
-is 2 when any candidate could not be checked, else 1 when any does not conform, else 0.
-With ``--json`` the document holds ``reports`` (each the one-candidate document's fields
+process, which imports torch once: each report is printed when its check ends, then a
+summary with a row per candidate. A candidate that cannot be checked gets its one line on
+stderr (naming it) and its row, and the others are still checked; an invalid argument stops
+before the first. If the process that runs the checks ends early, the reports before are
+kept and the rest are not checked (exit 1). The exit status is 2 when any candidate could
+not be checked for a usage reason, else 1 when any does not conform, else 0. With
+``--json`` the document holds ``reports`` (each the one-candidate document's fields
 below ``schema_version``) and ``not_checked`` (``candidate`` and ``why``).
 
 ``--batch FILE`` gives the candidates as a JSON list of entries instead, each with its own
@@ -43,6 +45,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -228,46 +231,63 @@ Outcome = tuple[str, Any]
 """("report", the Report), ("usage", the one-line message) or ("lost", why the check gave no report)."""
 
 
-def _checked(entries: list[tuple[str, dict[str, Any]]], *, shared: bool) -> list[Outcome]:
-    """One outcome per entry, in order, checked where torch is imported. With ``shared`` options an invalid
-    argument is every entry's, so the list ends after its first usage outcome."""
+def _checked(entries: list[tuple[str, dict[str, Any]]], *, shared: bool) -> Iterator[Outcome]:
+    """One outcome per entry, in order, as each check ends, checked where torch is imported. With ``shared``
+    options an invalid argument is every entry's, so the outcomes end after its first usage outcome."""
     from offload_adamw.conformance.checker import CandidateLoadError, UsageError, check
 
-    outcomes: list[Outcome] = []
     for candidate, options in entries:
         try:
-            outcomes.append(("report", check(candidate, **options)))
+            yield "report", check(candidate, **options)
         except CandidateLoadError as exc:
-            outcomes.append(("usage", f"cannot load the candidate: {exc}"))
+            yield "usage", f"cannot load the candidate: {exc}"
         except UsageError as exc:  # of this candidate: among several, its line says which one
-            outcomes.append(("usage", f"candidate {candidate!r}: {exc}" if len(entries) > 1 else str(exc)))
+            yield "usage", f"candidate {candidate!r}: {exc}" if len(entries) > 1 else str(exc)
         except ValueError as exc:  # shared options: every candidate's; a batch entry's own: this one's
-            outcomes.append(("usage", str(exc) if shared else f"candidate {candidate!r}: {exc}"))
+            yield "usage", str(exc) if shared else f"candidate {candidate!r}: {exc}"
             if shared:
-                break
-    return outcomes
+                return
 
 
-def _check_in_a_child(entries: list[tuple[str, dict[str, Any]]], *, shared: bool) -> list[Outcome]:
+_WAIT_SECONDS = 3600.0
+"""How long one wait for the child's next outcome lasts before it is renewed."""
+
+
+def _check_in_a_child(entries: list[tuple[str, dict[str, Any]]], *, shared: bool) -> Iterator[Outcome]:
     """:func:`_checked` in a forked child where fork exists and torch is not imported here, else here.
 
     The child imports torch (and torch._dynamo, which the steps of torch's optimizers import) and ends
     with os._exit; this process, which never imported them, then ends without tearing them down
     (about as long as importing them), and what the candidate does cannot reach it either. The child's
     stdout is its stderr, so that what a candidate prints (every process of the check is forked from the
-    child) never mixes into the reports or the JSON this process prints."""
+    child) never mixes into the reports or the JSON this process prints. Each outcome comes back as its
+    check ends; a child that ends before the last is one ("lost", why) outcome, after those it sent."""
     if "torch" in sys.modules or not hasattr(os, "fork"):
-        return _checked(entries, shared=shared)
-    from offload_adamw.conformance.processes import Pending
+        yield from _checked(entries, shared=shared)
+        return
+    from offload_adamw.conformance.processes import CandidateProcess, exit_text
 
-    def checked_with_stdout_on_stderr() -> list[Outcome]:
+    def checks(send: Any) -> None:
         sys.stdout.flush()
         os.dup2(2, 1)  # the descriptors, whatever objects sys.stdout and sys.stderr are here
-        return _checked(entries, shared=shared)
+        for outcome in _checked(entries, shared=shared):
+            send(outcome)
+        send(("done", None))
 
-    ran, outcomes = Pending(checked_with_stdout_on_stderr,
-                            ended="the process that ran the check ended ({status}) without a report").result(None)
-    return outcomes if ran else [("lost", outcomes)]
+    process = CandidateProcess(checks, own_group=False)  # as this process is: an interrupt reaches the checks
+    try:
+        while True:
+            kind, message = process.receive(_WAIT_SECONDS)
+            if kind == "late":  # no limit here: each check has its own
+                continue
+            if kind != "message":
+                yield "lost", f"the process that ran the checks ended ({exit_text(message)}) before the last report"
+                return
+            if message[0] == "done":
+                return
+            yield message
+    finally:
+        process.close()
 
 
 def _summary(candidates: list[str], outcomes: list[Outcome]) -> str:
@@ -300,27 +320,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     candidates = [c for c, _ in entries]
     several = len(entries) > 1 or args.batch is not None
-    outcomes = _check_in_a_child(entries, shared=args.batch is None)
-    if outcomes and outcomes[0][0] == "lost":
-        print(f"offload-adamw check: {outcomes[0][1]}", file=sys.stderr)
-        return 1
     tables = not common.json_to_stdout(args, "json_path")
-    for kind, outcome in outcomes:
+    outcomes: list[Outcome] = []
+    for kind, outcome in _check_in_a_child(entries, shared=args.batch is None):
+        outcomes.append((kind, outcome))
         if kind != "report":
             print(f"offload-adamw check: {outcome}", file=sys.stderr)
         elif tables:
-            print(outcome.to_table() + ("\n" if several else ""))
+            print(outcome.to_table() + ("\n" if several else ""), flush=True)
+    lost = bool(outcomes) and outcomes[-1][0] == "lost"
     if not several:
-        if outcomes[0][0] == "report":
+        if outcomes and outcomes[0][0] == "report":
             common.write_json("check", outcomes[0][1].to_json(), args.json_path)
     else:
         if tables:
             print(_summary(candidates, outcomes))
         reports = [{k: v for k, v in o.to_json().items() if k != "schema_version"} for kind, o in outcomes if kind == "report"]
         not_checked = [{"candidate": c, "why": str(o)} for c, (kind, o) in zip(candidates, outcomes) if kind != "report"]
-        not_checked += [{"candidate": c, "why": "not checked: an invalid argument stopped the check"}
-                        for c in candidates[len(outcomes):]]
+        rest = outcomes[-1][1] if lost else "not checked: an invalid argument stopped the check"
+        not_checked += [{"candidate": c, "why": rest} for c in candidates[len(outcomes):]]
         common.write_json("check", {"reports": reports, "not_checked": not_checked}, args.json_path)
-    if len(outcomes) < len(candidates) or any(kind == "usage" for kind, _ in outcomes):
+    if any(kind == "usage" for kind, _ in outcomes) or (len(outcomes) < len(candidates) and not lost):
         return 2
-    return 0 if all(o.conforming for _, o in outcomes) else 1
+    return 0 if not lost and all(o.conforming for _, o in outcomes) else 1

@@ -7,6 +7,8 @@ Exit status, the same for every subcommand (each ``--help`` lists it, with what 
 * 2: usage error, found before any work starts: a bad argument or input file, an output path
   that cannot be written, an optional package that the asked-for output needs. One line on
   stderr, ``offload-adamw COMMAND: ...``, names the culprit; no traceback;
+* 130: interrupted (Ctrl-C): one line on stderr, no traceback; the processes the command started
+  end with it, as a shell reports a process that SIGINT ended;
 * 141: stdout was closed before everything was written (``... | head -1``); the command ends
   quietly, as a process killed by SIGPIPE would.
 
@@ -51,6 +53,7 @@ from offload_adamw._output import (
 __all__ = [
     "SCHEMA_VERSION",
     "EXIT_CLOSED_PIPE",
+    "EXIT_INTERRUPTED",
     "UsageError",
     "Parser",
     "exit_codes_text",
@@ -72,6 +75,7 @@ __all__ = [
 ]
 
 EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped with Ctrl-C
 
 _OUTPUTS_ATTR = "_offload_adamw_outputs"  # on a parser: [(dest, flag, needs)] of its output-file arguments
 
@@ -99,6 +103,7 @@ def exit_codes_text(meanings: dict[int, str] | None = None) -> str:
     if 1 in meanings:
         lines.append(f"  1    {meanings[1]}")
     lines.append("  2    usage error (bad argument, input, output path or missing optional package), before any work")
+    lines.append(f"  {EXIT_INTERRUPTED}  interrupted (Ctrl-C); what the command started ends with it")
     lines.append(f"  {EXIT_CLOSED_PIPE}  stdout closed early (e.g. piped into head); ends quietly")
     return "\n".join(lines)
 

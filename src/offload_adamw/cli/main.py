@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except BrokenPipeError:
         return common.closed_pipe()
+    except KeyboardInterrupt:
+        given = list(sys.argv[1:] if argv is None else argv)
+        command = given[0] if given and given[0] in SUBCOMMANDS else None
+        print(f"offload-adamw{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return common.EXIT_INTERRUPTED
 
 
 def _fail(name: str, message: str) -> int:

@@ -15,7 +15,9 @@ Contract:
   candidate there, so that nothing the candidate does on import (``sys.exit``, ``os._exit``,
   a hang, a crash) reaches the calling process. It sends framed messages back; the caller
   reads them with a deadline (:meth:`CandidateProcess.receive`), and :meth:`close` kills the
-  whole group (the process and every clause child it forked).
+  whole group (the process and every clause child it forked). The command line runs its checks
+  in one with ``own_group=False``, which stays in the terminal's group so that an interrupt
+  reaches it and it closes what it started.
 
 Children set torch's intra-op threads to 1 where torch is loaded: the parent's OpenMP pool
 does not survive fork (a second one would deadlock), and clause children may run side by
@@ -39,6 +41,8 @@ from typing import Any
 __all__ = ["run_forked", "run_many", "Task", "Pending", "CandidateProcess", "send_message", "exit_text", "available_workers"]
 
 _REAP_SECONDS = 5.0
+_END_GRACE_SECONDS = 2.0
+"""How long a child in the caller's group is given to end by itself, then again after an interrupt."""
 
 
 def exit_text(status: int) -> str:
@@ -282,9 +286,12 @@ def send_message(fd: int, message: Any) -> None:
 
 
 class CandidateProcess:
-    """A forked child, leader of its own process group, that runs ``main(send)``; ``send`` frames messages back."""
+    """A forked child, leader of its own process group, that runs ``main(send)``; ``send`` frames messages back.
 
-    def __init__(self, main: Callable[[Callable[[Any], None]], None]):
+    With ``own_group=False`` it stays in the caller's group (an interrupt at the terminal reaches it too, so
+    that it can close what it started) and :meth:`close` kills the child alone."""
+
+    def __init__(self, main: Callable[[Callable[[Any], None]], None], *, own_group: bool = True):
         def body() -> None:
             main(lambda message: send_message(write_fd, message))
 
@@ -296,18 +303,21 @@ class CandidateProcess:
             os.close(read_fd)
             code = 0
             try:
-                os.setpgid(0, 0)
+                if own_group:
+                    os.setpgid(0, 0)
                 body()
             except BaseException:
                 code = 70
             finally:
                 _flush_and_exit(code)
         os.close(write_fd)
-        try:
-            os.setpgid(pid, pid)  # also here: the caller may kill the group before the child has set it
-        except OSError:
-            pass
+        if own_group:
+            try:
+                os.setpgid(pid, pid)  # also here: the caller may kill the group before the child has set it
+            except OSError:
+                pass
         self.pid = pid
+        self._own_group = own_group
         self._fd: int | None = read_fd
         self._buffer = bytearray()
         self.status: int | None = None
@@ -342,7 +352,15 @@ class CandidateProcess:
             self.status = _reap(self.pid, kill=False)
 
     def close(self) -> None:
-        """Kill the process and everything it forked (its group), and reap it."""
+        """Kill the process and everything it forked (its group), and reap it. Without a group of its own the
+        process is given the chance to close what it started first: see :meth:`_end_alone`."""
+        if not self._own_group:
+            if self._fd is not None:
+                os.close(self._fd)  # a child blocked writing to us gets an error now, and ends
+                self._fd = None
+            if self.status is None:
+                self.status = self._end_alone()
+            return
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -352,3 +370,24 @@ class CandidateProcess:
             self._fd = None
         if self.status is None:
             self.status = _reap(self.pid, kill=True)
+
+    def _end_alone(self) -> int:
+        """The wait status of a child in the caller's group, once it ended: it may be ending already (an interrupt
+        at the terminal reached it too, and it closes what it started); else it is interrupted so that it does;
+        a child that still runs after that is killed."""
+        for interrupt in (False, True):
+            if interrupt:
+                try:
+                    os.kill(self.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + _END_GRACE_SECONDS
+            while time.monotonic() < deadline:
+                try:
+                    done, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    return 0
+                if done:
+                    return status
+                time.sleep(0.005)
+        return _reap(self.pid, kill=True)
