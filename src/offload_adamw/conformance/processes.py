@@ -121,7 +121,16 @@ def _reap(pid: int, *, kill: bool) -> int:
     """Wait for ``pid`` (killing it first, or after a grace period) and return its wait status."""
     if kill:
         _kill(pid)
-    deadline = time.monotonic() + _REAP_SECONDS
+    status = _wait_status(pid, _REAP_SECONDS)
+    if status is None:
+        _kill(pid)
+        return os.waitpid(pid, 0)[1]
+    return status
+
+
+def _wait_status(pid: int, seconds: float) -> int | None:
+    """The wait status of ``pid`` once it ends within ``seconds`` (0 when it was reaped already), else None."""
+    deadline = time.monotonic() + seconds
     while True:
         try:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -130,8 +139,7 @@ def _reap(pid: int, *, kill: bool) -> int:
         if done:
             return status
         if time.monotonic() > deadline:
-            _kill(pid)
-            return os.waitpid(pid, 0)[1]
+            return None
         time.sleep(0.001)
 
 
@@ -381,13 +389,7 @@ class CandidateProcess:
                     os.kill(self.pid, signal.SIGINT)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + _END_GRACE_SECONDS
-            while time.monotonic() < deadline:
-                try:
-                    done, status = os.waitpid(self.pid, os.WNOHANG)
-                except ChildProcessError:
-                    return 0
-                if done:
-                    return status
-                time.sleep(0.005)
+            status = _wait_status(self.pid, _END_GRACE_SECONDS)
+            if status is not None:
+                return status
         return _reap(self.pid, kill=True)
