@@ -398,3 +398,10 @@ def test_an_interrupt_ends_the_command_with_130_one_line_and_every_process_it_st
     while _processes_naming(str(candidates)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _processes_naming(str(candidates)) == [], "a process the command started outlived it"
+
+
+def test_the_commands_nonfinite_choices_are_the_contracts():
+    from offload_adamw.cli import check as check_command
+    from offload_adamw.contract.rules import NONFINITE_POLICIES
+
+    assert check_command.NONFINITE_POLICIES == NONFINITE_POLICIES

@@ -82,10 +82,15 @@ Clauses (--dtype D sets the parameter dtype of every clause except where said):
 The candidate is imported in a child process and each clause runs in a child of that one,
 two at a time, each with a time limit. Several candidates are checked one after another in
 one process, which imports torch once (then a summary); --batch FILE lists them with options
-of their own. Exit status: 0 conforming, 1 not (a
-clause fails or errs, or the update rule could not be compared), 2 usage error (a candidate
-that cannot be loaded, also one that exits or hangs on import).
+of their own. Exit status: 0 conforming, 1 not (a clause fails or errs, or the update rule
+could not be compared), 2 usage error (a candidate that cannot be loaded, also one that
+exits or hangs on import).
 """
+
+
+NONFINITE_POLICIES = ("propagate", "skip", "raise")
+"""``--nonfinite``'s choices and a batch entry's: contract/rules.py's, written here again because a command
+imports only the rooms that run it (tests/test_architecture.py), and a test keeps the two equal."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "conforming). "
                              "E.g. '{\"betas\": [\"beta1\", \"beta2\"], \"eps\": \"epsilon\"}' (or @file.json)")
     parser.add_argument("--clauses", default=None, metavar="N,N,...", help="run only these clauses (default: all 15)")
-    parser.add_argument("--nonfinite", choices=("propagate", "skip", "raise"), default=None,
+    parser.add_argument("--nonfinite", choices=NONFINITE_POLICIES, default=None,
                         help="the declared non-finite policy clause 13 is judged against "
                              "(default: the candidate's 'nonfinite' attribute, else reported only)")
     parser.add_argument("--device", default="cpu", help="device of the parameters (default: cpu)")
@@ -210,8 +215,9 @@ def _batch_entries(path: str, defaults: dict[str, Any]) -> list[tuple[str, dict[
         if "clauses" in entry:
             options["clauses"] = _clause_list(f"{where}: 'clauses'", entry["clauses"])
         if "nonfinite" in entry:
-            if entry["nonfinite"] not in (None, "propagate", "skip", "raise"):
-                raise ValueError(f"{where}: 'nonfinite' must be propagate, skip, raise or null, got {entry['nonfinite']!r}")
+            if entry["nonfinite"] is not None and entry["nonfinite"] not in NONFINITE_POLICIES:
+                raise ValueError(f"{where}: 'nonfinite' must be {', '.join(NONFINITE_POLICIES)} or null, "
+                                 f"got {entry['nonfinite']!r}")
             options["nonfinite_policy"] = entry["nonfinite"]
         if "setup" in entry:
             setup = [entry["setup"]] if isinstance(entry["setup"], str) else entry["setup"]
@@ -291,7 +297,8 @@ def _check_in_a_child(entries: list[tuple[str, dict[str, Any]]], *, shared: bool
 
 
 def _summary(candidates: list[str], outcomes: list[Outcome]) -> str:
-    """One row per candidate: conforming or not (and the clauses that fail or err), or not checked."""
+    """One row per candidate (``outcomes`` holds one each): conforming or not (and the clauses that fail or err),
+    or not checked."""
     from offload_adamw._output import render_table
 
     rows = []
@@ -302,8 +309,6 @@ def _summary(candidates: list[str], outcomes: list[Outcome]) -> str:
             rows.append([candidate, outcome.dtype, verdict, failed, f"{outcome.seconds:.1f}"])
         else:
             rows.append([candidate, "-", "not checked", "-", "-"])  # why: its line on stderr
-    for candidate in candidates[len(outcomes):]:
-        rows.append([candidate, "-", "not checked", "-", "-"])
     return render_table(["candidate", "dtype", "verdict", "failing clauses", "seconds"], rows, align="lllrr", wrap=0)
 
 
@@ -333,12 +338,13 @@ def run(args: argparse.Namespace) -> int:
         if outcomes and outcomes[0][0] == "report":
             common.write_json("check", outcomes[0][1].to_json(), args.json_path)
     else:
+        # the candidates the outcomes stopped before: after a lost process, for its reason; else an invalid argument's
+        rest = ("lost", outcomes[-1][1]) if lost else ("usage", "not checked: an invalid argument stopped the check")
+        each = outcomes + [rest] * (len(candidates) - len(outcomes))
         if tables:
-            print(_summary(candidates, outcomes))
-        reports = [{k: v for k, v in o.to_json().items() if k != "schema_version"} for kind, o in outcomes if kind == "report"]
-        not_checked = [{"candidate": c, "why": str(o)} for c, (kind, o) in zip(candidates, outcomes) if kind != "report"]
-        rest = outcomes[-1][1] if lost else "not checked: an invalid argument stopped the check"
-        not_checked += [{"candidate": c, "why": rest} for c in candidates[len(outcomes):]]
+            print(_summary(candidates, each))
+        reports = [{k: v for k, v in o.to_json().items() if k != "schema_version"} for kind, o in each if kind == "report"]
+        not_checked = [{"candidate": c, "why": str(o)} for c, (kind, o) in zip(candidates, each) if kind != "report"]
         common.write_json("check", {"reports": reports, "not_checked": not_checked}, args.json_path)
     if any(kind == "usage" for kind, _ in outcomes) or (len(outcomes) < len(candidates) and not lost):
         return 2
