@@ -106,23 +106,17 @@ def trainer_param_groups(model: torch.nn.Module, weight_decay: float, *, decay_n
 
 def _rule_groups(model: torch.nn.Module, rules: Any, default: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """``named_param_groups(model, rules, default)``, refusing a rule that sets what the Trainer's split sets."""
-    from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups
+    from offload_adamw.optim.named_groups import ParamGroupError, as_rules, named_param_groups
 
-    listed = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-    for index, rule in enumerate([*listed, ("<default>", default or {})]):
-        if isinstance(rule, Rule):
-            pattern, hyper = rule.pattern, rule.hyper
-        elif isinstance(rule, tuple) and len(rule) == 2:
-            pattern, hyper = rule
-        else:
-            continue  # named_param_groups names the malformed rule
-        if isinstance(hyper, Mapping) and "weight_decay" in hyper:
-            where = "param_group_default" if index == len(listed) else f"param_group_rules[{index}] {pattern!r}"
+    parsed = as_rules(rules)  # a malformed rule is named there
+    for where, hyper in [*((f"param_group_rules[{i}] {r.text!r}", r.hyper) for i, r in enumerate(parsed)),
+                         ("param_group_default", default or {})]:
+        if "weight_decay" in hyper:
             raise ParamGroupError(
                 f"{where} sets weight_decay, which the Trainer's decay split sets (args.weight_decay for the decay "
                 "parameters, 0 for biases and norms): set it in TrainingArguments, or build every group yourself "
                 "with named_param_groups and pass optimizer_cls_and_kwargs")
-    return named_param_groups(model, listed, default={} if default is None else default)
+    return named_param_groups(model, parsed, default={} if default is None else default)
 
 
 def trainer_optimizer(model: torch.nn.Module, args: Any, *, param_group_rules: Any = None,

@@ -45,7 +45,7 @@ import torch
 from offload_adamw.contract.rules import ADAMW_GROUP_KEYS as TORCH_GROUP_KEYS
 from offload_adamw.contract.rules import PLACEMENT_KEY
 
-__all__ = ["Rule", "ParamGroupError", "named_param_groups", "param_groups", "ADAMW_GROUP_KEYS", "DEFAULT_GROUP_RULE"]
+__all__ = ["Rule", "ParamGroupError", "named_param_groups", "param_groups", "as_rules", "ADAMW_GROUP_KEYS", "DEFAULT_GROUP_RULE"]
 
 #: hyperparameter keys that a group of torch.optim.AdamW / OffloadAdamW understands
 #: (plus ``initial_lr``, which lr schedulers add, and ``update_on``, where OffloadAdamW runs the update).
@@ -88,7 +88,8 @@ class Rule:
 RuleLike: TypeAlias = Rule | tuple[Any, Mapping[str, Any]]
 
 
-def _as_rules(rules: Mapping[Any, Mapping[str, Any]] | Sequence[RuleLike]) -> list[Rule]:
+def as_rules(rules: Mapping[Any, Mapping[str, Any]] | Sequence[RuleLike]) -> list[Rule]:
+    """``rules`` in any form :func:`named_param_groups` takes, as ``Rule`` objects; ParamGroupError names a malformed one."""
     if isinstance(rules, Mapping):
         items: Iterable[Any] = list(rules.items())
     else:
@@ -167,7 +168,7 @@ def named_param_groups(
         ParamGroupError: naming the rule that takes no parameter, the unknown
             hyperparameter, or (with ``default=None``) the unmatched parameters.
     """
-    rule_list = _as_rules(rules)
+    rule_list = as_rules(rules)
     keys = None if known_keys is None else frozenset(known_keys)
     for index, rule in enumerate(rule_list):
         _check_hyper(f"rule {index} {rule.text!r}", rule.hyper, keys)
