@@ -9,13 +9,7 @@ says so, a clear error).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import datetime
-import json
-import os
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _distributed_common import spawn_ranks
+from _distributed_common import CaseResults, join_gloo, worker_main
 from offload_adamw import OffloadAdamW, OffloadGradScaler
 
 WORLD = 2
@@ -455,32 +449,16 @@ CASES = {
 
 
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, port, WORLD, timeout_s=60)
     mesh = init_device_mesh("cpu", (WORLD,))
-    results: dict[str, dict] = {}
+    cases = CaseResults(Path(out) / f"results_rank{rank}.json", only)
     for name, case in CASES.items():
-        if only and name not in only:
-            continue
-        measured: dict = {}
-        try:
-            bad = case(mesh, measured)
-            results[name] = {"ok": not bad, "error": "; ".join(bad[:6]), "measured": measured}
-        except Exception:
-            results[name] = {"ok": False, "error": traceback.format_exc()[-3000:], "measured": measured}
-        with contextlib.suppress(Exception):
-            dist.barrier()
-    (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
+        cases.judge(name, case, mesh)
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--only", nargs="*", default=[])
-    args = parser.parse_args()
-    spawn_ranks(worker, args.out, args.only, world=WORLD)
+    worker_main(worker, world=WORLD)
 
 
 if __name__ == "__main__":

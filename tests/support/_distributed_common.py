@@ -7,11 +7,19 @@ that both sides train exactly the same model on exactly the same batches.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import datetime
+import json
+import os
 import socket
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -100,3 +108,58 @@ def spawn_ranks(worker: Callable[..., None], *args: Any, world: int = 2) -> None
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(worker, args=(port, *args), nprocs=world, join=True)
+
+
+def join_gloo(rank: int, port: int, world: int, *, timeout_s: float | None = 60.0) -> None:
+    """This spawned rank joins the gloo group of ``world`` ranks at ``port``, with one intra-op thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, **({} if timeout is None else {"timeout": timeout}))
+
+
+class CaseResults:
+    """The cases of a 2-rank worker on one rank: ``{case: {"ok", "error", "measured"}}`` in ``path``, written at the
+    start and after each case (a rank that dies later keeps what it found), the ranks meeting at a barrier between cases."""
+
+    def __init__(self, path: Path, only: Sequence[str]) -> None:
+        self.path, self.only = path, list(only)
+        self.results: dict[str, dict] = {}
+        self.write()  # the file is there even when no case is selected
+
+    def run(self, name: str, check: Callable[..., Any], *args: Any) -> None:
+        """``check(*args, measured)`` passes unless it raises."""
+        self._record(name, lambda measured: check(*args, measured) and None)
+
+    def judge(self, name: str, case: Callable[..., list[str]], *args: Any) -> None:
+        """``case(*args, measured)`` returns what it found wrong (nothing: the case passes)."""
+        self._record(name, lambda measured: case(*args, measured))
+
+    def _record(self, name: str, body: Callable[[dict], list[str] | None]) -> None:
+        if self.only and name not in self.only:
+            return
+        measured: dict = {}
+        try:
+            bad = body(measured) or []
+            self.results[name] = {"ok": not bad, "error": "; ".join(bad[:6]), "measured": measured}
+        except Exception:
+            self.results[name] = {"ok": False, "error": traceback.format_exc()[-3000:], "measured": measured}
+        self.write()
+        with contextlib.suppress(Exception):
+            dist.barrier()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.results, indent=1, default=str))
+
+
+def worker_main(worker: Callable[..., None], *, world: int, quick: Sequence[str] | None = None) -> None:
+    """A worker script's entry: ``--out DIR --only CASE...`` (and ``--quick``, the ``quick`` cases), then
+    ``worker(rank, port, out, only)`` on ``world`` spawned ranks."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="*", default=[], help="the cases to run (default: all)")
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help="only the quick cases")
+    args = parser.parse_args()
+    only = args.only or (list(quick) if quick is not None and args.quick else [])
+    spawn_ranks(worker, args.out, only, world=world)

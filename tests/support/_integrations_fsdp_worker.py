@@ -16,13 +16,10 @@ optimizer swap, accelerate's ``no_sync``, the Trainer's loop) runs unpatched.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import os
 import sys
-import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the Trainer tests' dataset and arguments
-from _distributed_common import spawn_ranks
+from _distributed_common import CaseResults, worker_main
 
 WORLD = 2
 STEPS = 4
@@ -532,30 +529,15 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)  # accelerate's PartialState takes this one
     allow_fsdp_on_cpu()
     tmp = Path(out) / "runs"  # one output directory for both ranks, as on a node (FSDP checkpoints hold every rank's shards)
-    results: dict[str, dict] = {}
+    cases = CaseResults(Path(out) / f"fsdp_rank{rank}.json", only)
     for name, case in CASES.items():
-        if only and name not in only:
-            continue
-        measured: dict = {}
-        try:
-            bad = case(tmp, measured)
-            results[name] = {"ok": not bad, "error": "; ".join(bad[:6]), "measured": measured}
-        except Exception:
-            results[name] = {"ok": False, "error": traceback.format_exc()[-3000:], "measured": measured}
-        with contextlib.suppress(Exception):
-            dist.barrier()
-    (Path(out) / f"fsdp_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
+        cases.judge(name, case, tmp)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--only", nargs="*", default=[])
-    parser.add_argument("--quick", action="store_true", help="only the cases of QUICK")
-    args = parser.parse_args()
-    spawn_ranks(worker, args.out, args.only or (QUICK if args.quick else []), world=WORLD)
+    worker_main(worker, world=WORLD, quick=QUICK)
 
 
 if __name__ == "__main__":

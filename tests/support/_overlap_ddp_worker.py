@@ -14,13 +14,8 @@ DDP decides only in its final callback which gradients it leaves unset).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -29,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _distributed_common import spawn_ranks
+from _distributed_common import CaseResults, join_gloo, worker_main
 from offload_adamw import OffloadAdamW
 
 WORLD = 2
@@ -273,22 +268,9 @@ def check_nonfinite_skip(measured: dict) -> None:
 
 
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    results: dict[str, dict] = {}
-
-    def run(name: str, check, *args) -> None:
-        if only and name not in only:
-            return
-        measured: dict = {}
-        try:
-            check(*args, measured)
-            results[name] = {"ok": True, "error": "", "measured": measured}
-        except Exception:
-            results[name] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
-        with contextlib.suppress(Exception):
-            dist.barrier()
+    join_gloo(rank, port, WORLD)
+    cases = CaseResults(Path(out) / f"results_rank{rank}.json", only)
+    run = cases.run
 
     for clip, accumulation, opt_no_sync in CASES:
         run(case_name(clip, accumulation, opt_no_sync), check_case, clip, accumulation, opt_no_sync)
@@ -300,16 +282,11 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     run(MIXED[0], lambda measured: check_head_outside_ddp(False, measured))
     run(MIXED[1], lambda measured: check_head_outside_ddp(True, measured))
     run("nonfinite-skip", check_nonfinite_skip)
-    (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--only", nargs="*", default=[], help="the cases to run (default: all)")
-    args = parser.parse_args()
-    spawn_ranks(worker, args.out, args.only, world=WORLD)
+    worker_main(worker, world=WORLD)
 
 
 if __name__ == "__main__":

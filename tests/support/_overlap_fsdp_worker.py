@@ -11,13 +11,7 @@ same batches, with the same user calls (micro-batches that only accumulate run w
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import datetime
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -27,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _distributed_common import spawn_ranks
+from _distributed_common import CaseResults, join_gloo, worker_main
 from offload_adamw import OffloadAdamW
 
 WORLD = 2
@@ -203,39 +197,23 @@ def check_nonfinite_skip(mesh, measured: dict) -> None:
 
 
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, port, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
-    results: dict[str, dict] = {}
+    cases = CaseResults(Path(out) / f"results_rank{rank}.json", only)
 
     def run(name: str, check, *args) -> None:
-        if only and name not in only:
-            return
-        measured: dict = {}
-        try:
-            check(*args, mesh, measured)
-            results[name] = {"ok": True, "error": "", "measured": measured}
-        except Exception:
-            results[name] = {"ok": False, "error": traceback.format_exc(), "measured": measured}
-        with contextlib.suppress(Exception):
-            dist.barrier()
+        cases.run(name, check, *args, mesh)
 
     for clip, accumulation in CASES:
         run(case_name(clip, accumulation), check_case, clip, accumulation)
     for clip_by, accumulation, sync_each in FREED_CASES:
         run(freed_case_name(clip_by, accumulation, sync_each), check_freed_case, clip_by, accumulation, sync_each)
     run("nonfinite-skip", check_nonfinite_skip)
-    (Path(out) / f"results_rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--only", nargs="*", default=[], help="the cases to run (default: all)")
-    args = parser.parse_args()
-    spawn_ranks(worker, args.out, args.only, world=WORLD)
+    worker_main(worker, world=WORLD)
 
 
 if __name__ == "__main__":
