@@ -52,15 +52,15 @@ def _torch_settings_unchanged():
 
 
 @pytest.fixture
-def standin_device(request):
-    """Pipelines built in the test run on the asynchronous stand-in device (accel/standin.py), with the seed given
-    by indirect parametrisation (1 by default); the test fails if a copy read a buffer that changed under it."""
-    from offload_adamw.accel import standin
+def simulated_device(request):
+    """Pipelines built in the test run the production stream lane on a simulated CUDA device
+    (offload_adamw.testing.simulated_cuda), with the seed given by indirect parametrisation (1 by default) and the
+    device index 1 (the test's thread has it current, as a rank-1 process would); the test fails on any hazard the
+    device recorded (a buffer changed under a pending copy, a missing wait, a stray context, ...)."""
+    from offload_adamw.testing.simulated_cuda import simulated_cuda
 
     seed = getattr(request, "param", 1)
-    standin.clear_hazards()
-    with standin.use(seed):
-        yield seed
-    hazards = standin.hazards()
-    standin.clear_hazards()
-    assert not hazards, f"the stand-in device saw buffers change under pending copies: {hazards[:3]}"
+    with simulated_cuda(seed, index=1) as device:
+        yield device
+    hazards = device.take_hazards()
+    assert not hazards, f"the simulated CUDA device recorded hazards: {hazards[:3]}"

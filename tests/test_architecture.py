@@ -38,6 +38,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"integrations"}),
     frozenset({"demo"}),
     frozenset({"cli"}),
+    # test devices (the simulated CUDA device): tests install them; no module of the library imports them
+    frozenset({"testing"}),
     # the public facades: offload_adamw/__init__.py (the lazy re-export table), __main__.py, reference.py
     frozenset({"<facade>"}),
 )
@@ -339,6 +341,16 @@ def test_accel_reaches_the_optimizer_only_through_the_update_target_protocol():
     assert all(callable(getattr(OffloadAdamW, m)) for m in wanted)
 
 
+def test_nothing_of_the_library_imports_the_test_devices():
+    """``offload_adamw.testing`` is imported by tests only (the facades included): production code asks the installed
+    stream backend (accel/streams.py), never the simulated device itself."""
+    modules = module_names(SRC)
+    found = [f"{path.relative_to(SRC)}:{imp.line}: {imp.importer} imports {imp.target}"
+             for name, path in modules.items() if package_of(name) != "testing"
+             for imp in imports_of(name, path, modules) if package_of(imp.target) == "testing"]
+    assert not found, "\n".join(found)
+
+
 def test_architecture_doc_shows_the_layer_table():
     doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     assert layer_line() in doc, f"docs/architecture.md must show the layer line of LAYERS: {layer_line()}"
@@ -414,8 +426,8 @@ ACCEL_MAX_METHODS = 30
 ACCEL_COMPONENTS = {"SlotTable", "Gate", "HostUpdate", "AtStep", "DuringBackward", "FreedGradients", "KeptGradients",
                     "AutogradHooks", "DdpSource", "Recorder", "TransferEngine", "StreamUpdate", "DeviceUpdate",
                     "Placements", "DeviceGradients", "ByPlacement"}
-#: the one other place that builds an engine: the stand-in device's factory
-ENGINE_FACTORIES = {"standin.py": {"TransferEngine"}}
+#: other places that build an engine (none: a test device is a stream backend, installed, not an engine of its own)
+ENGINE_FACTORIES: dict[str, set[str]] = {}
 
 
 def accel_sizes(root: Path) -> list[str]:

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from _parity import same_bits
 from offload_adamw import OffloadAdamW
-from offload_adamw.accel import bucketing, standin
+from offload_adamw.accel import bucketing, streams
 from offload_adamw.accel.overlap import BackwardUpdater
 from offload_adamw.accel.sources import AutogradHooks
 from offload_adamw.accel.transfer import DONE, TransferEngine
@@ -100,7 +100,7 @@ def test_kept_gradients_are_copied_once_per_step(bucket_bytes) -> None:
 # ------------------------------------------------------------- an add into a freed p.grad is asynchronous
 
 
-def test_an_add_into_a_freed_gradient_is_bitwise_and_goes_through_the_accumulator(standin_device) -> None:
+def test_an_add_into_a_freed_gradient_is_bitwise_and_goes_through_the_accumulator(simulated_device) -> None:
     p = nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
     opt = OffloadAdamW([p], transfer_pipeline=True, offload_gradients=True)
     (p.float() * torch.randn(64)).sum().backward()
@@ -226,10 +226,12 @@ def test_a_model_saves_and_copies_after_a_pipelined_optimizer_existed() -> None:
     assert not any(k.startswith("_offload") for p in model.parameters() for k in vars(p))
 
 
-def test_the_stand_in_serves_parameters_as_device_tensors_only_inside_its_engine() -> None:
+def test_the_simulated_device_serves_parameters_as_device_tensors_only_inside_its_engine() -> None:
+    from offload_adamw.testing.simulated_cuda import simulated_cuda
+
     p = nn.Parameter(torch.randn(3))
-    with standin.use(9):
+    with simulated_cuda(9, index=1):
         OffloadAdamW([p], transfer_pipeline=True)
     q = nn.Parameter(torch.randn(3))
     OffloadAdamW([q], transfer_pipeline=True)
-    assert standin.is_device_tensor(p) and not standin.is_device_tensor(q)
+    assert streams.is_device_tensor(p) and not streams.is_device_tensor(q)

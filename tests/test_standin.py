@@ -1,124 +1,269 @@
-"""The asynchronous stand-in device itself (accel/standin.py): CUDA's ordering semantics on the CPU.
+"""The production stream lane (accel/transfer.py) on the simulated CUDA device (offload_adamw.testing.simulated_cuda).
 
-Properties: a copy's destination holds poison until the copy has landed and the data after its wait; a stream
-runs its work in order; a completion waits for the work it stands for; the compute stream (the calling thread)
-blocks where CUDA would make it wait; a source changed while its copy is pending leaves the destination
-poisoned and records a hazard; the engine is chosen by the environment variable or ``use``, and every tensor
-it serves counts as a device tensor (the optimizer keeps a master for it). These are what make the stand-in
-suites able to fail; tests/test_standin_suites.py runs the pipeline's bitwise suites on it.
+The lane is the one a GPU runs: here it runs over the simulated backend, whose copies land late into poisoned
+buffers and which records CUDA's hazards. Each test below holds one promise of the lane's contract to what the
+simulated device does, so that removing any ``wait_stream``, ``wait_event``, ``record_stream``, event record,
+the worker threads' device set-up or the synchronisation before unlocking host memory gives wrong bits or a
+recorded hazard (tests/test_standin_mutations.py removes each one). The device index is 1 throughout: a call from
+a thread whose current device is 0 is a stray context. tests/test_standin_suites.py runs the pipeline's bitwise
+suites on the same device.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import gc
+import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from offload_adamw.accel import standin
-from offload_adamw.accel.transfer import TransferEngine
+from offload_adamw.accel import streams
+from offload_adamw.accel.host_memory import HostArena
+from offload_adamw.accel.transfer import DONE, TransferEngine
+from offload_adamw.testing.simulated_cuda import SimulatedCuda, simulated_cuda
+
+DEV = torch.device("cpu")  # the simulated device keeps its tensors in host memory
+TRIES = 20  # a race shows in at least one of this many tries (each copy draws a delay of up to 5 ms)
 
 
-def _engine(seed: int = 3) -> TransferEngine:
-    return standin.engine(seed)
+@pytest.fixture
+def sim() -> Iterator[SimulatedCuda]:
+    with simulated_cuda(3, index=1) as device:
+        yield device
 
 
-def test_a_copy_lands_late_into_a_poisoned_buffer() -> None:
-    engine = _engine()
+def _engine(sim: SimulatedCuda) -> TransferEngine:
+    return TransferEngine(sim)
+
+
+def _host(sim: SimulatedCuda, *shape: int) -> torch.Tensor:
+    """Page-locked host memory of the simulated device (copies to and from it are asynchronous)."""
+    return sim.pinned_empty(int(torch.Size(shape).numel()), torch.float32).view(shape).zero_()
+
+
+def test_a_copy_lands_late_into_a_poisoned_buffer(sim) -> None:
+    engine = _engine(sim)
     src = torch.arange(1000, dtype=torch.float32)
-    dst = torch.zeros(1000)
+    dst = _host(sim, 1000)
     poisoned = []
-    for _ in range(20):  # at least one of twenty copies is still in flight right after it is issued
+    for _ in range(TRIES):  # at least one of twenty copies is still in flight right after it is issued
         done = engine.copy_to_host(src, dst)
         poisoned.append(bool(torch.isnan(dst).all()) and not done.done())
         done.wait()
         assert torch.equal(dst, src), "after its wait the destination holds the source"
-    assert any(poisoned), "no copy was ever seen before it landed: the stand-in is not asynchronous"
-    engine.close()
+    assert any(poisoned), "no copy was ever seen before it landed: the device is not asynchronous"
+    assert sim.take_hazards() == [] and not sim.hidden_syncs
 
 
-def test_work_on_one_stream_completes_in_order() -> None:
-    engine = _engine()
-    dst = [torch.zeros(10) for _ in range(30)]
+def test_work_on_one_stream_completes_in_order(sim) -> None:
+    engine = _engine(sim)
+    dst = [_host(sim, 10) for _ in range(30)]
     done = [engine.copy_to_host(torch.full((10,), float(i)), d) for i, d in enumerate(dst)]
     done[-1].wait()
     assert all(c.done() for c in done), "the last copy completed before an earlier one on the same stream"
     assert all(torch.equal(d, torch.full((10,), float(i))) for i, d in enumerate(dst))
-    engine.close()
+    assert sim.take_hazards() == []
 
 
-def test_the_compute_stream_blocks_where_cuda_would_make_it_wait() -> None:
-    engine = _engine()
+def test_a_copy_to_the_host_waits_for_the_compute_that_produced_its_source(sim) -> None:
+    """copy_to_host's ``wait_stream``: the source is written late by the thread's compute stream."""
+    engine = _engine(sim)
+    for i in range(3):
+        src = torch.zeros(256)
+        dst = _host(sim, 256)
+        sim.compute_later(lambda s=src, v=float(i + 1): s.fill_(v))
+        engine.copy_to_host(src, dst).wait()
+        assert torch.equal(dst, torch.full((256,), float(i + 1))), "the copy read its source before compute wrote it"
+    assert sim.take_hazards() == []
+
+
+def test_copies_of_an_update_to_the_host_wait_for_the_compute_that_wrote_them(sim) -> None:
+    """copy_all_to_host's ``wait_stream``."""
+    engine = _engine(sim)
+    src = [torch.zeros(64) for _ in range(3)]
+    dst = [_host(sim, 64) for _ in range(3)]
+    sim.compute_later(lambda: [s.fill_(5.0) for s in src])
+    engine.copy_all_to_host(DEV, list(zip(src, dst))).wait()
+    assert all(torch.equal(d, torch.full((64,), 5.0)) for d in dst), "a copy read its source before compute wrote it"
+    assert sim.take_hazards() == []
+
+
+def test_a_copy_that_did_not_wait_for_the_producing_stream_is_a_hazard(sim) -> None:
+    """The vector clocks: a copy to the host on a stream that never waited for the thread's current stream."""
+    side = sim.new_stream(1)
+    sim.current_stream(1)  # the thread issues work
+    src = torch.ones(4)
+    with sim.stream(side):
+        sim.copy(_host(sim, 4), src, to_device=False)
+    side.synchronize()
+    hazards = sim.take_hazards()
+    assert len(hazards) == 1 and "wait_stream" in hazards[0], hazards
+
+
+def test_sends_wait_for_the_compute_that_still_reads_the_parameters(sim) -> None:
+    """send_after_compute's ``wait_stream``: compute issued before the step still reads the old parameter."""
+    engine = _engine(sim)
+    for _ in range(3):
+        p = torch.full((128,), 1.0)
+        seen: list[torch.Tensor] = []
+        sim.compute_later(lambda p=p, seen=seen: seen.append(p.clone()))
+        engine.send_after_compute({DEV})
+        new = _host(sim, 128).fill_(2.0)
+        engine.send_to_device(DEV, [(p, new)]).wait()
+        assert torch.equal(seen[0], torch.full((128,), 1.0)), "the send overwrote a parameter compute still read"
+        assert torch.equal(p, new)
+    assert sim.take_hazards() == []
+
+
+def test_the_compute_stream_waits_for_a_send_before_reading_it(sim) -> None:
+    """compute_waits' ``wait_event`` (and the send's event record): what compute reads next is what was sent."""
+    engine = _engine(sim)
+    for i in range(TRIES):
+        device_tensor = torch.zeros(100)
+        host = _host(sim, 100).fill_(float(i))
+        sent = engine.send_to_device(DEV, [(device_tensor, host)])
+        engine.compute_waits(DEV, sent)
+        assert torch.equal(device_tensor, host), "compute read a parameter before its send landed"
+        engine.current_stream_waits(DEV, sent)
+    assert sim.take_hazards() == []
+
+
+def test_a_mark_completes_after_the_compute_issued_before_it(sim) -> None:
+    """mark's event record on the current stream: waiting for it is waiting for that compute."""
+    engine = _engine(sim)
+    out = torch.zeros(8)
+    sim.compute_later(lambda: out.fill_(3.0))
+    mark = engine.mark(DEV)
+    mark.wait()
+    assert torch.equal(out, torch.full((8,), 3.0)), "a mark completed before the compute issued before it"
+
+
+def test_a_send_into_a_buffer_waits_for_the_copy_that_still_reads_it(sim) -> None:
+    """send_to_device's ``wait_event`` on ``after``: a ring buffer is refilled only once its copy out has read it."""
+    engine = _engine(sim)
+    for i in range(TRIES):
+        buffer = torch.full((512,), float(i))
+        out = _host(sim, 512)
+        copied = engine.copy_all_to_host(DEV, [(buffer, out)])
+        engine.send_to_device(DEV, [(buffer, _host(sim, 512).fill_(-5.0))], after=copied).wait()
+        copied.wait()
+        assert torch.equal(out, torch.full((512,), float(i))), "the copy out read the refilled buffer"
+    assert sim.take_hazards() == []
+
+
+def test_a_temporary_source_is_kept_until_its_copy_has_read_it(sim) -> None:
+    """copy_to_host's ``record_stream``: a source freed right after the copy is issued is not handed out again."""
+    engine = _engine(sim)
+    for i in range(TRIES):
+        dst = _host(sim, 2048)
+        done = engine.copy_to_host(torch.full((2048,), float(i)) * 1.0, dst)  # the source's last reference goes now
+        gc.collect()
+        done.wait()
+        assert torch.equal(dst, torch.full((2048,), float(i))), "the copy read memory the allocator handed out again"
+    assert sim.take_hazards() == []
+
+
+def test_a_freed_source_without_record_stream_is_a_hazard(sim) -> None:
+    found = False
+    for _ in range(TRIES):
+        side = sim.new_stream(1)
+        side.wait_stream(sim.current_stream(1))
+        dst = _host(sim, 2048)
+        with sim.stream(side):
+            sim.copy(dst, torch.ones(2048) * 1.0, to_device=False)  # no record_stream
+        gc.collect()
+        side.synchronize()
+        found = found or any("record_stream" in h for h in sim.take_hazards())
+    assert found, "freeing a source a pending copy still reads was never noticed"
+
+
+def test_a_source_overwritten_before_its_copy_landed_is_a_hazard(sim) -> None:
+    engine = _engine(sim)
+    host = _host(sim, 100).fill_(1.0)
     device_tensor = torch.zeros(100)
-    host = torch.ones(100)
-    sent = engine.send_to_device(torch.device("cpu"), [(device_tensor, host)])
-    engine.compute_waits(torch.device("cpu"), sent)
-    assert sent.done() and torch.equal(device_tensor, host)
-    engine.close()
-
-
-def test_a_source_overwritten_before_its_copy_landed_is_a_hazard() -> None:
-    standin.clear_hazards()
-    engine = _engine()
-    host = torch.ones(100)
-    device_tensor = torch.zeros(100)
-    for _ in range(20):
-        sent = engine.send_to_device(torch.device("cpu"), [(device_tensor, host)])
+    for _ in range(TRIES):
+        sent = engine.send_to_device(DEV, [(device_tensor, host)])
         host.add_(1)  # the staging buffer written again before the copy out of it has ended
         sent.wait()
-        if standin.hazards():
+        if sim.hazards:
             break
-    assert standin.hazards(), "overwriting a buffer a pending copy reads was never noticed"
+    assert sim.take_hazards(), "overwriting a buffer a pending copy reads was never noticed"
     assert torch.isnan(device_tensor).all(), "the destination of a hazardous copy must keep its poison"
-    standin.clear_hazards()
+
+
+def test_a_copy_from_pageable_memory_is_synchronous_and_counted(sim) -> None:
+    engine = _engine(sim)
+    pageable = torch.ones(64)
+    device_tensor = torch.zeros(64)
+    sent = engine.send_to_device(DEV, [(device_tensor, pageable)])
+    assert sent.done() and torch.equal(device_tensor, pageable), "a copy from pageable memory is synchronous"
+    assert sim.hidden_syncs["copy from pageable host memory"] == 1
+    assert sim.take_hazards() == []
+
+
+def test_worker_threads_make_the_pipelines_device_current(sim) -> None:
+    """The engine's thread_init: the accumulator's calls come from a thread whose current device is the pipeline's."""
+    engine = _engine(sim)
+    engine.claim(torch.zeros(1))  # the pipeline's device is known from its parameters
+    src = torch.ones(32)
+    dst = _host(sim, 32)
+    landed = engine.copy_to_host(src, dst)
+    engine.add_on_host(landed, _host(sim, 32), dst).wait()  # the accumulator thread waits for the copy's event
     engine.close()
+    assert sim.take_hazards() == []
+    stray: list[str] = []
+    thread = threading.Thread(target=lambda: stray.append(str(sim.current_stream(1))))  # no thread_init
+    thread.start()
+    thread.join()
+    assert any("stray context" in h for h in sim.take_hazards()), "a call from a thread on device 0 went unnoticed"
 
 
-def test_every_tensor_the_stand_in_serves_is_a_device_tensor() -> None:
+def test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it(sim) -> None:
+    """The arena's synchronisation before it unlocks its pages (accel/host_memory.py)."""
+    engine = _engine(sim)
+    for _ in range(5):
+        arena = HostArena([("a", torch.Size([4096]), torch.float32, None)], pin=True, label="test",
+                          locker=engine.page_locker(DEV), synchronize=engine.synchronize)
+        assert arena.pinned_bytes == 4096 * 4 and arena.rounded_bytes == 0, "exactly sized, page-locked"
+        engine.copy_to_host(torch.ones(4096), arena.views["a"])
+        del arena
+        gc.collect()
+    assert sim.take_hazards() == [] and not sim.hidden_syncs
+
+
+def test_every_tensor_a_pipeline_serves_on_the_simulated_device_is_a_device_tensor() -> None:
     from offload_adamw import OffloadAdamW
 
     p = torch.nn.Parameter(torch.randn(4, 4))
     q = torch.nn.Parameter(torch.randn(4))
-    with standin.use(5):
+    with simulated_cuda(5, index=1) as sim:
         opt = OffloadAdamW([p], transfer_pipeline=True)
     plain = OffloadAdamW([q], transfer_pipeline=True)
-    assert standin.is_device_tensor(p) and not standin.is_device_tensor(q)
+    assert streams.is_device_tensor(p) and not streams.is_device_tensor(q)
     assert opt.transfer_pipeline is not None and opt.transfer_pipeline.engine.is_device(p.device)
     assert plain.transfer_pipeline is not None and not plain.transfer_pipeline.engine.is_device(q.device)
     p.grad = torch.ones_like(p)
+    sim.set_device(1)  # the rank's device, current on its thread
     opt.step()
+    sim.set_device(0)
     assert "master_param" in opt.state[p], "a float32 parameter on a device has a host master"
-
-
-@pytest.mark.slow  # fresh processes (7 s); the suites select it with standin.use in CI
-def test_the_environment_selects_the_stand_in_and_a_bad_seed_is_refused() -> None:
-    code = (
-        "import torch\nfrom offload_adamw import OffloadAdamW\nfrom offload_adamw.accel import standin\n"
-        "p = torch.nn.Parameter(torch.ones(3))\nOffloadAdamW([p], transfer_pipeline=True)\n"
-        "print(standin.is_device_tensor(p))\n"
-    )
-    env = dict(os.environ, **{standin.ENV: "7"})
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "True"
-    env[standin.ENV] = "seven"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and standin.ENV in bad.stderr
+    assert streams.installed() is None, "the simulated device is installed only inside its context"
+    assert sim.take_hazards() == []
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_an_early_read_gives_wrong_bits(seed: int) -> None:
-    """The reason the stand-in exists: reading a host buffer without waiting for its copy reads poison."""
-    engine = _engine(seed)
-    src = torch.randn(4096)
-    dst = torch.empty(4096)
-    wrong = 0
-    for _ in range(20):
-        done = engine.copy_to_host(src, dst)
-        early = dst.clone()  # no wait
-        done.wait()
-        wrong += int(not torch.equal(early, src))
-    assert wrong > 0
-    engine.close()
+    """The reason the simulated device exists: reading a host buffer without waiting for its copy reads poison."""
+    with simulated_cuda(seed, index=1) as sim:
+        engine = _engine(sim)
+        src = torch.randn(4096)
+        dst = _host(sim, 4096)
+        wrong = 0
+        for _ in range(TRIES):
+            done = engine.copy_to_host(src, dst)
+            early = dst.clone()  # no wait
+            done.wait()
+            wrong += int(not torch.equal(early, src))
+        assert wrong > 0
+        assert done is not DONE

@@ -23,12 +23,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ACCEL = "offload_adamw/accel"
 
-PARITY_FREED = "tests/test_standin_suites.py::test_parity_table_on_the_standin_device[fp32-acc4-freed-clip-scaler_none-seed12]"
-PARITY_KEPT = "tests/test_standin_suites.py::test_parity_table_on_the_standin_device[fp32-acc1-kept-noclip-scaler_none-seed11]"
-UIB = "tests/test_standin_suites.py::test_updates_during_backward_on_the_standin_device[acc1-noclip-seed21]"
-SCALER = "tests/test_standin_suites.py::test_loss_scaling_and_torch_clipping_on_the_standin_device"
-RING = "tests/test_standin_suites.py::test_the_ring_on_the_standin_device[buffers2-seed91]"
-PLACED = ("tests/test_standin_suites.py::test_placements_on_the_standin_device"
+PARITY_FREED = "tests/test_standin_suites.py::test_parity_table_on_the_simulated_device[fp32-acc4-freed-clip-scaler_none-seed12]"
+PARITY_KEPT = "tests/test_standin_suites.py::test_parity_table_on_the_simulated_device[fp32-acc1-kept-noclip-scaler_none-seed11]"
+UIB = "tests/test_standin_suites.py::test_updates_during_backward_on_the_simulated_device[acc1-noclip-seed21]"
+SCALER = "tests/test_standin_suites.py::test_loss_scaling_and_torch_clipping_on_the_simulated_device"
+RING = "tests/test_standin_suites.py::test_the_ring_on_the_simulated_device[buffers2-seed91]"
+PLACED = ("tests/test_standin_suites.py::test_placements_on_the_simulated_device"
           "[stream+device-fp32-acc4-freed-clip-scaler_none-seed81]")
 
 #: name -> (module under src/, the text removed or changed, its replacement, the tests that must catch it)

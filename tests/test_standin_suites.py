@@ -16,15 +16,12 @@ shows that removing any one wait of the pipeline fails one of these.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from offload_adamw.accel import standin
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -40,10 +37,10 @@ PARITY = [(case, seed) for seed, case in enumerate(test_offload_parity.CASES, st
 QUICK_SEEDS = {11, 12, 14, 15, 81, 82}
 
 
-@pytest.mark.parametrize(("case", "standin_device"),
+@pytest.mark.parametrize(("case", "simulated_device"),
                          [pytest.param(c, s, id=f"{c.id}-seed{s}", marks=() if s in QUICK_SEEDS else pytest.mark.slow)
-                          for c, s in PARITY], indirect=["standin_device"])
-def test_parity_table_on_the_standin_device(case, standin_device) -> None:
+                          for c, s in PARITY], indirect=["simulated_device"])
+def test_parity_table_on_the_simulated_device(case, simulated_device) -> None:
     test_offload_parity.run_case(case, bucket_bytes=4096)
 
 
@@ -51,37 +48,37 @@ UIB = [(accumulation, clipped, seed) for seed, (accumulation, clipped) in
        enumerate([(1, False), (4, False), (1, True), (4, True)], start=21)]
 
 
-@pytest.mark.parametrize(("accumulation", "clipped", "standin_device"), UIB,
+@pytest.mark.parametrize(("accumulation", "clipped", "simulated_device"), UIB,
                          ids=[f"acc{a}-{'clip' if c else 'noclip'}-seed{s}" for a, c, s in UIB],
-                         indirect=["standin_device"])
-def test_updates_during_backward_on_the_standin_device(accumulation, clipped, standin_device) -> None:
+                         indirect=["simulated_device"])
+def test_updates_during_backward_on_the_simulated_device(accumulation, clipped, simulated_device) -> None:
     if clipped:
         test_update_in_backward.test_clipped_updates_during_backward_are_bitwise_torch_clip_and_fused(accumulation)
     else:
         test_update_in_backward.test_updates_during_backward_are_bitwise_torch_fused(accumulation)
 
 
-@pytest.mark.parametrize("standin_device", [31, 32], indirect=True)
+@pytest.mark.parametrize("simulated_device", [31, 32], indirect=True)
 @pytest.mark.parametrize("freed", [True, False], ids=["freed", "kept"])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_on_the_standin_device(set_to_none, freed, standin_device) -> None:
+def test_zero_grad_on_the_simulated_device(set_to_none, freed, simulated_device) -> None:
     test_offload.test_zero_grad_matches_torch(set_to_none, freed)
 
 
-@pytest.mark.parametrize("standin_device", [41, 42], indirect=True)
-def test_host_accumulation_on_the_standin_device(standin_device) -> None:
+@pytest.mark.parametrize("simulated_device", [41, 42], indirect=True)
+def test_host_accumulation_on_the_simulated_device(simulated_device) -> None:
     test_offload.test_host_accumulation_equals_autograd_accumulation()
 
 
-@pytest.mark.parametrize("standin_device", [51], indirect=True)
-def test_found_inf_skip_on_the_standin_device(standin_device) -> None:
+@pytest.mark.parametrize("simulated_device", [51], indirect=True)
+def test_found_inf_skip_on_the_simulated_device(simulated_device) -> None:
     test_offload.test_found_inf_skip_is_exact_with_freed_gradients()
 
 
 def _run_worker(worker: str, out: Path, seed: int, only: list[str]) -> list[dict]:
-    env = dict(os.environ, **{standin.ENV: str(seed)})
-    proc = subprocess.run([sys.executable, str(HERE / "support" / worker), "--out", str(out), "--only", *only],
-                          capture_output=True, text=True, timeout=400, env=env)
+    proc = subprocess.run([sys.executable, str(HERE / "support" / worker), "--out", str(out),
+                           "--simulated-device", str(seed), "--only", *only],
+                          capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
 
@@ -99,7 +96,7 @@ DISTRIBUTED = {
 
 
 @pytest.mark.parametrize("which", list(DISTRIBUTED))
-def test_distributed_suites_on_the_standin_device(which, tmp_path) -> None:
+def test_distributed_suites_on_the_simulated_device(which, tmp_path) -> None:
     """The worker's cases are bitwise the reference on both ranks, the optimizer's copies on the stand-in device."""
     worker, seed, only = DISTRIBUTED[which]
     results = _run_worker(worker, tmp_path, seed, only)
@@ -109,9 +106,9 @@ def test_distributed_suites_on_the_standin_device(which, tmp_path) -> None:
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.parametrize("standin_device", [71], indirect=True)
+@pytest.mark.parametrize("simulated_device", [71], indirect=True)
 @pytest.mark.parametrize("unscale", [True, False], ids=["unscale_then_clip", "step_only"])
-def test_loss_scaling_and_torch_clipping_on_the_standin_device(unscale, standin_device) -> None:
+def test_loss_scaling_and_torch_clipping_on_the_simulated_device(unscale, simulated_device) -> None:
     """GradScaler and torch's clip_grad_norm_ read the freed gradients through p.grad's stand-in."""
     test_offload.test_plain_grad_scaler_with_freed_gradients_matches_torch(unscale)
 
@@ -124,25 +121,25 @@ PLACED = [(placed, test_placement.C[name], seed) for seed, (placed, name) in enu
 ], start=81)]
 
 
-@pytest.mark.parametrize(("placed", "case", "standin_device"),
+@pytest.mark.parametrize(("placed", "case", "simulated_device"),
                          [pytest.param(p, c, s, id=f"{'+'.join(p)}-{c.id}-seed{s}",
                                        marks=() if s in QUICK_SEEDS else pytest.mark.slow) for p, c, s in PLACED],
-                         indirect=["standin_device"])
-def test_placements_on_the_standin_device(placed, case, standin_device) -> None:
+                         indirect=["simulated_device"])
+def test_placements_on_the_simulated_device(placed, case, simulated_device) -> None:
     test_offload_parity.run_case(case, bucket_bytes=4096, update_on=placed, stream_chunk_bytes=test_placement.CHUNK)
 
 
 RING = [(buffers, seed) for seed, buffers in enumerate([2, 3], start=91)]
 
 
-@pytest.mark.parametrize(("buffers", "standin_device"), RING, ids=[f"buffers{b}-seed{s}" for b, s in RING],
-                         indirect=["standin_device"])
-def test_the_ring_on_the_standin_device(buffers, standin_device) -> None:
+@pytest.mark.parametrize(("buffers", "simulated_device"), RING, ids=[f"buffers{b}-seed{s}" for b, s in RING],
+                         indirect=["simulated_device"])
+def test_the_ring_on_the_simulated_device(buffers, simulated_device) -> None:
     """Every tensor spans several chunks: each ring buffer is refilled several times in a step."""
     test_placement.test_the_ring_streams_tensors_of_many_chunks_bitwise(torch.bfloat16, True, buffers)
 
 
-@pytest.mark.parametrize("standin_device", [95], indirect=True)
-def test_streamed_updates_during_backward_on_the_standin_device(standin_device) -> None:
+@pytest.mark.parametrize("simulated_device", [95], indirect=True)
+def test_streamed_updates_during_backward_on_the_simulated_device(simulated_device) -> None:
     test_update_in_backward.test_streamed_and_resident_groups_update_during_backward_bitwise_torch_fused(
         ("stream", "host"), 4, False)

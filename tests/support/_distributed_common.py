@@ -102,12 +102,29 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def spawn_ranks(worker: Callable[..., None], *args: Any, world: int = 2) -> None:
-    """Run ``worker(rank, port, *args)`` in ``world`` processes, with a free TCP port for their rendezvous."""
+def spawn_ranks(worker: Callable[..., None], *args: Any, world: int = 2, simulated_seed: int | None = None) -> None:
+    """Run ``worker(rank, port, *args)`` in ``world`` processes, with a free TCP port for their rendezvous; with
+    ``simulated_seed``, each rank first installs a simulated CUDA device of its own rank's index."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, *args), nprocs=world, join=True)
+    if simulated_seed is None:
+        mp.spawn(worker, args=(port, *args), nprocs=world, join=True)
+    else:
+        mp.spawn(_on_simulated_device, args=(port, simulated_seed, worker, *args), nprocs=world, join=True)
+
+
+#: the simulated CUDA device this rank installed (``--simulated-device``), or None
+SIMULATED: list[Any] = []
+
+
+def _on_simulated_device(rank: int, port: int, seed: int, worker: Callable[..., None], *args: Any) -> None:
+    """Rank ``rank`` on the simulated CUDA device of index ``rank`` (offload_adamw.testing.simulated_cuda): the
+    production stream lane, copies landing late, a device index other than 0 on rank 1."""
+    from offload_adamw.testing.simulated_cuda import install
+
+    SIMULATED.append(install(seed * 10 + rank, index=rank))
+    worker(rank, port, *args)
 
 
 def join_gloo(rank: int, port: int, world: int, *, timeout_s: float | None = 60.0) -> None:
@@ -141,6 +158,8 @@ class CaseResults:
         measured: dict = {}
         try:
             bad = body(measured) or []
+            if SIMULATED:  # what the simulated device saw during the case fails it
+                bad = [*bad, *(f"simulated CUDA hazard: {h}" for h in SIMULATED[0].take_hazards()[:3])]
             self.results[name] = {"ok": not bad, "error": "; ".join(bad[:6]), "measured": measured}
         except Exception:
             self.results[name] = {"ok": False, "error": traceback.format_exc()[-3000:], "measured": measured}
@@ -160,6 +179,8 @@ def worker_main(worker: Callable[..., None], *, world: int, quick: Sequence[str]
     parser.add_argument("--only", nargs="*", default=[], help="the cases to run (default: all)")
     if quick is not None:
         parser.add_argument("--quick", action="store_true", help="only the quick cases")
+    parser.add_argument("--simulated-device", type=int, default=None, metavar="SEED",
+                        help="run each rank on a simulated CUDA device of its rank's index, with this seed")
     args = parser.parse_args()
     only = args.only or (list(quick) if quick is not None and args.quick else [])
-    spawn_ranks(worker, args.out, only, world=world)
+    spawn_ranks(worker, args.out, only, world=world, simulated_seed=args.simulated_device)

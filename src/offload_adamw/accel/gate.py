@@ -119,7 +119,7 @@ class Gate:
             self._norms[param] = (clipping.gradient_norm(grad), grad.device, grad.dtype)
         if self.checks():
             self._counts[param] = _nonfinite_count(grad)
-        if grad.device.type != "cpu":
+        if self._engine.is_device(grad.device):
             # Taken on the stream the hook runs on (FSDP2: its post-reduce stream); read on the callback's stream.
             self._marks.append((grad.device, self._engine.mark(grad.device)))
 

@@ -2,9 +2,11 @@
 
 Contract: :class:`HostArena` carves the host tensors of many parameters (their gradient buffers,
 their staging copies) out of one flat allocation per dtype, each exactly the sum of its tensors'
-sizes. On CUDA each allocation is page-locked with ``cudaHostRegister`` on an exactly-sized pageable
-buffer, because torch's pinned allocator rounds every allocation up to a power of two; where the
-registration fails, torch's pinned allocator is the fallback (``rounded_bytes`` counts it).
+sizes. Where the transfer engine copies asynchronously each allocation is page-locked by the device's stream
+backend (accel/streams.py; on CUDA ``cudaHostRegister`` on an exactly-sized pageable buffer, because torch's
+pinned allocator rounds every allocation up to a power of two), from the arena's own device whichever
+thread runs it; where the registration fails, the backend's pinned allocator is the fallback
+(``rounded_bytes`` counts it).
 
 With ``defer_pin`` the exactly-sized buffers are allocated pageable and page-locked later by
 :meth:`HostArena.pin_now` (the pipeline does it outside backward: ``cudaHostRegister`` of gigabytes
@@ -28,32 +30,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offload_adamw.accel.streams import StreamBackend
+
 __all__ = ["HostArena"]
 
 _PAGE = mmap.PAGESIZE
 
 
-def _unregister(ptr: int, synchronize: Callable[[], None]) -> None:
+def _unregister(locker: tuple[StreamBackend, int], ptr: int, synchronize: Callable[[], None]) -> None:
+    backend, index = locker
     try:
         # A copy still in flight into or out of these pages (an optimizer dropped between backward
         # and step) would otherwise DMA into memory that is unpinned here and freed right after.
         # Those copies run on the pipeline's own streams only.
         synchronize()
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        # From the arena's own device, whichever thread the finalizer runs on: no context on device 0.
+        backend.unpin(ptr, index)
     except Exception:  # pragma: no cover - interpreter shutdown
-        pass
-
-
-def _clear_cuda_error() -> None:
-    """Consume the error a failed ``cudaHostRegister`` left as CUDA's last error of this thread.
-
-    torch binds no ``cudaGetLastError``; left set, the error would be raised by the next
-    kernel-launch check (which calls it) from an unrelated op, possibly inside backward.
-    That check clears the error as it raises it, so one tiny kernel launch consumes it.
-    """
-    try:
-        torch.empty(1, device="cuda").fill_(0)
-    except Exception:  # pragma: no cover - needs a failing registration
         pass
 
 
@@ -75,6 +68,7 @@ class HostArena:
         *,
         pin: bool,
         label: str,
+        locker: tuple[StreamBackend, int] | None = None,
         synchronize: Callable[[], None] | None = None,
         defer_pin: bool = False,
         field: str = "",
@@ -83,6 +77,9 @@ class HostArena:
         self.field = field
         """What the views are for (the slot field they fill), for the owner's bookkeeping."""
         self._synchronize = synchronize or _nothing  # waits for the copies that may touch these pages
+        # The backend that page-locks, and the device index it does it from (accel/streams.py); none: pageable.
+        self._locker = locker
+        pin = pin and locker is not None
         self._defer = pin and defer_pin
         self._unpinned: list[tuple[Tensor, int, int, int]] = []  # deferred registrations: (raw, start, span, nbytes)
         self.views: dict[Any, Tensor] = {}
@@ -126,22 +123,20 @@ class HostArena:
             self._raw.append(raw)
             buffer = raw[start : start + nbytes].view(dtype)
         else:
-            buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
+            assert self._locker is not None  # pin: a locker was given
+            buffer = self._locker[0].pinned_empty(numel, dtype)
             self.rounded_bytes += nbytes
         self.pinned_bytes += nbytes
         self.buffers.append(buffer)
         return buffer
 
     def _register(self, raw: Tensor, start: int, span: int) -> bool:
-        try:
-            error = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, span, 0))
-        except Exception:
-            error = -1
-        if error > 0:
-            _clear_cuda_error()
-        if error == 0:
-            weakref.finalize(raw, _unregister, raw.data_ptr() + start, self._synchronize)
-        return error == 0
+        assert self._locker is not None  # only pinned arenas register
+        backend, index = self._locker
+        if not backend.pin(raw.data_ptr() + start, span, index):
+            return False
+        weakref.finalize(raw, _unregister, self._locker, raw.data_ptr() + start, self._synchronize)
+        return True
 
     @property
     def pin_pending(self) -> bool:

@@ -5,9 +5,10 @@ Contract:
 * **Gradients leave the device as backward produces them** (freed gradients) or once, at the step (kept
   gradients): accel/residency.py. Every copy and every wait goes through one transfer engine
   (accel/transfer.py): on CUDA side streams ordered after the producing stream, with events the host
-  waits on only when it needs *that* buffer; on the CPU synchronous copies; on the asynchronous stand-in
-  device of accel/standin.py copies that land late into poisoned buffers, which is how the tests prove
-  the order of work.
+  waits on only when it needs *that* buffer; on the CPU synchronous copies. The stream lane runs over a
+  stream backend (accel/streams.py): ``torch.cuda``, or the simulated CUDA device the tests install, whose
+  copies land late into poisoned buffers and which records CUDA's hazards: that is how CI proves the
+  order of work of the very lane a GPU runs.
 * **Where gradients come from**: autograd's hooks (FSDP2 calls them after each reduce-scatter) or the
   communication hook of an attached DDP model (accel/sources.py); both end in :meth:`GradientPipeline.land`.
 * **The step runs bucket by bucket** (accel/bucketing.py): gradients in the order they arrived, in
@@ -47,7 +48,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import amp, bucketing, standin, swaps
+from offload_adamw.accel import amp, bucketing, streams, swaps
 from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
 from offload_adamw.accel.device_update import DeviceUpdate
 from offload_adamw.accel.freed import is_host_resident
@@ -155,8 +156,7 @@ class GradientPipeline:
         self._closing = weakref.finalize(optimizer, self._close)  # held weakly: closed when it goes
         self.config = config
         self.offload_gradients = config.offload_gradients
-        seed = standin.requested_seed()
-        self.engine = standin.engine(seed) if seed is not None else TransferEngine()
+        self.engine = TransferEngine(streams.installed())
         # With parameters on several devices autograd runs the hooks on one thread per device, and the GIL is
         # released inside copies and waits: every entry from outside (hooks, DDP callbacks, p.grad's stand-in)
         # takes this lock.
@@ -198,7 +198,7 @@ class GradientPipeline:
         self.ddp = DdpSource(
             self.slots, self, freed=config.offload_gradients, land_reduced=self.residency.land_reduced,
             after_ddp=self.residency.after_ddp, next_group=self.hooks.next_group, lock=self._lock, gate=self.gate,
-            lands_early=config.update_in_backward,
+            lands_early=config.update_in_backward, on_device=self.engine.on_home,
         )
         self.gate.decision_groups = self.ddp.process_groups
         self.gate.intact = self.residency.intact

@@ -244,10 +244,12 @@ class SlotTable:
         nbytes = sum(s.local.numel() * s.local.element_size() for s in slots)
         if self._check is not None:
             self._check(nbytes, label)  # the host-memory pre-flight, before anything is allocated
-        pin = any(self._engine.pins(s.local.device) for s in slots)
+        lockers = [self._engine.page_locker(s.local.device) for s in slots]
+        locker = next((lk for lk in lockers if lk is not None), None)
         arena = HostArena(
             ((id(s), s.local.shape, s.local.dtype, _strides(s.local)) for s in slots),
-            pin=pin, label=label, synchronize=self._engine.synchronize, defer_pin=defer_pin, field=field,
+            pin=locker is not None, locker=locker, label=label, synchronize=self._engine.synchronize,
+            defer_pin=defer_pin, field=field,
         )
         for s in slots:
             setattr(s, field, arena.views[id(s)])

@@ -25,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Callable
@@ -284,8 +285,10 @@ class DdpSource:
 
     def __init__(self, slots: SlotTable, landing: Landing, *, freed: bool, land_reduced: Callable[[Slot, Tensor], None],
                  after_ddp: Callable[[Slot], None], next_group: Callable[[], int], lock: Any,
-                 gate: Any, lands_early: bool) -> None:
+                 gate: Any, lands_early: bool,
+                 on_device: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         self._slots = slots
+        self._on_device = on_device  # the callback may run on a thread not the pipeline's (gloo's)
         self._landing = landing
         self._freed = freed
         self._land_reduced = land_reduced
@@ -370,7 +373,14 @@ class DdpSource:
 
     def _reduced(self, params: list[Tensor], reduced: Tensor, *, lands: bool) -> None:
         """The all-reduce of a bucket completed: its averaged gradients go to the host buffers, and (with updates
-        during backward, outside ``no_sync()``) its parameters land. Nothing here waits for the device."""
+        during backward, outside ``no_sync()``) its parameters land. Nothing here waits for the device.
+
+        Runs on whichever thread completes the all-reduce (gloo's own): the pipeline's device is made current for it,
+        so that no call creates a context on that thread's current device."""
+        with self._on_device():
+            self._reduced_on_device(params, reduced, lands=lands)
+
+    def _reduced_on_device(self, params: list[Tensor], reduced: Tensor, *, lands: bool) -> None:
         with self._lock:
             members = []
             for p, grad in _ddp.bucket_views(params, reduced):

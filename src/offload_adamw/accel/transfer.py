@@ -22,24 +22,29 @@ Contract:
   issued so far on the current stream of ``device`` (the update that wrote them); one completion for all.
 * ``mark(device)`` is a completion for the work issued so far on the current stream of ``device``
   (a gradient norm taken in a hook); :meth:`TransferEngine.current_stream_waits` orders the current stream after it.
-* Lanes, one per device, chosen by the device's type, never by a flag: CUDA devices get side streams
-  and blocking events (a host that waits sleeps instead of spinning a core the host kernel wants);
-  every other device, the CPU included, gets synchronous copies (a completion that is complete when
-  returned). The asynchronous stand-in of accel/standin.py is a third lane, for tests on the CPU.
+* Lanes, one per device, chosen by the device, never by a flag: a device with streams gets the stream lane,
+  side streams and blocking events (a host that waits sleeps instead of spinning a core the host kernel
+  wants), written once over a stream backend (accel/streams.py): ``torch.cuda`` for CUDA devices, or the
+  backend installed when the engine was built (the simulated CUDA device of ``offload_adamw.testing``, which
+  serves CPU tensors), so that the lane CI runs is the lane a GPU runs. Every other device, the CPU included,
+  gets synchronous copies (a completion that is complete when returned).
 * Worker threads (the accumulator here, the updater of accel/overlap.py) call :meth:`TransferEngine.thread_init`
-  first: on CUDA it makes the pipeline's device current, so that a rank's threads never create a
+  first: it makes the pipeline's device current on the thread, so that a rank's threads never create a
   context on device 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+from offload_adamw.accel.streams import CUDA, StreamBackend, claim
 
 __all__ = ["Completion", "DONE", "HostCompletion", "Lane", "TransferEngine"]
 
@@ -99,7 +104,7 @@ class HostCompletion:
         return self._event.is_set()
 
 
-class _CudaCompletion:
+class _StreamCompletion:
     __slots__ = ("event",)
 
     def __init__(self, event: Any) -> None:
@@ -177,57 +182,62 @@ class _Synchronous:
         return None
 
 
-class _CudaStreams:
-    """One CUDA device: a side stream for each direction, blocking events."""
+class _StreamLane:
+    """One device with streams (CUDA, or the simulated device of the tests): a side stream for each direction,
+    blocking events. Written once over the backend (accel/streams.py): the code a GPU runs is the code CI runs."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.d2h = torch.cuda.Stream(device=device)
-        self.h2d = torch.cuda.Stream(device=device)
+    def __init__(self, backend: StreamBackend, device: torch.device) -> None:
+        self.backend = backend
+        self.index = backend.index(device)
+        self.d2h = backend.new_stream(self.index)
+        self.h2d = backend.new_stream(self.index)
 
     def _event(self, stream: Any) -> Completion:
-        event = torch.cuda.Event(blocking=True)
+        event = self.backend.new_event()
         event.record(stream)
-        return _CudaCompletion(event)
+        return _StreamCompletion(event)
+
+    def _compute(self) -> Any:
+        return self.backend.current_stream(self.index)
 
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
-        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
+        self.d2h.wait_stream(self._compute())  # the work that produced src
+        with self.backend.stream(self.d2h):
+            self.backend.copy(dst, src, to_device=False)
         # The caching allocator must not hand src's memory to anyone before this copy has read it.
-        src.record_stream(self.d2h)
+        self.backend.record_stream(src, self.d2h)
         return self._event(self.d2h)
 
     def copy_all_to_host(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> Completion:
-        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.d2h), torch.no_grad():
+        self.d2h.wait_stream(self._compute())  # the update that wrote the sources
+        with self.backend.stream(self.d2h), torch.no_grad():
             for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
+                self.backend.copy(dst, src, to_device=False)
         for src, _ in pairs:
-            src.record_stream(self.d2h)
+            self.backend.record_stream(src, self.d2h)
         return self._event(self.d2h)
 
     def send_to_device(self, pairs: Sequence[tuple[Tensor, Tensor]], after: Completion = DONE) -> Completion:
-        if isinstance(after, _CudaCompletion):
+        if isinstance(after, _StreamCompletion):
             self.h2d.wait_event(after.event)  # the device waits, not the host
         else:
             after.wait()
-        with torch.cuda.stream(self.h2d), torch.no_grad():
+        with self.backend.stream(self.h2d), torch.no_grad():
             for device_tensor, host in pairs:
-                device_tensor.copy_(host, non_blocking=True)
+                self.backend.copy(device_tensor, host, to_device=True)
         return self._event(self.h2d)
 
     def send_after_compute(self) -> None:
-        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        self.h2d.wait_stream(self._compute())  # the parameters the device still reads
 
     def compute_waits(self, completion: Completion) -> None:
-        if isinstance(completion, _CudaCompletion):
-            torch.cuda.current_stream(self.device).wait_event(completion.event)
+        if isinstance(completion, _StreamCompletion):
+            self._compute().wait_event(completion.event)
         else:
             completion.wait()
 
     def mark(self) -> Completion:
-        return self._event(torch.cuda.current_stream(self.device))
+        return self._event(self._compute())
 
     def current_stream_waits(self, completion: Completion) -> None:
         self.compute_waits(completion)
@@ -237,7 +247,7 @@ class _CudaStreams:
         self.h2d.synchronize()
 
     def close(self) -> None:
-        return None  # torch destroys the streams with the last reference
+        return None  # the backend destroys the streams with the last reference
 
 
 class _Accumulator:
@@ -283,25 +293,43 @@ def _accumulate_forever(jobs: queue.SimpleQueue[Any], thread_init: Callable[[], 
 class TransferEngine:
     """The lanes of every device a pipeline copies to or from, and its accumulator (see the module contract)."""
 
-    def __init__(self, make_lane: Callable[[torch.device], Lane] | None = None, *, every_device: bool = False) -> None:
-        self._make_lane = make_lane or _lane_for
-        self._every_device = every_device
+    def __init__(self, backend: StreamBackend | None = None) -> None:
+        self._backend = backend  # an installed backend (the simulated device of the tests), else CUDA's for CUDA
         self._lanes: dict[torch.device, Lane] = {}
         self._lock = threading.Lock()
-        self._home: torch.device | None = None  # the first CUDA device: worker threads make it current
+        self._home: tuple[StreamBackend, int] | None = None  # the first stream device: worker threads make it current
         self.accumulator = _Accumulator(self.thread_init)
+
+    def backend_for(self, device: torch.device) -> StreamBackend | None:
+        """The stream backend of ``device``, or None where copies are synchronous."""
+        if self._backend is not None and self._backend.serves(device):
+            return self._backend
+        return CUDA if device.type == "cuda" else None
 
     def is_device(self, device: torch.device) -> bool:
         """Whether a parameter on ``device`` lives apart from the host (it gets a staging buffer and a send-back)."""
-        return self._every_device or device.type not in ("cpu", "meta")
+        return device.type not in ("cpu", "meta") or self.backend_for(device) is not None
 
     def claim(self, tensor: Tensor) -> None:
-        """``tensor`` is a parameter this engine's pipeline serves (the stand-in device counts it as a device tensor)."""
-        return None
+        """``tensor`` is a parameter this engine's pipeline serves: where an installed backend keeps its device's
+        tensors in host memory, it counts as a device tensor from now on (accel/streams.py)."""
+        backend = self.backend_for(tensor.device)
+        if backend is None:
+            return
+        if self._home is None:
+            self._home = (backend, backend.index(tensor.device))
+        if tensor.device.type == "cpu":
+            claim(tensor)
 
     def pins(self, device: torch.device) -> bool:
-        """Whether host buffers that serve ``device`` are page-locked (only CUDA copies them asynchronously)."""
-        return device.type == "cuda" and not self._every_device
+        """Whether the optimizer state a streamed group keeps in host memory for ``device`` is page-locked by torch's
+        pinned allocator: on CUDA only (the pipeline's own buffers are page-locked through :meth:`page_locker`)."""
+        return device.type == "cuda" and self.backend_for(device) is CUDA
+
+    def page_locker(self, device: torch.device) -> tuple[StreamBackend, int] | None:
+        """The backend that page-locks host buffers serving ``device``, and the device index it does it from."""
+        backend = self.backend_for(device)
+        return None if backend is None else (backend, backend.index(device))
 
     def lane(self, device: torch.device) -> Lane:
         lane = self._lanes.get(device)
@@ -309,15 +337,40 @@ class TransferEngine:
             with self._lock:
                 lane = self._lanes.get(device)
                 if lane is None:
-                    lane = self._lanes[device] = self._make_lane(device)
-                    if device.type == "cuda" and self._home is None:
-                        self._home = device
+                    backend = self.backend_for(device)
+                    if backend is None:
+                        lane = _Synchronous()
+                    else:
+                        stream_lane = _StreamLane(backend, device)
+                        if self._home is None:
+                            self._home = (backend, stream_lane.index)
+                        lane = stream_lane
+                    self._lanes[device] = lane
         return lane
 
     def thread_init(self) -> None:
-        """Called first by every worker thread of the pipeline."""
+        """Called first by every worker thread of the pipeline: its current device is the pipeline's, so that no
+        call of the thread creates a context on another device (device 0)."""
         if self._home is not None:
-            torch.cuda.set_device(self._home)
+            backend, index = self._home
+            backend.set_device(index)
+
+    @contextlib.contextmanager
+    def on_home(self) -> Iterator[None]:
+        """The pipeline's device current on the calling thread for the block (a thread not the pipeline's own: the
+        one that runs DDP's communication-hook callback), restored after it."""
+        if self._home is None:
+            yield
+            return
+        backend, index = self._home
+        before = backend.get_device()
+        if before != index:
+            backend.set_device(index)
+        try:
+            yield
+        finally:
+            if before != index:
+                backend.set_device(before)
 
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
         return self.lane(src.device).copy_to_host(src, dst)
@@ -356,7 +409,4 @@ class TransferEngine:
         for lane in list(self._lanes.values()):
             lane.close()
 
-
-def _lane_for(device: torch.device) -> Lane:
-    return _CudaStreams(device) if device.type == "cuda" else _Synchronous()
 

@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import standin
+from offload_adamw.accel import streams
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import MASTER_KEY
 from offload_adamw.kernels import layout
@@ -57,8 +57,8 @@ def state_dtype(p: Tensor) -> torch.dtype:
 
 def on_host(p: Tensor) -> bool:
     """Whether ``p`` (a local tensor) lives in host memory, where the update can write it: a CPU tensor, unless the
-    asynchronous stand-in device of the tests serves it as a device tensor (accel/standin.py)."""
-    return p.device.type == "cpu" and not standin.is_device_tensor(p)
+    stream backend installed for the tests (the simulated CUDA device) serves it as a device tensor (accel/streams.py)."""
+    return p.device.type == "cpu" and not streams.is_device_tensor(p)
 
 
 def is_own_master(p: Tensor) -> bool:

@@ -1,0 +1,209 @@
+"""What the stream lane of accel/transfer.py needs of a device with streams: the stream backend.
+
+Contract:
+
+* :class:`StreamBackend` is exactly what the lane calls: a new stream, the calling thread's current stream,
+  a stream context, blocking events (record, synchronize, query), ``wait_stream`` and ``wait_event`` (methods
+  of the streams, as torch spells them), ``record_stream``, a non-blocking copy on the current stream,
+  page-locking and unlocking host memory (and an exactly sized page-locked allocation's fallback), the
+  calling thread's current device. Nothing here decides anything: the lane's order of work is the lane's.
+* :data:`CUDA` is the backend over ``torch.cuda``, a plain call per method. It is what runs for CUDA devices.
+* Another backend (the simulated CUDA device of ``offload_adamw.testing``) is chosen only by being installed:
+  :func:`installed_backend` (a context manager) or :func:`install`; pipelines built while it is installed
+  serve the devices it :meth:`~StreamBackend.serves` with it. Nothing reads an environment variable.
+* :func:`is_device_tensor` says whether a CPU tensor counts as a tensor of an installed backend's device (a
+  simulated device keeps its tensors in host memory); the optimizer asks it before writing a parameter from
+  the host. Only the backend that claimed a tensor knows; production code asks here, never a testing module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "install", "installed", "installed_backend",
+           "is_device_tensor"]
+
+
+class StreamBackend(Protocol):
+    """A device with streams, as the lane uses it (see the module contract)."""
+
+    def serves(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` are this backend's (the lane of ``device`` runs over it)."""
+        ...
+
+    def index(self, device: torch.device) -> int:
+        """The device index of ``device`` (its own, else the calling thread's current one)."""
+        ...
+
+    def new_stream(self, index: int) -> Any:
+        """A new stream of device ``index``; it has ``wait_stream(other)``, ``wait_event(event)``, ``synchronize()``."""
+        ...
+
+    def current_stream(self, index: int) -> Any:
+        """The calling thread's current stream of device ``index``."""
+        ...
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """A context in which ``stream`` is the calling thread's current stream."""
+        ...
+
+    def new_event(self) -> Any:
+        """A blocking event: ``record(stream)``, ``synchronize()`` (the host sleeps), ``query()``."""
+        ...
+
+    def record_stream(self, tensor: Tensor, stream: Any) -> None:
+        """``tensor``'s memory is not handed to anyone before the work issued so far on ``stream`` has ended."""
+        ...
+
+    def copy(self, dst: Tensor, src: Tensor, *, to_device: bool) -> None:
+        """``dst.copy_(src)`` without blocking the host, on the current stream (``to_device``: ``dst`` is on the device,
+        ``src`` in host memory; else the other way round)."""
+        ...
+
+    def pin(self, ptr: int, nbytes: int, index: int | None) -> bool:
+        """Page-lock ``nbytes`` of host memory at ``ptr`` (whole pages) from device ``index``'s context; whether it took."""
+        ...
+
+    def unpin(self, ptr: int, index: int | None) -> None:
+        """Undo :meth:`pin` (the caller has waited for every copy that touches the pages)."""
+        ...
+
+    def pinned_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """Page-locked host memory from the backend's own allocator (the fallback where :meth:`pin` fails)."""
+        ...
+
+    def get_device(self) -> int:
+        """The calling thread's current device."""
+        ...
+
+    def set_device(self, index: int) -> None:
+        """Make device ``index`` the calling thread's current device."""
+        ...
+
+
+class CudaBackend:
+    """:class:`StreamBackend` over ``torch.cuda``: one call each, no logic."""
+
+    def serves(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def index(self, device: torch.device) -> int:
+        return torch.cuda.current_device() if device.index is None else device.index
+
+    def new_stream(self, index: int) -> Any:
+        return torch.cuda.Stream(device=index)
+
+    def current_stream(self, index: int) -> Any:
+        return torch.cuda.current_stream(index)
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event(blocking=True)
+
+    def record_stream(self, tensor: Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def copy(self, dst: Tensor, src: Tensor, *, to_device: bool) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def pin(self, ptr: int, nbytes: int, index: int | None) -> bool:
+        with _on(index):
+            try:
+                error = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+            except Exception:
+                return False
+            if error > 0:
+                _clear_cuda_error(index)
+            return error == 0
+
+    def unpin(self, ptr: int, index: int | None) -> None:
+        with _on(index):
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def pinned_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def get_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+
+def _on(index: int | None) -> contextlib.AbstractContextManager[Any]:
+    """Device ``index`` current for the call (no context is created on the thread's current device), or as is."""
+    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
+
+
+def _clear_cuda_error(index: int | None) -> None:
+    """Consume the error a failed ``cudaHostRegister`` left as CUDA's last error of this thread.
+
+    torch binds no ``cudaGetLastError``; left set, the error would be raised by the next kernel-launch check (which
+    calls it) from an unrelated op, possibly inside backward. That check clears the error as it raises it, so one
+    tiny kernel launch consumes it (on device ``index``: no context on another device).
+    """
+    try:
+        torch.empty(1, device="cuda" if index is None else f"cuda:{index}").fill_(0)
+    except Exception:  # pragma: no cover - needs a failing registration
+        pass
+
+
+CUDA: StreamBackend = CudaBackend()
+
+_installed: list[StreamBackend] = []
+# The tensors an installed backend serves as device tensors, by id, each held weakly (its entry goes with it; a
+# tensor's == is elementwise, so no weak set of tensors can hold them).
+_claimed: dict[int, weakref.ref[Tensor]] = {}
+_claimed_lock = threading.Lock()
+
+
+def install(backend: StreamBackend) -> None:
+    """Pipelines built from now on serve the devices ``backend`` serves with it (until :func:`uninstall`)."""
+    _installed.append(backend)
+
+
+def uninstall(backend: StreamBackend) -> None:
+    _installed.remove(backend)
+
+
+@contextlib.contextmanager
+def installed_backend(backend: StreamBackend) -> Iterator[StreamBackend]:
+    """Pipelines built inside this context serve the devices ``backend`` serves with it."""
+    install(backend)
+    try:
+        yield backend
+    finally:
+        uninstall(backend)
+
+
+def installed() -> StreamBackend | None:
+    """The backend installed last, or None (CUDA devices then get :data:`CUDA`, every other device plain copies)."""
+    return _installed[-1] if _installed else None
+
+
+def claim(tensor: Tensor) -> None:
+    """``tensor`` (host memory) is a tensor of an installed backend's device from now on, for as long as it lives."""
+    key = id(tensor)
+
+    def forget(_: object) -> None:
+        with _claimed_lock:
+            _claimed.pop(key, None)
+
+    with _claimed_lock:
+        _claimed[key] = weakref.ref(tensor, forget)
+
+
+def is_device_tensor(t: Tensor) -> bool:
+    """Whether ``t`` is a tensor (a parameter, or a shard of one) an installed backend serves as a device tensor: the
+    optimizer keeps a master for it and never writes it from the host (optim/state.py asks)."""
+    ref = _claimed.get(id(t))
+    return ref is not None and ref() is t

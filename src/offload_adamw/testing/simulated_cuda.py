@@ -1,0 +1,508 @@
+"""A simulated CUDA device on the CPU: a stream backend (accel/streams.py) with CUDA's hazards, for tests.
+
+On the CPU every copy is finished the moment it is issued, so a pipeline that reads a buffer before the copy
+that fills it has landed, or overwrites a buffer a pending copy still reads, is right there by accident. The
+production stream lane of accel/transfer.py runs over this backend in CI exactly as it runs over ``torch.cuda``
+on a GPU, and the backend turns each of CUDA's hazards into wrong bits or a recorded hazard
+(:attr:`SimulatedCuda.hazards`; the tests fail on any):
+
+1. **Late, in-order completion.** Each stream is a worker thread that runs its queue in order; each copy lands
+   after a seeded random delay. A copy's destination holds poison (NaN in every floating dtype, -1 otherwise)
+   from its issue until it lands. ``wait_stream`` and ``wait_event`` make a stream's worker wait; an event is
+   complete when its stream has reached it; an event never recorded is complete (as on CUDA).
+2. **Stream-ordered reuse of device memory.** A device tensor whose memory is freed while a copy on another
+   stream still has to read it is reused at once (the copy reads garbage: its destination stays poisoned, and a
+   hazard is recorded) unless ``record_stream`` named that stream.
+3. **Page-locked host memory.** Unlocking (``unpin``) host memory a pending copy touches is a hazard. A
+   non-blocking copy whose host side is not page-locked is synchronous, as on CUDA: the host waits for the
+   stream, and the backend counts it in :attr:`SimulatedCuda.hidden_syncs`. A host buffer changed while a copy
+   still reads it leaves the destination poisoned and records a hazard.
+4. **Compute is asynchronous, per thread.** Each thread has its own current stream (as a user-set main stream
+   would: the updater thread's is not the main thread's). Torch's own operations run at once on the calling
+   thread; work a test gives :meth:`SimulatedCuda.compute_later` runs late on the thread's compute stream, so a
+   copy that did not wait for that stream reads what it had not written yet. A copy to the host of a device
+   tensor issued on a stream that has not waited for the issuing thread's current stream since that stream last
+   did work (vector clocks: each ``current_stream`` call is new work) is a recorded hazard even when the bits
+   happen to be right.
+5. **The current device is per thread** (0 unless set). Every call of the backend made from a thread whose
+   current device is not the simulated device's index is recorded as a stray context (on CUDA: a context of
+   about 0.5 GB created on that device), except page-locking calls that name their device.
+6. **Hidden synchronisations are counted** (a copy from pageable memory), for tests to assert zero where the
+   design promises none.
+
+A CPU tensor counts as a tensor of the simulated device when the pipeline's engine claimed it (accel/streams.py's
+``is_device_tensor``): every parameter of a pipeline built while the backend is installed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import itertools
+import queue
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import increment_version
+
+from offload_adamw.accel import streams
+from offload_adamw.accel.transfer import DONE, Completion, HostCompletion
+
+__all__ = ["SimulatedCuda", "install", "simulated_cuda"]
+
+MAX_DELAY_S = 0.001
+"""The longest ordinary delay of a copy; one copy in 25 waits SLOW_DELAY_S instead."""
+SLOW_DELAY_S = 0.005
+
+
+def _poison(t: Tensor) -> None:
+    with torch.no_grad():
+        t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else -1)
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Bitwise, NaN-safe."""
+    if a.numel() == 0:
+        return True
+    if a.is_floating_point():
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
+    return torch.equal(a, b)
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes ``t`` reads or writes: [start, end)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+_live_streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    """Let every stream finish its queue before the interpreter goes: a daemon thread stopped inside a torch op at
+    shutdown aborts the process."""
+    live = list(_live_streams)
+    for stream in live:
+        stream.stop()
+    for stream in live:
+        stream.join(5.0)
+
+
+atexit.register(_drain_at_exit)
+
+
+def _pause(rng: random.Random) -> None:
+    time.sleep(SLOW_DELAY_S if rng.random() < 0.04 else rng.uniform(0.0, MAX_DELAY_S))
+
+
+def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        work, copy, done = job
+        if copy:
+            _pause(rng)
+        try:
+            work()
+        except BaseException as error:
+            done.fail(error)
+        else:
+            done.finish()
+
+
+class _Stream:
+    """A simulated stream: an in-order queue run by a worker thread (started at its first job), and a vector clock."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, backend: SimulatedCuda, name: str, seed: int, *, compute: bool) -> None:
+        self.backend = backend
+        self.id = next(self._ids)
+        self.name = name
+        self.compute = compute
+        self.clock: dict[int, int] = {self.id: 1}
+        self.rng = random.Random(seed)  # drawn from by the worker thread only
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._last: Completion = DONE
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<simulated stream {self.name}>"
+
+    @property
+    def time(self) -> int:
+        return self.clock[self.id]
+
+    def tick(self) -> None:
+        self.clock[self.id] += 1
+
+    def merge(self, clock: dict[int, int]) -> None:
+        for key, value in clock.items():
+            if self.clock.get(key, 0) < value:
+                self.clock[key] = value
+
+    def submit(self, work: Callable[[], None], *, copy: bool) -> Completion:
+        done = HostCompletion()
+        with self._lock:
+            if self._thread is None:
+                thread = threading.Thread(target=_work_forever, args=(self._jobs, self.rng),
+                                          name=f"simulated-cuda-{self.name}", daemon=True)
+                thread.start()
+                self._thread = thread
+                _live_streams.add(self)
+                weakref.finalize(self, self._jobs.put, None)  # the worker ends with its stream
+            self._jobs.put((work, copy, done))
+            self._last = done
+        return done
+
+    def reached(self) -> Completion:
+        """A completion for the work issued on this stream so far."""
+        return self._last
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- torch.cuda.Stream's methods the lane calls
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.backend.called("wait_stream")
+        with self.backend.lock:
+            self.merge(other.clock)
+        self._wait_for(other.reached())
+
+    def wait_event(self, event: _Event) -> None:
+        self.backend.called("wait_event")
+        with self.backend.lock:
+            self.merge(event.snapshot)
+        self._wait_for(event.completion)
+
+    def synchronize(self) -> None:
+        self.backend.called("synchronize")
+        self.reached().wait()
+
+    def _wait_for(self, completion: Completion) -> None:
+        if completion.done():
+            return
+        if self.compute:
+            completion.wait()  # what this thread issues next is this stream's work: the thread itself waits
+        else:
+            self.submit(completion.wait, copy=False)
+
+
+class _Event:
+    """A simulated blocking event: complete when its stream has reached the point it was recorded at."""
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        self.backend = backend
+        self.completion: Completion = DONE  # never recorded: complete, as on CUDA
+        self.snapshot: dict[int, int] = {}
+
+    def record(self, stream: _Stream) -> None:
+        self.backend.called("event record")
+        with self.backend.lock:
+            self.snapshot = dict(stream.clock)
+        self.completion = stream.reached()
+
+    def synchronize(self) -> None:
+        self.backend.called("event synchronize")
+        self.completion.wait()
+
+    def query(self) -> bool:
+        self.backend.called("event query")
+        return self.completion.done()
+
+
+class _Watched:
+    """A device tensor's memory that a pending copy still reads: freed before it has, it is reused unless recorded."""
+
+    __slots__ = ("streams", "pending", "freed")
+
+    def __init__(self) -> None:
+        self.streams: set[int] = set()  # the streams record_stream named
+        self.pending: list[_Read] = []
+        self.freed = False
+
+
+class _Read:
+    __slots__ = ("stream", "reused", "done")
+
+    def __init__(self, stream: _Stream) -> None:
+        self.stream = stream
+        self.reused = False
+        self.done: Completion = DONE
+
+
+class SimulatedCuda:
+    """The simulated device ``index`` (see the module contract); an instance is one process's device of that index."""
+
+    def __init__(self, seed: int, index: int = 0) -> None:
+        self.seed = int(seed)
+        self.device_index = int(index)
+        self.lock = threading.RLock()
+        self.hazards: list[str] = []
+        self.hidden_syncs: collections.Counter[str] = collections.Counter()
+        self._local = threading.local()
+        self._streams = itertools.count()
+        self._pinned: dict[int, int] = {}  # page-locked ranges: start -> bytes
+        self._host_pending: list[tuple[int, int, Completion]] = []  # host bytes pending copies touch: (start, end, done)
+        self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
+
+    # ------------------------------------------------------------------ the record
+
+    def record(self, hazard: str) -> None:
+        with self.lock:
+            self.hazards.append(hazard)
+
+    def called(self, what: str) -> None:
+        """A call of the backend from the calling thread: on CUDA it needs a context on the thread's current device."""
+        current = self.get_device()
+        if current != self.device_index:
+            self.record(f"stray context: {what} from thread {threading.current_thread().name!r}, whose current "
+                        f"device is {current}, for device {self.device_index}")
+
+    # ------------------------------------------------------------------ StreamBackend
+
+    def serves(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def index(self, device: torch.device) -> int:
+        return self.device_index
+
+    def new_stream(self, index: int) -> _Stream:
+        self.called("new stream")
+        n = next(self._streams)
+        return _Stream(self, f"side{n}", self.seed * 7919 + n, compute=False)
+
+    def _compute_stream(self) -> _Stream:
+        stream = getattr(self._local, "compute", None)
+        if stream is None:
+            thread = threading.current_thread()
+            seed = self.seed * 104729 + (thread.ident or 0) % 9973
+            stream = self._local.compute = _Stream(self, f"compute-{thread.name}", seed, compute=True)
+        return stream
+
+    def current_stream(self, index: int) -> _Stream:
+        self.called("current_stream")
+        override = getattr(self._local, "override", None)
+        if override:
+            return override[-1]
+        stream = self._compute_stream()
+        with self.lock:
+            stream.tick()  # the thread may have issued work since it last looked: the stream has moved on
+        return stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: _Stream) -> Iterator[_Stream]:
+        self.called("stream context")
+        override = getattr(self._local, "override", None)
+        if override is None:
+            override = self._local.override = []
+        override.append(stream)
+        try:
+            yield stream
+        finally:
+            override.pop()
+
+    def new_event(self) -> _Event:
+        return _Event(self)
+
+    def record_stream(self, tensor: Tensor, stream: _Stream) -> None:
+        self.called("record_stream")
+        with self.lock:
+            watched = self._watched.get(id(tensor.untyped_storage()))
+            if watched is not None:
+                watched.streams.add(stream.id)
+
+    def copy(self, dst: Tensor, src: Tensor, *, to_device: bool) -> None:
+        self.called("copy")
+        stream = self.current_stream(self.device_index)
+        host = src if to_device else dst
+        pageable = not self._is_pinned(host)
+        done = self._copy_to_device(stream, dst, src) if to_device else self._copy_to_host(stream, dst, src)
+        start, end = _span(host)
+        with self.lock:
+            self._host_pending = [p for p in self._host_pending if not p[2].done()]
+            self._host_pending.append((start, end, done))
+        if pageable:
+            # cudaMemcpyAsync from pageable memory: staged by the driver, the host waits for the stream.
+            self.hidden_syncs["copy from pageable host memory"] += 1
+            done.wait()
+
+    def _copy_to_device(self, stream: _Stream, device_tensor: Tensor, host: Tensor) -> Completion:
+        expected = host.detach().clone()
+        increment_version(device_tensor)  # the version counter moves once, at issue, as a CUDA copy's does
+
+        def land() -> None:
+            with torch.no_grad():
+                # Through .data: no further move of the version counter. Poisoned from the moment the copy starts
+                # on its stream (after what the stream waits for), until it has landed.
+                _poison(device_tensor.data)
+                _pause(stream.rng)
+                device_tensor.data.copy_(host)
+                if not _same(host, expected):
+                    _poison(device_tensor.data)
+                    self.record(f"a host buffer of shape {tuple(host.shape)} was overwritten while its copy to the "
+                                "device was pending")
+
+        return stream.submit(land, copy=False)
+
+    def _copy_to_host(self, stream: _Stream, dst: Tensor, src: Tensor) -> Completion:
+        compute = self._compute_stream()
+        with self.lock:
+            if stream is not compute and stream.clock.get(compute.id, 0) < compute.time:
+                self.record(f"a copy to the host on {stream.name} reads a device tensor of shape {tuple(src.shape)} "
+                            f"without having waited for the current stream of thread "
+                            f"{threading.current_thread().name!r}, which produced it (wait_stream)")
+        at_issue = src.detach().clone()
+        storage = src.untyped_storage()
+        offset, shape, stride = src.storage_offset(), tuple(src.shape), tuple(src.stride())
+        dtype = src.dtype
+        read = self._watch(storage, stream)
+        storage_ref = weakref.ref(storage)
+        del storage, src
+        _poison(dst)
+
+        def view() -> Tensor | None:
+            alive = storage_ref()
+            if alive is None:
+                return None
+            return torch.empty(0, dtype=dtype).set_(alive, offset, shape, stride)
+
+        def land() -> None:
+            first = view()
+            data = at_issue if first is None else first.clone()  # the memory as the copy starts to read it
+            del first
+            _pause(stream.rng)  # the copy's window: a change of the source in it is a hazard
+            with torch.no_grad():
+                if read.reused:
+                    return  # freed and reused before the copy read it: the destination keeps its poison
+                last = view()
+                if last is not None and not _same(last, data):
+                    _poison(dst)
+                    self.record(f"a device tensor of shape {shape} changed while its copy to the host was pending")
+                    return
+                dst.copy_(data)
+
+        read.done = done = stream.submit(land, copy=False)
+        return done
+
+    def _watch(self, storage: Any, stream: _Stream) -> _Read:
+        read = _Read(stream)
+        key = id(storage)
+        with self.lock:
+            watched = self._watched.get(key)
+            if watched is None:
+                watched = self._watched[key] = _Watched()
+                weakref.finalize(storage, self._freed, key)
+            watched.pending = [r for r in watched.pending if not r.done.done()]
+            watched.pending.append(read)
+        return read
+
+    def _freed(self, key: int) -> None:
+        """The caching allocator got a device storage back: reused at once unless every pending reader was recorded."""
+        with self.lock:
+            watched = self._watched.pop(key, None)
+        if watched is None:
+            return
+        for read in watched.pending:
+            if read.done.done():
+                continue
+            if read.stream.id not in watched.streams:
+                read.reused = True
+                self.record(f"device memory freed while a copy on {read.stream.name} still had to read it, and no "
+                            "record_stream named that stream: the caching allocator handed it out again")
+
+    def _is_pinned(self, t: Tensor) -> bool:
+        start, end = _span(t)
+        with self.lock:
+            return any(p <= start and end <= p + n for p, n in self._pinned.items())
+
+    def pin(self, ptr: int, nbytes: int, index: int | None) -> bool:
+        if index is None:
+            self.called("cudaHostRegister")
+        with self.lock:
+            self._pinned[ptr] = nbytes
+        return True
+
+    def unpin(self, ptr: int, index: int | None) -> None:
+        if index is None:
+            self.called("cudaHostUnregister")
+        with self.lock:
+            nbytes = self._pinned.pop(ptr, 0)
+            touching = [p for p in self._host_pending if not p[2].done() and p[0] < ptr + nbytes and ptr < p[1]]
+        if touching:
+            self.record(f"page-locked host memory ({nbytes} bytes) unlocked while {len(touching)} copies still touch it")
+
+    def pinned_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
+        self.called("cudaHostAlloc")
+        buffer = torch.empty(numel, dtype=dtype)
+        start, end = _span(buffer)
+        with self.lock:
+            self._pinned[start] = end - start
+        return buffer
+
+    def get_device(self) -> int:
+        return int(getattr(self._local, "device", 0))
+
+    def set_device(self, index: int) -> None:
+        self._local.device = int(index)
+
+    # ------------------------------------------------------------------ for tests
+
+    def compute_later(self, work: Callable[[], None], delay_s: float = 0.02) -> Completion:
+        """``work`` on the calling thread's current stream, after ``delay_s``: compute the host issued and the device
+        has not run yet (what a copy that did not wait for this stream would miss)."""
+        stream = self.current_stream(self.device_index)
+
+        def late() -> None:
+            time.sleep(delay_s)
+            with torch.no_grad():
+                work()
+
+        return stream.submit(late, copy=False)
+
+    def take_hazards(self) -> list[str]:
+        with self.lock:
+            found, self.hazards = self.hazards, []
+        return found
+
+
+def install(seed: int, index: int = 0) -> SimulatedCuda:
+    """Install a simulated device ``index`` for every pipeline built from now on in this process (subprocess workers
+    call it from their command line), and make ``index`` the calling thread's current device, as a rank's own
+    ``torch.cuda.set_device`` would."""
+    backend = SimulatedCuda(seed, index)
+    streams.install(backend)
+    backend.set_device(index)
+    return backend
+
+
+@contextlib.contextmanager
+def simulated_cuda(seed: int, index: int = 0) -> Iterator[SimulatedCuda]:
+    """Pipelines built inside this context run the stream lane on a simulated device ``index`` (the calling thread's
+    current device inside it)."""
+    backend = SimulatedCuda(seed, index)
+    before = backend.get_device()
+    backend.set_device(index)
+    try:
+        with streams.installed_backend(backend):
+            yield backend
+    finally:
+        backend.set_device(before)
