@@ -152,12 +152,17 @@ def test_a_send_into_a_buffer_waits_for_the_copy_that_still_reads_it(sim) -> Non
     assert sim.take_hazards() == []
 
 
-def test_a_temporary_source_is_kept_until_its_copy_has_read_it(sim) -> None:
-    """copy_to_host's ``record_stream``: a source freed right after the copy is issued is not handed out again."""
+@pytest.mark.parametrize("how", ["one", "all"])
+def test_a_temporary_source_is_kept_until_its_copy_has_read_it(sim, how) -> None:
+    """copy_to_host's and copy_all_to_host's ``record_stream``: a source freed right after the copy is issued is not
+    handed out again."""
     engine = _engine(sim)
     for i in range(TRIES):
         dst = _host(sim, 2048)
-        done = engine.copy_to_host(torch.full((2048,), float(i)) * 1.0, dst)  # the source's last reference goes now
+        if how == "one":
+            done = engine.copy_to_host(torch.full((2048,), float(i)) * 1.0, dst)  # the source's last reference goes now
+        else:
+            done = engine.copy_all_to_host(DEV, [(torch.full((2048,), float(i)) * 1.0, dst)])
         gc.collect()
         done.wait()
         assert torch.equal(dst, torch.full((2048,), float(i))), "the copy read memory the allocator handed out again"
@@ -223,10 +228,11 @@ def test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it(sim)
     """The arena's synchronisation before it unlocks its pages (accel/host_memory.py)."""
     engine = _engine(sim)
     for _ in range(5):
-        arena = HostArena([("a", torch.Size([4096]), torch.float32, None)], pin=True, label="test",
-                          locker=engine.page_locker(DEV), synchronize=engine.synchronize)
-        assert arena.pinned_bytes == 4096 * 4 and arena.rounded_bytes == 0, "exactly sized, page-locked"
+        arena = HostArena([("a", torch.Size([4096]), torch.float32, None), ("b", torch.Size([4096]), torch.bfloat16, None)],
+                          pin=True, label="test", locker=engine.page_locker(DEV))
+        assert arena.pinned_bytes == 4096 * 6 and arena.rounded_bytes == 0, "exactly sized, page-locked"
         engine.copy_to_host(torch.ones(4096), arena.views["a"])
+        engine.send_to_device(DEV, [(torch.zeros(4096), arena.views["b"])])
         del arena
         gc.collect()
     assert sim.take_hazards() == [] and not sim.hidden_syncs
@@ -267,3 +273,28 @@ def test_an_early_read_gives_wrong_bits(seed: int) -> None:
             wrong += int(not torch.equal(early, src))
         assert wrong > 0
         assert done is not DONE
+
+
+def test_a_streamed_groups_host_state_is_page_locked_exactly_and_its_ring_never_stalls_the_host() -> None:
+    """N6: the streamed placement's host state is page-locked by the device's backend, exactly sized (torch's pinned
+    allocator rounds each tensor up to a power of two and keeps it), so every copy of the ring is asynchronous: no
+    hidden synchronisation in a streamed step."""
+    from offload_adamw import OffloadAdamW
+    from offload_adamw.accel.host_memory import is_page_locked
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 70), torch.nn.Linear(70, 5))
+    with simulated_cuda(7, index=1) as sim:
+        opt = OffloadAdamW([{"params": list(model.parameters()), "update_on": "stream"}], lr=1e-2,
+                           transfer_pipeline=True, stream_chunk_bytes=1 << 20)
+        for step in range(3):
+            model(torch.randn(4, 300, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        state = [v for p in model.parameters() for k, v in opt.state[p].items() if k != "step"]
+        assert state and all(is_page_locked(v) for v in state), "a streamed group's host state is page-locked"
+        exact = sum(-(-v.numel() * v.element_size() // 4096) * 4096 for v in state)
+        locked = sum(sim._pinned.values())
+        assert locked <= exact, f"{locked} bytes page-locked for {exact} bytes of state (whole pages)"
+        assert not sim.hidden_syncs, f"a streamed step stalled the host: {dict(sim.hidden_syncs)}"
+    assert sim.take_hazards() == []

@@ -31,6 +31,56 @@ RING = "tests/test_standin_suites.py::test_the_ring_on_the_simulated_device[buff
 PLACED = ("tests/test_standin_suites.py::test_placements_on_the_simulated_device"
           "[stream+device-fp32-acc4-freed-clip-scaler_none-seed81]")
 
+LANE_TESTS = "tests/test_standin.py::"
+TRANSFER = f"{ACCEL}/transfer.py"
+DDP_SUITE = "tests/test_standin_suites.py::test_distributed_suites_on_the_simulated_device[ddp]"
+
+#: the stream lane's waits, records and events, one mutation each: name -> as MUTATIONS
+LANE: dict[str, tuple[str, str, str, list[str]]] = {
+    "lane: a copy to the host does not wait for the stream that produced its source (wait_stream)": (
+        TRANSFER, "        self.d2h.wait_stream(self._compute())  # the work that produced src\n", "",
+        [LANE_TESTS + "test_a_copy_to_the_host_waits_for_the_compute_that_produced_its_source"]),
+    "lane: a copy to the host does not record its source on the copy stream (record_stream)": (
+        TRANSFER, "has read it.\n        self.backend.record_stream(src, self.d2h)\n", "has read it.\n",
+        [LANE_TESTS + "test_a_temporary_source_is_kept_until_its_copy_has_read_it[one]"]),
+    "lane: the copies of an update do not wait for the stream that wrote them (wait_stream)": (
+        TRANSFER, "        self.d2h.wait_stream(self._compute())  # the update that wrote the sources\n", "",
+        [LANE_TESTS + "test_copies_of_an_update_to_the_host_wait_for_the_compute_that_wrote_them"]),
+    "lane: the copies of an update do not record their sources (record_stream)": (
+        TRANSFER, "            self.backend.record_stream(src, self.d2h)\n", "            pass\n",
+        [LANE_TESTS + "test_a_temporary_source_is_kept_until_its_copy_has_read_it[all]"]),
+    "lane: a send does not wait for the copy that still reads its destination (wait_event)": (
+        TRANSFER, "            self.h2d.wait_event(after.event)  # the device waits, not the host\n", "            pass\n",
+        [LANE_TESTS + "test_a_send_into_a_buffer_waits_for_the_copy_that_still_reads_it", RING]),
+    "lane: sends do not wait for the compute that still reads the parameters (wait_stream)": (
+        TRANSFER, "        self.h2d.wait_stream(self._compute())  # the parameters the device still reads\n",
+        "        pass\n", [LANE_TESTS + "test_sends_wait_for_the_compute_that_still_reads_the_parameters"]),
+    "lane: the compute stream does not wait for a send (wait_event)": (
+        TRANSFER, "            self._compute().wait_event(completion.event)\n", "            pass\n",
+        [LANE_TESTS + "test_the_compute_stream_waits_for_a_send_before_reading_it", PARITY_KEPT]),
+    "lane: no event is recorded after a copy (event record)": (
+        TRANSFER, "        event.record(stream)\n", "",
+        [LANE_TESTS + "test_a_copy_lands_late_into_a_poisoned_buffer", PARITY_FREED]),
+    "lane: a mark is not an event on the current stream (event record)": (
+        TRANSFER, "        return self._event(self._compute())\n", "        return DONE\n",
+        [LANE_TESTS + "test_a_mark_completes_after_the_compute_issued_before_it"]),
+    "lane: synchronize does not wait for the copies to the host": (
+        TRANSFER, "        self.d2h.synchronize()\n", "",
+        [LANE_TESTS + "test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it"]),
+    "lane: synchronize does not wait for the sends": (
+        TRANSFER, "        self.h2d.synchronize()\n", "",
+        [LANE_TESTS + "test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it"]),
+    "engine: worker threads do not make the pipeline's device current (thread set-up)": (
+        TRANSFER, "            backend, index = self._home\n            backend.set_device(index)\n",
+        "            pass\n", [LANE_TESTS + "test_worker_threads_make_the_pipelines_device_current", UIB]),
+    "engine: DDP's callback thread runs without the pipeline's device current": (
+        TRANSFER, "        if before != index:\n            backend.set_device(index)\n        try:",
+        "        try:", [DDP_SUITE]),
+    "arena: host memory unlocked without waiting for the copies that touch it": (
+        f"{ACCEL}/host_memory.py", "        synchronize()\n", "",
+        [LANE_TESTS + "test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it"]),
+}
+
 #: name -> (module under src/, the text removed or changed, its replacement, the tests that must catch it)
 MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "slot: no wait for the copy into the host gradient": (
@@ -67,6 +117,7 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "stream: step() returns before the streamed state is back in host memory": (
         f"{ACCEL}/stream_update.py", "        for done in pending:\n            done.wait()",
         "        for done in pending:\n            pass", [RING, PLACED]),
+    **LANE,
 }
 
 #: waits kept for CUDA that the stand-in cannot catch (see the module docstring)

@@ -21,10 +21,12 @@ the same memory order.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,13 +34,73 @@ from torch import Tensor
 
 from offload_adamw.accel.streams import StreamBackend
 
-__all__ = ["HostArena"]
+__all__ = ["HostArena", "PageLocker", "is_page_locked", "page_locked_empty_strided"]
 
 _PAGE = mmap.PAGESIZE
 
 
-def _unregister(locker: tuple[StreamBackend, int], ptr: int, synchronize: Callable[[], None]) -> None:
-    backend, index = locker
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class PageLocker:
+    """Who page-locks host memory that serves a device: its stream backend (accel/streams.py), the device index it
+    does it from (whichever thread runs it: no context on another device), and what waits for every copy that may
+    touch the memory before it is unlocked (the transfer engine's ``synchronize``)."""
+
+    backend: StreamBackend
+    index: int
+    synchronize: Callable[[], None] = _nothing
+
+
+# Storages page-locked here, by id, held weakly: is_page_locked answers for them (the simulated device's memory is
+# not pinned in torch's eyes).
+_locked: dict[int, weakref.ref[Any]] = {}
+
+
+def _forget(key: int) -> None:
+    _locked.pop(key, None)
+
+
+def is_page_locked(t: Tensor) -> bool:
+    """Whether ``t`` lives in page-locked host memory (torch's pinned allocator, or :func:`page_locked_empty_strided`)."""
+    if t.device.type != "cpu":
+        return False
+    storage = t.untyped_storage()
+    ref = _locked.get(id(storage))
+    return (ref is not None and ref() is storage) or t.is_pinned()
+
+
+def _register(locker: PageLocker, raw: Tensor, start: int, span: int) -> bool:
+    """Page-lock ``span`` bytes of ``raw`` from ``start``, unlocked when the last tensor of its storage goes."""
+    if not locker.backend.pin(raw.data_ptr() + start, span, locker.index):
+        return False
+    storage = raw.untyped_storage()
+    key = id(storage)
+    _locked[key] = weakref.ref(storage)
+    weakref.finalize(storage, _unregister, locker, raw.data_ptr() + start, locker.synchronize)
+    weakref.finalize(storage, _forget, key)
+    return True
+
+
+def page_locked_empty_strided(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
+                              locker: PageLocker) -> Tensor:
+    """An uninitialised host tensor of exactly its size, page-locked by ``locker`` (no power-of-two rounding: torch's
+    pinned allocator only where the registration fails)."""
+    numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % _PAGE
+    if nbytes > 0 and _register(locker, raw, start, -(-nbytes // _PAGE) * _PAGE):
+        flat = raw[start : start + nbytes].view(dtype)
+    else:
+        flat = locker.backend.pinned_empty(numel, dtype) if nbytes > 0 else torch.empty(0, dtype=dtype)
+    return flat.as_strided(tuple(shape), tuple(stride))
+
+
+def _unregister(locker: PageLocker, ptr: int, synchronize: Callable[[], None]) -> None:
+    backend, index = locker.backend, locker.index
     try:
         # A copy still in flight into or out of these pages (an optimizer dropped between backward
         # and step) would otherwise DMA into memory that is unpinned here and freed right after.
@@ -48,10 +110,6 @@ def _unregister(locker: tuple[StreamBackend, int], ptr: int, synchronize: Callab
         backend.unpin(ptr, index)
     except Exception:  # pragma: no cover - interpreter shutdown
         pass
-
-
-def _nothing() -> None:
-    return None
 
 
 class HostArena:
@@ -68,7 +126,7 @@ class HostArena:
         *,
         pin: bool,
         label: str,
-        locker: tuple[StreamBackend, int] | None = None,
+        locker: PageLocker | None = None,
         synchronize: Callable[[], None] | None = None,
         defer_pin: bool = False,
         field: str = "",
@@ -76,9 +134,8 @@ class HostArena:
         self.label = label
         self.field = field
         """What the views are for (the slot field they fill), for the owner's bookkeeping."""
-        self._synchronize = synchronize or _nothing  # waits for the copies that may touch these pages
-        # The backend that page-locks, and the device index it does it from (accel/streams.py); none: pageable.
-        self._locker = locker
+        # Who page-locks (none: pageable), and what waits for the copies that may touch these pages.
+        self._locker = None if locker is None else dataclasses.replace(locker, synchronize=synchronize or locker.synchronize)
         pin = pin and locker is not None
         self._defer = pin and defer_pin
         self._unpinned: list[tuple[Tensor, int, int, int]] = []  # deferred registrations: (raw, start, span, nbytes)
@@ -124,7 +181,7 @@ class HostArena:
             buffer = raw[start : start + nbytes].view(dtype)
         else:
             assert self._locker is not None  # pin: a locker was given
-            buffer = self._locker[0].pinned_empty(numel, dtype)
+            buffer = self._locker.backend.pinned_empty(numel, dtype)
             self.rounded_bytes += nbytes
         self.pinned_bytes += nbytes
         self.buffers.append(buffer)
@@ -132,11 +189,7 @@ class HostArena:
 
     def _register(self, raw: Tensor, start: int, span: int) -> bool:
         assert self._locker is not None  # only pinned arenas register
-        backend, index = self._locker
-        if not backend.pin(raw.data_ptr() + start, span, index):
-            return False
-        weakref.finalize(raw, _unregister, self._locker, raw.data_ptr() + start, self._synchronize)
-        return True
+        return _register(self._locker, raw, start, span)
 
     @property
     def pin_pending(self) -> bool:

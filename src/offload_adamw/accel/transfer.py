@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from offload_adamw.accel.host_memory import PageLocker
 from offload_adamw.accel.streams import CUDA, StreamBackend, claim
 
 __all__ = ["Completion", "DONE", "HostCompletion", "Lane", "TransferEngine"]
@@ -321,15 +322,11 @@ class TransferEngine:
         if tensor.device.type == "cpu":
             claim(tensor)
 
-    def pins(self, device: torch.device) -> bool:
-        """Whether the optimizer state a streamed group keeps in host memory for ``device`` is page-locked by torch's
-        pinned allocator: on CUDA only (the pipeline's own buffers are page-locked through :meth:`page_locker`)."""
-        return device.type == "cuda" and self.backend_for(device) is CUDA
-
-    def page_locker(self, device: torch.device) -> tuple[StreamBackend, int] | None:
-        """The backend that page-locks host buffers serving ``device``, and the device index it does it from."""
+    def page_locker(self, device: torch.device) -> PageLocker | None:
+        """Who page-locks host memory that serves ``device`` (its stream backend, from its own device index, after this
+        engine's copies have ended when it unlocks), or None: copies to ``device`` are synchronous, nothing to lock."""
         backend = self.backend_for(device)
-        return None if backend is None else (backend, backend.index(device))
+        return None if backend is None else PageLocker(backend, backend.index(device), self.synchronize)
 
     def lane(self, device: torch.device) -> Lane:
         lane = self._lanes.get(device)

@@ -568,7 +568,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         host_fresh = [(gi, i) for gi, i in fresh if homes[(gi, i)][0].type == "cpu"]
         if host_fresh:
             _preflight.check_host_memory([(self.param_groups[gi], i) for gi, i in host_fresh],
-                                         pin_memory=any(homes[w][1] for w in host_fresh))
+                                         pin_memory=any(homes[w][1] is True for w in host_fresh))  # exactly sized: no rounding
         device_bytes: dict[torch.device, int] = {}
         for gi, i in fresh:
             if homes[(gi, i)][0].type != "cpu":
@@ -595,13 +595,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         if fresh:
             self._allocate_state(fresh, homes)
 
-    def _home(self, group_index: int, local: Tensor) -> tuple[torch.device, bool]:
+    def _home(self, group_index: int, local: Tensor) -> tuple[torch.device, host_state.Pin]:
         """(device, pinned) where the state of ``local`` (a parameter of group ``group_index``) lives."""
         placement = _placement.group_placement(self.param_groups[group_index], group_index)
-        pins = self._pipeline is not None and self._pipeline.engine.pins(local.device)
-        return _placement.home_of(placement, local, pin_default=self._pin_memory, pins=pins)
+        locker = None if self._pipeline is None else self._pipeline.engine.page_locker(local.device)
+        return _placement.home_of(placement, local, pin_default=self._pin_memory, locker=locker)
 
-    def _allocate_state(self, fresh: list[tuple[int, int]], homes: dict[tuple[int, int], tuple[torch.device, bool]]) -> None:
+    def _allocate_state(self, fresh: list[tuple[int, int]],
+                        homes: dict[tuple[int, int], tuple[torch.device, host_state.Pin]]) -> None:
         created: dict[Tensor, dict[str, Tensor]] = {}
         for gi, i in fresh:
             group = self.param_groups[gi]

@@ -26,10 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offload_adamw.accel.host_memory import PageLocker, is_page_locked
 from offload_adamw.contract.rules import MASTER_KEY, PLACEMENT_KEY, check_placement
 from offload_adamw.kernels.fused_device import StateOperands
 from offload_adamw.optim import preflight as _preflight
 from offload_adamw.optim import state as host_state
+from offload_adamw.optim.state import Pin
 
 __all__ = [
     "DeviceMemoryError", "check_device_memory", "device_free_bytes", "group_placement", "home_of", "misplaced", "moved_bytes",
@@ -46,25 +48,29 @@ def group_placement(group: dict[str, Any], group_index: int) -> str:
     return check_placement(group.get(PLACEMENT_KEY, "host"), f"param_groups[{group_index}]")
 
 
-def home_of(placement: str, local: Tensor, *, pin_default: bool, pins: bool) -> tuple[torch.device, bool]:
+def home_of(placement: str, local: Tensor, *, pin_default: bool, locker: PageLocker | None) -> tuple[torch.device, Pin]:
     """(device, pinned) of the moments and master of the local parameter ``local`` under ``placement``.
 
-    ``pins``: whether the parameter's device copies asynchronously from page-locked memory (CUDA).
+    ``locker``: who page-locks host memory for the parameter's device, where it copies asynchronously. A streamed
+    group's host state is page-locked by it, exactly sized (torch's pinned allocator would round every tensor up to a
+    power of two, and keep it); ``pin_memory=True`` (``pin_default``) keeps torch's allocator for all host state.
     """
     if placement == "device" and local.device.type != "meta":
         return local.device, False
-    return torch.device("cpu"), pin_default or (placement == "stream" and pins)
+    if pin_default:
+        return torch.device("cpu"), True
+    return torch.device("cpu"), locker if placement == "stream" and locker is not None else False
 
 
 def _shaped(state: dict[str, Any], local: Tensor) -> list[str]:
     return [k for k, v in state.items() if k != "step" and isinstance(v, Tensor) and v.shape == local.shape]
 
 
-def misplaced(state: dict[str, Any], local: Tensor, device: torch.device, pin: bool) -> bool:
+def misplaced(state: dict[str, Any], local: Tensor, device: torch.device, pin: Pin) -> bool:
     """Whether some shaped state tensor of ``local`` is not at (device, pinned)."""
     for key in _shaped(state, local):
         value = state[key]
-        if value.device != device or (device.type == "cpu" and pin and not value.is_pinned()):
+        if value.device != device or (device.type == "cpu" and pin and not is_page_locked(value)):
             return True
     return False
 
@@ -74,7 +80,7 @@ def moved_bytes(state: dict[str, Any], local: Tensor) -> int:
     return sum(state[k].numel() * state[k].element_size() for k in _shaped(state, local))
 
 
-def place_state_(state: dict[str, Any], local: Tensor, device: torch.device, pin: bool) -> None:
+def place_state_(state: dict[str, Any], local: Tensor, device: torch.device, pin: Pin) -> None:
     """Move ``local``'s shaped state tensors to ``device`` (page-locked on the host where ``pin``), values and layout
     kept; all or none (the dict is changed only when every copy exists)."""
     if not misplaced(state, local, device, pin):
@@ -91,7 +97,7 @@ def place_state_(state: dict[str, Any], local: Tensor, device: torch.device, pin
     state.update(moved)
 
 
-def new_state_at(local: Tensor, *, amsgrad: bool, device: torch.device, pin: bool) -> dict[str, Tensor]:
+def new_state_at(local: Tensor, *, amsgrad: bool, device: torch.device, pin: Pin) -> dict[str, Tensor]:
     """The zero state of ``local`` (optim/state.py's new_state) at its home, allocated there directly."""
     if device.type == "cpu":
         return host_state.new_state(local, amsgrad=amsgrad, pin=pin)
@@ -113,7 +119,7 @@ def new_state_at(local: Tensor, *, amsgrad: bool, device: torch.device, pin: boo
     return state
 
 
-def state_operands(group: dict[str, Any], local: Tensor, state: dict[str, Any], *, pin: bool) -> StateOperands:
+def state_operands(group: dict[str, Any], local: Tensor, state: dict[str, Any], *, pin: Pin) -> StateOperands:
     """One tensor's state as the device-side kernel takes it; ``local`` is the parameter (this rank's shard)."""
     host_state.relayout_like(state, local)
     master = host_state.stored_master(state, local)

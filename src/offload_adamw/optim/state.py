@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel import streams
+from offload_adamw.accel.host_memory import PageLocker, page_locked_empty_strided
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import MASTER_KEY
 from offload_adamw.kernels import layout
@@ -71,16 +72,23 @@ def layout_of(p: Tensor) -> tuple[int, ...]:
     return layout.zeros_like_strides(p)
 
 
-def _host_empty_like(p: Tensor, dtype: torch.dtype, *, pin: bool) -> Tensor:
+Pin = bool | PageLocker
+"""How host state is page-locked: not (False), by torch's pinned allocator (True: ``pin_memory=True``), or exactly
+sized by a device's page locker (a streamed group's state: accel/host_memory.py)."""
+
+
+def _host_empty_like(p: Tensor, dtype: torch.dtype, *, pin: Pin) -> Tensor:
+    if isinstance(pin, PageLocker):
+        return page_locked_empty_strided(p.shape, layout_of(p), dtype, pin)
     return torch.empty_strided(p.shape, layout_of(p), dtype=dtype, device="cpu", pin_memory=pin)
 
 
-def host_zeros_like(p: Tensor, dtype: torch.dtype, *, pin: bool) -> Tensor:
+def host_zeros_like(p: Tensor, dtype: torch.dtype, *, pin: Pin) -> Tensor:
     """Zeros in host memory, laid out like ``p``."""
     return _host_empty_like(p, dtype, pin=pin).zero_()
 
 
-def host_copy(src: Tensor, dtype: torch.dtype, *, pin: bool, like: Tensor | None = None) -> Tensor:
+def host_copy(src: Tensor, dtype: torch.dtype, *, pin: Pin, like: Tensor | None = None) -> Tensor:
     """A host copy of ``src`` in ``dtype``, laid out like ``like`` (default: like ``src``); elements pair by index."""
     out = _host_empty_like(src if like is None else like, dtype, pin=pin)
     out.copy_(src.detach())
@@ -96,7 +104,7 @@ def relayout_like(state: dict[str, Any], p: Tensor) -> None:
                 state[key] = host_copy(value, value.dtype, pin=value.is_pinned(), like=p)
 
 
-def new_state(p: Tensor, *, amsgrad: bool, pin: bool) -> dict[str, Tensor]:
+def new_state(p: Tensor, *, amsgrad: bool, pin: Pin) -> dict[str, Tensor]:
     """The zero state of the local parameter ``p``, with its master copied from ``p`` where one is needed."""
     dtype = state_dtype(p)
     state: dict[str, Tensor] = {"step": torch.zeros((), dtype=torch.float32)}

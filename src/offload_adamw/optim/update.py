@@ -161,7 +161,7 @@ def update_group(
     updates: Sequence[TensorUpdate],
     *,
     impl: str,
-    pin_memory: bool,
+    pin_memory: host_state.Pin,
     grad_scale: Tensor | None = None,
 ) -> None:
     """One AdamW update of each tensor in ``updates``, all of them members of ``group``."""

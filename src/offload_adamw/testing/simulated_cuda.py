@@ -106,12 +106,13 @@ def _pause(rng: random.Random) -> None:
     time.sleep(SLOW_DELAY_S if rng.random() < 0.04 else rng.uniform(0.0, MAX_DELAY_S))
 
 
-def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random) -> None:
+def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random, finished: list[Any]) -> None:
     while True:
         job = jobs.get()
         if job is None:
             return
         work, copy, done = job
+        del job
         if copy:
             _pause(rng)
         try:
@@ -120,6 +121,10 @@ def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random) -> None:
             done.fail(error)
         else:
             done.finish()
+        # The work's references (host buffers, device tensors) are dropped by the thread that issues the next work,
+        # never here: a finalizer that waits for this stream (host memory unlocked) would wait for itself.
+        finished.append(work)
+        del work
 
 
 class _Stream:
@@ -137,6 +142,7 @@ class _Stream:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._last: Completion = DONE
+        self._finished: list[Any] = []  # work the worker has run, dropped by the issuing thread
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -157,8 +163,9 @@ class _Stream:
     def submit(self, work: Callable[[], None], *, copy: bool) -> Completion:
         done = HostCompletion()
         with self._lock:
+            finished, self._finished[:] = list(self._finished), []
             if self._thread is None:
-                thread = threading.Thread(target=_work_forever, args=(self._jobs, self.rng),
+                thread = threading.Thread(target=_work_forever, args=(self._jobs, self.rng, self._finished),
                                           name=f"simulated-cuda-{self.name}", daemon=True)
                 thread.start()
                 self._thread = thread
@@ -166,6 +173,7 @@ class _Stream:
                 weakref.finalize(self, self._jobs.put, None)  # the worker ends with its stream
             self._jobs.put((work, copy, done))
             self._last = done
+        del finished  # here, on the issuing thread, outside the lock
         return done
 
     def reached(self) -> Completion:
@@ -261,8 +269,10 @@ class SimulatedCuda:
         self._local = threading.local()
         self._streams = itertools.count()
         self._pinned: dict[int, int] = {}  # page-locked ranges: start -> bytes
-        self._host_pending: list[tuple[int, int, Completion]] = []  # host bytes pending copies touch: (start, end, done)
+        # host bytes pending copies touch: (start, end, done)
+        self._host_pending: list[tuple[int, int, Completion]] = []
         self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
+        self._late_runs = 0  # compute_later's work that has run
 
     # ------------------------------------------------------------------ the record
 
@@ -352,16 +362,16 @@ class SimulatedCuda:
         def land() -> None:
             with torch.no_grad():
                 # Through .data: no further move of the version counter. Poisoned from the moment the copy starts
-                # on its stream (after what the stream waits for), until it has landed.
+                # on its stream (after what the stream waits for: compute still reading the old values), until it has
+                # landed.
                 _poison(device_tensor.data)
-                _pause(stream.rng)
                 device_tensor.data.copy_(host)
                 if not _same(host, expected):
                     _poison(device_tensor.data)
                     self.record(f"a host buffer of shape {tuple(host.shape)} was overwritten while its copy to the "
                                 "device was pending")
 
-        return stream.submit(land, copy=False)
+        return stream.submit(land, copy=True)
 
     def _copy_to_host(self, stream: _Stream, dst: Tensor, src: Tensor) -> Completion:
         compute = self._compute_stream()
@@ -385,22 +395,24 @@ class SimulatedCuda:
                 return None
             return torch.empty(0, dtype=dtype).set_(alive, offset, shape, stride)
 
+        late_before = self._late_runs
+
         def land() -> None:
-            first = view()
-            data = at_issue if first is None else first.clone()  # the memory as the copy starts to read it
-            del first
-            _pause(stream.rng)  # the copy's window: a change of the source in it is a hazard
             with torch.no_grad():
                 if read.reused:
                     return  # freed and reused before the copy read it: the destination keeps its poison
-                last = view()
-                if last is not None and not _same(last, data):
+                now = view()
+                if now is None:
+                    data = at_issue  # freed, but kept for this stream by record_stream: the bytes as they were
+                elif _same(now, at_issue) or self._late_runs != late_before:
+                    data = now.clone()  # as issued, or written by late compute the stream waited for
+                else:
                     _poison(dst)
                     self.record(f"a device tensor of shape {shape} changed while its copy to the host was pending")
                     return
                 dst.copy_(data)
 
-        read.done = done = stream.submit(land, copy=False)
+        read.done = done = stream.submit(land, copy=True)
         return done
 
     def _watch(self, storage: Any, stream: _Stream) -> _Read:
@@ -475,6 +487,8 @@ class SimulatedCuda:
             time.sleep(delay_s)
             with torch.no_grad():
                 work()
+            with self.lock:
+                self._late_runs += 1  # a change of a copy's source from here on may be this work's
 
         return stream.submit(late, copy=False)
 
