@@ -145,8 +145,9 @@ def test_a_send_into_a_buffer_waits_for_the_copy_that_still_reads_it(sim) -> Non
     for i in range(TRIES):
         buffer = torch.full((512,), float(i))
         out = _host(sim, 512)
+        refill = _host(sim, 512).fill_(-5.0)
         copied = engine.copy_all_to_host(DEV, [(buffer, out)])
-        engine.send_to_device(DEV, [(buffer, _host(sim, 512).fill_(-5.0))], after=copied).wait()
+        engine.send_to_device(DEV, [(buffer, refill)], after=copied).wait()
         copied.wait()
         assert torch.equal(out, torch.full((512,), float(i))), "the copy out read the refilled buffer"
     assert sim.take_hazards() == []

@@ -77,7 +77,7 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
         TRANSFER, "        if before != index:\n            backend.set_device(index)\n        try:",
         "        try:", [DDP_SUITE]),
     "arena: host memory unlocked without waiting for the copies that touch it": (
-        f"{ACCEL}/host_memory.py", "        synchronize()\n", "",
+        f"{ACCEL}/host_memory.py", "            locker.synchronize()\n", "",
         [LANE_TESTS + "test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it"]),
 }
 

@@ -21,6 +21,7 @@ the same memory order.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import mmap
@@ -72,15 +73,52 @@ def is_page_locked(t: Tensor) -> bool:
     return (ref is not None and ref() is storage) or t.is_pinned()
 
 
-def _register(locker: PageLocker, raw: Tensor, start: int, span: int) -> bool:
-    """Page-lock ``span`` bytes of ``raw`` from ``start``, unlocked when the last tensor of its storage goes."""
-    if not locker.backend.pin(raw.data_ptr() + start, span, locker.index):
+class _Pages:
+    """A page-aligned allocation and its registration. The tensors handed out alias its memory without owning it: the
+    finalizer of their storage owns it, and frees it only after every copy that may touch it has ended and it is
+    unlocked (a copy in flight when the last tensor goes must not DMA into memory already handed back to malloc)."""
+
+    __slots__ = ("raw", "ptr", "span", "locked")
+
+    def __init__(self, nbytes: int) -> None:
+        self.raw: Tensor | None = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
+        self.ptr = self.raw.data_ptr() + (-self.raw.data_ptr()) % _PAGE
+        self.span = -(-nbytes // _PAGE) * _PAGE  # whole pages of this buffer alone: registrations may not share one
+        self.locked = False
+
+
+def _release(locker: PageLocker, pages: _Pages) -> None:
+    try:
+        if pages.locked:
+            # A copy still in flight into or out of these pages (an optimizer dropped between backward and step)
+            # would otherwise DMA into memory unlocked here and freed right after. Those copies run on the
+            # pipeline's own streams only.
+            locker.synchronize()
+            # From the memory's own device, whichever thread the finalizer runs on: no context on device 0.
+            locker.backend.unpin(pages.ptr, locker.index)
+    except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+    pages.raw = None  # the memory goes now
+
+
+def _aliased(locker: PageLocker, nbytes: int) -> tuple[Tensor, _Pages]:
+    """``nbytes`` (> 0) of page-aligned host memory as a uint8 tensor that does not own it (see :class:`_Pages`)."""
+    pages = _Pages(nbytes)
+    buffer = (ctypes.c_uint8 * nbytes).from_address(pages.ptr)
+    alias = torch.frombuffer(buffer, dtype=torch.uint8)
+    storage = alias.untyped_storage()
+    weakref.finalize(storage, _release, locker, pages)
+    weakref.finalize(storage, _forget, id(storage))
+    return alias, pages
+
+
+def _register(locker: PageLocker, alias: Tensor, pages: _Pages) -> bool:
+    """Page-lock ``pages``, whose memory ``alias`` is (unlocked when the last tensor of its storage goes)."""
+    if not locker.backend.pin(pages.ptr, pages.span, locker.index):
         return False
-    storage = raw.untyped_storage()
-    key = id(storage)
-    _locked[key] = weakref.ref(storage)
-    weakref.finalize(storage, _unregister, locker, raw.data_ptr() + start, locker.synchronize)
-    weakref.finalize(storage, _forget, key)
+    pages.locked = True
+    storage = alias.untyped_storage()
+    _locked[id(storage)] = weakref.ref(storage)
     return True
 
 
@@ -90,26 +128,11 @@ def page_locked_empty_strided(shape: Sequence[int], stride: Sequence[int], dtype
     pinned allocator only where the registration fails)."""
     numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % _PAGE
-    if nbytes > 0 and _register(locker, raw, start, -(-nbytes // _PAGE) * _PAGE):
-        flat = raw[start : start + nbytes].view(dtype)
-    else:
-        flat = locker.backend.pinned_empty(numel, dtype) if nbytes > 0 else torch.empty(0, dtype=dtype)
+    if nbytes == 0:
+        return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
+    alias, pages = _aliased(locker, nbytes)
+    flat = alias.view(dtype) if _register(locker, alias, pages) else locker.backend.pinned_empty(numel, dtype)
     return flat.as_strided(tuple(shape), tuple(stride))
-
-
-def _unregister(locker: PageLocker, ptr: int, synchronize: Callable[[], None]) -> None:
-    backend, index = locker.backend, locker.index
-    try:
-        # A copy still in flight into or out of these pages (an optimizer dropped between backward
-        # and step) would otherwise DMA into memory that is unpinned here and freed right after.
-        # Those copies run on the pipeline's own streams only.
-        synchronize()
-        # From the arena's own device, whichever thread the finalizer runs on: no context on device 0.
-        backend.unpin(ptr, index)
-    except Exception:  # pragma: no cover - interpreter shutdown
-        pass
 
 
 class HostArena:
@@ -138,12 +161,11 @@ class HostArena:
         self._locker = None if locker is None else dataclasses.replace(locker, synchronize=synchronize or locker.synchronize)
         pin = pin and locker is not None
         self._defer = pin and defer_pin
-        self._unpinned: list[tuple[Tensor, int, int, int]] = []  # deferred registrations: (raw, start, span, nbytes)
+        self._unpinned: list[tuple[Tensor, _Pages, int]] = []  # deferred registrations: (alias, pages, nbytes)
         self.views: dict[Any, Tensor] = {}
         self.buffers: list[Tensor] = []
         self.pinned_bytes = 0
         self.rounded_bytes = 0  # bytes requested through the rounding pinned allocator (fallback only)
-        self._raw: list[Tensor] = []  # page-aligned allocations whose registration lives as long as they do
         by_dtype: dict[torch.dtype, list[tuple[Any, torch.Size, tuple[int, ...] | None]]] = {}
         for key, shape, dtype, stride in shapes:
             by_dtype.setdefault(dtype, []).append((key, shape, stride))
@@ -166,30 +188,21 @@ class HostArena:
             buffer = torch.empty(numel, dtype=dtype)
             self.buffers.append(buffer)
             return buffer
-        # Register whole pages that belong to this buffer alone: two registrations may not share a page.
-        raw = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % _PAGE
-        span = -(-nbytes // _PAGE) * _PAGE
+        assert self._locker is not None  # pin: a locker was given
+        alias, pages = _aliased(self._locker, nbytes)
         if self._defer:
-            buffer = raw[start : start + nbytes].view(dtype)
-            self._unpinned.append((raw, start, span, nbytes))
-            self._raw.append(raw)
+            self._unpinned.append((alias, pages, nbytes))
+            buffer = alias.view(dtype)
             self.buffers.append(buffer)
             return buffer
-        if self._register(raw, start, span):
-            self._raw.append(raw)
-            buffer = raw[start : start + nbytes].view(dtype)
+        if _register(self._locker, alias, pages):
+            buffer = alias.view(dtype)
         else:
-            assert self._locker is not None  # pin: a locker was given
             buffer = self._locker.backend.pinned_empty(numel, dtype)
             self.rounded_bytes += nbytes
         self.pinned_bytes += nbytes
         self.buffers.append(buffer)
         return buffer
-
-    def _register(self, raw: Tensor, start: int, span: int) -> bool:
-        assert self._locker is not None  # only pinned arenas register
-        return _register(self._locker, raw, start, span)
 
     @property
     def pin_pending(self) -> bool:
@@ -202,8 +215,8 @@ class HostArena:
         A buffer whose registration fails stays pageable: copies into it are then synchronous, still correct.
         """
         pending, self._unpinned = self._unpinned, []
-        for raw, start, span, nbytes in pending:
-            if self._register(raw, start, span):
+        for alias, pages, nbytes in pending:
+            if self._locker is not None and _register(self._locker, alias, pages):
                 self.pinned_bytes += nbytes
 
     @property

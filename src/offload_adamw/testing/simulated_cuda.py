@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import ctypes
 import itertools
 import queue
 import random
@@ -248,6 +249,25 @@ class _Watched:
         self.freed = False
 
 
+class _Ticket:
+    """A pending copy of page-locked host memory: cancelled (never touching the memory) once it is unlocked under it."""
+
+    __slots__ = ("lock", "cancelled")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+
+def _unowned(t: Tensor) -> Tensor:
+    """A view of ``t``'s host memory that does not keep it alive."""
+    start, end = _span(t)
+    if end == start:
+        return t
+    flat = torch.frombuffer((ctypes.c_uint8 * (end - start)).from_address(start), dtype=torch.uint8).view(t.dtype)
+    return flat.as_strided(t.shape, t.stride())
+
+
 class _Read:
     __slots__ = ("stream", "reused", "done")
 
@@ -270,7 +290,7 @@ class SimulatedCuda:
         self._streams = itertools.count()
         self._pinned: dict[int, int] = {}  # page-locked ranges: start -> bytes
         # host bytes pending copies touch: (start, end, done)
-        self._host_pending: list[tuple[int, int, Completion]] = []
+        self._host_pending: list[tuple[int, int, Completion, _Ticket]] = []
         self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
         self._late_runs = 0  # compute_later's work that has run
 
@@ -345,22 +365,37 @@ class SimulatedCuda:
         stream = self.current_stream(self.device_index)
         host = src if to_device else dst
         pageable = not self._is_pinned(host)
-        done = self._copy_to_device(stream, dst, src) if to_device else self._copy_to_host(stream, dst, src)
         start, end = _span(host)
+        ticket = _Ticket()
+        if not pageable:
+            # As a DMA engine holds it: the copy does not keep the page-locked memory alive (whoever frees it must wait
+            # for the copy first, and unlock it after).
+            if to_device:
+                src = _unowned(src)
+            else:
+                dst = _unowned(dst)
+        del host
+        if to_device:
+            done = self._copy_to_device(stream, dst, src, ticket)
+        else:
+            done = self._copy_to_host(stream, dst, src, ticket)
         with self.lock:
             self._host_pending = [p for p in self._host_pending if not p[2].done()]
-            self._host_pending.append((start, end, done))
+            self._host_pending.append((start, end, done, ticket))
         if pageable:
             # cudaMemcpyAsync from pageable memory: staged by the driver, the host waits for the stream.
             self.hidden_syncs["copy from pageable host memory"] += 1
             done.wait()
 
-    def _copy_to_device(self, stream: _Stream, device_tensor: Tensor, host: Tensor) -> Completion:
+    def _copy_to_device(self, stream: _Stream, device_tensor: Tensor, host: Tensor, ticket: _Ticket) -> Completion:
         expected = host.detach().clone()
         increment_version(device_tensor)  # the version counter moves once, at issue, as a CUDA copy's does
 
         def land() -> None:
-            with torch.no_grad():
+            with torch.no_grad(), ticket.lock:
+                if ticket.cancelled:  # its host memory was unlocked under it (a hazard) and may be gone
+                    _poison(device_tensor.data)
+                    return
                 # Through .data: no further move of the version counter. Poisoned from the moment the copy starts
                 # on its stream (after what the stream waits for: compute still reading the old values), until it has
                 # landed.
@@ -373,7 +408,7 @@ class SimulatedCuda:
 
         return stream.submit(land, copy=True)
 
-    def _copy_to_host(self, stream: _Stream, dst: Tensor, src: Tensor) -> Completion:
+    def _copy_to_host(self, stream: _Stream, dst: Tensor, src: Tensor, ticket: _Ticket) -> Completion:
         compute = self._compute_stream()
         with self.lock:
             if stream is not compute and stream.clock.get(compute.id, 0) < compute.time:
@@ -398,7 +433,9 @@ class SimulatedCuda:
         late_before = self._late_runs
 
         def land() -> None:
-            with torch.no_grad():
+            with torch.no_grad(), ticket.lock:
+                if ticket.cancelled:  # its host memory was unlocked under it (a hazard) and may be gone
+                    return
                 if read.reused:
                     return  # freed and reused before the copy read it: the destination keeps its poison
                 now = view()
@@ -459,6 +496,9 @@ class SimulatedCuda:
         with self.lock:
             nbytes = self._pinned.pop(ptr, 0)
             touching = [p for p in self._host_pending if not p[2].done() and p[0] < ptr + nbytes and ptr < p[1]]
+        for *_, ticket in touching:
+            with ticket.lock:
+                ticket.cancelled = True  # the memory may be freed right after this: the copy must not touch it
         if touching:
             self.record(f"page-locked host memory ({nbytes} bytes) unlocked while {len(touching)} copies still touch it")
 
@@ -468,6 +508,8 @@ class SimulatedCuda:
         start, end = _span(buffer)
         with self.lock:
             self._pinned[start] = end - start
+        # Freed with its last tensor (the memory no longer page-locked), after the copies that touch it, as cudaFreeHost.
+        weakref.finalize(buffer.untyped_storage(), self.unpin, start, self.device_index)
         return buffer
 
     def get_device(self) -> int:
