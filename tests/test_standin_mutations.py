@@ -120,18 +120,20 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     **LANE,
 }
 
-#: waits kept for CUDA that the stand-in cannot catch (see the module docstring)
+#: waits of the pipeline (none of the lane's) that the simulated device cannot catch yet, and why
 NOT_CAUGHT = {
     "host update: staging written again before the previous copy out of it ended (slot.sending.wait())":
-        "within a step each staging buffer is written once, and every send-back is complete when the stand-in's "
-        "compute stream has waited for it at the end of the step",
+        "within a step each staging buffer is written once, and torch's own operations run on the calling thread, so "
+        "the compute stream's wait for the send-backs at the end of the step (compute_waits) blocks the host: no later "
+        "host write can meet a send still in flight",
     "a reduced DDP bucket waits for a pending add before its copy (land_reduced's slot.complete())":
         "DDP accumulates on the device, so no add is ever pending on a DDP parameter's buffer",
     "a streamed or resident update during backward orders its device work after the stream that produced the gradient "
     "(DeviceGradients.landed's current_stream_waits), and the next forward waits for the parameters it wrote (the mark "
     "StreamUpdate.run and DeviceUpdate.run return)":
-        "the stand-in's compute stream is the calling thread, so its marks are complete when taken: the order these "
-        "waits keep between streams of one device exists on CUDA only (the GPU run's update-in-backward rows)",
+        "each thread has its own compute stream, but torch's own operations (autograd's gradient, the fused update) run "
+        "at once on the calling thread: only work a test hands to compute_later is late, so these marks are complete "
+        "when taken (the lane's mark and wait themselves are caught: LANE)",
 }
 
 
