@@ -87,17 +87,20 @@ def _span(t: Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-_live_streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
+# Every worker thread started, with its queue: also those whose stream is gone and which still run its last work.
+_workers: list[tuple[queue.SimpleQueue[Any], threading.Thread]] = []
+_workers_lock = threading.Lock()
 
 
 def _drain_at_exit() -> None:
-    """Let every stream finish its queue before the interpreter goes: a daemon thread stopped inside a torch op at
+    """Let every worker finish its queue before the interpreter goes: a daemon thread stopped inside a torch op at
     shutdown aborts the process."""
-    live = list(_live_streams)
-    for stream in live:
-        stream.stop()
-    for stream in live:
-        stream.join(5.0)
+    with _workers_lock:
+        workers = [(jobs, thread) for jobs, thread in _workers if thread.is_alive()]
+    for jobs, _ in workers:
+        jobs.put(None)
+    for _, thread in workers:
+        thread.join(5.0)
 
 
 atexit.register(_drain_at_exit)
@@ -170,7 +173,9 @@ class _Stream:
                                           name=f"simulated-cuda-{self.name}", daemon=True)
                 thread.start()
                 self._thread = thread
-                _live_streams.add(self)
+                with _workers_lock:
+                    _workers[:] = [w for w in _workers if w[1].is_alive()]
+                    _workers.append((self._jobs, thread))
                 weakref.finalize(self, self._jobs.put, None)  # the worker ends with its stream
             self._jobs.put((work, copy, done))
             self._last = done
