@@ -94,8 +94,9 @@ def test_a_copy_that_did_not_wait_for_the_producing_stream_is_a_hazard(sim) -> N
     side = sim.new_stream(1)
     sim.current_stream(1)  # the thread issues work
     src = torch.ones(4)
+    dst = _host(sim, 4)
     with sim.stream(side):
-        sim.copy(_host(sim, 4), src, to_device=False)
+        sim.copy(dst, src, to_device=False)
     side.synchronize()
     hazards = sim.take_hazards()
     assert len(hazards) == 1 and "wait_stream" in hazards[0], hazards

@@ -509,13 +509,19 @@ class SimulatedCuda:
 
     def pinned_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         self.called("cudaHostAlloc")
-        buffer = torch.empty(numel, dtype=dtype)
-        start, end = _span(buffer)
+        owner = torch.empty(max(numel, 1), dtype=dtype)
+        buffer = _unowned(owner)[:numel]
+        start, end = _span(owner)
         with self.lock:
             self._pinned[start] = end - start
-        # Freed with its last tensor (the memory no longer page-locked), after the copies that touch it, as cudaFreeHost.
-        weakref.finalize(buffer.untyped_storage(), self.unpin, start, self.device_index)
+        # Unlocked when its last tensor goes (a copy still touching it is then a hazard, and cancelled), and only then
+        # freed: the owner outlives the handed-out tensor until the unlock has returned.
+        weakref.finalize(buffer.untyped_storage(), self._free_pinned, start, owner)
         return buffer
+
+    def _free_pinned(self, start: int, owner: Tensor) -> None:
+        self.unpin(start, self.device_index)
+        del owner
 
     def get_device(self) -> int:
         return int(getattr(self._local, "device", 0))
