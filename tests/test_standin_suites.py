@@ -1,16 +1,19 @@
-"""The pipeline's bitwise suites again, on the asynchronous stand-in device (accel/standin.py).
+"""The pipeline's bitwise suites again, with the production stream lane on the simulated CUDA device
+(offload_adamw.testing.simulated_cuda).
 
-On the CPU every copy is complete when issued, so the order of work is right by accident; here copies land
-late into poisoned buffers, on worker streams, after seeded random delays, and every parameter is a device
-parameter (staging buffers, copies back, host masters). The same configurations as the suites they come from
-must give the same bits: single device with kept and freed gradients, accumulation 1 and 4, clipping, fp16 loss
-scaling (the parity table of tests/test_offload_parity.py, with small buckets so that a kept gradient's copy of
-the next bucket is in flight while a bucket updates), updates during backward with and without clipping
-(tests/test_update_in_backward.py), zero_grad and accumulation in host memory (tests/test_offload.py), and DDP and
-FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and tests/test_overlap_fsdp.py), and the placements
-of tests/test_placement.py (streamed and resident groups, alone and beside host groups, the ring over tensors of many
-chunks with 2 and 3 buffers, updates during backward). Each row has its own seed. tests/test_standin_mutations.py
-shows that removing any one wait of the pipeline fails one of these.
+On the CPU every copy is complete when issued, so the order of work is right by accident; here the lane a GPU runs
+issues its copies on simulated streams, where they land late into poisoned buffers after seeded random delays, every
+parameter is a device parameter (staging buffers, copies back, host masters), and every hazard the device records
+(a missing wait, memory reused or unlocked under a copy, a stray context) fails the test. The same configurations as
+the suites they come from must give the same bits: single device with kept and freed gradients, accumulation 1 and 4,
+clipping, fp16 loss scaling (the parity table of tests/test_offload_parity.py, with small buckets so that a kept
+gradient's copy of the next bucket is in flight while a bucket updates), updates during backward with and without
+clipping (tests/test_update_in_backward.py), zero_grad and accumulation in host memory (tests/test_offload.py), and
+DDP and FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and tests/test_overlap_fsdp.py, rank r on
+device index r), and the placements of tests/test_placement.py (streamed and resident groups, alone and beside host
+groups, the ring over tensors of many chunks with 2 and 3 buffers, updates during backward). The in-process rows run
+on device index 1. Each row has its own seed. tests/test_standin_mutations.py shows that removing any one wait of the
+pipeline or of the lane fails one of these or a test of tests/test_standin.py.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ DISTRIBUTED = {
 
 @pytest.mark.parametrize("which", list(DISTRIBUTED))
 def test_distributed_suites_on_the_simulated_device(which, tmp_path) -> None:
-    """The worker's cases are bitwise the reference on both ranks, the optimizer's copies on the stand-in device."""
+    """The worker's cases are bitwise the reference on both ranks, the optimizer's copies on the simulated device."""
     worker, seed, only = DISTRIBUTED[which]
     results = _run_worker(worker, tmp_path, seed, only)
     assert all(set(result) == set(only) for result in results), "a case did not run"

@@ -6,9 +6,11 @@ Contract:
   :func:`group_placement` refuses anything else, naming the group, whenever it is read (a typo in a group edited
   between steps fails at the next step, before any update).
 * The state's keys, dtypes and layout do not depend on the placement (optim/state.py): only its home does.
-  ``"host"`` and ``"stream"`` keep it in host memory, page-locked for a stream to a CUDA device (the ring's copies
-  are asynchronous); ``"device"`` keeps the moments and the master on the parameter's device (on the CPU as
-  device, or the asynchronous stand-in of the tests, that is host memory). The ``step`` count is a float32 0-dim
+  ``"host"`` and ``"stream"`` keep it in host memory; a stream to a device with streams page-locks it in place,
+  exactly sized, through the device's stream backend (accel/host_memory.py; the ring's copies are then
+  asynchronous), ``pin_memory=True`` through torch's pinned allocator; ``"device"`` keeps the moments and the
+  master on the parameter's device (on the CPU as device, or the simulated CUDA device of the tests, that is host
+  memory). The ``step`` count is a float32 0-dim
   host tensor in every placement. :func:`place_state_` moves a state to its home, values unchanged.
 * :func:`state_operands` gives the device-side update (accel/stream_update.py, accel/device_update.py) one
   tensor's state as the kernel takes it (kernels/fused_device.py): created by the pre-flight before, laid out
