@@ -300,3 +300,19 @@ def test_a_streamed_groups_host_state_is_page_locked_exactly_and_its_ring_never_
         assert locked <= exact, f"{locked} bytes page-locked for {exact} bytes of state (whole pages)"
         assert not sim.hidden_syncs, f"a streamed step stalled the host: {dict(sim.hidden_syncs)}"
     assert sim.take_hazards() == []
+
+
+def test_page_locked_memory_is_locked_and_unlocked_from_its_own_device_on_any_thread(sim) -> None:
+    """N9: the arena's registration and its finalizer name their device: freed from a thread whose current device is 0
+    (a finalizer runs wherever the last reference goes), no context is created there."""
+    engine = _engine(sim)
+    arena = HostArena([("a", torch.Size([1024]), torch.float32, None)], pin=True, label="test",
+                      locker=engine.page_locker(DEV))
+    assert arena.pinned_bytes == 1024 * 4
+    holder = [arena]
+    del arena
+    thread = threading.Thread(target=lambda: (holder.clear(), gc.collect()))  # device 0 current: no thread set-up
+    thread.start()
+    thread.join()
+    assert sim._pinned == {}, "the arena's pages were not unlocked"
+    assert sim.take_hazards() == []

@@ -76,6 +76,9 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
     "engine: DDP's callback thread runs without the pipeline's device current": (
         TRANSFER, "        if before != index:\n            backend.set_device(index)\n        try:",
         "        try:", [DDP_SUITE]),
+    "arena: host memory unlocked from the current device of whichever thread frees it (N9)": (
+        f"{ACCEL}/host_memory.py", "locker.backend.unpin(pages.ptr, locker.index)", "locker.backend.unpin(pages.ptr, None)",
+        [LANE_TESTS + "test_page_locked_memory_is_locked_and_unlocked_from_its_own_device_on_any_thread"]),
     "arena: host memory unlocked without waiting for the copies that touch it": (
         f"{ACCEL}/host_memory.py", "            locker.synchronize()\n", "",
         [LANE_TESTS + "test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it"]),
