@@ -5,10 +5,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
+# Every version the environments install (requirements/pins.txt says how to move them). Each pip run of the
+# recipes, the clean-install test's included, reads it through the environment; `make test-latest` empties it.
+PINS ?= requirements/pins.txt
 
-.PHONY: venv demo test test-slow lint docs bench gpu-check clean
+ifneq ($(PINS),)
+export PIP_CONSTRAINT := $(abspath $(PINS))
+export PIP_BUILD_CONSTRAINT := $(abspath $(PINS))
+endif
 
-$(STAMP): pyproject.toml Makefile
+.PHONY: venv demo test test-slow test-latest pins lint docs bench gpu-check clean
+
+$(STAMP): pyproject.toml Makefile $(PINS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -38,6 +46,23 @@ test: venv $(DOCS_STAMP)
 test-slow: venv
 	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
 
+# The suite against the newest releases of everything but torch, in a venv of its own (not part of CI): what
+# `make pins` would move to. A failure here is a release to look at before moving the pins.
+test-latest:
+	env -u PIP_CONSTRAINT -u PIP_BUILD_CONSTRAINT $(MAKE) --no-print-directory test VENV=.venv-latest PINS=
+
+# Move the pins to the newest releases: a fresh venv without them, frozen into requirements/pins.txt (torch
+# stays at the build the Makefile installs). Run `make test` after it and commit the file with what it changed.
+pins:
+	rm -rf .venv-pins
+	env -u PIP_CONSTRAINT -u PIP_BUILD_CONSTRAINT $(MAKE) --no-print-directory $(abspath .venv-pins)/.docs-installed \
+		VENV=$(abspath .venv-pins) PINS=
+	sed -n '/^#/p' requirements/pins.txt > requirements/pins.txt.new
+	.venv-pins/bin/python -m pip freeze --all --exclude-editable | sed -E 's/^torch==([0-9.]+)\+[a-z0-9]+$$/torch==\1/' \
+		| sort -f >> requirements/pins.txt.new
+	mv requirements/pins.txt.new requirements/pins.txt
+	rm -rf .venv-pins
+
 # Style and types (configured in pyproject.toml). Run both even when the first one finds something.
 lint: venv
 	$(PY) -m ruff check src tests benchmarks examples docs; r=$$?; $(PY) -m mypy src || exit 1; exit $$r
@@ -56,4 +81,4 @@ gpu-check:
 	PYTHON=$(PYTHON) bash benchmarks/gpu_run.sh bench-out/gpu-run
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-latest .venv-pins build *.egg-info
