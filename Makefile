@@ -43,8 +43,9 @@ test: venv $(DOCS_STAMP)
 	$(PY) -m mypy src
 	$(MAKE) --no-print-directory docs
 
+# Every slow test but the clean install, which `make test` runs; CI runs it after `make test`.
 test-slow: venv
-	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
+	$(PY) -m pytest -q -m "slow and not gpu" -p no:cacheprovider --deselect tests/test_clean_install.py
 
 # The suite against the newest releases of everything but torch, in a venv of its own (not part of CI): what
 # `make pins` would move to. A failure here is a release to look at before moving the pins.
