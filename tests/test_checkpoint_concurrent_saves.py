@@ -1,0 +1,59 @@
+"""Saves racing to create one checkpoint with ``overwrite=False``: exactly one wins, the others are refused.
+
+Real processes (tests/support/_concurrent_save_worker.py) save to the same paths at once, each its own
+value. The window that matters (after a save found nothing at the path, before it publishes) is widened
+in every worker at once: each waits at the publish point until all have reached it. Creating the
+checkpoint must still be one atomic step, so for every path exactly one save returns, every other raises
+CheckpointError saying the path exists, the checkpoint there is the winner's (whole, loadable), and no
+loser left a temporary behind. With renameat2 (RENAME_NOREPLACE) and with the portable fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _overwrite_worker import build
+from offload_adamw import checkpoint
+
+WORKER = Path(__file__).resolve().parent / "support" / "_concurrent_save_worker.py"
+MODES = {"renameat2": "1", "fallback": "0"}
+WORKERS = 3
+PATHS = 2
+
+
+def race(root: Path, mode: str, *, widen: bool) -> list[list[str]]:
+    """Each worker's outcome per path ("ok" or its error), after all of them ended."""
+    env = {**os.environ, checkpoint.ENV_EXCHANGE: MODES[mode]}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(root), str(i), str(WORKERS), str(PATHS)]
+                              + (["widen"] if widen else []), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(WORKERS)]
+    outcomes = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        outcomes.append(json.loads(out))
+    return outcomes
+
+
+@pytest.mark.parametrize("mode", [m if m == "renameat2" else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
+def test_concurrent_saves_without_overwrite_one_wins_the_rest_are_refused(tmp_path, mode):
+    outcomes = race(tmp_path, mode, widen=True)
+    model, optimizer = build()
+    for k in range(PATHS):
+        each = [outcomes[i][k] for i in range(WORKERS)]
+        winners = [i for i in range(WORKERS) if each[i] == "ok"]
+        assert len(winners) == 1, f"path c-{k}: {len(winners)} of {WORKERS} saves succeeded: {each}"
+        for i in range(WORKERS):
+            if i not in winners:
+                assert each[i].startswith("CheckpointError:") and "exists" in each[i] and "overwrite=True" in each[i], each[i]
+        report = checkpoint.load(tmp_path / f"c-{k}", model, optimizer)
+        assert report.step == winners[0] + 1 and report.extra["id"] == winners[0] + 1  # the winner's, not replaced
+        assert {p.detach().unique().item() for p in model.parameters()} == {float(winners[0] + 1)}
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert not left, f"temporaries left behind by the refused saves: {left}"
