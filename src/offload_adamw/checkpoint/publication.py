@@ -5,10 +5,14 @@ Contract:
 * A checkpoint is built in a hidden sibling directory :func:`temporary_name` ``.NAME.tmp-OWNER-PID-TOKEN``
   (OWNER: this machine, boot and PID namespace, hashed: :func:`owner`), locked (:func:`lock`) while it
   is written; every file and the directory are fsynced (:func:`write_bytes`, :func:`fsync_path`).
-* :func:`publish` moves it onto its final name in one step: a rename where nothing is there, else one
-  atomic exchange where the OS has ``renameat2(RENAME_EXCHANGE)`` (Linux; the environment variable
-  ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off). Elsewhere it is two renames, and between them
-  the previous checkpoint waits at ``.NAME.prev-OWNER-PID-TOKEN`` (:func:`previous_copies` finds it).
+* :func:`publish` moves it onto its final name in one step. A new checkpoint is created with
+  :func:`create`: "only if nothing is there" and the move are one system call
+  (``renameat2(RENAME_NOREPLACE)`` on Linux, else a plain rename, which cannot replace a file or a
+  non-empty directory), so of several saves racing to create one path exactly one succeeds and
+  the others get FileExistsError. Replacing one is one atomic exchange where the OS has
+  ``renameat2(RENAME_EXCHANGE)``. The environment variable ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0``
+  turns renameat2 off (the portable paths run). Without the exchange it is two renames, and between
+  them the previous checkpoint waits at ``.NAME.prev-OWNER-PID-TOKEN`` (:func:`previous_copies` finds it).
 * :func:`seal` writes the manifest (size and sha256 of every data file), then the commit marker
   (the sha256 of the manifest). A reader opens a published directory once as a :class:`Snapshot`
   (the directory and every file through descriptors) and reads only through it: :func:`check_seal`
@@ -71,11 +75,13 @@ def write_bytes(path: Path, data: bytes) -> None:
 
 
 _AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-def exchange(a: Path, b: Path) -> bool:
-    """Swap two directory entries atomically; False where the OS or filesystem cannot."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """``renameat2(a, b, flags)``: True when done, False where the OS or filesystem lacks it (or
+    ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off); any other failure is raised as OSError."""
     if not sys.platform.startswith("linux") or os.environ.get(ENV_EXCHANGE, "1").strip().lower() in ("0", "off", "false", "no"):
         return False
     try:
@@ -83,12 +89,39 @@ def exchange(a: Path, b: Path) -> bool:
     except (OSError, AttributeError):
         return False
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically; False where the OS or filesystem cannot."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def create(tmp: Path, final: Path) -> None:
+    """Move the directory ``tmp`` to ``final`` only if nothing is there, in one step; else FileExistsError.
+
+    The check and the move are one system call, so of several saves that race to create ``final``
+    exactly one succeeds (checking first and renaming afterwards would let each of them replace the
+    one before). ``renameat2(RENAME_NOREPLACE)`` where the OS has it; elsewhere a plain rename, which
+    is atomic too: a directory cannot be renamed onto a file or a non-empty directory (and Windows
+    renames onto nothing that exists). Its one gap: it may replace an *empty* directory that appeared
+    at ``final`` meanwhile, and nothing is lost with that.
+    """
+    try:
+        if _renameat2(tmp, final, _RENAME_NOREPLACE):
+            return
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final))
+        os.rename(tmp, final)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR) or isinstance(exc, FileExistsError):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final)) from None
+        raise
 
 
 def owner() -> str:
@@ -134,11 +167,21 @@ def unlock(fd: int | None) -> None:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def publish(tmp: Path, final: Path) -> Path | None:
-    """Move the finished ``tmp`` onto ``final``; return the directory that now holds the old one."""
-    if not final.exists():
-        os.rename(tmp, final)
+def publish(tmp: Path, final: Path, *, replace: bool) -> Path | None:
+    """Move the finished ``tmp`` onto ``final``; return the directory that now holds the old one.
+
+    Without ``replace``, :func:`create`: FileExistsError where anything is at ``final`` by then,
+    and ``tmp`` is left as it is.
+    """
+    if not replace:
+        create(tmp, final)
         return None
+    if not os.path.lexists(final):
+        try:
+            create(tmp, final)
+            return None
+        except FileExistsError:
+            pass  # another save published there meanwhile: replace it, as asked
     if exchange(tmp, final):
         return tmp  # after the swap the temporary name holds the previous checkpoint
     # No atomic exchange here: for a moment ``final`` is absent and the previous

@@ -19,9 +19,14 @@ Contract:
   It is built in a hidden sibling directory ``.NAME.tmp-OWNER-PID-TOKEN``
   (OWNER: this machine, boot and PID namespace, hashed), locked while it is
   written; every file and the directory are fsynced, then it is renamed onto
-  ``path`` in one step. Replacing an existing checkpoint (``overwrite=True``)
-  is one atomic exchange where the OS has ``renameat2(RENAME_EXCHANGE)``
-  (Linux; ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off). Elsewhere it
+  ``path`` in one step. Without ``overwrite`` that step creates ``path`` only if
+  nothing is there, atomically (``renameat2(RENAME_NOREPLACE)``, else a plain
+  rename, which cannot replace a file or a non-empty directory): of several
+  saves racing to create one path exactly one succeeds, the others raise
+  :class:`CheckpointError` and publish nothing. Replacing an existing checkpoint
+  (``overwrite=True``) is one atomic exchange where the OS has
+  ``renameat2(RENAME_EXCHANGE)`` (Linux; ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0``
+  turns renameat2 off). Elsewhere it
   is two renames, and between them the previous checkpoint waits at
   ``.NAME.prev-OWNER-PID-TOKEN``, where :func:`resolve`, :func:`latest` and
   :func:`load` find it. So a crash at any point leaves the previous checkpoint
@@ -301,7 +306,9 @@ def save(
 
     ``extra`` is any JSON value (tensors allowed inside). ``step`` defaults to
     the largest per-parameter update count of the optimizer. An existing
-    ``path`` is replaced only with ``overwrite=True``. ``rng`` saves the torch,
+    ``path`` is replaced only with ``overwrite=True``; without it, ``path`` is
+    created atomically, so that of saves racing to create it exactly one
+    succeeds and the others raise :class:`CheckpointError`. ``rng`` saves the torch,
     CUDA, Python and numpy RNG states. Raises :class:`CheckpointError` if
     something cannot be stored or written; then nothing was published. A save
     where the optimizer refuses its own ``state_dict()`` (OffloadAdamW with
@@ -469,9 +476,15 @@ def _write_and_publish(final: Path, contents: _Contents, overwrite: bool) -> Pat
         publication.write_bytes(tmp / META_FILE, contents.meta)
         publication.seal(tmp, DATA_FILES)
         publication.fsync_path(tmp, directory=True)
-        if final.exists() and not overwrite:
-            raise CheckpointError(f"{final} appeared while saving; pass overwrite=True to replace it")
-        previous = publication.publish(tmp, final)
+        previous = publication.publish(tmp, final, replace=overwrite)
+    except FileExistsError:
+        # only without overwrite: another save (or anyone) created ``final`` after _check_target looked
+        publication.unlock(lock)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"{final} exists (it was created while this save was writing, by another save or process); "
+            "pass overwrite=True to replace it atomically. This save published nothing; what is there is unchanged"
+        ) from None
     except Exception as exc:
         publication.unlock(lock)
         shutil.rmtree(tmp, ignore_errors=True)
