@@ -19,6 +19,10 @@ Contract:
   checks the marker, the manifest and every file there, refusing with :class:`CheckpointCorrupt`
   naming every damaged file, and what it checked is what the reader then parses, even while a save
   replaces or deletes the directory.
+* Nothing but a regular file is ever opened for reading (:func:`open_regular`: lstat, open without
+  following a link and without blocking, fstat): a FIFO, a device, a directory or a symbolic link where
+  a checkpoint has a file is refused by name (:class:`NotRegularFile`; :func:`check_seal` says which),
+  so a FIFO can never block a reader.
 * :func:`remove_stale` deletes what killed saves left, but only temporaries of this machine whose
   writer no longer runs, whose lock nobody holds and which hold nothing but checkpoint files.
 """
@@ -273,6 +277,58 @@ def previous_copies(final: Path) -> list[Path]:
 # ----------------------------------------------------------- reading one
 
 
+class NotRegularFile(OSError):
+    """Something other than a regular file (``kind``, in words) where a checkpoint has a file; it was not opened."""
+
+    def __init__(self, path: str | Path, kind: str):
+        super().__init__(errno.EINVAL, f"{path} is {kind}, not a regular file", str(path))
+        self.kind = kind
+
+
+def file_kind(mode: int) -> str:
+    """What a file of this ``st_mode`` is, in words ("a FIFO (named pipe)", "a directory", ...)."""
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((words for test, words in kinds if test(mode)), "a special file")
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str | Path, *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file ``path`` (relative to ``dir_fd`` where given).
+
+    Anything else raises :class:`NotRegularFile` without being opened: opening a FIFO for reading
+    blocks until a writer comes, a device may do anything, and a symbolic link is nothing a save
+    writes. It is looked at first (lstat), then opened without following a link and without
+    blocking (so that a FIFO put there meanwhile cannot block either), then looked at again
+    through the descriptor. FileNotFoundError where nothing is there.
+    """
+    found = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(found.st_mode):
+        raise NotRegularFile(path, file_kind(found.st_mode))
+    try:
+        fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link put there after the lstat
+            raise NotRegularFile(path, "a symbolic link") from None
+        raise
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode):
+        os.close(fd)
+        raise NotRegularFile(path, file_kind(opened.st_mode))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of the regular file ``path``; :class:`NotRegularFile` (never opened) for anything else."""
+    with open(open_regular(path), "rb") as f:
+        return f.read()
+
+
+
 class Snapshot:
     """A published checkpoint directory opened once: its files as they were when it was opened.
 
@@ -288,26 +344,27 @@ class Snapshot:
         self._dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # FileNotFoundError, NotADirectoryError
         self._fds: dict[str, int] = {}
         self.missing: list[str] = []
+        self.irregular: dict[str, str] = {}
+        """name -> what is there instead of a regular file (never opened): :func:`check_seal` refuses it."""
         for name in names:
-            fd = self._open(name)
+            try:
+                fd = self._open(name)
+            except NotRegularFile as exc:
+                self.irregular[name] = exc.kind
+                continue
             if fd is None:
                 self.missing.append(name)
             else:
                 self._fds[name] = fd
 
     def _open(self, name: str) -> int | None:
-        """A descriptor of the regular file ``name`` in the directory opened, or None."""
+        """A descriptor of the regular file ``name`` in the directory opened, or None where nothing is there."""
         try:
-            if os.open in os.supports_dir_fd:
-                fd = os.open(name, os.O_RDONLY, dir_fd=self._dir_fd)
-            else:  # no openat (Windows): by path, which a concurrent replacement can still race
-                fd = os.open(self.root / name, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            if os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd:
+                return open_regular(name, dir_fd=self._dir_fd)
+            return open_regular(self.root / name)  # no openat (Windows): by path, which a replacement can still race
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
-        return fd
 
     def replaced(self) -> bool:
         """Whether ``root`` names another directory now (or nothing): a save replaced it while it was opened."""
@@ -378,6 +435,11 @@ def check_seal(snapshot: Snapshot, files: Sequence[str]) -> None:
     :class:`CheckpointCorrupt` naming what is damaged (every damaged file at once).
     """
     root = snapshot.root
+    if snapshot.irregular:
+        # named first: a FIFO, device, directory or link where a file belongs was put there, never written by a save
+        raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(
+            f"{name} is {kind}, not a regular file (a save writes only regular files; it was not opened)"
+            for name, kind in snapshot.irregular.items()))
     manifest = _manifest(snapshot, _manifest_sha256(snapshot), files)
     damaged = []
     for name in files:
