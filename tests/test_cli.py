@@ -258,7 +258,8 @@ def test_check_refuses_an_empty_clause_list(clauses):
 
 @pytest.mark.parametrize("timeout", ["1e10", "nan", "inf", "-inf", "0", "-5", "1e300"])
 def test_check_refuses_a_timeout_out_of_range(timeout):
-    assert_usage_error(run_cli("check", "torch.optim:AdamW", "--timeout", timeout), "--timeout", timeout)
+    # "--timeout=V": argparse reads "-inf" after a space as an option of its own
+    assert_usage_error(run_cli("check", "torch.optim:AdamW", f"--timeout={timeout}"), "--timeout", timeout)
 
 
 @pytest.mark.parametrize("entry, culprit", [({"clauses": []}, "no clause"), ({"clauses": ""}, "no clause"),
@@ -356,3 +357,12 @@ def test_an_output_under_a_file_names_the_file(tmp_path, argv):
     (tmp_path / "afile").write_text("")
     done = run_cli(*[str(tmp_path / a) if a.startswith("afile") else a for a in argv])
     assert_usage_error(done, f"{tmp_path / 'afile'} is a file, not a directory")
+
+
+def test_bench_memory_figure_is_what_a_workload_holds():
+    from offload_adamw.benchmarking.workload import make_workload
+    from offload_adamw.cli.bench import WORKLOAD_BYTES_PER_ELEMENT
+
+    w = make_workload(4096)
+    arrays = w.master + w.exp_avg + w.exp_avg_sq + w.grad32 + w.grad16 + w.model16
+    assert sum(t.numel() * t.element_size() for t in arrays) == WORKLOAD_BYTES_PER_ELEMENT * w.elements

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from offload_adamw._output import file_kind
 from offload_adamw.checkpoint.errors import CheckpointCorrupt
 from offload_adamw.checkpoint.layout import CHECKPOINT_FILES, COMMIT_FILE, FORMAT, MANIFEST_FILE, VERSION, dumps, is_count
 
@@ -283,14 +284,6 @@ class NotRegularFile(OSError):
     def __init__(self, path: str | Path, kind: str):
         super().__init__(errno.EINVAL, f"{path} is {kind}, not a regular file", str(path))
         self.kind = kind
-
-
-def file_kind(mode: int) -> str:
-    """What a file of this ``st_mode`` is, in words ("a FIFO (named pipe)", "a directory", ...)."""
-    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
-             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"))
-    return next((words for test, words in kinds if test(mode)), "a special file")
 
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)

@@ -83,6 +83,7 @@ from typing import Any, TypeAlias, cast
 import torch
 from torch import Tensor
 
+from offload_adamw._output import file_kind
 from offload_adamw.checkpoint import codec, publication
 from offload_adamw.checkpoint.codec import check_meta, decode, encode, malformed, part
 from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
@@ -390,7 +391,7 @@ def _check_parents(final: Path) -> None:
             raise CheckpointError(f"cannot save checkpoint {final}: cannot look at {ancestor} ({exc}); "
                                   "nothing was written") from exc
         if not stat.S_ISDIR(found.st_mode):
-            kind = "a file" if stat.S_ISREG(found.st_mode) else publication.file_kind(found.st_mode)
+            kind = "a file" if stat.S_ISREG(found.st_mode) else file_kind(found.st_mode)
             raise CheckpointError(f"cannot save checkpoint {final}: {ancestor} is {kind}, not a directory; "
                                   "nothing was written")
 

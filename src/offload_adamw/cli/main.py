@@ -8,7 +8,8 @@ not break the others.
 
 One error path for all of them (:mod:`offload_adamw.cli.common`): argparse errors,
 :class:`~offload_adamw.cli.common.UsageError` and an optional package missing for
-what was asked end with exit status 2 and one line on stderr; output paths and
+what was asked end with exit status 2 and one line on stderr; an output file that cannot be
+written at the end (:class:`~offload_adamw.cli.common.OutputError`) with 74 and one line; output paths and
 the packages outputs need are checked after parsing, before ``run()``; a closed
 stdout ends the command quietly with status 141.
 """
@@ -72,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         return common.EXIT_INTERRUPTED
 
 
-def _fail(name: str, message: str) -> int:
+def _fail(name: str, message: str, status: int = 2) -> int:
     print(f"offload-adamw {name}: {message}", file=sys.stderr)
-    return 2
+    return status
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -108,6 +109,8 @@ def _dispatch(argv: list[str]) -> int:
         return int(module.run(args) or 0)
     except (common.UsageError, argparse.ArgumentTypeError) as exc:
         return _fail(name, str(exc))
+    except common.OutputError as exc:
+        return _fail(name, str(exc), common.EXIT_OUTPUT_FAILED)
     except ModuleNotFoundError as exc:
         # An optional dependency that this use of the command needs and that no check caught earlier.
         extra = OPTIONAL_EXTRAS.get((exc.name or "").split(".")[0])
