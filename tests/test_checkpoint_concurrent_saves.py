@@ -1,7 +1,7 @@
 """Saves racing to create one checkpoint with ``overwrite=False``: exactly one wins, the others are refused.
 
-Real processes (tests/support/_concurrent_save_worker.py) save to the same paths at once, each its own
-value. The window that matters (after a save found nothing at the path, before it publishes) is widened
+Real processes (tests/support/_concurrent_save_worker.py: forked after one import of torch) save to the
+same paths at once, each its own value. The window that matters (after a save found nothing at the path, before it publishes) is widened
 in every worker at once: each waits at the publish point until all have reached it. Creating the
 checkpoint must still be one atomic step, so for every path exactly one save returns, every other raises
 CheckpointError saying the path exists, the checkpoint there is the winner's (whole, loadable), and no
@@ -30,15 +30,10 @@ PATHS = 2
 def race(root: Path, mode: str, *, widen: bool) -> list[list[str]]:
     """Each worker's outcome per path ("ok" or its error), after all of them ended."""
     env = {**os.environ, checkpoint.ENV_EXCHANGE: MODES[mode]}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(root), str(i), str(WORKERS), str(PATHS)]
-                              + (["widen"] if widen else []), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(WORKERS)]
-    outcomes = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
-        outcomes.append(json.loads(out))
-    return outcomes
+    done = subprocess.run([sys.executable, str(WORKER), str(root), str(WORKERS), str(PATHS)] + (["widen"] if widen else []),
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 @pytest.mark.parametrize("mode", [m if m == "renameat2" else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
@@ -55,5 +50,5 @@ def test_concurrent_saves_without_overwrite_one_wins_the_rest_are_refused(tmp_pa
         report = checkpoint.load(tmp_path / f"c-{k}", model, optimizer)
         assert report.step == winners[0] + 1 and report.extra["id"] == winners[0] + 1  # the winner's, not replaced
         assert {p.detach().unique().item() for p in model.parameters()} == {float(winners[0] + 1)}
-    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))  # the losers' temporaries
     assert not left, f"temporaries left behind by the refused saves: {left}"

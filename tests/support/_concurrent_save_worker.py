@@ -1,19 +1,22 @@
-"""One of N processes that save to the same paths with ``overwrite=False``, for tests/test_checkpoint_concurrent_saves.py.
+"""N processes that save to the same paths with ``overwrite=False``, for tests/test_checkpoint_concurrent_saves.py.
 
-    python _concurrent_save_worker.py ROOT INDEX N_WORKERS N_PATHS [widen]
+    python _concurrent_save_worker.py ROOT N_WORKERS N_PATHS [widen]
 
-For each path ``ROOT/c-K`` (K = 0 .. N_PATHS-1), in order, save a checkpoint that holds ``INDEX + 1``
-everywhere a load reads (model, optimizer state, recorded step, ``extra["id"]``) with ``overwrite=False``.
-With ``widen``, every worker stops just before it publishes (at ``publication.publish``, after every
-check a save makes before it) until all N_WORKERS have reached that point for that path: the window
-between "nothing is there" and "publish" is then open in every worker at once, every time.
-Prints one JSON list: per path, "ok" or the error's type and message.
-``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` in the environment turns renameat2 off (the portable fallback).
+Imports torch once, then forks N_WORKERS processes (real processes, each with its own descriptors and
+PID, as saves from separate training jobs are). Worker I saves, for each path ``ROOT/c-K`` (K = 0 ..
+N_PATHS-1) in order, a checkpoint that holds ``I + 1`` everywhere a load reads (model, optimizer state,
+recorded step, ``extra["id"]``) with ``overwrite=False``. With ``widen``, every worker stops just before
+it publishes (at ``publication.publish``, after every check a save makes before it) until all workers
+have reached that point for that path: the window between "nothing is there" and "publish" is then open
+in every worker at once, every time. Prints one JSON list: per worker, per path, "ok" or the error's
+type and message. ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` in the environment turns renameat2 off (the
+portable fallback).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,8 +47,7 @@ def widen(root: Path, index: int, workers: int) -> None:
     publication.publish = publish
 
 
-def main(root: Path, index: int, workers: int, paths: int, widened: bool) -> int:
-    torch.set_num_threads(1)
+def worker(root: Path, index: int, workers: int, paths: int, widened: bool) -> list[str]:
     model, optimizer = build()
     value = index + 1
     fill(model, optimizer, value)
@@ -59,10 +61,32 @@ def main(root: Path, index: int, workers: int, paths: int, widened: bool) -> int
             outcomes.append("ok")
         except Exception as exc:  # every failure is reported, the kind included: the test judges it
             outcomes.append(f"{type(exc).__name__}: {exc}")
-    print(json.dumps(outcomes))
+    return outcomes
+
+
+def main(root: Path, workers: int, paths: int, widened: bool) -> int:
+    torch.set_num_threads(1)  # before the forks: no thread pool to inherit half-started
+    results = root / "results"
+    results.mkdir()
+    pids = []
+    for index in range(workers):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                outcomes = worker(root, index, workers, paths, widened)
+                (results / f"{index}.json").write_text(json.dumps(outcomes))
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    statuses = [os.waitpid(pid, 0)[1] for pid in pids]
+    if any(statuses):
+        print(f"worker exit statuses: {statuses}", file=sys.stderr)
+        return 1
+    print(json.dumps([json.loads((results / f"{i}.json").read_text()) for i in range(workers)]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-                  len(sys.argv) > 5 and sys.argv[5] == "widen"))
+    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), len(sys.argv) > 4 and sys.argv[4] == "widen"))
