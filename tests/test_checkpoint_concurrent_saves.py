@@ -1,11 +1,12 @@
 """Saves racing to create one checkpoint with ``overwrite=False``: exactly one wins, the others are refused.
 
 Real processes (tests/support/_concurrent_save_worker.py: forked after one import of torch) save to the
-same paths at once, each its own value. The window that matters (after a save found nothing at the path, before it publishes) is widened
-in every worker at once: each waits at the publish point until all have reached it. Creating the
-checkpoint must still be one atomic step, so for every path exactly one save returns, every other raises
-CheckpointError saying the path exists, the checkpoint there is the winner's (whole, loadable), and no
-loser left a temporary behind. With renameat2 (RENAME_NOREPLACE) and with the portable fallback.
+same paths at once, each its own value. The window that matters (after a save found nothing at the path,
+before it publishes) is widened in every worker at once: each waits at the publish point until all have
+reached it. Creating the checkpoint must still be one atomic step, so for every path exactly one save
+returns, every other raises CheckpointError saying the path exists, the checkpoint there is the winner's
+(whole, loadable), and no loser left a temporary behind. With renameat2 (RENAME_NOREPLACE) and with the
+portable fallback.
 """
 
 from __future__ import annotations
