@@ -366,3 +366,23 @@ def test_bench_memory_figure_is_what_a_workload_holds():
     w = make_workload(4096)
     arrays = w.master + w.exp_avg + w.exp_avg_sq + w.grad32 + w.grad16 + w.model16
     assert sum(t.numel() * t.element_size() for t in arrays) == WORKLOAD_BYTES_PER_ELEMENT * w.elements
+
+
+@pytest.mark.skipif(not os.path.exists(FULL), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["plan", "--preset", "llama-3-8b"], ["plan", "--preset", "llama-3-8b", "--json"],
+                                  ["check", "torch.optim:AdamW", "--json"]], ids=" ".join)
+def test_a_stdout_that_accepts_no_bytes_is_refused_before_any_work(argv):
+    with open(FULL, "w") as full:
+        done = subprocess.run([sys.executable, "-m", "offload_adamw", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [f"offload-adamw {argv[0]}: stdout: cannot be written (No space left on device)"]
+
+
+def test_a_stdout_write_that_fails_at_the_end_is_one_line_and_a_status_of_its_own(tmp_path):
+    with open(tmp_path / "out.txt", "w") as out:
+        done = subprocess.run([sys.executable, "-m", "offload_adamw", "plan", "--preset", "llama-3-8b"], stdout=out,
+                              stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=_limited_file_size(64))
+    assert done.returncode == 74 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offload-adamw plan: stdout: could not write (File too large)"), lines
