@@ -7,8 +7,8 @@ Exit status, the same for every subcommand (each ``--help`` lists it, with what 
 * 2: usage error, found before any work starts: a bad argument or input file, an output path
   that cannot be written, an optional package that the asked-for output needs. One line on
   stderr, ``offload-adamw COMMAND: ...``, names the culprit; no traceback;
-* 74: the work was done but an output file could not be written at the end (a full disk, a
-  file-size limit): one line on stderr naming the flag, the file and why; no traceback;
+* 74: the work was done but an output (a file, or stdout) could not be written at the end (a full
+  disk, a file-size limit): one line on stderr naming the flag and file (or stdout) and why; no traceback;
 * 130: interrupted (Ctrl-C): one line on stderr, no traceback; the processes the command started
   end with it, as a shell reports a process that SIGINT ended;
 * 141: stdout was closed before everything was written (``... | head -1``); the command ends
@@ -37,6 +37,9 @@ Contract:
   looked at before they are opened (:func:`input_file`), and read through a non-blocking
   descriptor checked again (:func:`read_input`), at most :data:`INPUT_LIMIT_BYTES` (16 MiB):
   a FIFO, a device (``/dev/zero``) or a directory is refused by what it is, never read.
+* stdout is an output too: one that takes no write (``> /dev/full``) is refused before ``run()``
+  (:func:`check_stdout`), and a write to it that fails later is :class:`OutputError`
+  (:class:`GuardedStdout`, which :func:`offload_adamw.cli.main.main` puts in place while a command runs).
 * ``--progress/--no-progress`` (:func:`add_progress_argument`): progress bars on stderr;
   by default only when stderr is a terminal, never into a log file.
 """
@@ -72,6 +75,8 @@ __all__ = [
     "INPUT_LIMIT_BYTES",
     "UsageError",
     "OutputError",
+    "GuardedStdout",
+    "check_stdout",
     "Parser",
     "exit_codes_text",
     "add_json_argument",
@@ -131,7 +136,7 @@ def exit_codes_text(meanings: dict[int, str] | None = None) -> str:
     if 1 in meanings:
         lines.append(f"  1    {meanings[1]}")
     lines.append("  2    usage error (bad argument, input, output path or missing optional package), before any work")
-    lines.append(f"  {EXIT_OUTPUT_FAILED}   the work was done, but an output file could not be written (disk full, ...)")
+    lines.append(f"  {EXIT_OUTPUT_FAILED}   work done, but an output (a file, stdout) could not be written (disk full, ...)")
     lines.append(f"  {EXIT_INTERRUPTED}  interrupted (Ctrl-C); what the command started ends with it")
     lines.append(f"  {EXIT_CLOSED_PIPE}  stdout closed early (e.g. piped into head); ends quietly")
     return "\n".join(lines)
@@ -332,8 +337,66 @@ def require_package(module: str, extra: str, why: str) -> None:
         raise UsageError(f"{why} needs {module}; install it with: pip install 'offload-adamw[{extra}]'")
 
 
+def _silence_stdout() -> None:
+    """Send what stdout still holds (and writes at exit) to the null device: after its failure, nothing more to say there."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (captured): nothing to silence
+        pass
+
+
+def check_stdout() -> None:
+    """UsageError where stdout takes no write at all (``> /dev/full``): a zero-byte write, which changes nothing."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # captured or replaced: not a descriptor to probe
+        return
+    try:
+        os.write(fd, b"")
+    except BrokenPipeError:
+        return  # a reader that went away: the closed-pipe ending (141) handles it
+    except OSError as exc:
+        if exc.errno == errno.EBADF:
+            return  # no stdout at all: left as it was
+        raise UsageError(f"stdout: cannot be written ({exc.strerror or exc})") from None
+
+
+class GuardedStdout:
+    """``sys.stdout`` while a command runs: a failed write or flush (a full disk, a file-size limit) is
+    :class:`OutputError` (one line, exit status 74), not a traceback; a closed pipe stays BrokenPipeError."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _failed(self, exc: OSError) -> OutputError:
+        _silence_stdout()  # so that the interpreter's flush at exit does not print a second error
+        return OutputError(f"stdout: could not write ({exc.strerror or exc}); the output is incomplete")
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every registered output of ``parser`` that ``args`` asks for can be written, and its packages import."""
+    """stdout and every registered output of ``parser`` that ``args`` asks for can be written, and their packages
+    import."""
+    check_stdout()
     for dest, flag, needs in getattr(parser, _OUTPUTS_ATTR, ()):
         value = getattr(args, dest, None)
         if value is None or value == "-":
@@ -364,9 +427,5 @@ def write_json(command: str, body: dict[str, Any], target: str | None) -> None:
 
 def closed_pipe() -> int:
     """After a BrokenPipeError on stdout: silence further writes (also at exit) and return the exit status."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # stdout is not a real file (captured): nothing to silence
-        pass
+    _silence_stdout()
     return EXIT_CLOSED_PIPE

@@ -60,17 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (see :mod:`offload_adamw.cli.common`)."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    command = given[0] if given and given[0] in SUBCOMMANDS else None
+    stdout = sys.stdout
+    sys.stdout = common.GuardedStdout(stdout)  # a failed write: one line, not a traceback
     try:
-        status = _dispatch(list(sys.argv[1:] if argv is None else argv))
-        sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at interpreter exit
+        status = _dispatch(given)
+        sys.stdout.flush()  # a closed pipe (or a full disk) shows here, inside the guard, not at interpreter exit
         return status
     except BrokenPipeError:
         return common.closed_pipe()
+    except common.OutputError as exc:  # stdout failed outside a command's run(): at the last flush
+        print(f"offload-adamw{' ' + command if command else ''}: {exc}", file=sys.stderr)
+        return common.EXIT_OUTPUT_FAILED
     except KeyboardInterrupt:
-        given = list(sys.argv[1:] if argv is None else argv)
-        command = given[0] if given and given[0] in SUBCOMMANDS else None
         print(f"offload-adamw{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return common.EXIT_INTERRUPTED
+    finally:
+        sys.stdout = stdout
 
 
 def _fail(name: str, message: str, status: int = 2) -> int:
