@@ -78,9 +78,9 @@ def _parse_accumulation(text: str | None) -> Any:
 def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 0:
         raise common.UsageError(f"--steps must be a non-negative integer, got {args.steps}")
+    path = common.input_file(args.path, "", limit=None)  # a checkpoint may be large; a FIFO or directory is no input
     from offload_adamw.auditing.inputs import AuditInputError, audit_file
 
-    path = common.input_file(args.path, "", limit=None)  # a checkpoint may be large; a FIFO or directory is no input
     try:
         accumulation = _parse_accumulation(args.grad_accumulation)
         report = audit_file(path, function=args.function, steps=args.steps, grad_accumulation=accumulation)
