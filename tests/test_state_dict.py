@@ -182,3 +182,19 @@ def test_hyperparameters_come_from_the_state_dict():
     fresh = OffloadAdamW(model.parameters(), lr=1e-3)
     fresh.load_state_dict(sd)
     assert fresh.param_groups[0]["lr"] == 0.5 and fresh.param_groups[0]["weight_decay"] == 0.3
+
+
+def test_saved_names_are_kept_by_an_optimizer_built_without_names_as_torch_keeps_them():
+    # issue 37: torch's Optimizer.load_state_dict carries the saved param_names into the groups, so the next
+    # checkpoint still has them; an optimizer that dropped them would lose the names at the next save.
+    model = mlp()
+    named = OffloadAdamW(model.named_parameters(), lr=1e-2)
+    train(model, named, 2)
+    saved = named.state_dict()
+    for make in (lambda ps: OffloadAdamW(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)):
+        fresh_model = mlp()
+        opt = make(fresh_model.parameters())
+        opt.load_state_dict(copy.deepcopy(saved))
+        again = opt.state_dict()
+        assert [g["param_names"] for g in again["param_groups"]] == [["0.weight", "0.bias", "2.weight", "2.bias"]]
+        assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
