@@ -88,6 +88,20 @@ def test_options_that_cannot_apply_are_refused_clearly(kwargs, message):
         OffloadAdamW([P], **kwargs)
 
 
+@pytest.mark.parametrize("case", ["differentiable", "capturable", "integer parameter"])
+def test_refusals_torch_raises_as_runtime_error_are_runtime_errors_too(case):
+    # torch's fused AdamW refuses differentiable=True and a non-floating parameter with RuntimeError (capturable on
+    # the host is refused at its step): code catching torch's error must catch ours, which stays a ValueError too.
+    params = [torch.zeros(2, dtype=torch.int64)] if case == "integer parameter" else [P]
+    kwargs = {} if case == "integer parameter" else {case: True}
+    if case == "differentiable":
+        with pytest.raises(RuntimeError):
+            torch.optim.AdamW(params, fused=True, **kwargs)
+    with pytest.raises(RuntimeError) as ours:
+        OffloadAdamW(params, **kwargs)
+    assert isinstance(ours.value, ValueError)
+
+
 def test_complex_parameters_refused_by_name():
     z = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(ValueError, match="complex parameters: parameter 'phase'"):

@@ -42,6 +42,7 @@ from offload_adamw.contract.rules import (
     MASTER_KEY,
     NONFINITE_POLICIES,
     PLACEMENT_KEY,
+    Unsupported,
     check_hyperparameter_ranges,
     check_placement,
 )
@@ -201,12 +202,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if capturable:
-            raise ValueError(
+            raise Unsupported(
                 "OffloadAdamW does not support capturable=True: its state lives in host memory, "
                 "outside any CUDA graph"
             )
         if differentiable:
-            raise ValueError("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
+            raise Unsupported("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
 
         PipelineConfig(stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers)  # refuses bad values now
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
@@ -315,7 +316,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     f"is {p.dtype}; optimize torch.view_as_real(param) instead"
                 )
             if not p.is_floating_point():
-                raise ValueError(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
+                raise Unsupported(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
         try:
             placement = _placement.group_placement(group, len(self.param_groups) - 1)
             if placement != "host" and pipeline is None and hasattr(self, "_pipeline_options"):
