@@ -61,7 +61,8 @@ __all__ = ["OffloadAdamW", "StateDictMismatch"]
 
 
 def _to_scalar(x: Any) -> Any:
-    return x.item() if isinstance(x, Tensor) and x.numel() == 1 else x
+    """As torch's ``_to_scalar``: a 1-element tensor becomes a 0-dim tensor (betas stay tensors, as in torch's groups)."""
+    return x.squeeze() if isinstance(x, Tensor) and x.dim() != 0 else x
 
 
 class OffloadAdamW(torch.optim.Optimizer):

@@ -62,16 +62,25 @@ def _to_scalar(x: Any) -> Any:
     return x.item() if isinstance(x, Tensor) and x.numel() == 1 else x
 
 
-def step_hyper(group: dict[str, Any]) -> StepHyper:
-    """The kernel's hyperparameters for one group at this step (a scheduler may have changed lr, betas)."""
+def step_hyper(group: dict[str, Any], *, tensor_betas: bool = False) -> StepHyper:
+    """The kernel's hyperparameters for one group at this step (a scheduler may have changed lr, betas).
+
+    Tensor betas become numbers (their float32 values, exactly), as torch's fused kernel reads them;
+    ``tensor_betas`` keeps them 0-dim host tensors for the for-loop kernel, whose bias corrections are
+    then float32 tensor arithmetic, as in torch's single-tensor loop.
+    """
     beta1, beta2 = group["betas"]
+    if tensor_betas and isinstance(beta1, Tensor) and isinstance(beta2, Tensor):
+        beta1, beta2 = beta1.detach().to("cpu").reshape(()), beta2.detach().to("cpu").reshape(())
+    else:
+        beta1, beta2 = _to_scalar(beta1), _to_scalar(beta2)
     lr = group["lr"]
     if isinstance(lr, Tensor) and lr.device.type != "cpu":
         lr = lr.detach().to("cpu")  # the kernel runs on host tensors; the same value, in the same dtype
     return StepHyper(
         lr=lr,
-        beta1=_to_scalar(beta1),
-        beta2=_to_scalar(beta2),
+        beta1=beta1,
+        beta2=beta2,
         eps=group["eps"],
         weight_decay=group["weight_decay"],
         amsgrad=group["amsgrad"],
@@ -201,7 +210,7 @@ def update_group(
         model_copies.append(u.model_copy)
         take_edits.append(u.model_is_current and u.model_copy is not None)
     adamw_update_(
-        masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, step_hyper(group),
+        masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, step_hyper(group, tensor_betas=impl == "for_loop"),
         model_params=model_copies,
         take_model_edits=take_edits,
         impl=impl,
