@@ -3,7 +3,8 @@
 Contract (docs/contract.md):
 
 * Same constructor, validation messages, defaults, parameter-group keys and
-  ``state_dict`` layout as ``torch.optim.AdamW`` (PyTorch 2.8 to 2.13).
+  ``state_dict`` layout as ``torch.optim.AdamW`` (PyTorch 2.8 to 2.13), except that a tensor
+  listed twice in one group (torch: updated once per listing, deprecated) is refused by name.
 * Per parameter tensor the state is ``step``, ``exp_avg``, ``exp_avg_sq`` (and
   ``max_exp_avg_sq``) and, unless the parameter is its own master, a float32
   ``master_param``, all in host memory (optim/state.py), or on the parameter's device for a
@@ -307,9 +308,25 @@ class OffloadAdamW(torch.optim.Optimizer):
         pipeline = getattr(self, "_pipeline", None)  # None while torch's constructor adds the first groups
         if pipeline is not None:
             pipeline.refuse_mid_step("add a parameter group")
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():
+            # A tensor listed twice is refused below; torch's warning that it is deprecated would only add noise.
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
+            super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault(PLACEMENT_KEY, getattr(self, "_update_on", "host"))
+        first_at: dict[int, int] = {}
+        for index, p in enumerate(group["params"]):
+            if id(p) in first_at:
+                # torch updates such a tensor once per listing (deprecated: it will refuse it), a bucketed step would
+                # update it once: the same training everywhere only by refusing it.
+                described = self._describe(group, first_at[id(p)])
+                self.param_groups.pop()
+                raise ValueError(
+                    f"{described} is listed twice in param_groups[{len(self.param_groups)}] (at positions "
+                    f"{first_at[id(p)]} and {index}): torch.optim.AdamW would update it once per listing, which torch "
+                    "deprecates; list each tensor once (named_parameters() and parameters() do)"
+                )
+            first_at[id(p)] = index
         for index, p in enumerate(group["params"]):
             if torch.is_complex(p):
                 raise ValueError(
