@@ -66,6 +66,20 @@ def _to_scalar(x: Any) -> Any:
     return x.squeeze() if isinstance(x, Tensor) and x.dim() != 0 else x
 
 
+def _saved_group(group: dict[str, Any]) -> dict[str, Any]:
+    """A group as ``state_dict()`` writes it: without the placement (where this process runs the update is not
+    state), and ``fused=True`` where it says None. Here None runs torch's fused kernel; torch's load adopts the saved
+    group, and to torch None means its default (the for-loop on the CPU), so that a run leaving for
+    ``torch.optim.AdamW`` would go on with another kernel, ~1e-8 away. The saved group names the kernel the run used:
+    ``fused=False`` is torch's single-tensor loop, which ``foreach=False`` names (torch's default on a GPU is foreach)."""
+    saved = {k: v for k, v in group.items() if k != PLACEMENT_KEY}
+    if "fused" in saved and saved["fused"] is None:
+        saved["fused"] = True
+    elif saved.get("fused") is False and "foreach" in saved:
+        saved["foreach"] = False
+    return saved
+
+
 class OffloadAdamW(torch.optim.Optimizer):
     """AdamW whose master weights and moments live in (pinned) host memory, in float32.
 
@@ -813,8 +827,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
         if isinstance(out, dict) and isinstance(out.get("param_groups"), list):
             # Where this process runs a group's update is not state: the saved state is the same whatever the placement.
-            out["param_groups"] = [{k: v for k, v in g.items() if k != PLACEMENT_KEY} if isinstance(g, dict) else g
-                                   for g in out["param_groups"]]
+            out["param_groups"] = [_saved_group(g) if isinstance(g, dict) else g for g in out["param_groups"]]
         return out
 
     def _place_loaded(self, groups: list[dict[str, Any]], states: dict[Tensor, dict[str, Any]]) -> None:
