@@ -126,12 +126,6 @@ def test_refusals_torch_raises_as_runtime_error_are_runtime_errors_too(case):
     assert isinstance(ours.value, ValueError)
 
 
-def test_complex_parameters_refused_by_name():
-    z = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
-    with pytest.raises(ValueError, match="complex parameters: parameter 'phase'"):
-        OffloadAdamW([("phase", z)])
-
-
 def test_sparse_gradient_refused_at_step_by_name():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt = OffloadAdamW(emb.named_parameters())

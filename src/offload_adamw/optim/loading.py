@@ -193,10 +193,10 @@ def _convert_state(
             continue
         shard = local_shard_of(value, p)  # this rank's piece of the (global) saved state
         if key in MOMENT_KEYS or key == MASTER_KEY:
-            if not shard.is_floating_point():
+            if not (shard.is_floating_point() or shard.is_complex()) or shard.is_complex() != p.is_complex():
                 problems.append(f"{where}: {key} has dtype {shard.dtype}")
                 continue
-            impossible = _impossible_values(key, shard)
+            impossible = _impossible_values(key, torch.view_as_real(shard) if shard.is_complex() else shard)
             if impossible is not None:
                 problems.append(f"{where}: {impossible}; no run of AdamW reaches this state")
                 continue

@@ -10,6 +10,7 @@ Contract (docs/contract.md):
   ``master_param``, all in host memory (optim/state.py), or on the parameter's device for a
   group with ``update_on="device"`` (optim/placement.py, docs/placement.md). After every update a
   low-precision or device parameter receives the round-to-nearest copy of its master.
+* A complex parameter is updated as its ``view_as_real`` (its state complex), as torch's loops update it.
 * The update math is :mod:`offload_adamw.kernels`; every update runs through
   :mod:`offload_adamw.optim.update`, with or without the transfer pipeline.
   This class owns the groups, where state lives and the order of work.
@@ -342,12 +343,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
             first_at[id(p)] = index
         for index, p in enumerate(group["params"]):
-            if torch.is_complex(p):
+            if p.dtype == torch.complex32:
                 raise ValueError(
-                    f"OffloadAdamW does not support complex parameters: {self._describe(group, index)} "
-                    f"is {p.dtype}; optimize torch.view_as_real(param) instead"
+                    f"OffloadAdamW does not support complex32 parameters: {self._describe(group, index)} "
+                    "is complex32; use complex64"
                 )
-            if not p.is_floating_point():
+            if not (p.is_floating_point() or p.is_complex()):
                 raise Unsupported(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
         try:
             placement = _placement.group_placement(group, len(self.param_groups) - 1)

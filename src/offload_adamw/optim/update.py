@@ -103,7 +103,7 @@ def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, sta
         )
     if grad.shape != param.shape:
         raise RuntimeError(f"gradient of {describe()} has shape {tuple(grad.shape)}, the parameter has {tuple(param.shape)}")
-    if not grad.is_floating_point():
+    if not (grad.is_floating_point() or (grad.is_complex() and param.is_complex())):
         raise RuntimeError(f"gradient of {describe()} has dtype {grad.dtype}")
     if state:
         state_shape = state["exp_avg"].shape
@@ -165,6 +165,10 @@ def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str
     return bool(culprits)
 
 
+def _real_view(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def update_group(
     group: dict[str, Any],
     updates: Sequence[TensorUpdate],
@@ -209,6 +213,12 @@ def update_group(
         steps.append(state["step"])
         model_copies.append(u.model_copy)
         take_edits.append(u.model_is_current and u.model_copy is not None)
+    if any(m.is_complex() for m in masters):
+        # As torch's loops: a complex tensor's update is the real update of its view_as_real (last dimension 2),
+        # written through the views into the complex master, moments and model copy.
+        masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
+            [_real_view(t) for t in ts] for ts in (masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
+        model_copies = [None if t is None else _real_view(t) for t in model_copies]
     adamw_update_(
         masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, step_hyper(group, tensor_betas=impl == "for_loop"),
         model_params=model_copies,
