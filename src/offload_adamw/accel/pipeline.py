@@ -237,6 +237,8 @@ class GradientPipeline:
         swaps.stop_looking(self)
         self.hooks.close()
         self.schedule.close()
+        if isinstance(self.residency.host, FreedGradients):
+            self.residency.host.give_back()  # the gradients outlive their buffers: p.grad holds each, a real tensor
         # The pipeline is a reference cycle, freed only by the collector: what it holds on the device goes now.
         self.placements.close()
         self.residency.new_step()

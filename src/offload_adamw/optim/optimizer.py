@@ -120,7 +120,8 @@ class OffloadAdamW(torch.optim.Optimizer):
       ``clip_grad_norm_``, ``GradScaler`` and ``model.zero_grad()`` act on the host
       gradient through it, anything else is refused; ``gradient(p)`` reads it.
       For a DTensor (FSDP2) parameter the stand-in is a DTensor over the host
-      shard, so torch's clipping still reduces the norm across ranks.
+      shard, so torch's clipping still reduces the norm across ranks. An optimizer dropped
+      before its step gives each gradient back as a real tensor on the parameter's device.
     * ``transfer_pipeline`` (default: on when a parameter lives on an
       accelerator, or with ``offload_gradients``; for DTensor (FSDP2) parameters with kept gradients only
       when asked: FSDP2 calls the hooks of each shard after its reduce-scatter):
