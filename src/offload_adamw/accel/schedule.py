@@ -13,7 +13,20 @@ Contract, one schedule each, chosen once at construction:
   instead of reading the updated value.
 * What the protocol cannot make exact after updates ran is refused by name: a second backward through
   an updated parameter, reading or clearing a gradient after its update, a forward before ``step()``,
-  hyperparameters or the non-finite policy changed between backward and ``step()``, loss scaling.
+  loss scaling.
+* When updates ran during a backward (from the second step on; not when the gate stayed shut or a parameter
+  still needed state: which of these holds follows from the program, never from the worker's timing), what
+  changed after that backward began is refused by ``step()``, every time, naming it: a hyperparameter of a group (lr, betas, eps,
+  weight_decay, amsgrad, maximize, fused) or of the optimizer (max_grad_norm, nonfinite), compared with what they
+  were when backward began (:class:`Snapshot`); and a parameter whose update ran during backward and which was
+  edited after it (``p.data`` written or assigned, ``model.load_state_dict``, an in-place op), compared with what
+  it was when backward ended: when backward ends the schedule waits for the updates handed to the worker
+  (:meth:`BackwardUpdater.settle`) and marks each updated parameter (its version counter and data pointer; a
+  host-resident one also by a fingerprint of its bits, since a write through ``p.data`` moves no version
+  counter). The user's code between backward and ``step()`` runs after that, so nothing it does can race with
+  an update. After such a refusal the optimizer refuses every step until a ``load_state_dict`` restores a
+  checkpoint: the updated parameters are one update ahead of the others. When no update ran, ``step()`` runs
+  them all with the values of now, exactly as torch's AdamW.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offload_adamw.accel import standin
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
@@ -33,7 +47,7 @@ from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import graph_task
 from offload_adamw.accel.transfer import Completion
 
-__all__ = ["AtStep", "DuringBackward", "Early", "hyper_of"]
+__all__ = ["AtStep", "DuringBackward", "Early", "Snapshot", "fingerprint", "hyper_of"]
 
 Sent = list[tuple[torch.device, Completion]]
 
@@ -50,12 +64,91 @@ class Early:
         self.sent = sent or []
 
 
+#: the keys of a group an update reads, in the order a refusal names them
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "fused")
+#: the optimizer's own settings the updates of a step read
+OPTIMIZER_KEYS = ("max_grad_norm", "nonfinite")
+
+
+def _value(x: Any) -> Any:
+    """A hyperparameter by value: a tensor (lr, betas) as its number, so that a tensor filled in place is seen."""
+    if isinstance(x, Tensor):
+        return float(x.detach().to("cpu").reshape(()).item()) if x.numel() == 1 else tuple(x.detach().to("cpu").tolist())
+    if isinstance(x, (tuple, list)):
+        return tuple(_value(y) for y in x)
+    return x
+
+
+def _same(a: Any, b: Any) -> bool:
+    return bool(a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b))
+
+
 def hyper_of(group: dict[str, Any]) -> tuple:
-    """The values an update reads from its group (a tensor lr by value)."""
-    lr = group["lr"]
-    lr = float(lr) if isinstance(lr, Tensor) else lr
-    betas = tuple(float(b) if isinstance(b, Tensor) else b for b in group["betas"])
-    return (lr, betas, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
+    """The values an update reads from its group (tensors by value)."""
+    return tuple(_value(group.get(key)) for key in HYPER_KEYS)
+
+
+def _kept(x: Any) -> Any:
+    """``x`` as it is now: a tensor (filled in place by torch's schedulers) cloned, without a wait for its device."""
+    if isinstance(x, Tensor):
+        return x.detach().clone()
+    if isinstance(x, (tuple, list)):
+        return tuple(_kept(y) for y in x)
+    return x
+
+
+class Snapshot:
+    """The hyperparameters of every group and the optimizer's settings when a backward began."""
+
+    __slots__ = ("groups", "settings")
+
+    def __init__(self, optimizer: Any) -> None:
+        self.groups = [tuple(_kept(group.get(key)) for key in HYPER_KEYS) for group in optimizer.param_groups]
+        self.settings = tuple(_kept(getattr(optimizer, key, None)) for key in OPTIMIZER_KEYS)
+
+    def changes(self, optimizer: Any) -> list[str]:
+        """What differs now, each as 'param_groups[i]['key'] ... (from old to new)'; empty when nothing does."""
+        out = []
+        for gi, (kept, group) in enumerate(zip(self.groups, optimizer.param_groups)):
+            before = tuple(_value(x) for x in kept)
+            for key, old, new in zip(HYPER_KEYS, before, hyper_of(group)):
+                if not _same(old, new):
+                    out.append(f"param_groups[{gi}][{key!r}] changed between backward and step() (from {old!r} to {new!r})")
+        if len(self.groups) != len(optimizer.param_groups):
+            out.append(f"param_groups changed between backward and step() ({len(self.groups)} groups, now "
+                       f"{len(optimizer.param_groups)})")
+        for key, kept_setting in zip(OPTIMIZER_KEYS, self.settings):
+            old, new = _value(kept_setting), _value(getattr(optimizer, key, None))
+            if not _same(old, new):
+                out.append(f"{key} changed between backward and step() (from {old!r} to {new!r})")
+        return out
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FINGERPRINT_CHUNK = 1 << 20
+
+
+def fingerprint(t: Tensor) -> tuple[int, int]:
+    """Two sums over ``t``'s bits (plain and position-weighted, int64 arithmetic, chunk by chunk): a change of
+    any element, or elements swapped, changes them (but for collisions no edit meets by chance)."""
+    flat = t.detach()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    flat = flat.reshape(-1)
+    bits = flat.view(_BITS[flat.element_size()])
+    total = weighted = 0
+    for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
+        chunk = bits[start:start + _FINGERPRINT_CHUNK].to(torch.int64)
+        total += int(chunk.sum())
+        weights = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64)
+        weighted += int((chunk * weights).sum())
+    return total, weighted
+
+
+def _mark(local: Tensor) -> tuple[int, int, tuple[int, int] | None]:
+    """What tells an edit of ``local`` apart: version counter, data pointer and, in host memory, the fingerprint."""
+    host = local.device.type == "cpu" and not standin.is_device_tensor(local)
+    return local._version, local.data_ptr(), fingerprint(local) if host else None
 
 
 class AtStep:
@@ -134,7 +227,9 @@ class DuringBackward:
         self._updater: BackwardUpdater | None = None
         self._buckets: list[list[Tensor]] = []
         self._sent: Sent = []
-        self._hyper: dict[int, tuple] = {}
+        self._snapshot: Snapshot | None = None  # what the hyperparameters were when the latest backward began
+        self._marks: dict[Tensor, tuple[int, int, tuple[int, int] | None]] = {}  # updated in backward, as it ended
+        self._torn_why = ""  # why the step is refused until a load (empty: a backward raised after updates)
         self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
         self._missing_state = False
         self._checked_task: int | None = None
@@ -146,13 +241,33 @@ class DuringBackward:
     # ------------------------------------------------------------ in backward
 
     def backward_began(self) -> None:
-        """At the first hook of a backward: counted open until its end (a backward that raises never ends)."""
+        """At the first hook of a backward: counted open until its end (a backward that raises never ends), and the
+        hyperparameters as they are now, before any update of this backward, which step() compares."""
         self._open += 1
+        self._snapshot = Snapshot(self._optimizer)
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
         self._open = max(0, self._open - 1)
+        if torch._C._current_autograd_node() is None:  # not a backward nested in another one
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(4))
+
+    def _settle(self, tries: int) -> None:
+        """After every callback of the ending backward (the gate's decision included, which may start the updates):
+        wait for the updates handed to the worker and mark each updated parameter. backward() has not returned yet,
+        so no edit of the user's can have come between an update and its mark."""
+        if self._gate.deciding() and tries > 0:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(tries - 1))
+            return
+        updater = self._updater
+        if updater is None or not updater.started():
+            return
+        updater.settle()
+        for bucket in self._buckets:
+            for p in bucket:
+                if updater.covers(p):
+                    self._marks[p] = _mark(self._slots[p].local)
 
     def _failed_backward(self) -> None:
         """Before step(), zero_grad() or a load: a backward that raised. Nothing ran early: it is dropped as torch drops
@@ -164,6 +279,8 @@ class DuringBackward:
                 self._torn = sum(1 for bucket in self._buckets for p in bucket if updater.covers(p))
             self._open = 0
             self._drop_updater()
+        if self._torn and self._torn_why:
+            raise RuntimeError(self._torn_why)
         if self._torn:
             raise RuntimeError(
                 f"backward raised after the updates of {self._torn} parameter(s) had run during it "
@@ -184,9 +301,12 @@ class DuringBackward:
             self.refuse_mid_step("load a state_dict")
 
     def loaded(self) -> None:
-        """A load_state_dict was committed: whatever a failed backward left is forgotten."""
+        """A load_state_dict was committed: whatever a failed backward or a refused step left is forgotten."""
         self._open = 0
         self._torn = 0
+        self._torn_why = ""
+        self._snapshot = None
+        self._marks = {}
         self._drop_updater()
 
     def _open_gate(self) -> None:
@@ -321,19 +441,42 @@ class DuringBackward:
         if self._updater is not None and self._updater.gated():
             self._drop_updater()
         updater, self._updater = self._updater, None
+        snapshot, self._snapshot = self._snapshot, None
+        marks, self._marks = self._marks, {}
         if updater is None:
-            return Early()
+            return Early()  # every update runs in step(), with the values of now, as torch's
         _, records = updater.finish()
         sent, self._sent = self._sent, []  # after the worker has ended: its last bucket's copies are among them
-        for gi, used in self._hyper.items():
-            if hyper_of(self._optimizer.param_groups[gi]) != used:
-                raise RuntimeError(
-                    f"param_groups[{gi}]'s hyperparameters changed between backward and step(), but with "
-                    "update_in_backward=True the update ran during backward with the old ones; change lr, betas, "
-                    "eps or weight_decay (scheduler.step()) after optimizer.step()"
-                )
-        self._hyper = {}
-        return Early({p for r in records for p in self._buckets[r.bucket]}, records, sent)
+        early = {p for r in records for p in self._buckets[r.bucket]}
+        self._refuse_changes(snapshot, marks, ran=len(early))
+        return Early(early, records, sent)
+
+    def _refuse_changes(self, snapshot: Snapshot | None, marks: dict[Tensor, tuple], ran: int) -> None:
+        """Refuse the step, naming each, when updates ran during backward (``ran``: how many parameters) and a
+        hyperparameter changed since backward began or a parameter updated during it was edited since. When none ran
+        every update runs in step() with the values of now, exactly as torch's."""
+        if not ran:
+            return
+        problems = [] if snapshot is None else snapshot.changes(self._optimizer)
+        for p, mark in marks.items():
+            slot = self._slots.get(p)
+            if slot is not None and _mark(slot.local) != mark:
+                problems.append(f"{self._describe(slot)} was changed between backward and step() (written through "
+                                "p.data, assigned, loaded or edited in place)")
+        if not problems:
+            return
+        message = (
+            "; ".join(problems) + ". With update_in_backward=True the updates of a step run from backward on, with "
+            "the hyperparameters backward began with and on the parameters as backward left them: change "
+            "hyperparameters (scheduler.step(), a step pre-hook) and edit parameters after optimizer.step() or before "
+            "backward, or use update_in_backward=False"
+        )
+        self._torn = ran
+        message += (f". The updates of {ran} parameter(s) already ran during backward and cannot be taken back: the "
+                    "optimizer refuses to step until a checkpoint is restored (offload_adamw.checkpoint.load, or the "
+                    "model's weights and opt.load_state_dict)")
+        self._torn_why = message
+        raise RuntimeError(message)
 
     def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
         """What the step may not meet after early updates (before any update of its own)."""
@@ -379,10 +522,6 @@ class DuringBackward:
     def _early_update(self, index: int) -> dict[str, float]:
         """A bucket's update on the worker thread, while backward goes on."""
         bucket = self._buckets[index]
-        members = set(bucket)
-        for gi, group in enumerate(self._optimizer.param_groups):
-            if any(p in members for p in group["params"]):
-                self._hyper[gi] = hyper_of(group)
         sent, times = self._run_early(bucket)
         self._sent += sent
         return times
@@ -391,6 +530,8 @@ class DuringBackward:
         """Buckets complete in the cleared backward, waiting for a coefficient, would run on the next one's."""
         self._failed_backward()
         self.refuse_mid_step("clear its gradients")
+        self._snapshot = None  # a backward dropped without a step: the next one begins afresh
+        self._marks = {}
         if self._updater is not None and self._updater.gated() and self._updater.started():
             self._drop_updater()
 
