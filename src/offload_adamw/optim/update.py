@@ -2,7 +2,8 @@
 
 Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-placement):
 
-* :func:`check_gradient` refuses, naming the parameter, what no update may consume: a sparse
+* :func:`check_gradient` refuses, naming the parameter, what no update may consume: a parameter or gradient on
+  the meta device (no data; :class:`~offload_adamw.contract.rules.Unsupported`, a RuntimeError), a sparse
   gradient, a gradient of another shape or of a non-floating dtype, a parameter whose shape
   changed after its state was allocated, a parameter cast or moved since so that its state no
   longer serves it (:func:`check_state_serves`: ``model.float()`` of a bf16 model after some steps,
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES
+from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES, Unsupported
 from offload_adamw.distributed import any_rank
 from offload_adamw.kernels import StepHyper, adamw_update_
 from offload_adamw.optim import state as host_state
@@ -97,6 +98,12 @@ def kernel_impl(group: dict[str, Any]) -> str:
 
 def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
     """Refuse a gradient no update may consume; ``param`` is the local tensor, ``describe()`` names it."""
+    if param.is_meta or grad.is_meta:
+        # Before the transfer pipeline tries to copy it: a RuntimeError as torch's fused AdamW raises (and a ValueError).
+        raise Unsupported(
+            f"{describe()} is on the meta device (it holds no data): materialize the model (e.g. "
+            "module.to_empty(device=...) and initialize it) before the first step"
+        )
     if grad.is_sparse:
         raise RuntimeError(
             f"OffloadAdamW does not support sparse gradients ({describe()}); use torch.optim.SparseAdam for sparse embeddings"
