@@ -150,7 +150,7 @@ def test_hooks_are_called_as_torch_calls_them(mode):
 
         o.register_load_state_dict_pre_hook(load_pre)
         o.register_load_state_dict_post_hook(lambda opt, log=log: log.append("load post"))
-    for key, (model, o) in pairs.items():
+    for model, o in pairs.values():
         _train(model, o, 2)
         sd = o.state_dict()
         assert sd["extra"] == "kept"
