@@ -15,18 +15,16 @@ Contract, one schedule each, chosen once at construction:
   an updated parameter, reading or clearing a gradient after its update, a forward before ``step()``,
   loss scaling.
 * When updates ran during a backward (from the second step on; not when the gate stayed shut or a parameter
-  still needed state: which of these holds follows from the program, never from the worker's timing), what
-  changed after that backward began is refused by ``step()``, every time, naming it: a hyperparameter of a group (lr, betas, eps,
-  weight_decay, amsgrad, maximize, fused) or of the optimizer (max_grad_norm, nonfinite), compared with what they
-  were when backward began (:class:`Snapshot`); and a parameter whose update ran during backward and which was
-  edited after it (``p.data`` written or assigned, ``model.load_state_dict``, an in-place op), compared with what
-  it was when backward ended: when backward ends the schedule waits for the updates handed to the worker
-  (:meth:`BackwardUpdater.settle`) and marks each updated parameter (its version counter and data pointer; a
-  host-resident one also by a fingerprint of its bits, since a write through ``p.data`` moves no version
-  counter). The user's code between backward and ``step()`` runs after that, so nothing it does can race with
-  an update. After such a refusal the optimizer refuses every step until a ``load_state_dict`` restores a
-  checkpoint: the updated parameters are one update ahead of the others. When no update ran, ``step()`` runs
-  them all with the values of now, exactly as torch's AdamW.
+  still needed state: which holds follows from the program, never from the worker's timing), what changed
+  after that backward began is refused by ``step()``, every time, naming it: a hyperparameter of a group or of
+  the optimizer, compared with what it was when backward began (accel/changes.py, ``Snapshot``); a parameter
+  updated during backward and edited after its update (``p.data`` written or assigned,
+  ``model.load_state_dict``, an in-place op), compared with its mark taken when backward ended: backward's
+  last callback waits for the updates handed to the worker (``BackwardUpdater.settle``) and marks each
+  updated parameter, so the user's code between backward and ``step()`` cannot race with an update. After
+  such a refusal every step is refused until a ``load_state_dict`` restores a checkpoint: the updated
+  parameters are one update ahead of the others. When no update ran, ``step()`` runs them all with the
+  values of now, exactly as torch's AdamW.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import standin
+from offload_adamw.accel.changes import Mark, Snapshot, changed, mark
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
@@ -47,7 +45,7 @@ from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import graph_task
 from offload_adamw.accel.transfer import Completion
 
-__all__ = ["AtStep", "DuringBackward", "Early", "Snapshot", "fingerprint", "hyper_of"]
+__all__ = ["AtStep", "DuringBackward", "Early"]
 
 Sent = list[tuple[torch.device, Completion]]
 
@@ -62,93 +60,6 @@ class Early:
         self.params = params or set()
         self.records = records or []
         self.sent = sent or []
-
-
-#: the keys of a group an update reads, in the order a refusal names them
-HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "fused")
-#: the optimizer's own settings the updates of a step read
-OPTIMIZER_KEYS = ("max_grad_norm", "nonfinite")
-
-
-def _value(x: Any) -> Any:
-    """A hyperparameter by value: a tensor (lr, betas) as its number, so that a tensor filled in place is seen."""
-    if isinstance(x, Tensor):
-        return float(x.detach().to("cpu").reshape(()).item()) if x.numel() == 1 else tuple(x.detach().to("cpu").tolist())
-    if isinstance(x, (tuple, list)):
-        return tuple(_value(y) for y in x)
-    return x
-
-
-def _same(a: Any, b: Any) -> bool:
-    return bool(a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b))
-
-
-def hyper_of(group: dict[str, Any]) -> tuple:
-    """The values an update reads from its group (tensors by value)."""
-    return tuple(_value(group.get(key)) for key in HYPER_KEYS)
-
-
-def _kept(x: Any) -> Any:
-    """``x`` as it is now: a tensor (filled in place by torch's schedulers) cloned, without a wait for its device."""
-    if isinstance(x, Tensor):
-        return x.detach().clone()
-    if isinstance(x, (tuple, list)):
-        return tuple(_kept(y) for y in x)
-    return x
-
-
-class Snapshot:
-    """The hyperparameters of every group and the optimizer's settings when a backward began."""
-
-    __slots__ = ("groups", "settings")
-
-    def __init__(self, optimizer: Any) -> None:
-        self.groups = [tuple(_kept(group.get(key)) for key in HYPER_KEYS) for group in optimizer.param_groups]
-        self.settings = tuple(_kept(getattr(optimizer, key, None)) for key in OPTIMIZER_KEYS)
-
-    def changes(self, optimizer: Any) -> list[str]:
-        """What differs now, each as 'param_groups[i]['key'] ... (from old to new)'; empty when nothing does."""
-        out = []
-        for gi, (kept, group) in enumerate(zip(self.groups, optimizer.param_groups)):
-            before = tuple(_value(x) for x in kept)
-            for key, old, new in zip(HYPER_KEYS, before, hyper_of(group)):
-                if not _same(old, new):
-                    out.append(f"param_groups[{gi}][{key!r}] changed between backward and step() (from {old!r} to {new!r})")
-        if len(self.groups) != len(optimizer.param_groups):
-            out.append(f"param_groups changed between backward and step() ({len(self.groups)} groups, now "
-                       f"{len(optimizer.param_groups)})")
-        for key, kept_setting in zip(OPTIMIZER_KEYS, self.settings):
-            old, new = _value(kept_setting), _value(getattr(optimizer, key, None))
-            if not _same(old, new):
-                out.append(f"{key} changed between backward and step() (from {old!r} to {new!r})")
-        return out
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_FINGERPRINT_CHUNK = 1 << 20
-
-
-def fingerprint(t: Tensor) -> tuple[int, int]:
-    """Two sums over ``t``'s bits (plain and position-weighted, int64 arithmetic, chunk by chunk): a change of
-    any element, or elements swapped, changes them (but for collisions no edit meets by chance)."""
-    flat = t.detach()
-    if flat.is_complex():
-        flat = torch.view_as_real(flat)
-    flat = flat.reshape(-1)
-    bits = flat.view(_BITS[flat.element_size()])
-    total = weighted = 0
-    for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
-        chunk = bits[start:start + _FINGERPRINT_CHUNK].to(torch.int64)
-        total += int(chunk.sum())
-        weights = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64)
-        weighted += int((chunk * weights).sum())
-    return total, weighted
-
-
-def _mark(local: Tensor) -> tuple[int, int, tuple[int, int] | None]:
-    """What tells an edit of ``local`` apart: version counter, data pointer and, in host memory, the fingerprint."""
-    host = local.device.type == "cpu" and not standin.is_device_tensor(local)
-    return local._version, local.data_ptr(), fingerprint(local) if host else None
 
 
 class AtStep:
@@ -228,7 +139,7 @@ class DuringBackward:
         self._buckets: list[list[Tensor]] = []
         self._sent: Sent = []
         self._snapshot: Snapshot | None = None  # what the hyperparameters were when the latest backward began
-        self._marks: dict[Tensor, tuple[int, int, tuple[int, int] | None]] = {}  # updated in backward, as it ended
+        self._marks: dict[Tensor, Mark] = {}  # the parameters updated during backward, as it ended
         self._torn_why = ""  # why the step is refused until a load (empty: a backward raised after updates)
         self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
         self._missing_state = False
@@ -267,7 +178,7 @@ class DuringBackward:
         for bucket in self._buckets:
             for p in bucket:
                 if updater.covers(p):
-                    self._marks[p] = _mark(self._slots[p].local)
+                    self._marks[p] = mark(self._slots[p].local)
 
     def _failed_backward(self) -> None:
         """Before step(), zero_grad() or a load: a backward that raised. Nothing ran early: it is dropped as torch drops
@@ -451,16 +362,16 @@ class DuringBackward:
         self._refuse_changes(snapshot, marks, ran=len(early))
         return Early(early, records, sent)
 
-    def _refuse_changes(self, snapshot: Snapshot | None, marks: dict[Tensor, tuple], ran: int) -> None:
+    def _refuse_changes(self, snapshot: Snapshot | None, marks: dict[Tensor, Mark], ran: int) -> None:
         """Refuse the step, naming each, when updates ran during backward (``ran``: how many parameters) and a
         hyperparameter changed since backward began or a parameter updated during it was edited since. When none ran
         every update runs in step() with the values of now, exactly as torch's."""
         if not ran:
             return
         problems = [] if snapshot is None else snapshot.changes(self._optimizer)
-        for p, mark in marks.items():
+        for p, before in marks.items():
             slot = self._slots.get(p)
-            if slot is not None and _mark(slot.local) != mark:
+            if slot is not None and changed(slot.local, before):
                 problems.append(f"{self._describe(slot)} was changed between backward and step() (written through "
                                 "p.data, assigned, loaded or edited in place)")
         if not problems:
