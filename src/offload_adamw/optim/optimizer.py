@@ -345,7 +345,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             first_at[id(p)] = index
         for index, p in enumerate(group["params"]):
             if p.dtype == torch.complex32:
-                raise ValueError(
+                raise Unsupported(
                     f"OffloadAdamW does not support complex32 parameters: {self._describe(group, index)} "
                     "is complex32; use complex64"
                 )
