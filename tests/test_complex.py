@@ -104,6 +104,7 @@ def test_complex_state_dict_moves_to_torch_and_back_and_continues_exactly():
         assert same_bits(torch.view_as_real(back[n].detach()), torch.view_as_real(theirs[n].detach()))
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_complex32_is_refused_by_name():
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex32))
     with pytest.raises(ValueError, match="parameter 'half'.*complex32"):

@@ -17,6 +17,8 @@ from torch import nn
 from offload_adamw import OffloadAdamW
 
 REPETITIONS = 8
+# The probes step a scheduler before opt.step() on purpose; torch warns about that order.
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 
 
 def _model(seed: int = 0) -> nn.Module:
