@@ -71,8 +71,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
 NOT_CAUGHT = {
     "the step's wait for the worker before it takes the early updates' copies (updater.finish() before self._sent)":
         "backward's last callback has already waited for every update handed to the worker (updater.settle(), "
-        "mutated above), so no update runs when step() takes the copies; finish() is kept for the buckets a gate "
-        "would open at the step",
+        "mutated above), so no update runs when step() takes the copies; finish() still ends the worker and raises "
+        "an update's error there",
     "host update: staging written again before the previous copy out of it ended (slot.sending.wait())":
         "within a step each staging buffer is written once, and every send-back is complete when the stand-in's "
         "compute stream has waited for it at the end of the step",
