@@ -131,3 +131,27 @@ def test_changes_after_step_and_before_backward_are_taken_as_torch_takes_them():
             o.zero_grad()
     for p, q in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_mark_sees_any_one_element_changed_in_any_layout():
+    # A write through p.data moves no version counter: in host memory the mark's fingerprint must see it, also for a
+    # view at an offset that is no multiple of 8 bytes, a tail shorter than 8 bytes, and complex or bf16 elements.
+    from offload_adamw.accel.changes import changed, mark, values_of
+
+    cases = {
+        "float32": torch.randn(1000),
+        "view at an odd offset": torch.randn(1001)[1:],
+        "bf16 with a short tail": torch.randn(9, dtype=torch.bfloat16),
+        "complex64": torch.randn(7, dtype=torch.complex64),
+        "transposed": torch.randn(6, 5).t(),
+    }
+    for name, t in cases.items():
+        before = mark(t, values_of(t))
+        assert not changed(t, before), name
+        for k in (0, t.numel() // 2, t.numel() - 1):
+            where = tuple(int(i) for i in torch.unravel_index(torch.tensor(k), t.shape))
+            old = t.data[where].clone()
+            t.data[where] += 1
+            assert changed(t, before), (name, k)
+            t.data[where] = old
+            assert not changed(t, before), (name, k, "put back")

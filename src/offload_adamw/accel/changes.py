@@ -8,10 +8,13 @@ Contract (docs/update-in-backward.md#the-protocol-what-is-refused-and-when):
   now (values compared, a NaN equal to a NaN).
 * :func:`mark` marks a parameter after its update: its version counter and data pointer, which every torch
   operation on it moves, and, for a tensor in host memory, a fingerprint of its bits (:func:`fingerprint`),
-  since a write through ``p.data`` moves no version counter. The fingerprint is kept as tensors: taking it
-  reads no value back (on the autograd thread, inside backward). :func:`changed` tells whether a parameter
-  is no longer as marked. On an accelerator only the version counter and the data pointer tell, as for edits
-  between steps (docs/contract.md#edits-between-steps): reading every parameter back would cost a copy.
+  since a write through ``p.data`` moves no version counter. The fingerprint is taken by the update as it
+  leaves the parameter, on the worker thread while backward goes on (:func:`values_of`), and stays a tensor
+  (no value is read back); the version counter and the data pointer when backward has ended (whatever
+  backward itself did to them, FSDP2's resharding or our own landings, is not an edit). :func:`changed` tells
+  whether a parameter is no longer as marked (one more read of it, at ``step()``). On an accelerator
+  only the version counter and the data pointer tell, as for edits between steps
+  (docs/contract.md#edits-between-steps): reading every parameter back would cost a copy.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from offload_adamw.accel import standin
 
-__all__ = ["HYPER_KEYS", "Mark", "OPTIMIZER_KEYS", "Snapshot", "changed", "fingerprint", "hyper_of", "mark"]
+__all__ = ["HYPER_KEYS", "Mark", "OPTIMIZER_KEYS", "Snapshot", "changed", "fingerprint", "hyper_of", "mark", "values_of"]
 
 #: the keys of a group an update reads, in the order a refusal names them
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "fused")
@@ -85,35 +88,40 @@ class Snapshot:
         return out
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_FINGERPRINT_CHUNK = 1 << 20
-
 #: (version counter, data pointer, fingerprint or None) of a parameter after its update
 Mark = tuple[int, int, Tensor | None]
 
 
 def fingerprint(t: Tensor) -> Tensor:
-    """Two int64 sums over ``t``'s bits, plain and position-weighted (wrapping, chunk by chunk), as a tensor: a
-    change of any element, or elements swapped, changes them, but for a collision no edit meets by chance."""
+    """The wrapping int64 sum of ``t``'s bytes read as 8-byte words (the last, shorter word byte by byte), as a
+    tensor: a change of any element changes it (a sum over a group), unless other changes cancel it exactly or
+    only elements are swapped. One read of the tensor at memory speed (a third of a host update's time)."""
     flat = t.detach()
     if flat.is_complex():
         flat = torch.view_as_real(flat)
-    bits = flat.reshape(-1).view(_BITS[flat.element_size()])
-    sums = torch.zeros(2, dtype=torch.int64)
-    for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
-        chunk = bits[start:start + _FINGERPRINT_CHUNK].to(torch.int64)
-        sums[0] += chunk.sum()
-        sums[1] += (chunk * torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64)).sum()
-    return sums
+    raw = flat.reshape(-1).view(torch.uint8)
+    words = raw.numel() // 8 * 8
+    try:
+        head = raw[:words].view(torch.int64).sum()
+    except RuntimeError:  # a tensor whose storage offset is not a multiple of 8 bytes
+        head = raw[:words].clone().view(torch.int64).sum()
+    return torch.stack([head, raw[words:].to(torch.int64).sum()])
 
 
 def _in_host_memory(local: Tensor) -> bool:
     return local.device.type == "cpu" and not standin.is_device_tensor(local)
 
 
-def mark(local: Tensor) -> Mark:
-    """What tells a later edit of ``local`` (a parameter's local tensor) apart (see the module contract)."""
-    return local._version, local.data_ptr(), fingerprint(local) if _in_host_memory(local) else None
+def values_of(local: Tensor) -> Tensor | None:
+    """The fingerprint of ``local`` where it lives in host memory (the update takes it as it leaves the tensor),
+    else None."""
+    return fingerprint(local) if _in_host_memory(local) else None
+
+
+def mark(local: Tensor, values: Tensor | None) -> Mark:
+    """What tells a later edit of ``local`` (a parameter's local tensor) apart: its version counter and data pointer
+    now, and ``values``, its fingerprint from :func:`values_of` (see the module contract)."""
+    return local._version, local.data_ptr(), values
 
 
 def changed(local: Tensor, before: Mark) -> bool:

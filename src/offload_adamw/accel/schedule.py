@@ -19,9 +19,9 @@ Contract, one schedule each, chosen once at construction:
   after that backward began is refused by ``step()``, every time, naming it: a hyperparameter of a group or of
   the optimizer, compared with what it was when backward began (accel/changes.py, ``Snapshot``); a parameter
   updated during backward and edited after its update (``p.data`` written or assigned,
-  ``model.load_state_dict``, an in-place op), compared with its mark taken when backward ended: backward's
-  last callback waits for the updates handed to the worker (``BackwardUpdater.settle``) and marks each
-  updated parameter, so the user's code between backward and ``step()`` cannot race with an update. After
+  ``model.load_state_dict``, an in-place op), compared with its mark (accel/changes.py): backward's last
+  callback waits for the updates handed to the worker (``BackwardUpdater.settle``) and marks each, so the
+  user's code between backward and ``step()`` cannot race with an update or its mark. After
   such a refusal every step is refused until a ``load_state_dict`` restores a checkpoint: the updated
   parameters are one update ahead of the others. When no update ran, ``step()`` runs them all with the
   values of now, exactly as torch's AdamW.
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.changes import Mark, Snapshot, changed, mark
+from offload_adamw.accel.changes import Mark, Snapshot, changed, mark, values_of
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
@@ -139,7 +139,8 @@ class DuringBackward:
         self._buckets: list[list[Tensor]] = []
         self._sent: Sent = []
         self._snapshot: Snapshot | None = None  # what the hyperparameters were when the latest backward began
-        self._marks: dict[Tensor, Mark] = {}  # the parameters updated during backward, as it ended
+        self._values: dict[Tensor, Tensor | None] = {}  # each updated parameter's fingerprint, as its update left it
+        self._marks: dict[Tensor, Mark] = {}  # the parameters updated during backward, as backward left them
         self._torn_why = ""  # why the step is refused until a load (empty: a backward raised after updates)
         self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
         self._missing_state = False
@@ -166,8 +167,8 @@ class DuringBackward:
 
     def _settle(self, tries: int) -> None:
         """After every callback of the ending backward (the gate's decision included, which may start the updates):
-        wait for the updates handed to the worker and mark each updated parameter. backward() has not returned yet,
-        so no edit of the user's can have come between an update and its mark."""
+        wait for the updates handed to the worker, each of which marks its parameters when it ends. backward() has
+        not returned yet, so no edit of the user's can come between an update and its mark."""
         if self._gate.deciding() and tries > 0:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(tries - 1))
             return
@@ -175,10 +176,10 @@ class DuringBackward:
         if updater is None or not updater.started():
             return
         updater.settle()
-        for bucket in self._buckets:
-            for p in bucket:
-                if updater.covers(p):
-                    self._marks[p] = mark(self._slots[p].local)
+        for p, values in list(self._values.items()):
+            slot = self._slots.get(p)
+            if slot is not None:
+                self._marks[p] = mark(slot.local, values)
 
     def _failed_backward(self) -> None:
         """Before step(), zero_grad() or a load: a backward that raised. Nothing ran early: it is dropped as torch drops
@@ -217,7 +218,7 @@ class DuringBackward:
         self._torn = 0
         self._torn_why = ""
         self._snapshot = None
-        self._marks = {}
+        self._marks, self._values = {}, {}
         self._drop_updater()
 
     def _open_gate(self) -> None:
@@ -353,10 +354,11 @@ class DuringBackward:
             self._drop_updater()
         updater, self._updater = self._updater, None
         snapshot, self._snapshot = self._snapshot, None
-        marks, self._marks = self._marks, {}
         if updater is None:
+            self._marks, self._values = {}, {}
             return Early()  # every update runs in step(), with the values of now, as torch's
         _, records = updater.finish()
+        marks, self._marks, self._values = self._marks, {}, {}
         sent, self._sent = self._sent, []  # after the worker has ended: its last bucket's copies are among them
         early = {p for r in records for p in self._buckets[r.bucket]}
         self._refuse_changes(snapshot, marks, ran=len(early))
@@ -434,6 +436,11 @@ class DuringBackward:
         """A bucket's update on the worker thread, while backward goes on."""
         bucket = self._buckets[index]
         sent, times = self._run_early(bucket)
+        for p in bucket:  # the values as the update left them, taken while backward goes on; marked when it ends
+            slot = self._slots.get(p)
+            if slot is not None:
+                # A parameter sent back from a staging buffer is written by a copy that may land later: version only.
+                self._values[p] = values_of(slot.local) if slot.staging is None else None
         self._sent += sent
         return times
 
@@ -442,7 +449,7 @@ class DuringBackward:
         self._failed_backward()
         self.refuse_mid_step("clear its gradients")
         self._snapshot = None  # a backward dropped without a step: the next one begins afresh
-        self._marks = {}
+        self._marks, self._values = {}, {}
         if self._updater is not None and self._updater.gated() and self._updater.started():
             self._drop_updater()
 
