@@ -96,6 +96,26 @@ def test_a_change_between_backward_and_step_is_refused_every_time_naming_it(prob
     assert refused == REPETITIONS
 
 
+def test_a_tensor_lr_filled_in_place_by_a_scheduler_is_refused_every_time():
+    # torch's schedulers fill a tensor lr in place (the group keeps the same tensor): seen by value, not by identity.
+    for _ in range(REPETITIONS):
+        model = _model()
+        opt = OffloadAdamW(model.named_parameters(), lr=torch.tensor(1e-3), offload_gradients=True,
+                           update_in_backward=True, bucket_bytes=1)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        for k in range(2):
+            _loss(model, k).backward()
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+        lr = opt.param_groups[0]["lr"]
+        _loss(model, 2).backward()
+        scheduler.step()
+        assert opt.param_groups[0]["lr"] is lr
+        with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] changed between backward and step\(\)"):
+            opt.step()
+
+
 def test_a_change_before_the_first_step_is_honoured_exactly_every_time():
     # No update runs during the first backward (the buckets follow the previous backward's order): step() runs every
     # update with the values of now, as torch does. Which steps have updates during backward follows from the
