@@ -5,10 +5,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
+# Every version the environments install (requirements/pins.txt says how to move them). Each pip run of the
+# recipes, the clean-install test's included, reads it through the environment; `make test-latest` empties it.
+PINS ?= requirements/pins.txt
 
-.PHONY: venv demo test test-slow lint docs bench gpu-check clean
+ifneq ($(PINS),)
+export PIP_CONSTRAINT := $(abspath $(PINS))
+export PIP_BUILD_CONSTRAINT := $(abspath $(PINS))
+endif
 
-$(STAMP): pyproject.toml Makefile
+.PHONY: venv demo test test-slow test-latest pins lint docs bench gpu-check clean
+
+$(STAMP): pyproject.toml Makefile $(PINS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -35,8 +43,26 @@ test: venv $(DOCS_STAMP)
 	$(PY) -m mypy src
 	$(MAKE) --no-print-directory docs
 
+# Every slow test but the clean install, which `make test` runs; CI runs it after `make test`.
 test-slow: venv
-	$(PY) -m pytest -q -m "slow" -p no:cacheprovider
+	$(PY) -m pytest -q -m "slow and not gpu" -p no:cacheprovider --deselect tests/test_clean_install.py
+
+# The suite against the newest releases of everything but torch, in a venv of its own (not part of CI): what
+# `make pins` would move to. A failure here is a release to look at before moving the pins.
+test-latest:
+	env -u PIP_CONSTRAINT -u PIP_BUILD_CONSTRAINT $(MAKE) --no-print-directory test VENV=.venv-latest PINS=
+
+# Move the pins to the newest releases: a fresh venv without them, frozen into requirements/pins.txt (torch
+# stays at the build the Makefile installs). Run `make test` after it and commit the file with what it changed.
+pins:
+	rm -rf .venv-pins
+	env -u PIP_CONSTRAINT -u PIP_BUILD_CONSTRAINT $(MAKE) --no-print-directory $(abspath .venv-pins)/.docs-installed \
+		VENV=$(abspath .venv-pins) PINS=
+	sed -n '/^#/p' requirements/pins.txt > requirements/pins.txt.new
+	.venv-pins/bin/python -m pip freeze --all --exclude-editable | sed -E 's/^torch==([0-9.]+)\+[a-z0-9]+$$/torch==\1/' \
+		| sort -f >> requirements/pins.txt.new
+	mv requirements/pins.txt.new requirements/pins.txt
+	rm -rf .venv-pins
 
 # Style and types (configured in pyproject.toml). Run both even when the first one finds something.
 lint: venv
@@ -56,4 +82,4 @@ gpu-check:
 	PYTHON=$(PYTHON) bash benchmarks/gpu_run.sh bench-out/gpu-run
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-latest .venv-pins build *.egg-info

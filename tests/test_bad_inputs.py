@@ -209,6 +209,41 @@ def test_parameter_on_the_meta_device_is_refused_by_name_before_any_state():
     assert len(optimizer.state) == 0
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipeline"])
+def test_meta_parameters_are_refused_with_a_runtime_error_as_torch_and_train_once_materialized(pipeline):
+    # torch's fused AdamW raises RuntimeError for a meta parameter at its step (test_fused_error_on_params_on_meta in
+    # torch's suite); code catching it must catch ours, which keeps naming the parameter (and stays a ValueError).
+    with torch.device("meta"):
+        ours = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1))
+        theirs = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1))
+    optimizer = OffloadAdamW(ours.named_parameters(), transfer_pipeline=pipeline)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), fused=True)
+    for model in (ours, theirs):
+        with torch.device("meta"):
+            for p in model.parameters():
+                p.grad = torch.rand_like(p)
+    with pytest.raises(RuntimeError):
+        torch_opt.step()
+    with pytest.raises(RuntimeError, match=r"'0.weight' is on the meta device") as refused:
+        optimizer.step()
+    assert isinstance(refused.value, ValueError) and len(optimizer.state) == 0
+    gen = torch.Generator().manual_seed(0)
+    for model, opt in ((ours, optimizer), (theirs, torch_opt)):
+        opt.zero_grad(set_to_none=True)
+        model.to_empty(device="cpu")
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        value = torch.randn(p.shape, generator=gen)
+        with torch.no_grad():
+            p.copy_(value)
+            q.copy_(value)
+        p.grad = torch.randn(p.shape, generator=gen)
+        q.grad = p.grad.clone()
+    optimizer.step()
+    torch_opt.step()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert same_bits(p.detach(), q.detach())
+
+
 # -------------------------------------------------------- add_param_group
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -230,3 +232,157 @@ def test_help_takes_a_fraction_of_the_time_of_importing_torch():
     torch_import = fastest([sys.executable, "-c", "import torch"])
     help_time = fastest([sys.executable, "-m", "offload_adamw", "--help"])
     assert help_time < 0.6 * torch_import, (help_time, torch_import)
+
+
+# ----------------------------------------------------------------------------- inputs and outputs it cannot use
+
+
+def _fifo(tmp_path, name: str = "fifo"):
+    path = tmp_path / name
+    os.mkfifo(path)
+    return path
+
+
+def _big(tmp_path):
+    """A regular file one byte over the input limit (sparse: no disk used)."""
+    path = tmp_path / "big.json"
+    with open(path, "wb") as f:
+        f.truncate(16 * 2**20 + 1)
+    return path
+
+
+@pytest.mark.parametrize("clauses", ["", ",", " , "])
+def test_check_refuses_an_empty_clause_list(clauses):
+    assert_usage_error(run_cli("check", "torch.optim:AdamW", "--clauses", clauses), "--clauses", "no clause")
+
+
+@pytest.mark.parametrize("timeout", ["1e10", "nan", "inf", "-inf", "0", "-5", "1e300"])
+def test_check_refuses_a_timeout_out_of_range(timeout):
+    # "--timeout=V": argparse reads "-inf" after a space as an option of its own
+    assert_usage_error(run_cli("check", "torch.optim:AdamW", f"--timeout={timeout}"), "--timeout", timeout)
+
+
+@pytest.mark.parametrize("entry, culprit", [({"clauses": []}, "no clause"), ({"clauses": ""}, "no clause"),
+                                             ({"timeout": 1e10}, "timeout")])
+def test_check_refuses_the_same_in_a_batch_entry(tmp_path, entry, culprit):
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps([{"candidate": "torch.optim:AdamW", **entry}]))
+    assert_usage_error(run_cli("check", "--batch", str(batch)), "entry 0", culprit)
+
+
+FULL = "/dev/full"
+
+
+@pytest.mark.skipif(not os.path.exists(FULL), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["check", "torch.optim:AdamW", "--json", FULL], ["audit", "opt.pt", "--json", FULL],
+                                  ["demo", "--steps", "2", "--json", FULL], ["plan", "--preset", "llama-3-8b", "--json", FULL],
+                                  ["plan", "--preset", "llama-3-8b", "--plot", FULL],
+                                  ["bench", "--quick", "--json", FULL]], ids=" ".join)
+def test_an_output_that_accepts_no_bytes_is_refused_before_any_work(tmp_path, argv):
+    argv = [str(tmp_path / a) if a == "opt.pt" else a for a in argv]
+    (tmp_path / "opt.pt").write_bytes(b"")
+    started = time.perf_counter()
+    done = run_cli(*argv, "--out", str(tmp_path / "demo")) if argv[0] == "demo" else run_cli(*argv)
+    assert_usage_error(done, FULL, "No space left on device")
+    assert time.perf_counter() - started < 60  # demo, bench and check take minutes: none of them ran
+
+
+def test_an_output_fifo_without_a_reader_is_refused_before_any_work(tmp_path):
+    fifo = _fifo(tmp_path)
+    assert_usage_error(run_cli("plan", "--preset", "llama-3-8b", "--json", str(fifo), timeout=60), str(fifo), "FIFO")
+
+
+def _limited_file_size(limit: int):
+    """In the child: files of at most ``limit`` bytes, and a write past it fails (EFBIG) instead of killing it."""
+
+    def apply() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.parametrize("argv", [["plan", "--preset", "llama-3-8b"], ["check", "torch.optim:AdamW", "--clauses", "12"]],
+                         ids=lambda a: " ".join(a[:2]))
+def test_a_write_that_fails_at_the_end_is_one_line_and_a_status_of_its_own(tmp_path, argv):
+    target = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "-m", "offload_adamw", *argv, "--json", str(target)], capture_output=True,
+                          text=True, timeout=300, preexec_fn=_limited_file_size(64))
+    assert done.returncode == 74, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"offload-adamw {argv[0]}: --json {target}: could not write") and "File too large" in last, last
+    assert done.stdout  # the work was done and its tables printed: only the file is missing
+
+
+@pytest.mark.parametrize("kind", ["character device", "FIFO", "too large"])
+@pytest.mark.parametrize("argv", [["plan", "--config", "{}"], ["check", "--batch", "{}"],
+                                  ["check", "torch.optim:AdamW", "--kwargs", "@{}"],
+                                  ["check", "torch.optim:AdamW", "--map", "@{}"]], ids=lambda a: " ".join(a[:2]))
+def test_an_input_file_is_a_regular_file_of_at_most_16_mib(tmp_path, argv, kind):
+    source = {"character device": "/dev/zero", "FIFO": None, "too large": None}[kind]
+    if kind == "FIFO":
+        source = str(_fifo(tmp_path))
+    elif kind == "too large":
+        source = str(_big(tmp_path))
+    done = run_cli(*[a.replace("{}", source) for a in argv], timeout=60)
+    assert_usage_error(done, source, "16 MiB" if kind == "too large" else kind)
+
+
+def test_plan_config_directory_whose_config_json_is_a_fifo(tmp_path):
+    _fifo(tmp_path, "config.json")
+    assert_usage_error(run_cli("plan", "--config", str(tmp_path), timeout=60), "config.json", "FIFO")
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory"])
+def test_audit_says_what_its_input_is_when_it_is_not_a_file(tmp_path, kind):
+    path = _fifo(tmp_path) if kind == "FIFO" else tmp_path
+    done = run_cli("audit", str(path), timeout=60)
+    assert_usage_error(done, str(path), kind)
+    assert "no such file" not in done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--sizes", "--bandwidth-elements", "--scaling-size"])
+def test_bench_refuses_sizes_beyond_the_memory_of_this_machine(flag):
+    done = run_cli("bench", flag, "999G", "--repeats", "1", timeout=120)
+    assert_usage_error(done, flag, "999G", "memory")
+
+
+@pytest.mark.parametrize("argv", [["demo", "--out", "afile/sub"], ["plan", "--preset", "llama-3-8b", "--json", "afile/x/p.json"],
+                                  ["check", "torch.optim:AdamW", "--json", "afile/x.json"]], ids=" ".join)
+def test_an_output_under_a_file_names_the_file(tmp_path, argv):
+    (tmp_path / "afile").write_text("")
+    done = run_cli(*[str(tmp_path / a) if a.startswith("afile") else a for a in argv])
+    assert_usage_error(done, f"{tmp_path / 'afile'} is a file, not a directory")
+
+
+def test_bench_memory_figure_is_what_a_workload_holds():
+    from offload_adamw.benchmarking.workload import make_workload
+    from offload_adamw.cli.bench import WORKLOAD_BYTES_PER_ELEMENT
+
+    w = make_workload(4096)
+    arrays = w.master + w.exp_avg + w.exp_avg_sq + w.grad32 + w.grad16 + w.model16
+    assert sum(t.numel() * t.element_size() for t in arrays) == WORKLOAD_BYTES_PER_ELEMENT * w.elements
+
+
+@pytest.mark.skipif(not os.path.exists(FULL), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["plan", "--preset", "llama-3-8b"], ["plan", "--preset", "llama-3-8b", "--json"],
+                                  ["check", "torch.optim:AdamW", "--json"]], ids=" ".join)
+def test_a_stdout_that_accepts_no_bytes_is_refused_before_any_work(argv):
+    with open(FULL, "w") as full:
+        done = subprocess.run([sys.executable, "-m", "offload_adamw", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [f"offload-adamw {argv[0]}: stdout: cannot be written (No space left on device)"]
+
+
+def test_a_stdout_write_that_fails_at_the_end_is_one_line_and_a_status_of_its_own(tmp_path):
+    with open(tmp_path / "out.txt", "w") as out:
+        done = subprocess.run([sys.executable, "-m", "offload_adamw", "plan", "--preset", "llama-3-8b"], stdout=out,
+                              stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=_limited_file_size(64))
+    assert done.returncode == 74 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offload-adamw plan: stdout: could not write (File too large)"), lines

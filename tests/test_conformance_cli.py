@@ -343,7 +343,7 @@ def test_a_batch_file_checks_each_entry_with_its_own_options_in_one_command(tmp_
     ('[{"candidate": "torch.optim:AdamW"}, {"candidate": "x:Y", "mapping": {}}]', "entry 1: unknown key(s) ['mapping']"),
     ('[{"dtype": "bf16"}]', "entry 0: 'candidate' must be a string"),
     ('[{"candidate": "x:Y", "clauses": "1,a"}]', "entry 0: 'clauses': expected numbers"),
-    ('[{"candidate": "x:Y", "timeout": 0}]', "entry 0: 'timeout' must be a positive number"),
+    ('[{"candidate": "x:Y", "timeout": 0}]', "entry 0: 'timeout': expected a number of seconds above 0"),
     ('[{"candidate": "x:Y", "map": "eps"}]', "entry 0: 'map' must be a JSON object"),
 ])
 def test_a_malformed_batch_file_is_a_usage_error_naming_the_entry_before_any_check(tmp_path, capsys, content, message):
@@ -357,7 +357,7 @@ def test_a_malformed_batch_file_is_a_usage_error_naming_the_entry_before_any_che
 @pytest.mark.parametrize("argv, message", [
     (["check", "--no-progress"], "give a candidate to check"),
     (["check", "torch.optim:AdamW", "--batch", "study.json", "--no-progress"], "not both"),
-    (["check", "--batch", "/no/such/study.json", "--no-progress"], "--batch: cannot read '/no/such/study.json'"),
+    (["check", "--batch", "/no/such/study.json", "--no-progress"], "--batch '/no/such/study.json': no such file"),
 ])
 def test_candidates_or_a_batch_file_one_of_them(argv, message, capsys):
     assert main(argv) == 2
@@ -405,3 +405,15 @@ def test_the_commands_nonfinite_choices_are_the_contracts():
     from offload_adamw.contract.rules import NONFINITE_POLICIES
 
     assert check_command.NONFINITE_POLICIES == NONFINITE_POLICIES
+
+
+def test_the_commands_longest_timeout_is_the_checkers_and_the_checker_refuses_past_it_and_no_clause():
+    from offload_adamw.cli import check as check_command
+    from offload_adamw.conformance import checker
+
+    assert check_command.MAX_TIMEOUT == checker.MAX_TIMEOUT
+    for timeout in (checker.MAX_TIMEOUT * 2, 1e10, float("inf"), float("nan"), 0):
+        with pytest.raises(ValueError, match="timeout"):
+            checker.check("torch.optim:AdamW", clauses=[12], timeout=timeout)
+    with pytest.raises(ValueError, match="no clause"):
+        checker.check("torch.optim:AdamW", clauses=[])

@@ -162,6 +162,39 @@ def test_tensor_lr_bitwise():
     assert same_bits(p, q)
 
 
+TENSOR_BETAS = {
+    "fused": ({}, {"fused": True}),
+    "fused, amsgrad, pipeline": ({"amsgrad": True, "transfer_pipeline": True}, {"amsgrad": True, "fused": True}),
+    # torch's single-tensor loop keeps tensor betas as float32 tensors: its bias corrections are float32 tensors.
+    "for-loop": ({"fused": False}, {"foreach": False, "fused": False}),
+    "for-loop, amsgrad, tensor lr": ({"fused": False, "amsgrad": True, "lr": torch.tensor(0.01)},
+                                     {"foreach": False, "fused": False, "amsgrad": True, "lr": torch.tensor(0.01)}),
+}
+
+
+@pytest.mark.parametrize("case", list(TENSOR_BETAS))
+def test_tensor_betas_are_kept_as_torch_keeps_them_and_train_bitwise(case):
+    # issue 37: betas=(tensor, tensor), which torch accepts, must train as torch trains, with the groups torch has.
+    ours_kwargs, torch_kwargs = TENSOR_BETAS[case]
+    gen = torch.Generator().manual_seed(7)
+    p = torch.nn.Parameter(torch.randn(33, 7, generator=gen))
+    q = torch.nn.Parameter(p.detach().clone())
+    betas = (torch.tensor(0.9), torch.tensor([0.999]))  # a 1-element beta is squeezed to 0-dim, as torch does
+    a = OffloadAdamW([p], **{"lr": 0.01, "betas": betas, **ours_kwargs})
+    b = torch.optim.AdamW([q], **{"lr": 0.01, "betas": betas, **torch_kwargs})
+    for _ in range(20):
+        g = torch.randn(33, 7, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    assert same_bits(p.detach(), q.detach())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert same_bits(a.state[p][key], b.state[q][key])
+    ours_betas, their_betas = a.param_groups[0]["betas"], b.param_groups[0]["betas"]
+    assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in ours_betas)
+    assert [x.item() for x in ours_betas] == [x.item() for x in their_betas]
+
+
 def test_lr_zero_absorbs_and_grad_none_skips_exactly():
     p = torch.nn.Parameter(torch.randn(5))
     opt = OffloadAdamW([p], lr=0.0, weight_decay=0.3)

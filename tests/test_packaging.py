@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import offload_adamw
 from offload_adamw._version import __version__
@@ -55,3 +60,37 @@ def test_import_and_a_step_work_without_the_resource_module():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+PINS = REPO / "requirements" / "pins.txt"
+
+
+def _pins() -> dict[str, str]:
+    lines = [line.split("#")[0].strip() for line in PINS.read_text().splitlines()]
+    return {canonicalize_name(name): version for name, _, version in (line.partition("==") for line in lines if line)}
+
+
+def test_the_pins_fix_every_requirement_of_the_test_and_docs_extras():
+    # a requirement of an extra that is not pinned would be taken at whatever version the registry serves that day
+    pins = _pins()
+    assert pins["torch"] == "2.13.0"  # the build the Makefile installs
+    assert all(version and "*" not in version for version in pins.values())
+    wanted = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"] + \
+        PYPROJECT["project"]["optional-dependencies"]["docs"]
+    missing = [r for r in wanted if canonicalize_name(Requirement(r).name) not in pins]
+    assert not missing, f"requirements/pins.txt pins none of {missing}: run `make pins`"
+    outside = [r for r in wanted if not Requirement(r).specifier.contains(pins[canonicalize_name(Requirement(r).name)],
+                                                                       prereleases=True)]
+    assert not outside, f"requirements/pins.txt pins versions these requirements exclude: {outside}"
+
+
+@pytest.mark.skipif(os.environ.get("PIP_CONSTRAINT") != str(PINS),
+                    reason="the environment was not installed with requirements/pins.txt (make test-latest, or no make)")
+def test_the_environment_is_the_pinned_one():
+    # make test installs through the pins: every distribution in the venv is the pinned version, so a clean clone
+    # tests what this one tested; a package the pins do not name came in by another route
+    pins = _pins()
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    installed.pop("offload-adamw", None)
+    differ = {n: (v, pins.get(n)) for n, v in installed.items() if pins.get(n) != v.split("+")[0]}
+    assert not differ, f"installed (version, pinned): {differ}; run `make pins` to move the pins"

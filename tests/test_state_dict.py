@@ -49,7 +49,8 @@ def test_layout_matches_torch_and_states_are_float32_with_masters():
     for dtype in (torch.float32, torch.bfloat16):
         model = mlp(dtype)
         ours = OffloadAdamW(model.parameters(), lr=1e-2)
-        theirs = torch.optim.AdamW(mlp(dtype).parameters(), lr=1e-2)
+        # The saved groups are those of the torch optimizer the run equals: fused (test_leaving_for_torch_... below).
+        theirs = torch.optim.AdamW(mlp(dtype).parameters(), lr=1e-2, fused=True)
         train(model, ours, 2)
         sd = ours.state_dict()
         assert sd["param_groups"] == theirs.state_dict()["param_groups"]
@@ -182,3 +183,44 @@ def test_hyperparameters_come_from_the_state_dict():
     fresh = OffloadAdamW(model.parameters(), lr=1e-3)
     fresh.load_state_dict(sd)
     assert fresh.param_groups[0]["lr"] == 0.5 and fresh.param_groups[0]["weight_decay"] == 0.3
+
+
+def test_saved_names_are_kept_by_an_optimizer_built_without_names_as_torch_keeps_them():
+    # issue 37: torch's Optimizer.load_state_dict carries the saved param_names into the groups, so the next
+    # checkpoint still has them; an optimizer that dropped them would lose the names at the next save.
+    model = mlp()
+    named = OffloadAdamW(model.named_parameters(), lr=1e-2)
+    train(model, named, 2)
+    saved = named.state_dict()
+    for make in (lambda ps: OffloadAdamW(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)):
+        fresh_model = mlp()
+        opt = make(fresh_model.parameters())
+        opt.load_state_dict(copy.deepcopy(saved))
+        again = opt.state_dict()
+        assert [g["param_names"] for g in again["param_groups"]] == [["0.weight", "0.bias", "2.weight", "2.bias"]]
+        assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_leaving_for_torch_continues_exactly_whatever_torch_was_built_with(fused):
+    # issue 37: OffloadAdamW(fused=None) runs torch's fused kernel; its state_dict said fused=None, which torch adopts
+    # on load as "its default" (the for-loop on the CPU), so torch.optim.AdamW(fused=True) continued 1.5e-8 away.
+    # The saved group names the kernel the run used: torch continues with it, bit for bit.
+    model = mlp()
+    ours = OffloadAdamW(model.parameters(), lr=1e-2, fused=fused)
+    train(model, ours, 5)
+    saved = ours.state_dict()
+    assert saved["param_groups"][0]["fused"] is (fused is None)
+    assert fused is None or saved["param_groups"][0]["foreach"] is False  # torch's single-tensor loop, on any device
+    for torch_kwargs in ({"fused": True}, {}, {"foreach": False, "fused": False}):
+        leaving = mlp()
+        leaving.load_state_dict(model.state_dict())
+        theirs = torch.optim.AdamW(leaving.parameters(), lr=1e-2, **torch_kwargs)
+        theirs.load_state_dict(copy.deepcopy(saved))
+        staying = copy.deepcopy(model)
+        again = OffloadAdamW(staying.parameters(), lr=1e-2)
+        again.load_state_dict(copy.deepcopy(saved))
+        train(staying, again, 4, seed=3)
+        train(leaving, theirs, 4, seed=3)
+        for p, q in zip(staying.parameters(), leaving.parameters()):
+            assert same_bits(p, q), torch_kwargs

@@ -72,3 +72,42 @@ def test_gradients_kept_until_zeroed_accumulate_across_steps_as_torch():
             o.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True], ids=["freed", "update in backward"])
+@pytest.mark.parametrize("after", ["OffloadAdamW", "torch AdamW"])
+def test_an_optimizer_dropped_before_its_step_gives_the_gradients_back_as_real_tensors(after, update_in_backward):
+    # issue 37: an optimizer dropped between backward and step() while its gradients live in host memory took them
+    # with it; p.grad kept the stand-in, so a new OffloadAdamW moved nothing and torch's AdamW raised. When it goes,
+    # each p.grad becomes a real tensor holding the gradient, and what the user let go is freed.
+    import gc
+    import weakref
+
+    ours, theirs = _model(), _model()
+    make = {"OffloadAdamW": lambda ps: OffloadAdamW(ps, lr=1e-2),
+            "torch AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)}[after]
+    dropped = OffloadAdamW(ours.parameters(), lr=1e-2, offload_gradients=True, update_in_backward=update_in_backward)
+    gc.disable()  # freed by reference counting, not by a collection: nothing keeps it in a cycle
+    try:
+        ours(_x(0)).square().mean().backward()
+        assert all(is_host_resident(p.grad) for p in ours.parameters())
+        gone = weakref.ref(dropped)
+        pipeline = weakref.ref(dropped.transfer_pipeline)
+        del dropped
+        alive = gone() is not None
+    finally:
+        gc.enable()
+    gc.collect()
+    assert not alive and gone() is None and pipeline() is None
+    theirs(_x(0)).square().mean().backward()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert type(p.grad) is torch.Tensor and p.grad.device == p.device and torch.equal(p.grad, q.grad)
+    new, reference = make(list(ours.parameters())), torch.optim.AdamW(theirs.parameters(), lr=1e-2, fused=True)
+    new.step()
+    reference.step()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    grads = [weakref.ref(p.grad) for p in ours.parameters()]
+    new.zero_grad()
+    gc.collect()
+    assert all(r() is None for r in grads), "a given-back gradient is kept alive after zero_grad()"

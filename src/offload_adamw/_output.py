@@ -16,6 +16,8 @@ Contract:
   documents never carry ``"inf"`` as a string for a number.
 * :data:`SCHEMA_VERSION` is the version of the documents' layout; :func:`json_document` puts it
   first in every document, with the command that wrote it.
+* :func:`file_kind` names what a file is ("a FIFO (named pipe)", "a directory", ...), for the
+  messages that refuse something other than a regular file (checkpoints, the command line's inputs).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
+import stat
 import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "terminal_width", "render_table", "finite_json", "json_document"]
+__all__ = ["SCHEMA_VERSION", "terminal_width", "render_table", "finite_json", "json_document", "file_kind"]
 
 SCHEMA_VERSION = 1
 """Layout version of every JSON document the project writes; raised when a key changes meaning or goes away."""
@@ -128,3 +131,11 @@ def finite_json(document: Any) -> Any:
 def json_document(command: str, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` as a JSON document of ``command``: schema_version and command first, finite numbers only."""
     return finite_json({"schema_version": SCHEMA_VERSION, "command": command, **body})
+
+
+def file_kind(mode: int) -> str:
+    """What a file of this ``st_mode`` is, in words: "a regular file", "a directory", "a FIFO (named pipe)", ..."""
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((words for test, words in kinds if test(mode)), "a special file")

@@ -404,7 +404,9 @@ def accelerate_loop(optimizer_factory: Callable, steps: int = STEPS) -> tuple[di
     for step in range(steps):
         ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
         accelerator.backward(model(input_ids=ids, labels=ids).loss)
-        norms.append(accelerator.clip_grad_norm_(model.parameters(), CLIP).full_tensor().item())
+        norm = accelerator.clip_grad_norm_(model.parameters(), CLIP)
+        # a DTensor (torch's clip_grad_norm_) from older accelerate; 1.16 reduces it to a plain tensor
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
         opt.step()
         opt.zero_grad()
     gc.collect()

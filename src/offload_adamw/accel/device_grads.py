@@ -171,6 +171,13 @@ class ByPlacement:
     def new_step(self) -> None:
         self.device.new_step()
 
+    def close(self) -> None:
+        """The pipeline closes (its optimizer went): host gradients are given back through ``p.grad``."""
+        give_back = getattr(self.host, "give_back", None)
+        if give_back is not None:
+            give_back()
+        self.new_step()
+
     def intact(self, slot: Slot) -> bool:
         """Whether ``p.grad`` is still the gradient backward's hook landed: the host buffer's stand-in (freed host
         slots), or the device gradient unchanged (the others)."""

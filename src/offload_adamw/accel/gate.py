@@ -132,6 +132,10 @@ class Gate:
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(self._backward_ended))
 
+    def deciding(self) -> bool:
+        """Whether this backward's decision is still to come (its callback queued, or DDP's final callback first)."""
+        return self._callback_queued or self.ddp_pending
+
     def incomplete(self) -> None:
         """A reduced DDP bucket took no norm (find_unused_parameters): the step clips and checks."""
         self._partial = True

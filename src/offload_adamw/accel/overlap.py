@@ -10,7 +10,8 @@ Contract:
 * A *gate* holds every update back until it is opened: the updates of a clipped step need the
   global gradient norm, known only when the last gradient has landed; :meth:`BackwardUpdater.open_gate` is called
   then (or by ``finish``). Without a gate, buckets start as they complete.
-* :meth:`BackwardUpdater.finish` (called by ``step()``) opens the gate, waits for the worker, re-raises the first
+* :meth:`BackwardUpdater.settle` waits for the updates handed to the worker so far (the schedule calls it when
+  backward ends). :meth:`BackwardUpdater.finish` (called by ``step()``) opens the gate, waits for the worker, re-raises the first
   error of an update, and returns the buckets not updated (those whose gradients did not all land,
   which the caller updates itself) and the timeline records of those that were.
 * The worker thread runs ``thread_init`` first (accel/transfer.py: on CUDA it makes the pipeline's
@@ -132,6 +133,13 @@ class BackwardUpdater:
         record.end = time.monotonic()
         if extra:
             record.extra.update(extra)
+
+    def settle(self) -> None:
+        """Wait for every update handed to the worker so far (an error stays for :meth:`finish` to raise)."""
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:
+            future.exception()
 
     def finish(self) -> tuple[list[int], list[UpdateRecord]]:
         """Wait for every started update; (buckets still to update, records of those updated)."""

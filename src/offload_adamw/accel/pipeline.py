@@ -237,9 +237,9 @@ class GradientPipeline:
         swaps.stop_looking(self)
         self.hooks.close()
         self.schedule.close()
+        self.residency.close()  # freed gradients outlive their buffers: each p.grad becomes a real tensor holding one
         # The pipeline is a reference cycle, freed only by the collector: what it holds on the device goes now.
         self.placements.close()
-        self.residency.new_step()
         self.engine.close()
 
     def _check_host_buffers(self, nbytes: int, label: str) -> None:

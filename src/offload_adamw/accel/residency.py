@@ -12,7 +12,8 @@ Contract, one strategy each, chosen once at construction:
   ``model.zero_grad()`` reach the host buffer (for a DTensor parameter a DTensor over it, so DTensor
   ops keep their cross-rank meaning). A second micro-batch's gradient is copied into the accumulation
   buffer and added on the accumulator thread; so is a reduced shard FSDP2 adds into ``p.grad``. Neither
-  blocks backward. A cleared ``p.grad`` drops the host gradient; an assigned one replaces it.
+  blocks backward. A cleared ``p.grad`` drops the host gradient; an assigned one replaces it. When the
+  optimizer goes before its step, each stand-in becomes a real tensor holding its gradient (:meth:`FreedGradients.give_back`).
 * Both strategies answer the step's question, :meth:`FreedGradients.ready` and :meth:`KeptGradients.ready`:
   the complete, current host gradient of a parameter, or None.
 """
@@ -226,6 +227,25 @@ class FreedGradients:
             slot.param.grad = type(grad)(local, grad._spec, requires_grad=False)
         else:
             slot.param.grad = local
+
+    def give_back(self) -> None:
+        """The optimizer goes (or its pipeline closes) between backward and the step: each ``p.grad`` that stands for
+        a host gradient becomes a real tensor holding it, on the parameter's device (a DTensor with the stand-in's
+        mesh and placements), so that the gradient outlives the buffers and another optimizer finds it."""
+        with self._lock:
+            for slot in list(self._slots):
+                grad = slot.param.grad
+                if not is_host_resident(grad):
+                    continue
+                if slot.holding is Holding.NOTHING or slot.host_grad is None:
+                    slot.param.grad = None  # stands for nothing (cleared): as a cleared gradient is
+                    continue
+                slot.complete()
+                real: Any = slot.host_grad.to(slot.local.device, copy=True)  # a copy: the buffer goes with the pipeline
+                if local_tensor(grad) is not grad:
+                    real = type(grad)(real, grad._spec, requires_grad=False)
+                slot.param.grad = real
+                slot.holding = Holding.NOTHING
 
     # -------------------------------------------------- what p.grad's stand-in does
 

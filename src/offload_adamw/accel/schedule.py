@@ -13,7 +13,18 @@ Contract, one schedule each, chosen once at construction:
   instead of reading the updated value.
 * What the protocol cannot make exact after updates ran is refused by name: a second backward through
   an updated parameter, reading or clearing a gradient after its update, a forward before ``step()``,
-  hyperparameters or the non-finite policy changed between backward and ``step()``, loss scaling.
+  loss scaling.
+* When updates ran during a backward (from the second step on; not when the gate stayed shut or a parameter
+  still needed state: which holds follows from the program, never from the worker's timing), what changed
+  after that backward began is refused by ``step()``, every time, naming it: a hyperparameter of a group or of
+  the optimizer, compared with what it was when backward began (accel/changes.py, ``Snapshot``); a parameter
+  updated during backward and edited after its update (``p.data`` written or assigned,
+  ``model.load_state_dict``, an in-place op), compared with its mark (accel/changes.py): backward's last
+  callback waits for the updates handed to the worker (``BackwardUpdater.settle``) and marks each, so the
+  user's code between backward and ``step()`` cannot race with an update or its mark. After
+  such a refusal every step is refused until a ``load_state_dict`` restores a checkpoint: the updated
+  parameters are one update ahead of the others. When no update ran, ``step()`` runs them all with the
+  values of now, exactly as torch's AdamW.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offload_adamw.accel.changes import Mark, Snapshot, changed, mark, values_of
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
@@ -33,7 +45,7 @@ from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import graph_task
 from offload_adamw.accel.transfer import Completion
 
-__all__ = ["AtStep", "DuringBackward", "Early", "hyper_of"]
+__all__ = ["AtStep", "DuringBackward", "Early"]
 
 Sent = list[tuple[torch.device, Completion]]
 
@@ -48,14 +60,6 @@ class Early:
         self.params = params or set()
         self.records = records or []
         self.sent = sent or []
-
-
-def hyper_of(group: dict[str, Any]) -> tuple:
-    """The values an update reads from its group (a tensor lr by value)."""
-    lr = group["lr"]
-    lr = float(lr) if isinstance(lr, Tensor) else lr
-    betas = tuple(float(b) if isinstance(b, Tensor) else b for b in group["betas"])
-    return (lr, betas, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
 
 
 class AtStep:
@@ -134,7 +138,10 @@ class DuringBackward:
         self._updater: BackwardUpdater | None = None
         self._buckets: list[list[Tensor]] = []
         self._sent: Sent = []
-        self._hyper: dict[int, tuple] = {}
+        self._snapshot: Snapshot | None = None  # what the hyperparameters were when the latest backward began
+        self._values: dict[Tensor, Tensor | None] = {}  # each updated parameter's fingerprint, as its update left it
+        self._marks: dict[Tensor, Mark] = {}  # the parameters updated during backward, as backward left them
+        self._torn_why = ""  # why the step is refused until a load (empty: a backward raised after updates)
         self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
         self._missing_state = False
         self._checked_task: int | None = None
@@ -146,13 +153,33 @@ class DuringBackward:
     # ------------------------------------------------------------ in backward
 
     def backward_began(self) -> None:
-        """At the first hook of a backward: counted open until its end (a backward that raises never ends)."""
+        """At the first hook of a backward: counted open until its end (a backward that raises never ends), and the
+        hyperparameters as they are now, before any update of this backward, which step() compares."""
         self._open += 1
+        self._snapshot = Snapshot(self._optimizer)
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
         self._open = max(0, self._open - 1)
+        if torch._C._current_autograd_node() is None:  # not a backward nested in another one
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(4))
+
+    def _settle(self, tries: int) -> None:
+        """After every callback of the ending backward (the gate's decision included, which may start the updates):
+        wait for the updates handed to the worker, each of which marks its parameters when it ends. backward() has
+        not returned yet, so no edit of the user's can come between an update and its mark."""
+        if self._gate.deciding() and tries > 0:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(tries - 1))
+            return
+        updater = self._updater
+        if updater is None or not updater.started():
+            return
+        updater.settle()
+        for p, values in list(self._values.items()):
+            slot = self._slots.get(p)
+            if slot is not None:
+                self._marks[p] = mark(slot.local, values)
 
     def _failed_backward(self) -> None:
         """Before step(), zero_grad() or a load: a backward that raised. Nothing ran early: it is dropped as torch drops
@@ -164,6 +191,8 @@ class DuringBackward:
                 self._torn = sum(1 for bucket in self._buckets for p in bucket if updater.covers(p))
             self._open = 0
             self._drop_updater()
+        if self._torn and self._torn_why:
+            raise RuntimeError(self._torn_why)
         if self._torn:
             raise RuntimeError(
                 f"backward raised after the updates of {self._torn} parameter(s) had run during it "
@@ -184,9 +213,12 @@ class DuringBackward:
             self.refuse_mid_step("load a state_dict")
 
     def loaded(self) -> None:
-        """A load_state_dict was committed: whatever a failed backward left is forgotten."""
+        """A load_state_dict was committed: whatever a failed backward or a refused step left is forgotten."""
         self._open = 0
         self._torn = 0
+        self._torn_why = ""
+        self._snapshot = None
+        self._marks, self._values = {}, {}
         self._drop_updater()
 
     def _open_gate(self) -> None:
@@ -321,19 +353,43 @@ class DuringBackward:
         if self._updater is not None and self._updater.gated():
             self._drop_updater()
         updater, self._updater = self._updater, None
+        snapshot, self._snapshot = self._snapshot, None
         if updater is None:
-            return Early()
+            self._marks, self._values = {}, {}
+            return Early()  # every update runs in step(), with the values of now, as torch's
         _, records = updater.finish()
+        marks, self._marks, self._values = self._marks, {}, {}
         sent, self._sent = self._sent, []  # after the worker has ended: its last bucket's copies are among them
-        for gi, used in self._hyper.items():
-            if hyper_of(self._optimizer.param_groups[gi]) != used:
-                raise RuntimeError(
-                    f"param_groups[{gi}]'s hyperparameters changed between backward and step(), but with "
-                    "update_in_backward=True the update ran during backward with the old ones; change lr, betas, "
-                    "eps or weight_decay (scheduler.step()) after optimizer.step()"
-                )
-        self._hyper = {}
-        return Early({p for r in records for p in self._buckets[r.bucket]}, records, sent)
+        early = {p for r in records for p in self._buckets[r.bucket]}
+        self._refuse_changes(snapshot, marks, ran=len(early))
+        return Early(early, records, sent)
+
+    def _refuse_changes(self, snapshot: Snapshot | None, marks: dict[Tensor, Mark], ran: int) -> None:
+        """Refuse the step, naming each, when updates ran during backward (``ran``: how many parameters) and a
+        hyperparameter changed since backward began or a parameter updated during it was edited since. When none ran
+        every update runs in step() with the values of now, exactly as torch's."""
+        if not ran:
+            return
+        problems = [] if snapshot is None else snapshot.changes(self._optimizer)
+        for p, before in marks.items():
+            slot = self._slots.get(p)
+            if slot is not None and changed(slot.local, before):
+                problems.append(f"{self._describe(slot)} was changed between backward and step() (written through "
+                                "p.data, assigned, loaded or edited in place)")
+        if not problems:
+            return
+        message = (
+            "; ".join(problems) + ". With update_in_backward=True the updates of a step run from backward on, with "
+            "the hyperparameters backward began with and on the parameters as backward left them: change "
+            "hyperparameters (scheduler.step(), a step pre-hook) and edit parameters after optimizer.step() or before "
+            "backward, or use update_in_backward=False"
+        )
+        self._torn = ran
+        message += (f". The updates of {ran} parameter(s) already ran during backward and cannot be taken back: the "
+                    "optimizer refuses to step until a checkpoint is restored (offload_adamw.checkpoint.load, or the "
+                    "model's weights and opt.load_state_dict)")
+        self._torn_why = message
+        raise RuntimeError(message)
 
     def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
         """What the step may not meet after early updates (before any update of its own)."""
@@ -379,11 +435,12 @@ class DuringBackward:
     def _early_update(self, index: int) -> dict[str, float]:
         """A bucket's update on the worker thread, while backward goes on."""
         bucket = self._buckets[index]
-        members = set(bucket)
-        for gi, group in enumerate(self._optimizer.param_groups):
-            if any(p in members for p in group["params"]):
-                self._hyper[gi] = hyper_of(group)
         sent, times = self._run_early(bucket)
+        for p in bucket:  # the values as the update left them, taken while backward goes on; marked when it ends
+            slot = self._slots.get(p)
+            if slot is not None:
+                # A parameter sent back from a staging buffer is written by a copy that may land later: version only.
+                self._values[p] = values_of(slot.local) if slot.staging is None else None
         self._sent += sent
         return times
 
@@ -391,6 +448,8 @@ class DuringBackward:
         """Buckets complete in the cleared backward, waiting for a coefficient, would run on the next one's."""
         self._failed_backward()
         self.refuse_mid_step("clear its gradients")
+        self._snapshot = None  # a backward dropped without a step: the next one begins afresh
+        self._marks, self._values = {}, {}
         if self._updater is not None and self._updater.gated() and self._updater.started():
             self._drop_updater()
 

@@ -5,16 +5,24 @@ Contract:
 * A checkpoint is built in a hidden sibling directory :func:`temporary_name` ``.NAME.tmp-OWNER-PID-TOKEN``
   (OWNER: this machine, boot and PID namespace, hashed: :func:`owner`), locked (:func:`lock`) while it
   is written; every file and the directory are fsynced (:func:`write_bytes`, :func:`fsync_path`).
-* :func:`publish` moves it onto its final name in one step: a rename where nothing is there, else one
-  atomic exchange where the OS has ``renameat2(RENAME_EXCHANGE)`` (Linux; the environment variable
-  ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off). Elsewhere it is two renames, and between them
-  the previous checkpoint waits at ``.NAME.prev-OWNER-PID-TOKEN`` (:func:`previous_copies` finds it).
+* :func:`publish` moves it onto its final name in one step. A new checkpoint is created with
+  :func:`create`: "only if nothing is there" and the move are one system call
+  (``renameat2(RENAME_NOREPLACE)`` on Linux, else a plain rename, which cannot replace a file or a
+  non-empty directory), so of several saves racing to create one path exactly one succeeds and
+  the others get FileExistsError. Replacing one is one atomic exchange where the OS has
+  ``renameat2(RENAME_EXCHANGE)``. The environment variable ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0``
+  turns renameat2 off (the portable paths run). Without the exchange it is two renames, and between
+  them the previous checkpoint waits at ``.NAME.prev-OWNER-PID-TOKEN`` (:func:`previous_copies` finds it).
 * :func:`seal` writes the manifest (size and sha256 of every data file), then the commit marker
   (the sha256 of the manifest). A reader opens a published directory once as a :class:`Snapshot`
   (the directory and every file through descriptors) and reads only through it: :func:`check_seal`
   checks the marker, the manifest and every file there, refusing with :class:`CheckpointCorrupt`
   naming every damaged file, and what it checked is what the reader then parses, even while a save
   replaces or deletes the directory.
+* Nothing but a regular file is ever opened for reading (:func:`open_regular`: lstat, open without
+  following a link and without blocking, fstat): a FIFO, a device, a directory or a symbolic link where
+  a checkpoint has a file is refused by name (:class:`NotRegularFile`; :func:`check_seal` says which),
+  so a FIFO can never block a reader.
 * :func:`remove_stale` deletes what killed saves left, but only temporaries of this machine whose
   writer no longer runs, whose lock nobody holds and which hold nothing but checkpoint files.
 """
@@ -36,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from offload_adamw._output import file_kind
 from offload_adamw.checkpoint.errors import CheckpointCorrupt
 from offload_adamw.checkpoint.layout import CHECKPOINT_FILES, COMMIT_FILE, FORMAT, MANIFEST_FILE, VERSION, dumps, is_count
 
@@ -71,11 +80,13 @@ def write_bytes(path: Path, data: bytes) -> None:
 
 
 _AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-def exchange(a: Path, b: Path) -> bool:
-    """Swap two directory entries atomically; False where the OS or filesystem cannot."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """``renameat2(a, b, flags)``: True when done, False where the OS or filesystem lacks it (or
+    ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off); any other failure is raised as OSError."""
     if not sys.platform.startswith("linux") or os.environ.get(ENV_EXCHANGE, "1").strip().lower() in ("0", "off", "false", "no"):
         return False
     try:
@@ -83,12 +94,39 @@ def exchange(a: Path, b: Path) -> bool:
     except (OSError, AttributeError):
         return False
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically; False where the OS or filesystem cannot."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def create(tmp: Path, final: Path) -> None:
+    """Move the directory ``tmp`` to ``final`` only if nothing is there, in one step; else FileExistsError.
+
+    The check and the move are one system call, so of several saves that race to create ``final``
+    exactly one succeeds (checking first and renaming afterwards would let each of them replace the
+    one before). ``renameat2(RENAME_NOREPLACE)`` where the OS has it; elsewhere a plain rename, which
+    is atomic too: a directory cannot be renamed onto a file or a non-empty directory (and Windows
+    renames onto nothing that exists). Its one gap: it may replace an *empty* directory that appeared
+    at ``final`` meanwhile, and nothing is lost with that.
+    """
+    try:
+        if _renameat2(tmp, final, _RENAME_NOREPLACE):
+            return
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final))
+        os.rename(tmp, final)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR) or isinstance(exc, FileExistsError):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final)) from None
+        raise
 
 
 def owner() -> str:
@@ -134,11 +172,21 @@ def unlock(fd: int | None) -> None:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def publish(tmp: Path, final: Path) -> Path | None:
-    """Move the finished ``tmp`` onto ``final``; return the directory that now holds the old one."""
-    if not final.exists():
-        os.rename(tmp, final)
+def publish(tmp: Path, final: Path, *, replace: bool) -> Path | None:
+    """Move the finished ``tmp`` onto ``final``; return the directory that now holds the old one.
+
+    Without ``replace``, :func:`create`: FileExistsError where anything is at ``final`` by then,
+    and ``tmp`` is left as it is.
+    """
+    if not replace:
+        create(tmp, final)
         return None
+    if not os.path.lexists(final):
+        try:
+            create(tmp, final)
+            return None
+        except FileExistsError:
+            pass  # another save published there meanwhile: replace it, as asked
     if exchange(tmp, final):
         return tmp  # after the swap the temporary name holds the previous checkpoint
     # No atomic exchange here: for a moment ``final`` is absent and the previous
@@ -230,6 +278,50 @@ def previous_copies(final: Path) -> list[Path]:
 # ----------------------------------------------------------- reading one
 
 
+class NotRegularFile(OSError):
+    """Something other than a regular file (``kind``, in words) where a checkpoint has a file; it was not opened."""
+
+    def __init__(self, path: str | Path, kind: str):
+        super().__init__(errno.EINVAL, f"{path} is {kind}, not a regular file", str(path))
+        self.kind = kind
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str | Path, *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file ``path`` (relative to ``dir_fd`` where given).
+
+    Anything else raises :class:`NotRegularFile` without being opened: opening a FIFO for reading
+    blocks until a writer comes, a device may do anything, and a symbolic link is nothing a save
+    writes. It is looked at first (lstat), then opened without following a link and without
+    blocking (so that a FIFO put there meanwhile cannot block either), then looked at again
+    through the descriptor. FileNotFoundError where nothing is there.
+    """
+    found = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(found.st_mode):
+        raise NotRegularFile(path, file_kind(found.st_mode))
+    try:
+        fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link put there after the lstat
+            raise NotRegularFile(path, "a symbolic link") from None
+        raise
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode):
+        os.close(fd)
+        raise NotRegularFile(path, file_kind(opened.st_mode))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of the regular file ``path``; :class:`NotRegularFile` (never opened) for anything else."""
+    with open(open_regular(path), "rb") as f:
+        return f.read()
+
+
+
 class Snapshot:
     """A published checkpoint directory opened once: its files as they were when it was opened.
 
@@ -245,26 +337,27 @@ class Snapshot:
         self._dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # FileNotFoundError, NotADirectoryError
         self._fds: dict[str, int] = {}
         self.missing: list[str] = []
+        self.irregular: dict[str, str] = {}
+        """name -> what is there instead of a regular file (never opened): :func:`check_seal` refuses it."""
         for name in names:
-            fd = self._open(name)
+            try:
+                fd = self._open(name)
+            except NotRegularFile as exc:
+                self.irregular[name] = exc.kind
+                continue
             if fd is None:
                 self.missing.append(name)
             else:
                 self._fds[name] = fd
 
     def _open(self, name: str) -> int | None:
-        """A descriptor of the regular file ``name`` in the directory opened, or None."""
+        """A descriptor of the regular file ``name`` in the directory opened, or None where nothing is there."""
         try:
-            if os.open in os.supports_dir_fd:
-                fd = os.open(name, os.O_RDONLY, dir_fd=self._dir_fd)
-            else:  # no openat (Windows): by path, which a concurrent replacement can still race
-                fd = os.open(self.root / name, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            if os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd:
+                return open_regular(name, dir_fd=self._dir_fd)
+            return open_regular(self.root / name)  # no openat (Windows): by path, which a replacement can still race
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
-        return fd
 
     def replaced(self) -> bool:
         """Whether ``root`` names another directory now (or nothing): a save replaced it while it was opened."""
@@ -335,6 +428,11 @@ def check_seal(snapshot: Snapshot, files: Sequence[str]) -> None:
     :class:`CheckpointCorrupt` naming what is damaged (every damaged file at once).
     """
     root = snapshot.root
+    if snapshot.irregular:
+        # named first: a FIFO, device, directory or link where a file belongs was put there, never written by a save
+        raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(
+            f"{name} is {kind}, not a regular file (a save writes only regular files; it was not opened)"
+            for name, kind in snapshot.irregular.items()))
     manifest = _manifest(snapshot, _manifest_sha256(snapshot), files)
     damaged = []
     for name in files:

@@ -19,9 +19,14 @@ Contract:
   It is built in a hidden sibling directory ``.NAME.tmp-OWNER-PID-TOKEN``
   (OWNER: this machine, boot and PID namespace, hashed), locked while it is
   written; every file and the directory are fsynced, then it is renamed onto
-  ``path`` in one step. Replacing an existing checkpoint (``overwrite=True``)
-  is one atomic exchange where the OS has ``renameat2(RENAME_EXCHANGE)``
-  (Linux; ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` turns it off). Elsewhere it
+  ``path`` in one step. Without ``overwrite`` that step creates ``path`` only if
+  nothing is there, atomically (``renameat2(RENAME_NOREPLACE)``, else a plain
+  rename, which cannot replace a file or a non-empty directory): of several
+  saves racing to create one path exactly one succeeds, the others raise
+  :class:`CheckpointError` and publish nothing. Replacing an existing checkpoint
+  (``overwrite=True``) is one atomic exchange where the OS has
+  ``renameat2(RENAME_EXCHANGE)`` (Linux; ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0``
+  turns renameat2 off). Elsewhere it
   is two renames, and between them the previous checkpoint waits at
   ``.NAME.prev-OWNER-PID-TOKEN``, where :func:`resolve`, :func:`latest` and
   :func:`load` find it. So a crash at any point leaves the previous checkpoint
@@ -68,6 +73,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import sys
 import warnings
 from dataclasses import dataclass
@@ -77,6 +83,7 @@ from typing import Any, TypeAlias, cast
 import torch
 from torch import Tensor
 
+from offload_adamw._output import file_kind
 from offload_adamw.checkpoint import codec, publication
 from offload_adamw.checkpoint.codec import check_meta, decode, encode, malformed, part
 from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
@@ -136,7 +143,7 @@ def resolve(path: PathLike) -> Path | None:
     sibling: then that one (the newest that verifies, if several).
     """
     final = Path(path)
-    if (final / COMMIT_FILE).is_file():
+    if _has_commit(final):
         return final
     best: tuple[int, str, Path] | None = None
     for entry in publication.previous_copies(final):
@@ -200,20 +207,36 @@ def _parse_meta(file: Path, data: bytes) -> dict[str, Any]:
     return cast(dict[str, Any], meta)
 
 
-def _recorded_step(entry: Path) -> int:
-    """The step a checkpoint's metadata records, for ordering; -1 where it cannot be read."""
+def _has_commit(directory: Path) -> bool:
+    """Whether anything is at ``directory``'s commit marker: a checkpoint to read (and to refuse by name if that
+    is not a regular file), not the leftover of an interrupted save. Nothing is opened."""
+    return os.path.lexists(directory / COMMIT_FILE)
+
+
+def _recorded_step(entry: Path) -> int | str:
+    """The step a checkpoint's metadata records, for ordering; else why it cannot be read (a sentence)."""
     try:
-        step = json.loads((entry / META_FILE).read_bytes())["step"]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
-        return -1
-    return step if is_count(step) else -1
+        step = json.loads(publication.read_regular(entry / META_FILE))["step"]
+    except publication.NotRegularFile as exc:
+        return f"{META_FILE} is {exc.kind}, not a regular file (a save writes only regular files; it was not opened)"
+    except RecursionError:
+        return f"{META_FILE} is nested too deeply to read (malformed metadata)"
+    except OSError as exc:
+        return f"{META_FILE} cannot be read ({exc.strerror or exc})"
+    except ValueError as exc:
+        return f"{META_FILE} is not JSON ({exc})"
+    except (KeyError, TypeError, IndexError):
+        return f"{META_FILE} records no step (malformed metadata)"
+    return step if is_count(step) else f"{META_FILE}: step {step!r} is not a count (malformed metadata)"
 
 
 def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
     """The committed checkpoint directory under ``root`` with the highest step, or None.
 
     With ``verify_files`` a damaged or malformed checkpoint is passed over for
-    the next newest one, with a RuntimeWarning saying why. Where a save without
+    the next newest one, with a RuntimeWarning saying why; one whose metadata
+    does not say its step (not readable, malformed, not a regular file) is
+    passed over so in any case. Nothing but regular files is opened. Where a save without
     the atomic exchange was interrupted, the previous checkpoint it kept (see
     :func:`resolve`) is a candidate under its hidden name.
     """
@@ -226,9 +249,13 @@ def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
             match = TEMPORARY.match(entry.name)
             if match is None or match["kind"] != "prev" or (base / match["target"] / COMMIT_FILE).is_file():
                 continue
-        if not (entry / COMMIT_FILE).is_file():
+        if not _has_commit(entry):
             continue
-        candidates.append((_recorded_step(entry), entry.name, entry))
+        step = _recorded_step(entry)
+        if isinstance(step, str):  # without a step it cannot be ordered, nor loaded: passed over, saying why
+            warnings.warn(f"latest(): skipping {entry}: {step}", RuntimeWarning, stacklevel=2)
+            continue
+        candidates.append((step, entry.name, entry))
     for _, _, entry in sorted(candidates, reverse=True):
         if not verify_files:
             return entry
@@ -301,7 +328,9 @@ def save(
 
     ``extra`` is any JSON value (tensors allowed inside). ``step`` defaults to
     the largest per-parameter update count of the optimizer. An existing
-    ``path`` is replaced only with ``overwrite=True``. ``rng`` saves the torch,
+    ``path`` is replaced only with ``overwrite=True``; without it, ``path`` is
+    created atomically, so that of saves racing to create it exactly one
+    succeeds and the others raise :class:`CheckpointError`. ``rng`` saves the torch,
     CUDA, Python and numpy RNG states. Raises :class:`CheckpointError` if
     something cannot be stored or written; then nothing was published. A save
     where the optimizer refuses its own ``state_dict()`` (OffloadAdamW with
@@ -311,10 +340,15 @@ def save(
     """
     final = Path(path).absolute()
     _refuse_sharded(f"cannot save checkpoint {final}", model, optimizer, "nothing was written")
+    _check_parents(final)
     _check_target(final, overwrite)
     _check_optimizer_can_save(final, optimizer)
     contents = _gather(model, optimizer, scheduler, extra, step=step, rng=rng)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # no permission, or a file put in the way since _check_parents
+        raise CheckpointError(f"cannot save checkpoint {final}: cannot create {final.parent} ({exc}); "
+                              "nothing was written") from exc
     publication.remove_stale(final.parent)
     previous = _write_and_publish(final, contents, overwrite)
     publication.fsync_path(final.parent, directory=True)  # make the rename itself durable
@@ -341,6 +375,25 @@ def _refuse_sharded(what: str, model: torch.nn.Module, optimizer: torch.optim.Op
             "torch.distributed.checkpoint (DCP): dcp.save / dcp.load of get_model_state_dict(model) and "
             f"get_optimizer_state_dict(model, optimizer), which OffloadAdamW supports; {outcome}"
         )
+
+
+def _check_parents(final: Path) -> None:
+    """Every existing ancestor of ``final`` is a directory; else CheckpointError naming the first that is not.
+
+    mkdir would say only FileExistsError or NotADirectoryError about some path; this names the file in the way.
+    """
+    for ancestor in reversed(final.parents):
+        try:
+            found = os.stat(ancestor)  # through links: a link to a directory is a directory here
+        except FileNotFoundError:
+            return  # created by the save, as the rest below it
+        except OSError as exc:
+            raise CheckpointError(f"cannot save checkpoint {final}: cannot look at {ancestor} ({exc}); "
+                                  "nothing was written") from exc
+        if not stat.S_ISDIR(found.st_mode):
+            kind = "a file" if stat.S_ISREG(found.st_mode) else file_kind(found.st_mode)
+            raise CheckpointError(f"cannot save checkpoint {final}: {ancestor} is {kind}, not a directory; "
+                                  "nothing was written")
 
 
 def _check_target(final: Path, overwrite: bool) -> None:
@@ -469,9 +522,14 @@ def _write_and_publish(final: Path, contents: _Contents, overwrite: bool) -> Pat
         publication.write_bytes(tmp / META_FILE, contents.meta)
         publication.seal(tmp, DATA_FILES)
         publication.fsync_path(tmp, directory=True)
-        if final.exists() and not overwrite:
-            raise CheckpointError(f"{final} appeared while saving; pass overwrite=True to replace it")
-        previous = publication.publish(tmp, final)
+        try:
+            previous = publication.publish(tmp, final, replace=overwrite)
+        except FileExistsError:
+            # only without overwrite: another save (or anyone) created ``final`` after _check_target looked
+            raise CheckpointError(
+                f"{final} exists (it was created while this save was writing, by another save or process); "
+                "pass overwrite=True to replace it atomically. This save published nothing; what is there is unchanged"
+            ) from None
     except Exception as exc:
         publication.unlock(lock)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,7 +25,8 @@ Contract:
   to FILE, or to stdout in place of the tables).
 * Exit status: 0 no fault (info findings allowed), 1 at least one error or
   warning, 2 the input could not be loaded or an argument is bad (one line naming the file or
-  argument and why, before anything runs): also a script that exits (``sys.exit``,
+  argument and why, before anything runs): also an input that is not a regular file (a FIFO, a
+  directory, a device: the line says which, and it is never opened); also a script that exits (``sys.exit``,
   ``os._exit``) while it is run or set up, or whose set-up returns the wrong things; the
   script's own exit status is never the command's.
 """
@@ -33,7 +34,6 @@ Contract:
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from offload_adamw.cli import common
@@ -78,12 +78,10 @@ def _parse_accumulation(text: str | None) -> Any:
 def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 0:
         raise common.UsageError(f"--steps must be a non-negative integer, got {args.steps}")
+    path = common.input_file(args.path, "", limit=None)  # a checkpoint may be large; a FIFO or directory is no input
     from offload_adamw.auditing.inputs import AuditInputError, audit_file
 
-    path = Path(args.path)
     try:
-        if not path.is_file():
-            raise AuditInputError(f"{path}: no such file")
         accumulation = _parse_accumulation(args.grad_accumulation)
         report = audit_file(path, function=args.function, steps=args.steps, grad_accumulation=accumulation)
     except AuditInputError as exc:

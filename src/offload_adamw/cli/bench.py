@@ -1,7 +1,8 @@
 """``offload-adamw bench``: the host-step benchmark (:mod:`offload_adamw.benchmarking.host_step`) from the command line.
 
 Contract: parses the options into a :class:`~offload_adamw.benchmarking.host_step.BenchConfig` (a bad one
-is a usage error, exit status 2, naming the option), runs the benchmark and prints its table, and writes JSON
+is a usage error, exit status 2, naming the option; so is a size whose arrays alone exceed the memory
+available here, :func:`available_memory`), runs the benchmark and prints its table, and writes JSON
 (``--json [FILE]``, :mod:`offload_adamw.cli.common`) and a PNG chart (``--plot``). What is measured and
 how: the module docstring of :mod:`offload_adamw.benchmarking.host_step`.
 """
@@ -9,11 +10,12 @@ how: the module docstring of :mod:`offload_adamw.benchmarking.host_step`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from offload_adamw.benchmarking.host_step import ALL_CASES, BenchConfig, run_benchmark
 from offload_adamw.benchmarking.host_step_report import format_report, write_plot
-from offload_adamw.benchmarking.workload import MIB, MIXES
+from offload_adamw.benchmarking.workload import MIB, MIXES, format_size
 from offload_adamw.cli import common
 
 
@@ -63,6 +65,59 @@ def _usage(message: str) -> common.UsageError:
     return common.UsageError(message)
 
 
+WORKLOAD_BYTES_PER_ELEMENT = 20
+"""What one element of a size (or of the thread scaling) holds in the arrays of ``workload.make_workload`` alone:
+float32 master, both moments and gradient (16 bytes), bfloat16 gradient and model copy (4). The cases add
+their own buffers on top, so this is a lower bound; a test keeps it equal to make_workload's arrays."""
+BANDWIDTH_BYTES_PER_ELEMENT = 12
+"""The bandwidth probe's three float32 arrays."""
+
+
+def available_memory() -> tuple[int, str] | None:
+    """(bytes this process can still allocate, where the figure comes from), or None where it cannot be told.
+
+    The smaller of the kernel's estimate of memory available without swapping (MemAvailable) and what a
+    cgroup v2 limit leaves (memory.max - memory.current), which is what a container may use.
+    """
+    found: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+        if limit != "max":
+            found.append((max(0, int(limit) - used), "the cgroup's memory.max less memory.current"))
+    except (OSError, ValueError):
+        pass
+    if not found and hasattr(os, "sysconf"):
+        try:
+            found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"))
+        except (OSError, ValueError):
+            pass
+    return min(found) if found else None
+
+
+def _check_memory(needs: list[tuple[str, int]]) -> None:
+    """UsageError naming the first (flag and value, bytes) of ``needs`` that exceeds the memory available here.
+
+    Checked before the run: an array larger than memory either fails inside torch's allocator (a traceback
+    after minutes of work) or, with overcommit, is granted and then gets the process killed.
+    """
+    available = available_memory()
+    if available is None:
+        return
+    free, source = available
+    for what, bytes_needed in needs:
+        if bytes_needed > free:
+            raise _usage(f"{what}: needs at least {bytes_needed / 2**30:,.1f} GiB of host memory for its arrays alone, "
+                         f"this machine has {free / 2**30:,.1f} GiB available ({source}); choose a smaller size")
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration; a bad argument raises common.UsageError (exit status 2) naming it."""
     try:
@@ -91,10 +146,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise _usage("--warmup must be at least 0")
     if scaling_threads is not None and (not scaling_threads or min(scaling_threads) < 1):
         raise _usage("--scaling-threads must be positive thread counts")
+    largest = max(zip(sizes, (t for t in (args.sizes or _DEFAULT_SIZES).split(",") if t.strip())))
+    probe = args.bandwidth_elements
+    needs = [(f"--sizes {largest[1].strip()}", largest[0] * WORKLOAD_BYTES_PER_ELEMENT),
+             (f"--bandwidth-elements {format_size(probe)}", probe * BANDWIDTH_BYTES_PER_ELEMENT)]
+    if scaling_size:
+        needs.append((f"--scaling-size {args.scaling_size}", scaling_size * WORKLOAD_BYTES_PER_ELEMENT))
     if args.quick:
         return BenchConfig(sizes=(MIB, 4 * MIB), repeats=3, warmup=1, cases=cases, bandwidth_elements=16 * MIB,
                            scaling_size=MIB if scaling_size else None, scaling_threads=scaling_threads,
                            parity_elements=256 * 1024, mixes=mixes)
+    _check_memory(needs)
     return BenchConfig(sizes=sizes, repeats=args.repeats, warmup=args.warmup, cases=cases,
                        bandwidth_elements=args.bandwidth_elements, scaling_size=scaling_size,
                        scaling_threads=scaling_threads, mixes=mixes)
@@ -107,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(result))
     common.write_json("bench", result, args.json)
     if args.plot:
-        write_plot(result, args.plot)
+        with common.writing("--plot", args.plot):
+            write_plot(result, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -8,9 +8,12 @@ on a usage error, reported in one line that names the culprit before any clause 
 candidate that cannot be loaded (its module raises, calls ``sys.exit``, ends its process
 or hangs past ``--timeout`` on import: it is imported in a process of its own, so none of
 that reaches this command's status or output), invalid arguments (bad JSON, unknown dtype, unknown
-clause, bad mapping, a non-positive ``--timeout``), a device that is not there, a
-``--json`` path that cannot be written, a ``--setup`` method the optimizer lacks, or a
-constructor that does not take the canonical keywords (with the ``--map`` that fits).
+clause, an empty clause list, bad mapping, a ``--timeout`` not above 0 and at most a week), an input
+file that is not a regular file of at most 16 MiB (``--batch``, ``--kwargs @FILE``, ``--map @FILE``),
+a device that is not there, a ``--json`` path that cannot be written (or takes no write:
+``/dev/full``), a ``--setup`` method the optimizer lacks, or a constructor that does not take the
+canonical keywords (with the ``--map`` that fits). A ``--json`` file that cannot be written at the
+end is exit status 74 and one line.
 
 Several candidates (each with the same options) are checked one after another in one
 process, which imports torch once: each report is printed when its check ends, then a
@@ -46,7 +49,6 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from offload_adamw.cli import common
@@ -122,8 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--setup", action="append", default=[], metavar="METHOD",
                         help="a method to call on every optimizer built, before it steps (repeatable), e.g. 'train' "
                              "for schedule-free optimizers")
-    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                        help="time limit of importing the candidate and of each clause (default: 120 s); an "
+    parser.add_argument("--timeout", default=None, metavar="SECONDS",  # a float, read in _timeout (so errors quote it)
+                        help="time limit of importing the candidate and of each clause (default: 120 s, at most a "
+                             "week); an "
                              "import that runs longer is a usage error, a clause that does is that clause's error")
     common.add_json_argument(parser, what="the report", dest="json_path")
     common.add_progress_argument(parser)
@@ -134,11 +137,10 @@ def _json_argument(flag: str, text: str | None) -> Any:
         return None
     source = text
     if text.startswith("@"):
-        path = Path(text[1:])
         try:
-            source = path.read_text()
-        except OSError as exc:
-            raise ValueError(f"{flag}: cannot read {str(path)!r}: {exc}") from exc
+            source = common.read_input(text[1:], flag)
+        except common.UsageError as exc:
+            raise ValueError(str(exc)) from None
     try:
         value = json.loads(source)
     except json.JSONDecodeError as exc:
@@ -152,26 +154,50 @@ def _clause_list(where: str, value: Any) -> list[int] | None:
     """``"1,2"`` or ``[1, 2]`` as a list of clause numbers (None: every clause)."""
     if value is None:
         return None
+    numbers: list[int] | None = None
     if isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in value):
-        return list(value)
-    if isinstance(value, str):
+        numbers = list(value)
+    elif isinstance(value, str):
         try:
-            return [int(part) for part in value.split(",") if part.strip()]
+            numbers = [int(part) for part in value.split(",") if part.strip()]
         except ValueError:
             pass
-    raise ValueError(f"{where}: expected numbers separated by commas, got {value!r}")
+    if numbers is None:
+        raise ValueError(f"{where}: expected numbers separated by commas, got {value!r}")
+    if not numbers:  # running none would report a candidate conforming that nothing was checked of
+        raise ValueError(f"{where}: no clause given in {value!r}; name at least one (1-15), or leave it out for all")
+    return numbers
+
+
+MAX_TIMEOUT = 7 * 24 * 3600.0
+"""The longest time limit (a week): conformance.checker's, written here again because a command imports only
+the rooms that run it (tests/test_architecture.py), and a test keeps the two equal. Waits past about 292
+years cannot be expressed to the OS at all."""
+
+
+def _timeout(where: str, value: Any) -> float:
+    """A time limit in seconds (a number, or the flag's text): above 0 and at most :data:`MAX_TIMEOUT` (so never
+    NaN or inf); else ValueError quoting ``value`` as given."""
+    seconds = value
+    if isinstance(value, str):
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_TIMEOUT:
+        raise ValueError(f"{where}: expected a number of seconds above 0 and at most {MAX_TIMEOUT:g} (a week), "
+                         f"got {value!r}")
+    return float(seconds)
 
 
 def _flag_options(args: argparse.Namespace) -> dict[str, Any]:
     """The check's keyword arguments from the flags (every candidate's, or each batch entry's defaults)."""
-    if args.timeout is not None and not args.timeout > 0:  # written so that NaN fails too
-        raise ValueError(f"--timeout: expected a positive number of seconds, got {args.timeout!r}")
     options: dict[str, Any] = {"dtype": args.dtype, "kwargs": _json_argument("--kwargs", args.kwargs),
                                "mapping": _json_argument("--map", args.mapping),
                                "clauses": _clause_list("--clauses", args.clauses), "nonfinite_policy": args.nonfinite,
                                "device": args.device, "progress": common.progress_wanted(args), "setup": args.setup}
     if args.timeout is not None:
-        options["timeout"] = args.timeout
+        options["timeout"] = _timeout("--timeout", args.timeout)
     return options
 
 
@@ -182,10 +208,10 @@ BATCH_KEYS = ("candidate", "dtype", "kwargs", "map", "clauses", "nonfinite", "de
 def _batch_entries(path: str, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(candidate, the check's keyword arguments) of each entry of a ``--batch`` file; ValueError names the entry."""
     try:
-        entries = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"--batch: cannot read {path!r}: {exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        entries = json.loads(common.read_input(path, "--batch"))
+    except common.UsageError as exc:
+        raise ValueError(str(exc)) from None
+    except json.JSONDecodeError as exc:
         raise ValueError(f"--batch {path}: not valid JSON ({exc})") from exc
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"--batch {path}: expected a non-empty JSON list of entries like "
@@ -225,10 +251,7 @@ def _batch_entries(path: str, defaults: dict[str, Any]) -> list[tuple[str, dict[
                 raise ValueError(f"{where}: 'setup' must be a method name or a list of them, got {entry['setup']!r}")
             options["setup"] = setup
         if "timeout" in entry:
-            timeout = entry["timeout"]
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-                raise ValueError(f"{where}: 'timeout' must be a positive number of seconds, got {timeout!r}")
-            options["timeout"] = float(timeout)
+            options["timeout"] = _timeout(f"{where}: 'timeout'", entry["timeout"])
         out.append((candidate, options))
     return out
 

@@ -8,7 +8,8 @@ not break the others.
 
 One error path for all of them (:mod:`offload_adamw.cli.common`): argparse errors,
 :class:`~offload_adamw.cli.common.UsageError` and an optional package missing for
-what was asked end with exit status 2 and one line on stderr; output paths and
+what was asked end with exit status 2 and one line on stderr; an output file that cannot be
+written at the end (:class:`~offload_adamw.cli.common.OutputError`) with 74 and one line; output paths and
 the packages outputs need are checked after parsing, before ``run()``; a closed
 stdout ends the command quietly with status 141.
 """
@@ -59,22 +60,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (see :mod:`offload_adamw.cli.common`)."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    command = given[0] if given and given[0] in SUBCOMMANDS else None
+    stdout = sys.stdout
+    sys.stdout = common.GuardedStdout(stdout)  # a failed write: one line, not a traceback
     try:
-        status = _dispatch(list(sys.argv[1:] if argv is None else argv))
-        sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at interpreter exit
+        status = _dispatch(given)
+        sys.stdout.flush()  # a closed pipe (or a full disk) shows here, inside the guard, not at interpreter exit
         return status
     except BrokenPipeError:
         return common.closed_pipe()
+    except common.OutputError as exc:  # stdout failed outside a command's run(): at the last flush
+        print(f"offload-adamw{' ' + command if command else ''}: {exc}", file=sys.stderr)
+        return common.EXIT_OUTPUT_FAILED
     except KeyboardInterrupt:
-        given = list(sys.argv[1:] if argv is None else argv)
-        command = given[0] if given and given[0] in SUBCOMMANDS else None
         print(f"offload-adamw{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return common.EXIT_INTERRUPTED
+    finally:
+        sys.stdout = stdout
 
 
-def _fail(name: str, message: str) -> int:
+def _fail(name: str, message: str, status: int = 2) -> int:
     print(f"offload-adamw {name}: {message}", file=sys.stderr)
-    return 2
+    return status
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -108,6 +116,8 @@ def _dispatch(argv: list[str]) -> int:
         return int(module.run(args) or 0)
     except (common.UsageError, argparse.ArgumentTypeError) as exc:
         return _fail(name, str(exc))
+    except common.OutputError as exc:
+        return _fail(name, str(exc), common.EXIT_OUTPUT_FAILED)
     except ModuleNotFoundError as exc:
         # An optional dependency that this use of the command needs and that no check caught earlier.
         extra = OPTIONAL_EXTRAS.get((exc.name or "").split(".")[0])

@@ -1,15 +1,16 @@
 """``offload-adamw plan``: what each GPU and each node holds, per strategy, and which one to use.
 
-Contract: reads a model (``--preset``, ``--config`` or ``--params N``), the cluster and the
-training set-up from the command line, prints tables (or JSON with ``--json``, see
-:mod:`offload_adamw.cli.common`), optionally writes a PNG of stacked bars per strategy against
-the GPU and host capacities (``--plot FILE.png``). Exit status 0 when a strategy this project
-provides fits, 1 when none does, 2 on bad input. Only provided strategies are recommended; the
-others (``planner.COMPARISONS``) are shown marked as comparisons. For OffloadAdamW's strategies a
-table shows how many groups each runs on the device, streamed and on the host, and the chosen
-mix's bound against the single placements'; the recommended placement (or the mix, when the
-recommendation is not OffloadAdamW's) is printed as the Python that builds it
-(``named_param_groups`` rules with ``update_on``, :mod:`offload_adamw.planning.placement`).
+Contract: reads a model (``--preset``, ``--config`` or ``--params N``), the cluster and the training
+set-up from the command line, prints tables (or JSON with ``--json``, see
+:mod:`offload_adamw.cli.common`), optionally writes a PNG of stacked bars per strategy against the GPU
+and host capacities (``--plot FILE.png``). Exit status 0 when a strategy this project provides fits, 1
+when none does, 2 on bad input (a ``--config`` file that is not a regular file of at most 16 MiB among
+them: a FIFO or ``/dev/zero`` is refused by what it is, never read). Only provided strategies are
+recommended; the others (``planner.COMPARISONS``) are shown marked as comparisons. For OffloadAdamW's
+strategies a table shows how many groups each runs on the device, streamed and on the host, and the
+chosen mix's bound against the single placements'; the recommended placement (or the mix, when the
+recommendation is not OffloadAdamW's) is printed as the Python that builds it (``named_param_groups``
+rules with ``update_on``, :mod:`offload_adamw.planning.placement`).
 
 ``--config`` takes a ``config.json``, or a directory holding one, read without transformers
 (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V3). With transformers installed it also
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import re
 import sys
 from typing import TYPE_CHECKING, Any, cast
@@ -391,7 +393,18 @@ def write_plot(result: Plan, path: str) -> None:
     plt.close(fig)
 
 
+def _check_config_file(text: str) -> None:
+    """A ``--config`` that names a file (or a directory holding config.json) names a regular file of at most
+    16 MiB; anything else (a model id) is left to the planner."""
+    if os.path.isdir(text):
+        text = os.path.join(text, "config.json")
+    if os.path.lexists(text):
+        common.input_file(text, "--config")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        _check_config_file(args.config)
     try:
         result, messages = build(args)
     except (ValueError, OSError) as exc:
@@ -403,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         common.write_json("plan", {**result.as_dict(), "messages": messages}, args.json)
     if args.plot:
-        write_plot(result, args.plot)
+        with common.writing("--plot", args.plot):
+            write_plot(result, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0 if result.recommendation else 1

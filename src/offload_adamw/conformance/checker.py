@@ -9,7 +9,8 @@ below the contract's precision fails clause 8, and neither fails anything else.
 The candidate never takes the checker down and never passes by accident
 (:mod:`offload_adamw.conformance.processes`). Where fork exists and CUDA is not
 initialized in this process, a spec string is imported in a forked process of its own
-within the time limit (``timeout``, :data:`DEFAULT_TIMEOUT` by default): an exception,
+within the time limit (``timeout``, :data:`DEFAULT_TIMEOUT` by default, at most :data:`MAX_TIMEOUT`,
+a week; an empty ``clauses`` is refused, as a check of nothing would conform): an exception,
 ``sys.exit``, the end of that process or a hang on import is a :class:`CandidateLoadError`
 that names the candidate. Each clause then runs in a process forked from that one, two
 side by side where two cores are there (clause 8, the longest, first; clause 15, a
@@ -80,7 +81,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import math
 import multiprocessing
 import sys
 import time
@@ -203,6 +203,9 @@ class UsageError(ValueError):
 
 
 DEFAULT_TIMEOUT = 120.0
+MAX_TIMEOUT = 7 * 24 * 3600.0
+"""The longest time limit taken (a week): what the OS waits are given must stay expressible (select refuses
+about 292 years), and a longer limit is no limit; cli/check.py states it again for its usage errors."""
 """Seconds one clause may take before it is stopped and reported as an error."""
 
 
@@ -488,11 +491,14 @@ def check(
         raise ValueError(f"nonfinite_policy must be one of {NONFINITE_POLICIES} or None, got {nonfinite_policy!r}")
     known = {c.number for c in CLAUSES}
     wanted = known if clauses is None else set(clauses)
+    if not wanted:  # a check of nothing would be reported conforming
+        raise ValueError("no clause to run: clauses is empty; name at least one, or pass None for all")
     if wanted - known:
         raise ValueError(f"unknown clause number(s) {sorted(wanted - known)}; clauses are 1-{max(known)}")
 
-    if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout <= MAX_TIMEOUT):  # NaN and inf fail too
+        raise ValueError(f"timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT:g} (a week), "
+                         f"got {timeout!r}")
     if workers is not None and not (isinstance(workers, int) and workers >= 1):
         raise ValueError(f"workers must be a positive whole number, got {workers!r}")
     setup = [setup] if isinstance(setup, str) else list(setup)

@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "ADAMW_GROUP_KEYS",
+    "Unsupported",
     "MASTER_KEY",
     "MOMENT_KEYS",
     "NONFINITE_POLICIES",
@@ -41,6 +42,13 @@ ADAMW_GROUP_KEYS = (
     "fused",
     "decoupled_weight_decay",
 )
+class Unsupported(ValueError, RuntimeError):
+    """An input OffloadAdamW refuses where torch's fused AdamW raises RuntimeError (a meta parameter at its step,
+    ``differentiable=True``, a non-floating parameter) or that cannot apply to state in host memory
+    (``capturable=True``): both a RuntimeError, so that code catching torch's error catches it, and the
+    ValueError this project raised before."""
+
+
 #: what a step does with an inf or NaN gradient: update anyway (torch), skip the whole step, raise.
 NONFINITE_POLICIES = ("propagate", "skip", "raise")
 #: the parameter-group key (and constructor keyword) that says where a group's update runs (docs/placement.md).

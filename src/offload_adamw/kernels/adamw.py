@@ -55,10 +55,10 @@ class StepHyper:
 
     lr: float | Tensor
     """Learning rate; a 1-element CPU tensor is passed through as torch does."""
-    beta1: float
-    """Decay rate of the first moment."""
-    beta2: float
-    """Decay rate of the second moment."""
+    beta1: float | Tensor
+    """Decay rate of the first moment; a 0-dim CPU tensor (for-loop kernel only) is used as torch's loop uses it."""
+    beta2: float | Tensor
+    """Decay rate of the second moment; likewise."""
     eps: float
     """Added to sqrt(v_hat), outside the square root."""
     weight_decay: float
@@ -124,10 +124,13 @@ def _for_loop_impl(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
         # Decoupled decay, applied to the pre-update value (docs/contract.md#decay-order).
         if hp.weight_decay != 0:
             theta.mul_(1 - lr * hp.weight_decay)
-        # m <- b1*m + (1-b1)*g, written as a lerp as torch does.
-        exp_avg.lerp_(grad, 1 - hp.beta1)
+        # m <- b1*m + (1-b1)*g, written as a lerp as torch does (a tensor beta1 in the master's dtype, as torch's
+        # loop casts it to the parameter's); a tensor beta makes the bias corrections below float32 tensors, as there.
+        beta1 = hp.beta1.to(theta.dtype) if isinstance(hp.beta1, Tensor) else hp.beta1
+        exp_avg.lerp_(grad, 1 - beta1)
         # v <- b2*v + (1-b2)*g*g
-        exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+        one_minus_beta2: Any = 1 - hp.beta2  # a 0-dim tensor with a tensor beta2, read as a number, as in torch
+        exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=one_minus_beta2)
 
         # Bias corrections in double precision; eps stays outside the square root.
         bias_correction1 = 1 - hp.beta1**t

@@ -8,7 +8,8 @@ Contract (docs/placement.md#the-bitwise-guarantee):
   tensor is then given the same count: the fused op only reads it.
 * :func:`fused_adamw_` runs ``torch._fused_adamw_`` over lists of tensors that all live on one device and pair
   element by element (whole tensors, or equal chunks of their memory-order flat views): master, gradient,
-  moments in the master's dtype (float32, float64 for float64 parameters). A gradient of another dtype is
+  moments in the master's dtype (float32, float64 for float64 parameters; complex ones are updated as their
+  ``view_as_real``, as torch's loops update them). A gradient of another dtype is
   widened first (exactly: every bf16/fp16/fp32 value is a float32 value), into the ``widened`` buffer given for
   it, or a temporary; so is a gradient that ``grad_scale`` divides, which the fused op divides in place, as
   torch's fused AdamW does (the caller's gradient is never written). ``grad_scale`` is GradScaler's scale,
@@ -152,6 +153,12 @@ def fused_adamw_(
             raise ValueError(f"fused_adamw_: {name} has {len(values)} tensors, masters has {n}")
     if n == 0:
         return
+    if any(m.is_complex() for m in masters):
+        # A complex tensor is updated as its view_as_real, as torch's loops update it (its fused op takes no complex).
+        masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
+            [_real_view(t) for t in ts] for ts in (masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
+        model_copies = None if model_copies is None else [None if t is None else _real_view(t) for t in model_copies]
+        widened = None if widened is None else [None if t is None else _real_view(t) for t in widened]
     device = masters[0].device
     # torch's fused op takes one dtype per call: float32 and float64 masters go in separate calls.
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -178,6 +185,10 @@ def fused_adamw_(
                 out = model_copies[i]
                 if out is not None:
                     out.copy_(masters[i])  # round-to-nearest in the model's dtype (exact for float32)
+
+
+def _real_view(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _widen(grad: Tensor, dtype: torch.dtype, scaled: bool, buffer: Tensor | None) -> Tensor:

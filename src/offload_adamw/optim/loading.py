@@ -3,7 +3,8 @@
 Contract (docs/contract.md#resume):
 
 * Saved states are matched to parameters by name when both sides carry ``param_names`` (else by
-  position, as torch does). Names are compared in canonical form, the wrappers' prefixes removed as
+  position, as torch does). An optimizer built without names takes the saved ones, as torch's load
+  does, so that its next ``state_dict`` carries them. Names are compared in canonical form, the wrappers' prefixes removed as
   torch.distributed.checkpoint removes them (:func:`canonical_name`), so that a state moves between a
   model and the same model wrapped by DDP, torch.compile, activation checkpointing or FSDP. Every
   mismatch (missing, unexpected, wrong group, wrong shape, a state without its moments) is collected
@@ -192,10 +193,10 @@ def _convert_state(
             continue
         shard = local_shard_of(value, p)  # this rank's piece of the (global) saved state
         if key in MOMENT_KEYS or key == MASTER_KEY:
-            if not shard.is_floating_point():
+            if not (shard.is_floating_point() or shard.is_complex()) or shard.is_complex() != p.is_complex():
                 problems.append(f"{where}: {key} has dtype {shard.dtype}")
                 continue
-            impossible = _impossible_values(key, shard)
+            impossible = _impossible_values(key, torch.view_as_real(shard) if shard.is_complex() else shard)
             if impossible is not None:
                 problems.append(f"{where}: {impossible}; no run of AdamW reaches this state")
                 continue
@@ -261,7 +262,11 @@ def prepare_load(
             merged.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k not in local_keys})
             merged["params"] = group["params"]
             if "param_names" in group:
-                merged["param_names"] = group["param_names"]
+                merged["param_names"] = group["param_names"]  # matched by name: this order is the params' order
+            elif "param_names" in saved_group:
+                # As torch's load: an optimizer built without names takes the saved ones (matched by
+                # position), so that its next state_dict still carries them.
+                merged["param_names"] = list(saved_group["param_names"])
             if merged.get("capturable") or merged.get("differentiable"):
                 problems.append("the state_dict asks for capturable or differentiable, which OffloadAdamW does not support")
             merged["capturable"] = False

@@ -3,12 +3,14 @@
 Contract (docs/contract.md):
 
 * Same constructor, validation messages, defaults, parameter-group keys and
-  ``state_dict`` layout as ``torch.optim.AdamW`` (PyTorch 2.8 to 2.13).
+  ``state_dict`` layout as ``torch.optim.AdamW`` (PyTorch 2.8 to 2.13), except that a tensor
+  listed twice in one group (torch: updated once per listing, deprecated) is refused by name.
 * Per parameter tensor the state is ``step``, ``exp_avg``, ``exp_avg_sq`` (and
   ``max_exp_avg_sq``) and, unless the parameter is its own master, a float32
   ``master_param``, all in host memory (optim/state.py), or on the parameter's device for a
   group with ``update_on="device"`` (optim/placement.py, docs/placement.md). After every update a
   low-precision or device parameter receives the round-to-nearest copy of its master.
+* A complex parameter is updated as its ``view_as_real`` (its state complex), as torch's loops update it.
 * The update math is :mod:`offload_adamw.kernels`; every update runs through
   :mod:`offload_adamw.optim.update`, with or without the transfer pipeline.
   This class owns the groups, where state lives and the order of work.
@@ -42,6 +44,7 @@ from offload_adamw.contract.rules import (
     MASTER_KEY,
     NONFINITE_POLICIES,
     PLACEMENT_KEY,
+    Unsupported,
     check_hyperparameter_ranges,
     check_placement,
 )
@@ -60,7 +63,22 @@ __all__ = ["OffloadAdamW", "StateDictMismatch"]
 
 
 def _to_scalar(x: Any) -> Any:
-    return x.item() if isinstance(x, Tensor) and x.numel() == 1 else x
+    """As torch's ``_to_scalar``: a 1-element tensor becomes a 0-dim tensor (betas stay tensors, as in torch's groups)."""
+    return x.squeeze() if isinstance(x, Tensor) and x.dim() != 0 else x
+
+
+def _saved_group(group: dict[str, Any]) -> dict[str, Any]:
+    """A group as ``state_dict()`` writes it: without the placement (where this process runs the update is not
+    state), and ``fused=True`` where it says None. Here None runs torch's fused kernel; torch's load adopts the saved
+    group, and to torch None means its default (the for-loop on the CPU), so that a run leaving for
+    ``torch.optim.AdamW`` would go on with another kernel, ~1e-8 away. The saved group names the kernel the run used:
+    ``fused=False`` is torch's single-tensor loop, which ``foreach=False`` names (torch's default on a GPU is foreach)."""
+    saved = {k: v for k, v in group.items() if k != PLACEMENT_KEY}
+    if "fused" in saved and saved["fused"] is None:
+        saved["fused"] = True
+    elif saved.get("fused") is False and "foreach" in saved:
+        saved["foreach"] = False
+    return saved
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -102,7 +120,8 @@ class OffloadAdamW(torch.optim.Optimizer):
       ``clip_grad_norm_``, ``GradScaler`` and ``model.zero_grad()`` act on the host
       gradient through it, anything else is refused; ``gradient(p)`` reads it.
       For a DTensor (FSDP2) parameter the stand-in is a DTensor over the host
-      shard, so torch's clipping still reduces the norm across ranks.
+      shard, so torch's clipping still reduces the norm across ranks. An optimizer dropped
+      before its step gives each gradient back as a real tensor on the parameter's device.
     * ``transfer_pipeline`` (default: on when a parameter lives on an
       accelerator, or with ``offload_gradients``; for DTensor (FSDP2) parameters with kept gradients only
       when asked: FSDP2 calls the hooks of each shard after its reduce-scatter):
@@ -201,12 +220,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if capturable:
-            raise ValueError(
+            raise Unsupported(
                 "OffloadAdamW does not support capturable=True: its state lives in host memory, "
                 "outside any CUDA graph"
             )
         if differentiable:
-            raise ValueError("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
+            raise Unsupported("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
 
         PipelineConfig(stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers)  # refuses bad values now
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
@@ -305,17 +324,33 @@ class OffloadAdamW(torch.optim.Optimizer):
         pipeline = getattr(self, "_pipeline", None)  # None while torch's constructor adds the first groups
         if pipeline is not None:
             pipeline.refuse_mid_step("add a parameter group")
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():
+            # A tensor listed twice is refused below; torch's warning that it is deprecated would only add noise.
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
+            super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault(PLACEMENT_KEY, getattr(self, "_update_on", "host"))
+        first_at: dict[int, int] = {}
         for index, p in enumerate(group["params"]):
-            if torch.is_complex(p):
+            if id(p) in first_at:
+                # torch updates such a tensor once per listing (deprecated: it will refuse it), a bucketed step would
+                # update it once: the same training everywhere only by refusing it.
+                described = self._describe(group, first_at[id(p)])
+                self.param_groups.pop()
                 raise ValueError(
-                    f"OffloadAdamW does not support complex parameters: {self._describe(group, index)} "
-                    f"is {p.dtype}; optimize torch.view_as_real(param) instead"
+                    f"{described} is listed twice in param_groups[{len(self.param_groups)}] (at positions "
+                    f"{first_at[id(p)]} and {index}): torch.optim.AdamW would update it once per listing, which torch "
+                    "deprecates; list each tensor once (named_parameters() and parameters() do)"
                 )
-            if not p.is_floating_point():
-                raise ValueError(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
+            first_at[id(p)] = index
+        for index, p in enumerate(group["params"]):
+            if p.dtype == torch.complex32:
+                raise Unsupported(
+                    f"OffloadAdamW does not support complex32 parameters: {self._describe(group, index)} "
+                    "is complex32; use complex64"
+                )
+            if not (p.is_floating_point() or p.is_complex()):
+                raise Unsupported(f"OffloadAdamW needs floating-point parameters: {self._describe(group, index)} is {p.dtype}")
         try:
             placement = _placement.group_placement(group, len(self.param_groups) - 1)
             if placement != "host" and pipeline is None and hasattr(self, "_pipeline_options"):
@@ -795,8 +830,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
         if isinstance(out, dict) and isinstance(out.get("param_groups"), list):
             # Where this process runs a group's update is not state: the saved state is the same whatever the placement.
-            out["param_groups"] = [{k: v for k, v in g.items() if k != PLACEMENT_KEY} if isinstance(g, dict) else g
-                                   for g in out["param_groups"]]
+            out["param_groups"] = [_saved_group(g) if isinstance(g, dict) else g for g in out["param_groups"]]
         return out
 
     def _place_loaded(self, groups: list[dict[str, Any]], states: dict[Tensor, dict[str, Any]]) -> None:

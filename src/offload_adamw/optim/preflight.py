@@ -24,7 +24,8 @@ Contract:
   cudaHostAlloc memory without charging that limit; ``memlock="raise"`` makes
   it an error for setups where it applies.
 * A parameter on the meta device (no data) is refused by name: no master can
-  be copied from it.
+  be copied from it (:class:`~offload_adamw.contract.rules.Unsupported`, a RuntimeError as torch's fused
+  AdamW raises, and a ValueError).
 * Environment: ``OFFLOAD_ADAMW_HOST_AVAILABLE_BYTES`` replaces the measured
   available figure (for tests and for reserving room for other work);
   ``OFFLOAD_ADAMW_PREFLIGHT=0`` turns the check off.
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from offload_adamw.contract import bills
+from offload_adamw.contract.rules import Unsupported
 from offload_adamw.distributed import local_tensor
 from offload_adamw.optim.state import dtype_name, on_host
 
@@ -294,7 +296,7 @@ def check_host_memory(
     for group, index in fresh:
         if group["params"][index].device.type == "meta":
             gi = groups.setdefault(id(group), len(groups))
-            raise ValueError(
+            raise Unsupported(  # a RuntimeError as torch's fused AdamW raises, and the ValueError it was
                 f"parameter {_param_name(group, index, gi)} is on the meta device (it holds no data): "
                 "materialize the model (e.g. module.to_empty(device=...) and initialize it) before the first step"
             )

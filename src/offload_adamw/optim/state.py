@@ -53,7 +53,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def state_dtype(p: Tensor) -> torch.dtype:
     """The dtype of the moments and the master of ``p``."""
-    return torch.float64 if bills.state_dtype_name(dtype_name(p.dtype)) == "float64" else torch.float32
+    return cast(torch.dtype, getattr(torch, bills.state_dtype_name(dtype_name(p.dtype))))
 
 
 def on_host(p: Tensor) -> bool:

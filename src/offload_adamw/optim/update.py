@@ -2,7 +2,8 @@
 
 Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-placement):
 
-* :func:`check_gradient` refuses, naming the parameter, what no update may consume: a sparse
+* :func:`check_gradient` refuses, naming the parameter, what no update may consume: a parameter or gradient on
+  the meta device (no data; :class:`~offload_adamw.contract.rules.Unsupported`, a RuntimeError), a sparse
   gradient, a gradient of another shape or of a non-floating dtype, a parameter whose shape
   changed after its state was allocated, a parameter cast or moved since so that its state no
   longer serves it (:func:`check_state_serves`: ``model.float()`` of a bf16 model after some steps,
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES
+from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES, Unsupported
 from offload_adamw.distributed import any_rank
 from offload_adamw.kernels import StepHyper, adamw_update_
 from offload_adamw.optim import state as host_state
@@ -62,16 +63,25 @@ def _to_scalar(x: Any) -> Any:
     return x.item() if isinstance(x, Tensor) and x.numel() == 1 else x
 
 
-def step_hyper(group: dict[str, Any]) -> StepHyper:
-    """The kernel's hyperparameters for one group at this step (a scheduler may have changed lr, betas)."""
+def step_hyper(group: dict[str, Any], *, tensor_betas: bool = False) -> StepHyper:
+    """The kernel's hyperparameters for one group at this step (a scheduler may have changed lr, betas).
+
+    Tensor betas become numbers (their float32 values, exactly), as torch's fused kernel reads them;
+    ``tensor_betas`` keeps them 0-dim host tensors for the for-loop kernel, whose bias corrections are
+    then float32 tensor arithmetic, as in torch's single-tensor loop.
+    """
     beta1, beta2 = group["betas"]
+    if tensor_betas and isinstance(beta1, Tensor) and isinstance(beta2, Tensor):
+        beta1, beta2 = beta1.detach().to("cpu").reshape(()), beta2.detach().to("cpu").reshape(())
+    else:
+        beta1, beta2 = _to_scalar(beta1), _to_scalar(beta2)
     lr = group["lr"]
     if isinstance(lr, Tensor) and lr.device.type != "cpu":
         lr = lr.detach().to("cpu")  # the kernel runs on host tensors; the same value, in the same dtype
     return StepHyper(
         lr=lr,
-        beta1=_to_scalar(beta1),
-        beta2=_to_scalar(beta2),
+        beta1=beta1,
+        beta2=beta2,
         eps=group["eps"],
         weight_decay=group["weight_decay"],
         amsgrad=group["amsgrad"],
@@ -88,13 +98,19 @@ def kernel_impl(group: dict[str, Any]) -> str:
 
 def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
     """Refuse a gradient no update may consume; ``param`` is the local tensor, ``describe()`` names it."""
+    if param.is_meta or grad.is_meta:
+        # Before the transfer pipeline tries to copy it: a RuntimeError as torch's fused AdamW raises (and a ValueError).
+        raise Unsupported(
+            f"{describe()} is on the meta device (it holds no data): materialize the model (e.g. "
+            "module.to_empty(device=...) and initialize it) before the first step"
+        )
     if grad.is_sparse:
         raise RuntimeError(
             f"OffloadAdamW does not support sparse gradients ({describe()}); use torch.optim.SparseAdam for sparse embeddings"
         )
     if grad.shape != param.shape:
         raise RuntimeError(f"gradient of {describe()} has shape {tuple(grad.shape)}, the parameter has {tuple(param.shape)}")
-    if not grad.is_floating_point():
+    if not (grad.is_floating_point() or (grad.is_complex() and param.is_complex())):
         raise RuntimeError(f"gradient of {describe()} has dtype {grad.dtype}")
     if state:
         state_shape = state["exp_avg"].shape
@@ -156,6 +172,10 @@ def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str
     return bool(culprits)
 
 
+def _real_view(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def update_group(
     group: dict[str, Any],
     updates: Sequence[TensorUpdate],
@@ -200,8 +220,14 @@ def update_group(
         steps.append(state["step"])
         model_copies.append(u.model_copy)
         take_edits.append(u.model_is_current and u.model_copy is not None)
+    if any(m.is_complex() for m in masters):
+        # As torch's loops: a complex tensor's update is the real update of its view_as_real (last dimension 2),
+        # written through the views into the complex master, moments and model copy.
+        masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
+            [_real_view(t) for t in ts] for ts in (masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
+        model_copies = [None if t is None else _real_view(t) for t in model_copies]
     adamw_update_(
-        masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, step_hyper(group),
+        masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, step_hyper(group, tensor_betas=impl == "for_loop"),
         model_params=model_copies,
         take_model_edits=take_edits,
         impl=impl,

@@ -1,0 +1,144 @@
+"""Complex parameters train as torch's AdamW trains them: as their ``torch.view_as_real`` views (issue 37).
+
+torch's loops (single-tensor and foreach) view a complex parameter, its gradient and its moments as real tensors
+with a last dimension of 2 and run the real update on them; its fused AdamW refuses complex parameters. So:
+
+* ``fused=False``: bitwise torch's single-tensor AdamW on the complex parameters;
+* the default (the fused kernel): bitwise torch's fused AdamW on the ``view_as_real`` copies, which is how torch's
+  loops treat them (torch's own suite checks a complex run against its real view, test_complex);
+* the state is complex, as torch's, and a state_dict moves either way;
+* modes that cannot hold them refuse them by name at construction, before any update.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from _parity import same_bits
+from offload_adamw import OffloadAdamW
+
+STEPS = 12
+
+
+def _complex_params(dtype=torch.complex64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    real = {torch.complex64: torch.float32, torch.complex128: torch.float64}[dtype]
+    shapes = {"phase": (5, 3), "gain": (7,), "scalar": ()}
+    return {n: torch.nn.Parameter(torch.complex(torch.randn(s, generator=gen, dtype=real),
+                                                torch.randn(s, generator=gen, dtype=real))) for n, s in shapes.items()}
+
+
+def _grads(params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.complex(torch.randn(p.shape, generator=gen, dtype=p.real.dtype),
+                             torch.randn(p.shape, generator=gen, dtype=p.real.dtype)) for n, p in params.items()}
+
+
+def _train(params, opt, steps=STEPS, start=0):
+    for k in range(start, start + steps):
+        for n, g in _grads(params, 100 + k).items():
+            params[n].grad = g.clone()
+        opt.step()
+
+
+def _real_copies(params):
+    return {n: torch.nn.Parameter(torch.view_as_real(p.detach()).clone()) for n, p in params.items()}
+
+
+def _train_real(params, opt, steps=STEPS, start=0):
+    as_complex = {n: torch.view_as_complex(p.detach()) for n, p in params.items()}
+    for k in range(start, start + steps):
+        for n, g in _grads(as_complex, 100 + k).items():
+            params[n].grad = torch.view_as_real(g).clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_fused_false_is_bitwise_torch_single_tensor_adamw_on_complex_parameters(dtype, amsgrad):
+    ours, theirs = _complex_params(dtype), _complex_params(dtype)
+    kwargs = dict(lr=0.01, weight_decay=0.1, amsgrad=amsgrad)
+    opt = OffloadAdamW(list(ours.items()), fused=False, **kwargs)
+    ref = torch.optim.AdamW(list(theirs.values()), foreach=False, fused=False, **kwargs)
+    _train(ours, opt)
+    _train(theirs, ref)
+    for n in ours:
+        assert ours[n].dtype == dtype, n
+        assert same_bits(torch.view_as_real(ours[n].detach()), torch.view_as_real(theirs[n].detach())), n
+        for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+            mine, torchs = opt.state[ours[n]][key], ref.state[theirs[n]][key]
+            assert mine.dtype == torchs.dtype == dtype and same_bits(torch.view_as_real(mine), torch.view_as_real(torchs))
+
+
+@pytest.mark.parametrize("mode", ["plain", "maximize"])
+def test_default_is_bitwise_torch_fused_adamw_on_the_real_views(mode):
+    extra = {"maximize": True} if mode == "maximize" else {}
+    ours = _complex_params()
+    real = _real_copies(ours)
+    opt = OffloadAdamW(list(ours.items()), lr=0.01, **extra)
+    ref = torch.optim.AdamW(list(real.values()), lr=0.01, fused=True, **extra)
+    _train(ours, opt)
+    _train_real(real, ref)
+    for n in ours:
+        assert same_bits(torch.view_as_real(ours[n].detach()), real[n].detach()), n
+        assert same_bits(torch.view_as_real(opt.state[ours[n]]["exp_avg_sq"]), ref.state[real[n]]["exp_avg_sq"])
+
+
+def test_complex_state_dict_moves_to_torch_and_back_and_continues_exactly():
+    ours = _complex_params()
+    opt = OffloadAdamW(list(ours.items()), lr=0.01, fused=False)
+    _train(ours, opt, 4)
+    theirs = {n: torch.nn.Parameter(p.detach().clone()) for n, p in ours.items()}
+    ref = torch.optim.AdamW(list(theirs.items()), lr=0.01, foreach=False, fused=False)
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+    back = {n: torch.nn.Parameter(p.detach().clone()) for n, p in ours.items()}
+    again = OffloadAdamW(list(back.items()), lr=0.01, fused=False)
+    again.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for params, optimizer in ((ours, opt), (theirs, ref), (back, again)):
+        _train(params, optimizer, 4, start=4)
+    for n in ours:
+        assert same_bits(torch.view_as_real(ours[n].detach()), torch.view_as_real(theirs[n].detach()))
+        assert same_bits(torch.view_as_real(back[n].detach()), torch.view_as_real(theirs[n].detach()))
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex32_is_refused_by_name():
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex32))
+    with pytest.raises(ValueError, match="parameter 'half'.*complex32"):
+        OffloadAdamW([("half", p)])
+
+
+MODES = {
+    "kept": {"transfer_pipeline": True},
+    "freed": {"offload_gradients": True},
+    "update in backward": {"offload_gradients": True, "update_in_backward": True},
+    "stream": {"update_on": "stream"},
+    "device": {"update_on": "device"},
+}
+
+
+def _loss(z, x):
+    return (z * x).real.sum() + 0.1 * (z.conj() * z).real.square().sum()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_pipeline_mode_trains_complex_parameters_as_their_real_views(mode):
+    gen = torch.Generator().manual_seed(3)
+    start = torch.complex(torch.randn(40, 3, generator=gen), torch.randn(40, 3, generator=gen))
+    p = torch.nn.Parameter(start.clone())
+    opt = OffloadAdamW([("z", p)], lr=0.01, weight_decay=0.1, **MODES[mode])
+    q = torch.nn.Parameter(torch.view_as_real(start).clone())
+    ref = torch.optim.AdamW([q], lr=0.01, weight_decay=0.1, fused=True)
+    for _ in range(4):
+        x = torch.complex(torch.randn(3, generator=gen), torch.randn(3, generator=gen))
+        _loss(p, x).backward()
+        opt.step()
+        opt.zero_grad()
+        w = torch.view_as_complex(q.detach()).clone().requires_grad_()
+        _loss(w, x).backward()
+        q.grad = torch.view_as_real(w.grad)
+        ref.step()
+        assert same_bits(torch.view_as_real(p.detach()), q.detach())
