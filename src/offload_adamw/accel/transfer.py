@@ -35,6 +35,7 @@ Contract:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
@@ -251,6 +252,25 @@ class _StreamLane:
         return None  # the backend destroys the streams with the last reference
 
 
+# Every accumulator thread started, with its queue: ended at exit (see _finish_adds_at_exit).
+_accumulators: list[tuple[queue.SimpleQueue[Any], threading.Thread]] = []
+_accumulators_lock = threading.Lock()
+
+
+def _finish_adds_at_exit() -> None:
+    """Let every accumulator finish the adds it was given before the interpreter goes: a daemon thread still inside a
+    torch op when the interpreter finalizes aborts the process (a script that ends between backward and step())."""
+    with _accumulators_lock:
+        live = [(jobs, thread) for jobs, thread in _accumulators if thread.is_alive()]
+    for jobs, _ in live:
+        jobs.put(None)
+    for _, thread in live:
+        thread.join(5.0)
+
+
+atexit.register(_finish_adds_at_exit)
+
+
 class _Accumulator:
     """Adds accumulation copies into their host gradients on a worker thread, never on autograd's."""
 
@@ -266,6 +286,9 @@ class _Accumulator:
                 target=_accumulate_forever, args=(self._jobs, self._thread_init), name="offload-adamw-accumulate", daemon=True
             )
             self._thread.start()
+            with _accumulators_lock:
+                _accumulators[:] = [a for a in _accumulators if a[1].is_alive()]
+                _accumulators.append((self._jobs, self._thread))
         self._jobs.put((after, dst, src, done))
         return done
 
