@@ -10,6 +10,8 @@ every time (a check that raced with the updates refused some of them and let oth
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -175,3 +177,97 @@ def test_a_mark_sees_any_one_element_changed_in_any_layout():
             assert changed(t, before), (name, k)
             t.data[where] = old
             assert not changed(t, before), (name, k, "put back")
+
+
+def _two_heads(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.ModuleDict({"a": nn.Linear(16, 16), "b": nn.Linear(16, 16)})
+
+
+def _two_backwards(make_opt, change, steps: int = 4):
+    """Each step: two losses over disjoint parameters, two backward() calls, one step(); ``change`` between the two
+    backwards of the last step (after the first one's updates ran, before the second one began)."""
+    model = _two_heads()
+    opt = make_opt(model)
+    for k in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(k))
+        loss_a, loss_b = model["a"](x).square().mean(), model["b"](x).square().mean()
+        loss_a.backward()
+        if k == steps - 1:
+            change(model, opt)
+        loss_b.backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _no_grad_halve(p):
+    with torch.no_grad():
+        p.mul_(0.5)
+
+
+BETWEEN_BACKWARDS = {
+    "lr set": (lambda model, opt: _set_lr(opt, 0.1), r"param_groups\[0\]\['lr'\] changed"),
+    "in-place edit under no_grad": (lambda model, opt: _no_grad_halve(model["a"].weight),
+                                    r"parameter 'a.weight' was changed between backward and step\(\)"),
+}
+
+
+@pytest.mark.parametrize("standin_device", [False, True], ids=["host", "standin-device"])
+@pytest.mark.parametrize("probe", list(BETWEEN_BACKWARDS))
+def test_a_change_between_two_backwards_after_updates_ran_is_refused(probe, standin_device):
+    # The first backward's updates ran with what it began with; a second backward over other parameters must not
+    # make the change look as old as the step (the snapshot and the marks are those of the first backward whose
+    # updates ran). torch's AdamW would step every parameter with the new values: silent wrong training otherwise.
+    from offload_adamw.accel import standin
+
+    change, names = BETWEEN_BACKWARDS[probe]
+
+    def ours(model):
+        return OffloadAdamW(model.named_parameters(), lr=1e-2, offload_gradients=True, update_in_backward=True,
+                            bucket_bytes=1)
+
+    for _ in range(2):
+        with standin.use(3) if standin_device else contextlib.nullcontext():
+            with pytest.raises(RuntimeError, match=names):
+                _two_backwards(ours, change)
+
+
+def test_a_change_between_accumulating_backwards_is_taken_as_torch_takes_it():
+    # Inside opt.no_sync() no update starts: a change before the backward whose updates run is no change to them.
+    def step_with(make_opt):
+        model = _two_heads()
+        opt = make_opt(model)
+        for k in range(4):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(k))
+            with opt.no_sync():
+                model["a"](x).square().mean().backward()
+            _set_lr(opt, 1e-2 * (k + 1))
+            model["a"](x * 2).square().mean().backward()
+            model["b"](x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    ours = step_with(lambda m: OffloadAdamW(m.named_parameters(), lr=1e-2, offload_gradients=True,
+                                            update_in_backward=True, bucket_bytes=1))
+    theirs = step_with(lambda m: _NoSync(torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)))
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
+class _NoSync:
+    """torch's AdamW with the no_sync() our loops call (accumulation is what torch does anyway)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.param_groups = opt.param_groups
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def step(self):
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad()

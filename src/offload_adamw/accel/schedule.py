@@ -156,7 +156,11 @@ class DuringBackward:
         """At the first hook of a backward: counted open until its end (a backward that raises never ends), and the
         hyperparameters as they are now, before any update of this backward, which step() compares."""
         self._open += 1
-        self._snapshot = Snapshot(self._optimizer)
+        updater = self._updater
+        if self._snapshot is None or updater is None or not updater.started():
+            # Kept from the first backward of the step whose buckets started: a second backward (over other
+            # parameters) must not make a change made after those updates look as old as the step.
+            self._snapshot = Snapshot(self._optimizer)
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(self._backward_ended)
 
@@ -178,7 +182,7 @@ class DuringBackward:
         updater.settle()
         for p, values in list(self._values.items()):
             slot = self._slots.get(p)
-            if slot is not None:
+            if slot is not None and p not in self._marks:  # marked once, by the backward its update ran in
                 self._marks[p] = mark(slot.local, values)
 
     def _failed_backward(self) -> None:
