@@ -213,13 +213,13 @@ BETWEEN_BACKWARDS = {
 }
 
 
-@pytest.mark.parametrize("standin_device", [False, True], ids=["host", "standin-device"])
+@pytest.mark.parametrize("simulated", [False, True], ids=["host", "simulated-device"])
 @pytest.mark.parametrize("probe", list(BETWEEN_BACKWARDS))
-def test_a_change_between_two_backwards_after_updates_ran_is_refused(probe, standin_device):
+def test_a_change_between_two_backwards_after_updates_ran_is_refused(probe, simulated):
     # The first backward's updates ran with what it began with; a second backward over other parameters must not
     # make the change look as old as the step (the snapshot and the marks are those of the first backward whose
     # updates ran). torch's AdamW would step every parameter with the new values: silent wrong training otherwise.
-    from offload_adamw.accel import standin
+    from offload_adamw.testing.simulated_cuda import simulated_cuda
 
     change, names = BETWEEN_BACKWARDS[probe]
 
@@ -228,7 +228,7 @@ def test_a_change_between_two_backwards_after_updates_ran_is_refused(probe, stan
                             bucket_bytes=1)
 
     for _ in range(2):
-        with standin.use(3) if standin_device else contextlib.nullcontext():
+        with simulated_cuda(3, index=1) if simulated else contextlib.nullcontext():
             with pytest.raises(RuntimeError, match=names):
                 _two_backwards(ours, change)
 
