@@ -309,6 +309,7 @@ def test_page_locked_memory_is_locked_and_unlocked_from_its_own_device_on_any_th
     arena = HostArena([("a", torch.Size([1024]), torch.float32, None)], pin=True, label="test",
                       locker=engine.page_locker(DEV))
     assert arena.pinned_bytes == 1024 * 4
+    engine.copy_to_host(torch.ones(1024), arena.views["a"]).wait()  # a lane exists: the finalizer waits on its streams
     holder = [arena]
     del arena
     thread = threading.Thread(target=lambda: (holder.clear(), gc.collect()))  # device 0 current: no thread set-up

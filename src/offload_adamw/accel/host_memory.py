@@ -93,9 +93,18 @@ def _release(locker: PageLocker, pages: _Pages) -> None:
             # A copy still in flight into or out of these pages (an optimizer dropped between backward and step)
             # would otherwise DMA into memory unlocked here and freed right after. Those copies run on the
             # pipeline's own streams only.
-            locker.synchronize()
-            # From the memory's own device, whichever thread the finalizer runs on: no context on device 0.
-            locker.backend.unpin(pages.ptr, locker.index)
+            # The wait and the unlock from the memory's own device, whichever thread the finalizer runs on (the
+            # collector may run it on an autograd or communication thread whose current device is 0): no context there.
+            backend, index = locker.backend, locker.index
+            before = backend.get_device() if index is not None else None
+            if before is not None and before != index:
+                backend.set_device(index)
+            try:
+                locker.synchronize()
+                backend.unpin(pages.ptr, index)
+            finally:
+                if before is not None and before != index:
+                    backend.set_device(before)
     except Exception:  # pragma: no cover - interpreter shutdown
         pass
     pages.raw = None  # the memory goes now
