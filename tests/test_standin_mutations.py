@@ -77,7 +77,8 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
         TRANSFER, "        if before != index:\n            backend.set_device(index)\n        try:",
         "        try:", [DDP_SUITE]),
     "arena: host memory unlocked from the current device of whichever thread frees it (N9)": (
-        f"{ACCEL}/host_memory.py", "locker.backend.unpin(pages.ptr, locker.index)", "locker.backend.unpin(pages.ptr, None)",
+        f"{ACCEL}/host_memory.py",
+        "            if before is not None and before != index:\n                backend.set_device(index)\n", "",
         [LANE_TESTS + "test_page_locked_memory_is_locked_and_unlocked_from_its_own_device_on_any_thread"]),
     "arena: host memory unlocked without waiting for the copies that touch it": (
         f"{ACCEL}/host_memory.py", "            locker.synchronize()\n", "",
