@@ -48,7 +48,7 @@ from torch import Tensor
 from offload_adamw.accel.host_memory import PageLocker
 from offload_adamw.accel.streams import CUDA, StreamBackend, claim
 
-__all__ = ["Completion", "DONE", "HostCompletion", "Lane", "TransferEngine"]
+__all__ = ["Completion", "DONE", "HostCompletion", "Lane", "TransferEngine", "finish_at_exit"]
 
 
 class Completion(Protocol):
@@ -252,23 +252,31 @@ class _StreamLane:
         return None  # the backend destroys the streams with the last reference
 
 
-# Every accumulator thread started, with its queue: ended at exit (see _finish_adds_at_exit).
-_accumulators: list[tuple[queue.SimpleQueue[Any], threading.Thread]] = []
-_accumulators_lock = threading.Lock()
+# Every worker thread started (ended by a None in its queue), with its queue: ended at exit (see _finish_at_exit).
+_workers: list[tuple[queue.SimpleQueue[Any], threading.Thread]] = []
+_workers_lock = threading.Lock()
 
 
-def _finish_adds_at_exit() -> None:
-    """Let every accumulator finish the adds it was given before the interpreter goes: a daemon thread still inside a
+def finish_at_exit(jobs: queue.SimpleQueue[Any], thread: threading.Thread) -> None:
+    """Have the daemon ``thread``, which ends at a None in ``jobs``, finish its queue before the interpreter goes
+    (the accumulator here, the simulated device's stream workers)."""
+    with _workers_lock:
+        _workers[:] = [w for w in _workers if w[1].is_alive()]
+        _workers.append((jobs, thread))
+
+
+def _finish_at_exit() -> None:
+    """Let every worker finish the work it was given before the interpreter goes: a daemon thread still inside a
     torch op when the interpreter finalizes aborts the process (a script that ends between backward and step())."""
-    with _accumulators_lock:
-        live = [(jobs, thread) for jobs, thread in _accumulators if thread.is_alive()]
+    with _workers_lock:
+        live = [(jobs, thread) for jobs, thread in _workers if thread.is_alive()]
     for jobs, _ in live:
         jobs.put(None)
     for _, thread in live:
         thread.join(5.0)
 
 
-atexit.register(_finish_adds_at_exit)
+atexit.register(_finish_at_exit)
 
 
 class _Accumulator:
@@ -286,9 +294,7 @@ class _Accumulator:
                 target=_accumulate_forever, args=(self._jobs, self._thread_init), name="offload-adamw-accumulate", daemon=True
             )
             self._thread.start()
-            with _accumulators_lock:
-                _accumulators[:] = [a for a in _accumulators if a[1].is_alive()]
-                _accumulators.append((self._jobs, self._thread))
+            finish_at_exit(self._jobs, self._thread)
         self._jobs.put((after, dst, src, done))
         return done
 

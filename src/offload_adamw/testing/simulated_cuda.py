@@ -36,7 +36,6 @@ A CPU tensor counts as a tensor of the simulated device when the pipeline's engi
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import ctypes
@@ -54,7 +53,7 @@ from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from offload_adamw.accel import streams
-from offload_adamw.accel.transfer import DONE, Completion, HostCompletion
+from offload_adamw.accel.transfer import DONE, Completion, HostCompletion, finish_at_exit
 
 __all__ = ["SimulatedCuda", "install", "simulated_cuda"]
 
@@ -85,25 +84,6 @@ def _span(t: Tensor) -> tuple[int, int]:
         return start, start
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
-
-
-# Every worker thread started, with its queue: also those whose stream is gone and which still run its last work.
-_workers: list[tuple[queue.SimpleQueue[Any], threading.Thread]] = []
-_workers_lock = threading.Lock()
-
-
-def _drain_at_exit() -> None:
-    """Let every worker finish its queue before the interpreter goes: a daemon thread stopped inside a torch op at
-    shutdown aborts the process."""
-    with _workers_lock:
-        workers = [(jobs, thread) for jobs, thread in _workers if thread.is_alive()]
-    for jobs, _ in workers:
-        jobs.put(None)
-    for _, thread in workers:
-        thread.join(5.0)
-
-
-atexit.register(_drain_at_exit)
 
 
 def _pause(rng: random.Random) -> None:
@@ -173,9 +153,7 @@ class _Stream:
                                           name=f"simulated-cuda-{self.name}", daemon=True)
                 thread.start()
                 self._thread = thread
-                with _workers_lock:
-                    _workers[:] = [w for w in _workers if w[1].is_alive()]
-                    _workers.append((self._jobs, thread))
+                finish_at_exit(self._jobs, thread)  # its queue finished before the interpreter goes
                 weakref.finalize(self, self._jobs.put, None)  # the worker ends with its stream
             self._jobs.put((work, copy, done))
             self._last = done
