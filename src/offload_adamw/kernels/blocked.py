@@ -86,6 +86,7 @@ setting is restored right after.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -373,13 +374,15 @@ def blocked_adamw_(
     *,
     config: BlockConfig = DEFAULT_CONFIG,
     take_model_edits: Sequence[bool] | None = None,
+    threads: int | None = None,
 ) -> None:
     """One AdamW update of every tensor, bitwise equal to the parity definition (see module docstring).
 
     Elements pair by index whatever the strides (kernels/layout.py): each tensor's operands are
     brought to its master's layout first, without a copy where they share it already. Where
     ``take_model_edits[i]``, the model copy holds the parameter's current value and its edited
-    elements replace their masters before the update (kernels/edits.py).
+    elements replace their masters before the update (kernels/edits.py). ``threads``, where given,
+    replaces ``config.threads`` (the optimizer's ``host_threads``).
     """
     follow = [bool(f) for f in take_model_edits] if take_model_edits is not None else [False] * len(masters)
     aligned: list[layout.Aligned] = []
@@ -392,7 +395,8 @@ def blocked_adamw_(
     _aligned_adamw_(
         cast("list[Tensor]", column[0]), cast("list[Tensor]", column[1]), cast("list[Tensor]", column[2]),
         cast("list[Tensor]", column[3]), cast("list[Tensor]", column[4]) if hp.amsgrad else [], list(steps),
-        column[5] if model_params is not None else None, follow, hp, config,
+        column[5] if model_params is not None else None, follow, hp,
+        config if threads is None else dataclasses.replace(config, threads=threads),
     )
     for a in aligned:
         a.write_back()

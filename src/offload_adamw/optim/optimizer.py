@@ -49,6 +49,7 @@ from offload_adamw.contract.rules import (
     check_placement,
 )
 from offload_adamw.distributed import dtensor as _distributed
+from offload_adamw.distributed.node import node_share
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 from offload_adamw.optim import loading as _loading
@@ -157,6 +158,13 @@ class OffloadAdamW(torch.optim.Optimizer):
       out and a load keeps the optimizer's own: a resume may change placement.
     * ``stream_chunk_bytes`` (default 64 MiB, at least 1 MiB) and ``stream_buffers`` (2 or 3): the size
       and number of the ring's device buffers per device (``device_buffer_bytes()`` reports them).
+    * ``host_threads`` (default None: this rank's share of its node, distributed/node.py): the worker
+      threads of the host update, whatever ``OMP_NUM_THREADS`` says (torchrun and accelerate set it to 1
+      in every rank). The default is the cores in this process's affinity set, divided among the ranks
+      of this node when they share them; ``node`` says how it was found, ``host_threads`` what was
+      chosen. The bits do not depend on it. Without a launcher's variable (``LOCAL_WORLD_SIZE``,
+      Open MPI's, MPICH's, Slurm's) and with a multi-host process group, the constructor gathers the
+      ranks' host names once (a collective): construct the optimizer on every rank.
 
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
@@ -195,6 +203,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         update_on: str = "host",
         stream_chunk_bytes: int = 64 << 20,
         stream_buffers: int = 2,
+        host_threads: int | None = None,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
         if isinstance(lr, Tensor):
@@ -228,6 +237,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise Unsupported("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
 
         PipelineConfig(stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers)  # refuses bad values now
+        if host_threads is not None and not (
+            isinstance(host_threads, int) and not isinstance(host_threads, bool) and 1 <= host_threads
+        ):
+            raise ValueError(f"host_threads must be a positive integer or None, got {host_threads!r}")
+        self.node = node_share()
+        self.host_threads = self.node.threads if host_threads is None else host_threads
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -276,7 +291,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     #: attributes of this class that a copy or a pickle carries, beside torch's defaults, state and groups
     _COPIED_ATTRIBUTES = ("max_grad_norm", "last_grad_norm", "nonfinite", "skipped_steps", "_pin_memory", "_pipeline_options",
-                          "_update_on")
+                          "_update_on", "node", "host_threads")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's (defaults, state, param_groups) and this class's options; the transfer pipeline is not
@@ -307,6 +322,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.skipped_steps = options.get("skipped_steps", 0)
         self._clip_order = ClipOrder()  # the copy's parameters are others: their model is searched for again
         self._update_on = options.get("_update_on", "host")
+        # An optimizer pickled before these existed: this process's share, found without a collective.
+        self.node = options.get("node") or node_share(gather=False)
+        self.host_threads = options.get("host_threads") or self.node.threads
         self._pin_memory = bool(options.get("_pin_memory", False))
         self._pipeline_options = dict(options.get("_pipeline_options", {"transfer_pipeline": False,
                                                                            "offload_gradients": False,
@@ -603,7 +621,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         host_fresh = [(gi, i) for gi, i in fresh if homes[(gi, i)][0].type == "cpu"]
         if host_fresh:
             _preflight.check_host_memory([(self.param_groups[gi], i) for gi, i in host_fresh],
-                                         pin_memory=any(homes[w][1] is True for w in host_fresh))  # exactly sized: no rounding
+                                         pin_memory=any(homes[w][1] is True for w in host_fresh),
+                                         ranks=(self.node.ranks, self.node.ranks_source))  # exactly sized: no rounding
         device_bytes: dict[torch.device, int] = {}
         for gi, i in fresh:
             if homes[(gi, i)][0].type != "cpu":
@@ -696,7 +715,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Fail early, with the figures, when the pipeline's host buffers (``label``) cannot fit in host memory."""
         if os.environ.get(_preflight.ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
             return
-        memory = _preflight.host_memory()
+        memory = _preflight.host_memory(ranks=(self.node.ranks, self.node.ranks_source))
         if memory.sources and nbytes > memory.available:
             where = ", ".join(f"{name}: {value:,} bytes" for name, value in memory.sources.items())
             raise MemoryError(
@@ -733,6 +752,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             impl=self.kernel_impl(group),
             pin_memory=self._pin_memory,
             grad_scale=grad_scale,
+            threads=self.host_threads,
         )
 
     # -------------------------------------------------------------------- step
