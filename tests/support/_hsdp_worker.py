@@ -20,8 +20,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from offload_adamw import OffloadAdamW  # noqa: E402
-from offload_adamw.planning.planner import fsdp_rank_host_bytes  # noqa: E402
+from offload_adamw import OffloadAdamW
+from offload_adamw.planning.planner import fsdp_rank_host_bytes
 
 REPLICAS, SHARDS = 2, 2
 STEPS = 3
