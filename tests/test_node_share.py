@@ -148,3 +148,17 @@ def test_two_gloo_ranks_find_each_other_on_this_host(tmp_path):
         assert found["after_gather"] == [2, "the ranks of the process group on this host name (gathered)"]
         assert found["loopback"] == [2, "every rank of the process group (MASTER_ADDR 127.0.0.1 is this host)"]
         assert found["variable"] == [3, "LOCAL_WORLD_SIZE (torchrun)"]
+
+
+@pytest.mark.slow
+def test_the_node_benchmark_runs_and_reports_both_arrangements(tmp_path):
+    out = tmp_path / "node.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/node_bench.py"), "--elements", "1M", "--ranks", "1,2",
+                    "--steps", "1", "--json", str(out)], env=env, check=True, timeout=600, capture_output=True)
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == 1 and [row["ranks"] for row in data["rows"]] == [1, 2]
+    for row in data["rows"]:
+        assert row["one-thread"]["host_threads"] == 1
+        assert row["node-share"]["host_threads"] == max(data["cores"] // row["ranks"], 1)
+        assert row["one-thread"]["aggregate_gbps"] > 0 and row["node-share"]["aggregate_gbps"] > 0
