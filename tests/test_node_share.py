@@ -106,7 +106,7 @@ def test_the_update_runs_host_threads_workers_whatever_torch_threads_says():
         opt.step()
     finally:
         torch.set_num_threads(before)
-    assert 3 in blocked._pools  # the pool of the update's workers: 3, not torch's 1
+    assert (3, None) in blocked._pools  # the pool of the update's workers: 3, not torch's 1
 
 
 def test_omp_num_threads_one_no_longer_sizes_the_update():
@@ -116,7 +116,7 @@ def test_omp_num_threads_one_no_longer_sizes_the_update():
     code = ("import os, torch\nfrom offload_adamw import OffloadAdamW\nfrom offload_adamw.kernels import blocked\n"
             "p = torch.nn.Parameter(torch.ones(1 << 20, dtype=torch.bfloat16))\n"
             "opt = OffloadAdamW([p])\np.grad = torch.ones_like(p)\nopt.step()\n"
-            "print(torch.get_num_threads(), opt.host_threads, len(os.sched_getaffinity(0)), max(blocked._pools, default=1))")
+            "print(torch.get_num_threads(), opt.host_threads, len(os.sched_getaffinity(0)), max((size for size, _ in blocked._pools), default=1))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     torch_threads, host_threads, cores, workers = map(int, out.stdout.split())
     assert (torch_threads, host_threads, workers) == (1, cores, cores)
@@ -162,3 +162,110 @@ def test_the_node_benchmark_runs_and_reports_both_arrangements(tmp_path):
         assert row["one-thread"]["host_threads"] == 1
         assert row["node-share"]["host_threads"] == max(data["cores"] // row["ranks"], 1)
         assert row["one-thread"]["aggregate_gbps"] > 0 and row["node-share"]["aggregate_gbps"] > 0
+
+
+# ------------------------------------------------------------------------------------------------------ NUMA
+
+
+def fake_sysfs(root: Path, nodes: dict[int, str], devices: dict[str, str]) -> Path:
+    """A made-up /sys: NUMA nodes with their cpu lists, PCI devices with their numa_node."""
+    for number, cpulist in nodes.items():
+        (root / f"devices/system/node/node{number}").mkdir(parents=True)
+        (root / f"devices/system/node/node{number}/cpulist").write_text(cpulist + "\n")
+    (root / "devices/system/node/possible").write_text("0-1\n")  # not a node: skipped
+    for address, numa in devices.items():
+        (root / f"bus/pci/devices/{address}").mkdir(parents=True)
+        (root / f"bus/pci/devices/{address}/numa_node").write_text(numa + "\n")
+    return root
+
+
+TWO_SOCKETS = {0: "0-3,8-11", 1: "4-7,12-15"}
+GPUS = {"0000:1b:00.0": "1", "0000:3d:00.0": "-1"}
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ({"pci_bus_id": "0000:1B:00.0"}, (1, {4, 5, 6, 7, 12, 13, 14, 15})),           # the GPU's node, sysfs's spelling
+    ({"pci_bus_id": "0000:1b:00.0", "affinity": {0, 1, 4, 5}}, (1, {4, 5})),    # only the cores this rank may use
+    ({"pci_bus_id": "0000:1b:00.0", "affinity": {0, 1, 2}}, None),             # none of that node's: as before
+    ({"pci_bus_id": "0000:3d:00.0"}, None),                                      # a device without a node (-1)
+    ({"pci_bus_id": "0000:99:00.0"}, None),                                      # not there
+    ({"pci_bus_id": None}, None),                                                # the parameters are not on a GPU
+    ({"node": 0}, (0, {0, 1, 2, 3, 8, 9, 10, 11})),                              # named by the user
+])
+def test_numa_placement_on_two_sockets(tmp_path, kwargs, expected):
+    root = fake_sysfs(tmp_path, TWO_SOCKETS, GPUS)
+    kwargs.setdefault("affinity", set(range(16)))
+    placement = node.numa_placement(root=root, **kwargs)
+    assert (None if placement is None else (placement.node, set(placement.cpus))) == expected
+    if placement is not None:
+        assert placement.nodes == 2
+
+
+def test_numa_placement_on_one_node_or_a_broken_sysfs_is_none(tmp_path):
+    one = fake_sysfs(tmp_path / "one", {0: "0-15"}, {"0000:1b:00.0": "0"})
+    assert node.numa_placement(pci_bus_id="0000:1b:00.0", affinity=set(range(16)), root=one) is None
+    broken = fake_sysfs(tmp_path / "broken", {0: "0-7", 1: "8-x"}, GPUS)
+    assert node.numa_placement(pci_bus_id="0000:1b:00.0", affinity=set(range(16)), root=broken) is None
+    with pytest.raises(ValueError, match="host_numa_node=5: this host's NUMA nodes are \\[0, 1\\]"):
+        node.numa_placement(node=5, root=fake_sysfs(tmp_path / "two", TWO_SOCKETS, {}))
+
+
+def test_the_ranks_whose_gpus_share_a_numa_node_share_its_cores():
+    numa = node.NumaPlacement(node=1, cpus=frozenset(range(50, 100)), nodes=2, source="test")
+    share = node.node_share({"LOCAL_WORLD_SIZE": "8"}, affinity=set(range(100)), host_cores=100, numa=numa)
+    assert (share.cores, share.threads) == (50, 12)  # 4 of the 8 ranks' GPUs on each of the 2 nodes
+    bound = node.node_share({"LOCAL_WORLD_SIZE": "8"}, affinity=set(range(50, 62)), host_cores=100,
+                            numa=node.NumaPlacement(node=1, cpus=frozenset(range(50, 62)), nodes=2, source="test"))
+    assert (bound.cores, bound.threads) == (12, 12)  # bound by the launcher (torchrun --numa-binding): its own
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "0"])
+def test_host_numa_node_must_be_a_node_number(bad):
+    with pytest.raises(ValueError, match="host_numa_node must be a NUMA node number or None"):
+        OffloadAdamW([torch.nn.Parameter(torch.ones(2))], host_numa_node=bad)
+
+
+needs_two_cores_and_numa = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2 or node.page_policy(torch.ones(1 << 12))
+    is None, reason="needs Linux's memory-policy calls and two cores")
+
+
+@needs_two_cores_and_numa
+def test_the_gpus_numa_node_holds_the_state_and_runs_the_update(tmp_path, monkeypatch, simulated_device):
+    """The whole path, for real where this host can show it: the simulated GPU says its PCI address, a made-up sysfs
+    puts it on node 0 with one core of this host (the other core on node 1), and the optimizer places its state's
+    pages on node 0 (this host's only real node) and runs its workers on that core alone."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    monkeypatch.setattr(node, "SYSFS", fake_sysfs(tmp_path, {0: str(cores[0]), 1: str(cores[1])},
+                                                  {"0000:1b:00.0": "0"}))
+    monkeypatch.setattr(simulated_device, "pci_address", "0000:1b:00.0", raising=False)
+    params = _mixed_model(2)
+    opt = OffloadAdamW(params, lr=1e-2)
+    assert opt.node.numa is not None and (opt.node.numa.node, set(opt.node.numa.cpus)) == (0, {cores[0]})
+    assert opt.host_threads == 1 and "NUMA node 0 (the GPU at 0000:1b:00.0 is on it)" in opt.node.describe()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in params:
+        for key, t in opt.state[p].items():
+            if t.dim() and t.numel() * t.element_size() >= 2 * 4096:
+                assert node.page_policy(t) == (node.MPOL_PREFERRED, 0), (key, t.shape)
+    outside = torch.zeros(1 << 20)
+    assert node.page_policy(outside)[0] == node.MPOL_DEFAULT  # the policy was the state's, not the thread's for good
+    workers = blocked._get_pool(1, frozenset({cores[0]}))
+    assert workers.submit(lambda: os.sched_getaffinity(0)).result() == {cores[0]}
+    assert (1, frozenset({cores[0]})) in blocked._pools and os.sched_getaffinity(0) >= set(cores)  # ours untouched
+
+
+def test_the_bits_do_not_depend_on_the_numa_node():
+    results = []
+    for numa in (None, 0):
+        params = _mixed_model(3)
+        opt = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, host_numa_node=numa)
+        for step in range(2):
+            g = torch.Generator().manual_seed(200 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            opt.step()
+        results.append([p.detach().view(torch.int16).clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

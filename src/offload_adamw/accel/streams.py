@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "install", "installed", "installed_backend",
-           "is_device_tensor"]
+           "is_device_tensor", "pci_bus_id"]
 
 
 class StreamBackend(Protocol):
@@ -87,6 +87,10 @@ class StreamBackend(Protocol):
         """Make device ``index`` the calling thread's current device."""
         ...
 
+    def pci_bus_id(self, index: int) -> str | None:
+        """The PCI address of device ``index`` as sysfs names it ("0000:1b:00.0"), or None where it has none."""
+        ...
+
 
 class CudaBackend:
     """:class:`StreamBackend` over ``torch.cuda``: one call each, no logic."""
@@ -137,6 +141,10 @@ class CudaBackend:
 
     def set_device(self, index: int) -> None:
         torch.cuda.set_device(index)
+
+    def pci_bus_id(self, index: int) -> str | None:
+        p = torch.cuda.get_device_properties(index)  # no context: the driver's description of the device
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # type: ignore[attr-defined]
 
 
 def _on(index: int | None) -> contextlib.AbstractContextManager[Any]:
@@ -207,3 +215,11 @@ def is_device_tensor(t: Tensor) -> bool:
     optimizer keeps a master for it and never writes it from the host (optim/state.py asks)."""
     ref = _claimed.get(id(t))
     return ref is not None and ref() is t
+
+
+def pci_bus_id(device: torch.device) -> str | None:
+    """The PCI address of the GPU of ``device`` (its backend's answer), or None for a host device."""
+    backend = installed()
+    if backend is not None and backend.serves(device):
+        return backend.pci_bus_id(backend.index(device))
+    return CUDA.pci_bus_id(CUDA.index(device)) if device.type == "cuda" else None

@@ -184,8 +184,10 @@ def update_group(
     pin_memory: host_state.Pin,
     grad_scale: Tensor | None = None,
     threads: int | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> None:
-    """One AdamW update of each tensor in ``updates``, all of them members of ``group``, on ``threads`` workers."""
+    """One AdamW update of each tensor in ``updates``, all of them members of ``group``, on ``threads`` workers
+    running on ``cpus`` (None: anywhere)."""
     if not updates:
         return
     masters: list[Tensor] = []
@@ -233,4 +235,5 @@ def update_group(
         take_model_edits=take_edits,
         impl=impl,
         threads=threads,
+        cpus=cpus,
     )

@@ -507,6 +507,12 @@ class SimulatedCuda:
     def set_device(self, index: int) -> None:
         self._local.device = int(index)
 
+    #: the PCI address the simulated device reports (a test sets it, with a made-up sysfs that places it)
+    pci_address: str | None = None
+
+    def pci_bus_id(self, index: int) -> str | None:
+        return self.pci_address
+
     # ------------------------------------------------------------------ for tests
 
     def compute_later(self, work: Callable[[], None], delay_s: float = 0.02) -> Completion:
