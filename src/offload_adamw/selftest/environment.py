@@ -23,7 +23,8 @@ import torch
 
 from offload_adamw._version import __version__
 
-__all__ = ["environment", "meminfo", "host_memory_for_sizing", "PLAUSIBLE_AVAILABLE_FRACTION"]
+__all__ = ["environment", "meminfo", "host_memory_for_sizing", "default_device", "resolve_device",
+           "PLAUSIBLE_AVAILABLE_FRACTION"]
 
 PLAUSIBLE_AVAILABLE_FRACTION = 0.25
 """Below this share of MemTotal, MemAvailable is taken as not yet meaning what it says: a fresh VM whose balloon
@@ -161,3 +162,32 @@ def environment(device: torch.device) -> dict[str, Any]:
         "page_locking": _page_locking(device),
         "stream_backend": _stream_backend(),
     }
+
+
+def default_device() -> str:
+    """``cuda`` where torch sees a GPU, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(text: str) -> torch.device:
+    """The device ``text`` names, once it is clear that the selftest can run there; else ValueError saying why.
+
+    The CPU (the pipeline's CPU mode, where every placement computes on the CPU) and CUDA devices that torch
+    sees; a bare ``cuda`` is the current CUDA device.
+    """
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"not a device ({str(exc).splitlines()[0]})") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"the selftest runs on cpu or cuda devices, not {device.type}")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise ValueError(f"no CUDA device here ({why}); use --device cpu")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise ValueError(f"no such device: torch sees {count} CUDA device(s) (0..{count - 1})")
+    return torch.device("cuda", index)

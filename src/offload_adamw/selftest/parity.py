@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from offload_adamw import OffloadAdamW
+from offload_adamw.optim.optimizer import OffloadAdamW
 
 __all__ = ["Row", "ROWS", "PLACEMENTS", "STEPS", "ACCUMULATION", "CLIP_NORM", "TinyModel", "run_row", "run_table",
            "first_difference"]
@@ -74,7 +74,7 @@ class Row:
 
     def skip_reason(self) -> str | None:
         if self.in_backward and not self.freed:
-            return "refused by design: updates during backward need freed gradients (offload_gradients=True)"
+            return "by design: updates during backward need freed gradients"
         return None
 
 
@@ -209,7 +209,7 @@ class _Control:
         return {"master": master}
 
 
-def _compare(step: int, names: dict[Tensor, str], ours: TinyModel, opt: OffloadAdamW, theirs: TinyModel,
+def _compare(step: int, ours: TinyModel, opt: OffloadAdamW, theirs: TinyModel,
              control: _Control) -> dict[str, Any] | None:
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         state = opt.state.get(p, {})
@@ -245,7 +245,7 @@ def run_row(row: Row, device: torch.device, seed: int = 0) -> dict[str, Any]:
         with _deterministic(device):
             difference = _train(row, device, seed)
         result.update(status="exact" if difference is None else "differs", difference=difference)
-    except Exception as exc:  # noqa: BLE001 - a row that raises is a result of the table, the others still run
+    except Exception as exc:  # a row that raises is a result of the table: the other rows still run
         text = f"{type(exc).__name__}: {exc}".splitlines()
         result.update(status="error", why=text[0] if text else type(exc).__name__)
     result["seconds"] = time.perf_counter() - start
@@ -260,7 +260,6 @@ def _train(row: Row, device: torch.device, seed: int) -> dict[str, Any] | None:
     opt = OffloadAdamW(_groups(ours, row.placement), transfer_pipeline=True, offload_gradients=row.freed,
                        update_in_backward=row.in_backward, max_grad_norm=CLIP_NORM if row.clip else None,
                        bucket_bytes=BUCKET_BYTES, stream_chunk_bytes=STREAM_CHUNK_BYTES)
-    names = {p: n for n, p in ours.named_parameters()}
     batches = _batches(device, seed + 1)
     try:
         for step in range(STEPS):
@@ -284,7 +283,7 @@ def _train(row: Row, device: torch.device, seed: int) -> dict[str, Any] | None:
                 found = first_difference(opt.last_grad_norm.reshape(()), norm.reshape(()))
                 if found is not None:
                     return {"step": step, "parameter": "(all)", "tensor": "clip norm", **found}
-            difference = _compare(step, names, ours, opt, theirs, control)
+            difference = _compare(step, ours, opt, theirs, control)
             if difference is not None:
                 return difference
     finally:
