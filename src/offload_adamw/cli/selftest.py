@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="where the model lives and the device placements run: cpu, cuda or cuda:N "
                              "(default: cuda where torch sees a GPU, else cpu)")
+    parser.add_argument("--rows", default=None, metavar="PATTERNS",
+                        help="only the parity rows whose name matches one of these comma-separated shell patterns, "
+                             "e.g. 'host/freed/*,mix/*/backward/clip' (default: every row)")
     parser.add_argument("--bench", action="store_true",
                         help="also measure: pinned H2D/D2H bandwidth, the host triad, the host step against torch's "
                              "fused step, and the step of a Llama with every placement")
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         device = environment.resolve_device(asked)
     except ValueError as exc:
         raise common.UsageError(f"--device {asked!r}: {exc}") from None
+    rows_wanted = _rows(args.rows)
     quiet = common.json_to_stdout(args)
     out = (lambda *a: print(*a, file=sys.stderr)) if quiet else print
     progress = common.progress_wanted(args)
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     out(f"parity: each row against torch.optim.AdamW(fused=True) on float32 masters where its update runs, bitwise;\n"
         f"a bf16 model ({sum(p.numel() for p in parity.TinyModel().parameters()):,} parameters, 4 groups), "
         f"{parity.STEPS} steps of {parity.ACCUMULATION} micro-batches per row, on {device}")
-    rows = _parity(device, progress)
+    rows = _parity(device, rows_wanted, progress)
     out(_parity_table(rows))
     bench: dict[str, Any] | None = None
     if args.bench:
@@ -86,7 +90,25 @@ def run(args: argparse.Namespace) -> int:
     return 0 if verdict["exact"] else 1
 
 
-def _parity(device: Any, progress: bool) -> list[dict[str, Any]]:
+def _rows(patterns: str | None) -> tuple[Any, ...]:
+    """The rows ``--rows`` selects (all without it); a pattern that matches no row is a usage error naming it."""
+    import fnmatch
+
+    from offload_adamw.selftest import parity
+
+    if patterns is None:
+        return parity.ROWS
+    chosen = [p.strip() for p in patterns.split(",") if p.strip()]
+    if not chosen:
+        raise common.UsageError(f"--rows {patterns!r}: no pattern")
+    for pattern in chosen:
+        if not any(fnmatch.fnmatchcase(row.name, pattern) for row in parity.ROWS):
+            raise common.UsageError(f"--rows: {pattern!r} matches no row; rows are PLACEMENT/GRADIENTS/UPDATE/CLIPPING "
+                                    f"with {'|'.join(parity.PLACEMENTS)} / kept|freed / step|backward / noclip|clip")
+    return tuple(row for row in parity.ROWS if any(fnmatch.fnmatchcase(row.name, p) for p in chosen))
+
+
+def _parity(device: Any, rows: tuple[Any, ...], progress: bool) -> list[dict[str, Any]]:
     from offload_adamw.selftest import parity
 
     bar = None
@@ -94,7 +116,7 @@ def _parity(device: Any, progress: bool) -> list[dict[str, Any]]:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(parity.ROWS), desc="parity", unit="row", file=sys.stderr, leave=False)
+            bar = tqdm(total=len(rows), desc="parity", unit="row", file=sys.stderr, leave=False)
         except ImportError:  # pragma: no cover - tqdm is a dependency
             bar = None
 
@@ -104,7 +126,7 @@ def _parity(device: Any, progress: bool) -> list[dict[str, Any]]:
             bar.update(1)
 
     try:
-        return parity.run_table(device, on_row=advance)
+        return parity.run_table(device, rows, on_row=advance)
     finally:
         if bar is not None:
             bar.close()

@@ -296,7 +296,8 @@ def run_table(device: torch.device, rows: tuple[Row, ...] = ROWS,
     """Every row of ``rows`` on ``device``, each reported to ``on_row`` as it ends."""
     results = []
     for k, row in enumerate(rows):
-        result = run_row(row, device, seed=k)
+        # a row's seed is its place in the whole table, so that a row run alone (--rows) sees the same numbers
+        result = run_row(row, device, seed=ROWS.index(row) if row in ROWS else k)
         results.append(result)
         if on_row is not None:
             on_row(result)
