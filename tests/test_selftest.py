@@ -9,6 +9,7 @@ is mocked.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from offload_adamw.cli.main import main
 from offload_adamw.selftest import environment, parity
+from offload_adamw.selftest.bench import LLAMA_ROWS
 
 FULL = "/dev/full"
 
@@ -169,7 +171,7 @@ def test_the_whole_table_and_a_tiny_bench_on_the_cpu(capsys, tmp_path) -> None:
     assert bench["size"] == "tiny" and bench["pcie"] == {**bench["pcie"], "status": "skipped", "why": "needs a CUDA device"}
     assert bench["host_triad"]["status"] == "ok" and bench["host_step"]["status"] == "ok"
     rows = bench["llama"]["rows"]
-    assert [r["row"] for r in rows] == list(__import__("offload_adamw.selftest.bench", fromlist=["x"]).LLAMA_ROWS)
+    assert [r["row"] for r in rows] == list(LLAMA_ROWS)
     assert all(r["status"] == "ok" and r["step_s"] > 0 for r in rows), rows
     assert bench["llama"]["tokens"]["tokens"] % bench["llama"]["tokens"]["seq"] == 0
     assert "tokens per step" in out
@@ -199,3 +201,28 @@ def test_host_memory_is_sized_by_memtotal_where_memavailable_is_implausible(tmp_
     assert figure == info["MemTotal"] and source.startswith("MemTotal: MemAvailable is 7% of it")
     settled = {"MemTotal": 100, "MemAvailable": 60}
     assert environment.host_memory_for_sizing(settled) == (60, "MemAvailable")
+
+
+@pytest.mark.slow  # about a minute: the tiny bench and the collection of every test module
+def test_the_gpu_run_rehearsed_on_the_cpu_writes_at_most_8_files(tmp_path) -> None:
+    """``make gpu-check``'s script without CUDA: the selftest with --bench (the tiny sizes), the gpu tests (all
+    skipped here), every part's status in its summary, and no more files than come back from the GPU machine."""
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), str(out)], capture_output=True,
+                          text=True, timeout=540, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == ["gpu-check.txt", "gpu-tests.txt", "selftest.json", "selftest.txt"]
+    document = json.loads((out / "selftest.json").read_text())
+    assert document["verdict"]["exact"] and document["bench"]["size"] == "tiny"
+    summary = (out / "gpu-check.txt").read_text().splitlines()
+    assert summary[1].startswith("selftest --bench: exit status 0") and summary[2].startswith("pytest -m gpu: exit status")
+    assert "selftest: EXACT" in (out / "selftest.txt").read_text()
+
+
+def test_the_gpu_run_script_refuses_a_missing_folder_argument() -> None:
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and done.stderr.startswith("usage: bash benchmarks/gpu_check.sh OUTDIR")

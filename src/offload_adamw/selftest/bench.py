@@ -27,6 +27,12 @@ is ``error`` with its message on one line (the sections after it still run). :fu
    memory measured in the probe, the reference's 16 bytes per parameter of state and a quarter of the device
    kept free), activation checkpointing is turned on and the probe repeated; where they still do not fit they
    are capped, and the output says so. The choice and its inputs are in ``llama.tokens``.
+   **Host memory**: the rows need about :data:`HOST_BYTES_PER_PARAMETER` bytes per parameter (float32 master and
+   moments, the gradient buffers); the section is skipped, saying so, where the figure to size by
+   (:func:`offload_adamw.selftest.environment.host_memory_for_sizing`: MemTotal where MemAvailable is under a
+   quarter of it, as on a fresh VM) is smaller. Where that figure is MemTotal, the optimizer's own pre-flight is
+   given it too (``OFFLOAD_ADAMW_HOST_AVAILABLE_BYTES`` while the rows run), since it reads MemAvailable and would
+   refuse what fits; ``llama.host_memory`` says which figure was used.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -71,6 +78,10 @@ LLAMA_ROWS: dict[str, dict[str, Any]] = {
     "mix, during backward": {"optimizer": "offload", "placement": "mix", "in_backward": True},
 }
 HIDE_MARGIN = 1.25
+HOST_BYTES_PER_PARAMETER = 20
+"""Host bytes per parameter of an offloaded row: float32 master, exp_avg and exp_avg_sq (12), the bf16 gradient's
+host buffer and its float32 accumulation where freed gradients accumulate (up to 6), and room for the pipeline's
+staging (2)."""
 DEVICE_FREE_SHARE = 0.25
 
 
@@ -298,8 +309,20 @@ def _llama_section(device: torch.device, size: dict[str, Any], host: dict[str, A
         import transformers  # noqa: F401
     except ImportError:
         return {"status": "skipped", "why": "needs transformers: pip install 'offload-adamw[hf]'", "rows": []}
+    from offload_adamw.optim.preflight import ENV_AVAILABLE
+    from offload_adamw.selftest.environment import host_memory_for_sizing, meminfo
+
     model = _llama(size, device)
     params = sum(p.numel() for p in model.parameters())
+    sizing, source = host_memory_for_sizing(meminfo())
+    host_memory = {"needs_bytes": params * HOST_BYTES_PER_PARAMETER, "sized_by_bytes": sizing, "source": source,
+                   "preflight_given": None}
+    if sizing is not None and params * HOST_BYTES_PER_PARAMETER > sizing:
+        return {"status": "skipped", "rows": [], "parameters": params, "host_memory": host_memory,
+                "why": f"needs about {params * HOST_BYTES_PER_PARAMETER / 2**30:,.1f} GiB of host memory, "
+                       f"{sizing / 2**30:,.1f} GiB here ({source})"}
+    given = sizing if source.startswith("MemTotal") and ENV_AVAILABLE not in os.environ else None
+    host_memory["preflight_given"] = given
     probe = _probe(model, size, device)
     pcie_gbps = min(pcie["h2d_gbps"], pcie["d2h_gbps"]) if pcie.get("status", "ok") == "ok" else None
     room = None
@@ -318,12 +341,18 @@ def _llama_section(device: torch.device, size: dict[str, Any], host: dict[str, A
     tokens["probe"] = probe
     ids = _tokens_batch(tokens["tokens"], size, device)
     rows = []
-    for name, spec in LLAMA_ROWS.items():
-        def one(spec: dict[str, Any] = spec) -> dict[str, Any]:
-            return _llama_row(model, spec, ids, size, device)
+    try:
+        if given is not None:  # the optimizer's pre-flight reads MemAvailable: give it the figure this run sizes by
+            os.environ[ENV_AVAILABLE] = str(given)
+        for name, spec in LLAMA_ROWS.items():
+            def one(spec: dict[str, Any] = spec) -> dict[str, Any]:
+                return _llama_row(model, spec, ids, size, device)
 
-        rows.append(_row(name, clock, one, log))
-    return {"parameters": params, "tokens": tokens, "rows": rows}
+            rows.append(_row(name, clock, one, log))
+    finally:
+        if given is not None:
+            os.environ.pop(ENV_AVAILABLE, None)
+    return {"parameters": params, "tokens": tokens, "rows": rows, "host_memory": host_memory}
 
 
 def _peak_rss_bytes() -> int | None:
@@ -391,6 +420,12 @@ def format_bench(result: dict[str, Any], render_table: Callable[..., str] | None
                                    f"({tokens['sequences']} x {tokens['seq']}"
                                    f"{', activation checkpointing' if tokens['activation_checkpointing'] else ''}): "
                                    f"{tokens['why']}", width=terminal_width(), subsequent_indent="  "))
+        memory = llama["host_memory"]
+        given = memory["preflight_given"]
+        lines.append(textwrap.fill(f"host memory: the rows need about {_gb(memory['needs_bytes'])}, sized by "
+                                   f"{_gb(memory['sized_by_bytes'])} ({memory['source']})"
+                                   + (f"; the optimizer's pre-flight given {_gb(given)}" if given else ""),
+                                   width=terminal_width(), subsequent_indent="  "))
         shown = []
         for row in llama["rows"]:
             if row["status"] != "ok":
