@@ -11,11 +11,11 @@ Contract:
   LayerNorm, a head; four parameter groups with two sets of hyperparameters) for :data:`STEPS` steps of
   :data:`ACCUMULATION` micro-batches on ``device``, from the same weights and batches as a control: the same
   model whose float32 copies are updated by ``torch.optim.AdamW(fused=True)``, fed the upcast gradients, the model
-  receiving the round-to-nearest copy (docs/contract.md). Each copy lives where its group's update runs (a host
-  group's on the CPU, a streamed or resident group's on ``device``), so the control is torch's fused kernel on
-  the device where the update runs, which is what the contract promises bitwise (docs/contract.md, "The bitwise
-  guarantee"). Clipping is ``max_grad_norm`` against ``torch.nn.utils.clip_grad_norm_(model.parameters())`` on the
-  control model's gradients.
+  receiving the round-to-nearest copy. Each copy lives where its group's update runs (a host group's on the CPU, a
+  streamed or resident group's on ``device``): the control is torch's fused kernel on the device where the update
+  runs, which is what the project promises bitwise (docs/placement.md, "The bitwise guarantee": a streamed group on
+  a GPU and a host group are each bitwise their own reference, not each other). Clipping is ``max_grad_norm``
+  against ``torch.nn.utils.clip_grad_norm_(model.parameters())`` on the control model's gradients.
 * **Compared bitwise after every step**: each parameter, its float32 master, ``exp_avg``, ``exp_avg_sq``, the step
   count and, with clipping, the total norm. No tolerance: every row of this table is bitwise by the contract.
   A row is ``exact``, or ``differs`` with the first difference (step, parameter name, which tensor, flat and
