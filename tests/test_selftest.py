@@ -90,6 +90,19 @@ def test_a_kernel_one_ulp_off_makes_it_exit_1_naming_the_row_and_the_element(cap
     assert "step 0: " in verdict and " master[0" in verdict and "ours " in verdict and "torch " in verdict
 
 
+def test_every_line_fits_the_terminal_but_the_verdict_and_a_bar_only_when_asked(capsys, monkeypatch) -> None:
+    """The tables wrap their widest column and the prose wraps: at 64 columns only the verdict (one line, for grep)
+    is longer. A progress bar goes to stderr when asked (a terminal asks by default), never to stdout."""
+    monkeypatch.setenv("COLUMNS", "64")
+    status, out, err = _selftest(capsys, "--device", "cpu", "--rows", "mix/freed/*/clip")
+    assert status == 0
+    *lines, verdict = out.strip().splitlines()
+    assert [line for line in lines if len(line) > 64] == [] and verdict.startswith("selftest: EXACT")
+    assert "parity" not in err  # stderr is no terminal here: no bar
+    status, out_with_bar, err = _selftest(capsys, "--device", "cpu", "--rows", "mix/freed/*/clip", "--progress")
+    assert status == 0 and "parity" in err and "2/2" in err and "\r" not in out_with_bar
+
+
 def test_usage_errors_exit_2_before_any_work(capsys, tmp_path) -> None:
     cases = [(["--device", "nonsense"], "not a device"), (["--device", "meta"], "cpu or cuda"),
              (["--json", str(tmp_path)], "is a directory"), (["--rows", "host/nowhere"], "matches no row"),
@@ -226,3 +239,25 @@ def test_the_gpu_run_script_refuses_a_missing_folder_argument() -> None:
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith("usage: bash benchmarks/gpu_check.sh OUTDIR")
+
+
+def test_the_gpu_figures_are_read_from_the_driver_and_sysfs_files(tmp_path) -> None:
+    """The files as a GPU machine has them (laid out here): the driver's version line, its per-GPU folders named by
+    PCI bus id (found by the GPU's UUID where torch gives no bus id), and the NUMA node sysfs gives that bus id."""
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
+                       "GCC version:  gcc version 12.2.0\n")
+    assert environment._driver_version(str(version)) == "550.54.15"
+    assert environment._driver_version(str(tmp_path / "absent")) is None
+    gpus = tmp_path / "gpus"
+    for bus, uuid in (("0000:18:00.0", "aaaa-1111"), ("0000:3B:00.0", "bbbb-2222")):
+        (gpus / bus).mkdir(parents=True)
+        (gpus / bus / "information").write_text(f"Model: \t\t NVIDIA H200\nGPU UUID: \t GPU-{uuid}\nBus Location: \t {bus}\n")
+    assert environment._bus_id_by_uuid("bbbb-2222", str(gpus)) == "0000:3b:00.0"
+    assert environment._bus_id_by_uuid("GPU-aaaa-1111", str(gpus)) == "0000:18:00.0"
+    assert environment._bus_id_by_uuid("cccc", str(gpus)) is None
+    sysfs = tmp_path / "devices"
+    (sysfs / "0000:3b:00.0").mkdir(parents=True)
+    (sysfs / "0000:3b:00.0" / "numa_node").write_text("1\n")
+    assert environment._numa_node("0000:3b:00.0", str(sysfs)) == 1
+    assert environment._numa_node("0000:18:00.0", str(sysfs)) is None

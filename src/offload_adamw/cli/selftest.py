@@ -63,13 +63,14 @@ def run(args: argparse.Namespace) -> int:
     progress = common.progress_wanted(args)
 
     env = environment.environment(device)
-    out(_headline(env))
+    out(_fill(_headline(env)))
     out()
     out(_environment_table(env))
     out()
-    out(f"parity: each row against torch.optim.AdamW(fused=True) on float32 masters where its update runs, bitwise;\n"
-        f"a bf16 model ({sum(p.numel() for p in parity.TinyModel().parameters()):,} parameters, 4 groups), "
-        f"{parity.STEPS} steps of {parity.ACCUMULATION} micro-batches per row, on {device}")
+    out(_fill(f"parity: each row against torch.optim.AdamW(fused=True) on float32 masters where its update runs, "
+              f"bitwise; a bf16 model ({sum(p.numel() for p in parity.TinyModel().parameters()):,} parameters, "
+              f"4 groups), {parity.STEPS} steps of {parity.ACCUMULATION} micro-batches per row, on {device}; "
+              f"rows are placement/gradients/update/clipping"))
     rows = _parity(device, rows_wanted, progress)
     out(_parity_table(rows))
     bench: dict[str, Any] | None = None
@@ -132,6 +133,13 @@ def _parity(device: Any, rows: tuple[Any, ...], progress: bool) -> list[dict[str
             bar.close()
 
 
+def _fill(text: str) -> str:
+    """``text`` wrapped to the terminal (tables and lines fit it; only the verdict stays one line, for grep)."""
+    import textwrap
+
+    return textwrap.fill(text, width=common.terminal_width(), subsequent_indent="  ")
+
+
 def _gib(value: int | None) -> str:
     if value is None:
         return "-"
@@ -182,7 +190,7 @@ def _parity_table(rows: list[dict[str, Any]]) -> str:
         status = {"exact": "exact", "differs": "NOT EXACT", "error": "ERROR"}.get(r["status"], r["status"])
         note = _difference_text(r["difference"]) or r.get("why", "")
         shown.append([r["row"], status, f"{r['seconds']:.2f}" if r["status"] != "skipped" else "-", note])
-    return common.render_table(["row (placement/gradients/update/clipping)", "result", "s", "first difference"],
+    return common.render_table(["row", "result", "s", "first difference"],
                                shown, align="llrl", wrap=3)
 
 

@@ -68,10 +68,10 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _driver_version() -> str | None:
+def _driver_version(path: str = "/proc/driver/nvidia/version") -> str | None:
     """The NVIDIA kernel module's version from /proc (no subprocess: nvidia-smi may hang on a broken driver)."""
     try:
-        with open("/proc/driver/nvidia/version") as f:
+        with open(path) as f:
             first = f.readline()
     except OSError:
         return None
@@ -80,12 +80,32 @@ def _driver_version() -> str | None:
     return words[0] if words else None
 
 
-def _numa_node(bus_id: str) -> int | None:
+def _numa_node(bus_id: str, root: str = "/sys/bus/pci/devices") -> int | None:
+    """The NUMA node the kernel gives the PCI device (-1: the platform does not say), None where unreadable."""
     try:
-        with open(f"/sys/bus/pci/devices/{bus_id}/numa_node") as f:
+        with open(f"{root}/{bus_id}/numa_node") as f:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def _bus_id_by_uuid(uuid: str, root: str = "/proc/driver/nvidia/gpus") -> str | None:
+    """The PCI bus id of the GPU whose UUID is ``uuid``, from the driver's ``/proc`` folders (named by bus id, each
+    with an ``information`` file holding ``GPU UUID: GPU-<uuid>``): where torch does not give the bus id."""
+    try:
+        folders = sorted(os.listdir(root))
+    except OSError:
+        return None
+    wanted = uuid.lower().removeprefix("gpu-")
+    for folder in folders:
+        try:
+            with open(os.path.join(root, folder, "information")) as f:
+                for line in f:
+                    if line.startswith("GPU UUID:") and line.split(":", 1)[1].strip().lower().removeprefix("gpu-") == wanted:
+                        return folder.lower()
+        except OSError:
+            continue
+    return None
 
 
 def _gpus() -> list[dict[str, Any]]:
@@ -95,7 +115,11 @@ def _gpus() -> list[dict[str, Any]]:
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         domain, bus, device = (getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
-        bus_id = f"{domain:04x}:{bus:02x}:{device:02x}.0" if None not in (domain, bus, device) else None
+        if None not in (domain, bus, device):
+            bus_id: str | None = f"{domain:04x}:{bus:02x}:{device:02x}.0"
+        else:  # a torch without the PCI fields: the driver's folders, matched by UUID
+            uuid = getattr(props, "uuid", None)
+            bus_id = _bus_id_by_uuid(str(uuid)) if uuid is not None else None
         gpus.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory),
                      "capability": f"{props.major}.{props.minor}", "pci_bus_id": bus_id,
                      "numa_node": _numa_node(bus_id) if bus_id else None})
