@@ -90,6 +90,26 @@ def test_a_kernel_one_ulp_off_makes_it_exit_1_naming_the_row_and_the_element(cap
     assert "step 0: " in verdict and " master[0" in verdict and "ours " in verdict and "torch " in verdict
 
 
+def test_a_row_that_raises_is_an_error_row_and_the_others_still_run(capsys, monkeypatch) -> None:
+    """An optimizer whose streamed update raises: that row is an error (exit 1, named with the exception), the
+    host row after it still runs and is exact."""
+    import offload_adamw.selftest.parity as module
+
+    class Raises(module.OffloadAdamW):
+        def step(self, closure=None):
+            if any(g.get("update_on") == "stream" for g in self.param_groups):
+                raise RuntimeError("the ring broke\nsecond line")
+            return super().step(closure)
+
+    monkeypatch.setattr(module, "OffloadAdamW", Raises)
+    status, out, _ = _selftest(capsys, "--device", "cpu", "--rows", "stream/kept/step/noclip,host/kept/step/noclip")
+    assert status == 1
+    verdict = out.strip().splitlines()[-1]
+    assert "1 of 2 rows" in verdict and "first stream/kept/step/noclip (error): RuntimeError: the ring broke" in verdict
+    assert verdict.endswith("the ring broke"), verdict
+    assert any(line.startswith("host/kept/step/noclip") and " exact " in line for line in out.splitlines())
+
+
 def test_every_line_fits_the_terminal_but_the_verdict_and_a_bar_only_when_asked(capsys, monkeypatch) -> None:
     """The tables wrap their widest column and the prose wraps: at 64 columns only the verdict (one line, for grep)
     is longer. A progress bar goes to stderr when asked (a terminal asks by default), never to stdout."""

@@ -17,8 +17,9 @@ is ``error`` with its message on one line (the sections after it still run). :fu
    per placement: host with the updates during backward, streamed, resident, the mix (embeddings and head on the
    host, the first half of the layers resident, the rest streamed; during backward), and host at the step.
    Per row: the median step seconds over the timed steps (after warm-up steps: the first teaches
-   ``update_in_backward`` the order), tokens/s, peak device memory (``torch.cuda.max_memory_allocated``) and how
-   far the process's peak resident host memory rose during the timed steps.
+   ``update_in_backward`` the order), what that adds to forward+backward alone (``exposed_s``), tokens/s, peak
+   device memory (``torch.cuda.max_memory_allocated``) and how far the process's peak resident host memory rose
+   during the timed steps, and the update's overlap with backward from the optimizer's timeline.
    **The token count per step** is chosen from the measurements, so that backward can hide the host update:
    the host update of N parameters takes about N x (the measured host step's seconds per element) plus the
    gradient and parameter copies (4 bytes per parameter at the slower measured PCIe direction); backward takes
@@ -343,7 +344,7 @@ def _llama_section(device: torch.device, size: dict[str, Any], host: dict[str, A
     tokens["activation_checkpointing"] = checkpointing
     tokens["probe"] = probe
     ids = _tokens_batch(tokens["tokens"], size, device)
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         if given is not None:  # the optimizer's pre-flight reads MemAvailable: give it the figure this run sizes by
             os.environ[ENV_AVAILABLE] = str(given)
@@ -355,6 +356,9 @@ def _llama_section(device: torch.device, size: dict[str, Any], host: dict[str, A
     finally:
         if given is not None:
             os.environ.pop(ENV_AVAILABLE, None)
+    alone = rows[0].get("step_s") if rows and rows[0]["status"] == "ok" else None
+    for row in rows:  # what the optimizer adds to a step: the row's time over forward+backward alone
+        row["exposed_s"] = row["step_s"] - alone if alone is not None and row.get("status") == "ok" else None
     return {"parameters": params, "tokens": tokens, "rows": rows, "host_memory": host_memory}
 
 
@@ -432,16 +436,18 @@ def format_bench(result: dict[str, Any], render_table: Callable[..., str] | None
         shown, notes = [], []
         for row in llama["rows"]:
             if row["status"] != "ok":  # said below the table, where its reason can wrap
-                shown.append([row["row"], "-", "-", "-", "-", "-"])
+                shown.append([row["row"], "-", "-", "-", "-", "-", "-"])
                 notes.append(textwrap.fill(f"{row['row']}: {status(row)}", width=terminal_width(),
                                            subsequent_indent="  "))
                 continue
             overlap = row.get("overlap")
-            shown.append([row["row"], f"{row['step_s']:.3f}", f"{row['tokens_per_s']:,.0f}",
+            exposed = row.get("exposed_s")
+            shown.append([row["row"], f"{row['step_s']:.3f}", "-" if exposed is None else f"{exposed:+.3f}",
+                          f"{row['tokens_per_s']:,.0f}",
                           _gb(row.get("peak_device_bytes")), _gb(row.get("peak_host_rise_bytes")),
                           "-" if overlap is None else f"{overlap:.2f}"])
-        lines.append(table(["row", "step s", "tokens/s", "peak device", "host rise", "overlap"], shown,
-                           align="lrrrrr", wrap=0))
+        lines.append(table(["row", "step s", "over f+b", "tokens/s", "peak device", "host rise", "overlap"], shown,
+                           align="lrrrrrr", wrap=0))
         lines.extend(notes)
     lines.append(textwrap.fill(f"peak host memory (resident): {_gb(result['peak_host_rss_bytes'])}; "
                                f"peak device memory: {_gb(result['peak_device_bytes'])}", width=terminal_width()))

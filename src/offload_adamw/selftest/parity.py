@@ -119,14 +119,17 @@ def _batches(device: torch.device, seed: int) -> list[Tensor]:
 
 @contextlib.contextmanager
 def _deterministic(device: torch.device) -> Iterator[None]:
-    """Deterministic kernels and no TF32 while the table runs, as they were afterwards."""
+    """On CUDA, deterministic kernels and no TF32 while the table runs, as they were afterwards (the CPU's kernels
+    give both sides the same gradients already: nothing is changed there)."""
+    if device.type != "cuda":
+        yield
+        return
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield
