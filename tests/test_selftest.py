@@ -126,7 +126,8 @@ def test_every_line_fits_the_terminal_but_the_verdict_and_a_bar_only_when_asked(
 def test_usage_errors_exit_2_before_any_work(capsys, tmp_path) -> None:
     cases = [(["--device", "nonsense"], "not a device"), (["--device", "meta"], "cpu or cuda"),
              (["--json", str(tmp_path)], "is a directory"), (["--rows", "host/nowhere"], "matches no row"),
-             (["--budget-s", "0"], "--budget-s"), (["--bench-size", "huge"], "invalid choice")]
+             (["--budget-s", "0"], "--budget-s"), (["--budget-s", "nan"], "--budget-s"),
+             (["--bench-size", "huge"], "invalid choice")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no CUDA device here"))
     for argv, culprit in cases:
@@ -142,9 +143,9 @@ def test_a_json_file_that_takes_no_write_is_refused_before_any_work(capsys) -> N
     assert status == 2 and out == "" and "No space left on device" in err, err
 
 
-@pytest.mark.slow  # a process of its own (the file-size limit must not reach pytest's own files): ~10 s
 def test_a_json_write_that_fails_at_the_end_is_exit_74(tmp_path) -> None:
-    """The work done and printed, the file refused at the end (a file-size limit): 74 and one line, as elsewhere."""
+    """The work done and printed, the file refused at the end (a file-size limit): 74 and one line, as elsewhere.
+    A process of its own (the file-size limit must not reach pytest's own files), one resident row: about 5 s."""
     target = tmp_path / "selftest.json"
 
     def limit() -> None:

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.budget_s <= 0:
+    if not args.budget_s > 0:  # written so that NaN fails too
         raise common.UsageError(f"--budget-s must be above 0, got {args.budget_s}")
     from offload_adamw.selftest import environment, parity
 
