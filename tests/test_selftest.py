@@ -50,6 +50,8 @@ def test_exact_rows_exit_0_with_a_verdict_and_a_json_document(capsys, tmp_path) 
     assert document["verdict"] == {**document["verdict"], "exact": True, "rows_run": 4, "rows_skipped": 2,
                                    "rows_not_exact": []}
     assert document["bench"] is None
+    # with clipping an update waits for the global norm, known when backward ends: none begins before
+    assert rows["host/freed/backward/clip"]["buckets_started_in_backward"] == 0 < rows["host/freed/backward/clip"]["buckets"]
 
 
 def _one_ulp_more(tensors) -> None:

@@ -189,8 +189,10 @@ def _parity_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         status = {"exact": "exact", "differs": "NOT EXACT", "error": "ERROR"}.get(r["status"], r["status"])
         note = _difference_text(r["difference"]) or r.get("why", "")
+        if not note and r.get("buckets"):  # that the updates did run during backward, not only that they are exact
+            note = f"{r['buckets_started_in_backward']} of {r['buckets']} buckets began updating during backward"
         shown.append([r["row"], status, f"{r['seconds']:.2f}" if r["status"] != "skipped" else "-", note])
-    return common.render_table(["row", "result", "s", "first difference"],
+    return common.render_table(["row", "result", "s", "first difference, or note"],
                                shown, align="llrl", wrap=3)
 
 

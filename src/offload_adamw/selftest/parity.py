@@ -20,7 +20,9 @@ Contract:
   count and, with clipping, the total norm. No tolerance: every row of this table is bitwise by the contract.
   A row is ``exact``, or ``differs`` with the first difference (step, parameter name, which tensor, flat and
   multi-dimensional index, both values and their bit patterns), or ``error`` (the exception, on one line);
-  the row's seconds are recorded too.
+  the row's seconds are recorded too, and for an update-during-backward row how many of the last step's buckets
+  started their update before backward ended (recorded, not judged: with clipping none may, and on a tiny model
+  the worker may be late).
 * **Determinism**: on CUDA both sides compute their gradients with deterministic kernels and no TF32 (set for
   the run and restored after), so a difference is the optimizer's, not backward's.
 """
@@ -245,9 +247,10 @@ def run_row(row: Row, device: torch.device, seed: int = 0) -> dict[str, Any]:
         return {**result, "status": "skipped", "why": reason, "seconds": 0.0}
     start = time.perf_counter()
     try:
+        seen: dict[str, Any] = {}
         with _deterministic(device):
-            difference = _train(row, device, seed)
-        result.update(status="exact" if difference is None else "differs", difference=difference)
+            difference = _train(row, device, seed, seen)
+        result.update(status="exact" if difference is None else "differs", difference=difference, **seen)
     except Exception as exc:  # a row that raises is a result of the table: the other rows still run
         text = f"{type(exc).__name__}: {exc}".splitlines()
         result.update(status="error", why=text[0] if text else type(exc).__name__)
@@ -255,7 +258,7 @@ def run_row(row: Row, device: torch.device, seed: int = 0) -> dict[str, Any]:
     return result
 
 
-def _train(row: Row, device: torch.device, seed: int) -> dict[str, Any] | None:
+def _train(row: Row, device: torch.device, seed: int, seen: dict[str, Any]) -> dict[str, Any] | None:
     torch.manual_seed(seed)
     theirs = TinyModel().to(device, torch.bfloat16)
     ours = copy.deepcopy(theirs)
@@ -289,6 +292,10 @@ def _train(row: Row, device: torch.device, seed: int) -> dict[str, Any] | None:
             difference = _compare(step, ours, opt, theirs, control)
             if difference is not None:
                 return difference
+        timeline = opt.last_step_timeline() if row.in_backward else None
+        if timeline is not None:  # said, not judged: on a tiny model the worker may start only after backward
+            seen["buckets"] = len(timeline.buckets)
+            seen["buckets_started_in_backward"] = sum(b.update_start < timeline.backward_end for b in timeline.buckets)
     finally:
         del opt  # its pipeline's buffers and threads go before the next row starts
     return None
