@@ -26,6 +26,7 @@ mkdir -p "$OUTDIR" || exit 2
 OUTDIR=$(cd "$OUTDIR" && pwd)
 cd "$ROOT" || exit 2
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1  # into a pipe: what a part printed before a time limit stopped it is kept
 SUMMARY="$OUTDIR/gpu-check.txt"
 echo "gpu-check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $("$PYTHON" --version 2>&1)" | tee "$SUMMARY"
 

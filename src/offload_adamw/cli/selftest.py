@@ -79,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
 
         out()
         size = args.bench_size if args.bench_size != "auto" else ("1b" if device.type == "cuda" else "tiny")
-        bench = bench_module.run_bench(device, size=size, budget_s=args.budget_s, progress=progress, log=out)
+        # each row as it starts, on stderr like every message: a run stopped from outside shows where it was
+        bench = bench_module.run_bench(device, size=size, budget_s=args.budget_s,
+                                       log=lambda *a: print(*a, file=sys.stderr, flush=True))
         out(bench_module.format_bench(bench))
     verdict = _verdict(rows)
     out()

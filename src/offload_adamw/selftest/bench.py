@@ -373,17 +373,17 @@ def _peak_rss_bytes() -> int | None:
     return None
 
 
-def run_bench(device: torch.device, *, size: str = "tiny", budget_s: float = 420.0, progress: bool = False,
+def run_bench(device: torch.device, *, size: str = "tiny", budget_s: float = 420.0,
               log: Callable[..., None] = print) -> dict[str, Any]:
-    """Every section (module docstring) on ``device`` with the sizes of ``size`` (:data:`SIZES`)."""
+    """Every section (module docstring) on ``device`` with the sizes of ``size`` (:data:`SIZES`); ``log`` hears
+    each row as it starts (where a run that is stopped was)."""
     spec = SIZES[size]
     clock = _Clock(budget_s)
-    quiet_log = log if progress else (lambda *a: None)
-    pcie = _row("pcie", clock, lambda: _pcie(device, spec["pcie_bytes"], spec["repeats"]), quiet_log)
+    pcie = _row("pcie", clock, lambda: _pcie(device, spec["pcie_bytes"], spec["repeats"]), log)
     triad = _row("host triad", clock, lambda: measure_host_bandwidth(elements=spec["triad_elements"],
-                                                                       repeats=spec["repeats"]), quiet_log)
-    host = _row("host step", clock, lambda: _host_step(spec["host_step_elements"], spec["repeats"]), quiet_log)
-    llama = _row("llama", clock, lambda: _llama_section(device, spec, host, pcie, clock, quiet_log), quiet_log)
+                                                                       repeats=spec["repeats"]), log)
+    host = _row("host step", clock, lambda: _host_step(spec["host_step_elements"], spec["repeats"]), log)
+    llama = _row("llama", clock, lambda: _llama_section(device, spec, host, pcie, clock, log), log)
     return {"size": size, "budget_s": budget_s, "seconds": time.monotonic() - clock.start, "pcie": pcie,
             "host_triad": triad, "host_step": host, "llama": llama, "peak_host_rss_bytes": _peak_rss_bytes(),
             "peak_device_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None}
