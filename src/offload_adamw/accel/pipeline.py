@@ -282,6 +282,8 @@ class GradientPipeline:
         count (gated), and its bucket told (updates during backward)."""
         self.arrived(slot, group)
         if self.gate.tracks():
+            # Read below: FSDP2's CPUOffloadPolicy may still be copying this host gradient in (torch < 2.12).
+            self.engine.host_gradient_landed(local_tensor(grad))
             self.gate.take(slot.param, grad, accumulated=accumulated)
         if self.gate.gated():
             self.gate.queue_decision()

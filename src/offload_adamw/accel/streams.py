@@ -79,6 +79,15 @@ class StreamBackend(Protocol):
         """Page-locked host memory from the backend's own allocator (the fallback where :meth:`pin` fails)."""
         ...
 
+    def is_page_locked(self, t: Tensor) -> bool:
+        """Whether the host tensor ``t`` lives in page-locked memory (a copy into it may still be in flight)."""
+        ...
+
+    def synchronize_device(self, index: int) -> None:
+        """Wait for every stream of device ``index`` (device-wide: the pipeline never needs it, a stream or an event
+        names the work it waits for; a test asserts it is not called)."""
+        ...
+
     def get_device(self) -> int:
         """The calling thread's current device."""
         ...
@@ -131,6 +140,12 @@ class CudaBackend:
 
     def pinned_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def is_page_locked(self, t: Tensor) -> bool:
+        return t.device.type == "cpu" and t.is_pinned()
+
+    def synchronize_device(self, index: int) -> None:
+        torch.cuda.synchronize(index)
 
     def get_device(self) -> int:
         return torch.cuda.current_device()

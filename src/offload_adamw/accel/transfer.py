@@ -144,11 +144,11 @@ class Lane(Protocol):
 class _Synchronous:
     """The CPU as device, or an accelerator without streams here: every copy is complete when it returns."""
 
+    def __init__(self, landed: Callable[[Tensor], None]) -> None:
+        self._landed = landed
+
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
-        if src.device.type == "cpu" and torch.cuda.is_initialized() and src.is_pinned():
-            # A pinned host gradient may still be the target of a CUDA copy (FSDP2's CPUOffloadPolicy copies each
-            # reduced shard to the host without blocking, and torch 2.11 calls the hook before that copy has ended).
-            torch.cuda.synchronize()
+        self._landed(src)
         dst.copy_(src)
         return DONE
 
@@ -365,7 +365,7 @@ class TransferEngine:
                 if lane is None:
                     backend = self.backend_for(device)
                     if backend is None:
-                        lane = _Synchronous()
+                        lane = _Synchronous(self.host_gradient_landed)
                     else:
                         stream_lane = _StreamLane(backend, device)
                         if self._home is None:
@@ -373,6 +373,32 @@ class TransferEngine:
                         lane = stream_lane
                     self._lanes[device] = lane
         return lane
+
+    def _offload_backend(self) -> StreamBackend | None:
+        """The device whose own copies may still be landing in a host parameter's page-locked gradient: the installed
+        backend (a simulated device with host parameters), else CUDA once a context exists."""
+        if self._backend is not None:
+            return self._backend
+        return CUDA if torch.cuda.is_initialized() else None
+
+    def host_gradient_landed(self, grad: Tensor) -> None:
+        """A host parameter's gradient ``grad`` (host memory) has landed: FSDP2's ``CPUOffloadPolicy`` copies each
+        reduced shard into a page-locked host gradient without blocking, and torch before 2.12 calls the hook before
+        that copy has ended. Called before anything reads such a gradient (its norm and count in the gate, its copy).
+
+        The wait is an event on the calling thread's current stream (the hook's: FSDP2 issues that copy on it) of the
+        pipeline's device, else of the thread's current device (FSDP2's own): the copy, not every stream of the device
+        (a device-wide synchronisation would also wait for the next group's reduce-scatter and the compute), and never
+        device 0 from a thread of another rank."""
+        if grad.device.type != "cpu" or self.backend_for(grad.device) is not None:
+            return  # a device tensor: the lane orders its reads
+        backend = self._offload_backend()
+        if backend is None or not backend.is_page_locked(grad):
+            return
+        index = self._home[1] if self._home is not None else backend.get_device()
+        event = backend.new_event()
+        event.record(backend.current_stream(index))
+        event.synchronize()
 
     def thread_init(self) -> None:
         """Called first by every worker thread of the pipeline: its current device is the pipeline's, so that no

@@ -263,9 +263,16 @@ class _Read:
 class SimulatedCuda:
     """The simulated device ``index`` (see the module contract); an instance is one process's device of that index."""
 
-    def __init__(self, seed: int, index: int = 0) -> None:
+    def __init__(self, seed: int, index: int = 0, *, host_parameters: bool = False) -> None:
         self.seed = int(seed)
         self.device_index = int(index)
+        self.host_parameters = bool(host_parameters)
+        """The model's parameters live in host memory (FSDP2's CPUOffloadPolicy): the device serves no tensor (every
+        parameter is a host parameter, on the synchronous lane), and only its copies (:meth:`copy`, issued by a test's
+        stand-in for FSDP2) land late into page-locked host gradients."""
+        self.device_syncs = 0
+        """Device-wide synchronisations (:meth:`synchronize_device`): the pipeline promises none."""
+        self._all_streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self.lock = threading.RLock()
         self.hazards: list[str] = []
         self.hidden_syncs: collections.Counter[str] = collections.Counter()
@@ -293,7 +300,7 @@ class SimulatedCuda:
     # ------------------------------------------------------------------ StreamBackend
 
     def serves(self, device: torch.device) -> bool:
-        return device.type == "cpu"
+        return device.type == "cpu" and not self.host_parameters
 
     def index(self, device: torch.device) -> int:
         return self.device_index
@@ -301,7 +308,9 @@ class SimulatedCuda:
     def new_stream(self, index: int) -> _Stream:
         self.called("new stream")
         n = next(self._streams)
-        return _Stream(self, f"side{n}", self.seed * 7919 + n, compute=False)
+        stream = _Stream(self, f"side{n}", self.seed * 7919 + n, compute=False)
+        self._all_streams.add(stream)
+        return stream
 
     def _compute_stream(self) -> _Stream:
         stream = getattr(self._local, "compute", None)
@@ -309,6 +318,7 @@ class SimulatedCuda:
             thread = threading.current_thread()
             seed = self.seed * 104729 + (thread.ident or 0) % 9973
             stream = self._local.compute = _Stream(self, f"compute-{thread.name}", seed, compute=True)
+            self._all_streams.add(stream)
         return stream
 
     def current_stream(self, index: int) -> _Stream:
@@ -501,6 +511,18 @@ class SimulatedCuda:
         self.unpin(start, self.device_index)
         del owner
 
+    def is_page_locked(self, t: Tensor) -> bool:
+        return t.device.type == "cpu" and self._is_pinned(t)
+
+    def synchronize_device(self, index: int) -> None:
+        """Every stream of the device has reached the work issued on it so far; counted in :attr:`device_syncs`."""
+        self.called("cudaDeviceSynchronize")
+        with self.lock:
+            self.device_syncs += 1
+            every = list(self._all_streams)
+        for stream in every:
+            stream.reached().wait()
+
     def get_device(self) -> int:
         return int(getattr(self._local, "device", 0))
 
@@ -540,10 +562,10 @@ def install(seed: int, index: int = 0) -> SimulatedCuda:
 
 
 @contextlib.contextmanager
-def simulated_cuda(seed: int, index: int = 0) -> Iterator[SimulatedCuda]:
+def simulated_cuda(seed: int, index: int = 0, *, host_parameters: bool = False) -> Iterator[SimulatedCuda]:
     """Pipelines built inside this context run the stream lane on a simulated device ``index`` (the calling thread's
-    current device inside it)."""
-    backend = SimulatedCuda(seed, index)
+    current device inside it); ``host_parameters``: see :attr:`SimulatedCuda.host_parameters`."""
+    backend = SimulatedCuda(seed, index, host_parameters=host_parameters)
     before = backend.get_device()
     backend.set_device(index)
     try:

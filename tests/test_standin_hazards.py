@@ -1,0 +1,62 @@
+"""Issue 41's hazards N4, N5, N7, N8 and N9 on the simulated CUDA device (offload_adamw.testing.simulated_cuda).
+
+Each test failed before its fix: it turns the hazard into wrong bits or a count or record of the simulated device
+that a GPU would pay for silently (a poisoned read, a device-wide synchronisation, a context on device 0, a hidden
+synchronisation). tests/test_standin_mutations.py (``HAZARDS_N``) removes each fix again and names the test here that
+catches it. The device index is 1 throughout: a call from a thread whose current device is 0 is a stray context.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from _parity import same_bits
+from offload_adamw import OffloadAdamW
+from offload_adamw.testing.simulated_cuda import SimulatedCuda, simulated_cuda
+from test_update_in_backward import Blocks, _block_bytes, _train
+
+
+def _fsdp2_cpu_offload(model: torch.nn.Module, sim: SimulatedCuda) -> list[torch.Tensor]:
+    """A stand-in for FSDP2's ``CPUOffloadPolicy`` as torch before 2.12 runs it: each reduced gradient is copied into a
+    page-locked host gradient without blocking, on the hook's stream, ``p.grad`` becomes that host tensor, and the
+    post-accumulate-grad hooks (the optimizer's among them) run before the copy has landed (the host tensor is poisoned
+    until then). Returns the list that keeps each copy's device source alive, as FSDP2 keeps its reduce-scatter output
+    until its event. Register before the optimizer is built: the hooks run in registration order."""
+    sources: list[torch.Tensor] = []
+
+    def late_landing(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        source = p.grad.detach().clone()  # the reduce-scatter's output, on the device
+        sources.append(source)
+        landing = sim.pinned_empty(source.numel(), source.dtype).view_as(source)
+        sim.copy(landing, source, to_device=False)  # non-blocking, on the calling thread's current stream
+        p.grad = landing
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(late_landing)
+    return sources
+
+
+def test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_with_no_device_wide_sync() -> None:
+    """N4 and N7: with FSDP2's CPUOffloadPolicy (host parameters, page-locked host gradients filled by a late copy),
+    freed gradients, updates during backward and clipping, the hooks' norms and the non-finite counts are taken after
+    the copy into the host gradient has landed (else they read poison: NaN norms, a skipped or wrong step), and the
+    wait is an event on the hook's stream of the pipeline's device, not a synchronisation of the whole device."""
+    with simulated_cuda(401, index=1, host_parameters=True) as sim:
+        torch.manual_seed(0)
+        reference = Blocks()
+        model = copy.deepcopy(reference)
+        sources = _fsdp2_cpu_offload(model, sim)
+        theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        ours = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, offload_gradients=True,
+                            update_in_backward=True, bucket_bytes=_block_bytes(model), max_grad_norm=0.05)
+        torch_norms = _train(reference, theirs, 2, 1, ours=False, clip=0.05)
+        _train(model, ours, 2, 1, ours=True)
+        assert len(sources) == 2 * len(list(model.parameters())), "the stand-in's copies did not run"
+        for p, q in zip(reference.parameters(), model.parameters()):
+            assert same_bits(p.detach(), q.detach())
+        assert ours.last_grad_norm is not None and same_bits(ours.last_grad_norm, torch_norms[-1])
+        assert sim.device_syncs == 0, "the wait for FSDP2's copy synchronised the whole device (N7)"
+        assert sim.take_hazards() == []
