@@ -9,11 +9,13 @@ catches it. The device index is 1 throughout: a call from a thread whose current
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 
 from _parity import same_bits
 from offload_adamw import OffloadAdamW
+from offload_adamw.accel.transfer import TransferEngine
 from offload_adamw.testing.simulated_cuda import SimulatedCuda, simulated_cuda
 from test_update_in_backward import Blocks, _block_bytes, _train
 
@@ -60,3 +62,30 @@ def test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_w
         assert ours.last_grad_norm is not None and same_bits(ours.last_grad_norm, torch_norms[-1])
         assert sim.device_syncs == 0, "the wait for FSDP2's copy synchronised the whole device (N7)"
         assert sim.take_hazards() == []
+
+
+def test_the_wait_for_a_cpu_offloaded_gradient_runs_on_the_pipelines_device_from_any_thread() -> None:
+    """N9: the wait for FSDP2's copy into a page-locked host gradient is issued on the device current where the
+    pipeline was built (rank 1's), also from a thread whose current device is 0 (a rank's thread that never set its
+    device): no context on device 0 (torch.cuda.synchronize() synchronised the calling thread's current device)."""
+    with simulated_cuda(402, index=1, host_parameters=True) as sim:
+        engine = TransferEngine(sim)
+        param = torch.zeros(4096)
+        engine.claim(param)  # a host parameter beside device 1, on the thread that builds the pipeline
+        source = torch.arange(4096, dtype=torch.float32)
+        landing = sim.pinned_empty(4096, torch.float32)
+        seen: list[bool] = []
+
+        def hook_thread() -> None:  # its current device is 0
+            sim.set_device(1)
+            sim.copy(landing, source, to_device=False)  # FSDP2's copy, issued on device 1
+            sim.set_device(0)
+            engine.host_gradient_landed(landing)
+            seen.append(torch.equal(landing, source))
+
+        thread = threading.Thread(target=hook_thread)
+        thread.start()
+        thread.join()
+        assert seen == [True], "the wait did not cover the copy into the host gradient"
+        assert sim.take_hazards() == []
+        assert sim.device_syncs == 0

@@ -74,8 +74,8 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
         TRANSFER, "            backend, index = self._home\n            backend.set_device(index)\n",
         "            pass\n", [LANE_TESTS + "test_worker_threads_make_the_pipelines_device_current", UIB]),
     "engine: DDP's callback thread runs without the pipeline's device current": (
-        TRANSFER, "        if before != index:\n            backend.set_device(index)\n        try:",
-        "        try:", [DDP_SUITE]),
+        TRANSFER, "    if before != index:\n        backend.set_device(index)\n    try:",
+        "    try:", [DDP_SUITE]),
     "arena: host memory unlocked from the current device of whichever thread frees it (N9)": (
         f"{ACCEL}/host_memory.py",
         "            if before is not None and before != index:\n                backend.set_device(index)\n", "",

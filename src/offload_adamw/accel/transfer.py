@@ -320,6 +320,19 @@ def _accumulate_forever(jobs: queue.SimpleQueue[Any], thread_init: Callable[[], 
             done.finish()
 
 
+@contextlib.contextmanager
+def _current(backend: StreamBackend, index: int) -> Iterator[None]:
+    """Device ``index`` current on the calling thread for the block, restored after it (no context on another)."""
+    before = backend.get_device()
+    if before != index:
+        backend.set_device(index)
+    try:
+        yield
+    finally:
+        if before != index:
+            backend.set_device(before)
+
+
 class TransferEngine:
     """The lanes of every device a pipeline copies to or from, and its accumulator (see the module contract)."""
 
@@ -328,6 +341,7 @@ class TransferEngine:
         self._lanes: dict[torch.device, Lane] = {}
         self._lock = threading.Lock()
         self._home: tuple[StreamBackend, int] | None = None  # the first stream device: worker threads make it current
+        self._offload_index: int | None = None  # the device beside host parameters (see host_gradient_landed)
         self.accumulator = _Accumulator(self.thread_init)
 
     def backend_for(self, device: torch.device) -> StreamBackend | None:
@@ -345,6 +359,11 @@ class TransferEngine:
         tensors in host memory, it counts as a device tensor from now on (accel/streams.py)."""
         backend = self.backend_for(tensor.device)
         if backend is None:
+            offload = self._offload_backend() if tensor.device.type == "cpu" else None
+            if offload is not None and self._offload_index is None:
+                # A host parameter beside a device (FSDP2's CPUOffloadPolicy): the device whose copies land in its
+                # gradient is the current device of the thread that builds the pipeline (a rank's own).
+                self._offload_index = offload.get_device()
             return
         if self._home is None:
             self._home = (backend, backend.index(tensor.device))
@@ -387,18 +406,20 @@ class TransferEngine:
         that copy has ended. Called before anything reads such a gradient (its norm and count in the gate, its copy).
 
         The wait is an event on the calling thread's current stream (the hook's: FSDP2 issues that copy on it) of the
-        pipeline's device, else of the thread's current device (FSDP2's own): the copy, not every stream of the device
-        (a device-wide synchronisation would also wait for the next group's reduce-scatter and the compute), and never
-        device 0 from a thread of another rank."""
+        pipeline's device (else the device current where the pipeline was built, the rank's own: FSDP2's), made current
+        for the wait: the copy, not every stream of the device (a device-wide synchronisation would also wait for the
+        next group's reduce-scatter and the compute), and never device 0 from a thread of another rank."""
         if grad.device.type != "cpu" or self.backend_for(grad.device) is not None:
             return  # a device tensor: the lane orders its reads
         backend = self._offload_backend()
         if backend is None or not backend.is_page_locked(grad):
             return
-        index = self._home[1] if self._home is not None else backend.get_device()
-        event = backend.new_event()
-        event.record(backend.current_stream(index))
-        event.synchronize()
+        index = (self._home[1] if self._home is not None
+                 else self._offload_index if self._offload_index is not None else backend.get_device())
+        with _current(backend, index):
+            event = backend.new_event()
+            event.record(backend.current_stream(index))
+            event.synchronize()
 
     def thread_init(self) -> None:
         """Called first by every worker thread of the pipeline: its current device is the pipeline's, so that no
@@ -414,15 +435,8 @@ class TransferEngine:
         if self._home is None:
             yield
             return
-        backend, index = self._home
-        before = backend.get_device()
-        if before != index:
-            backend.set_device(index)
-        try:
+        with _current(*self._home):
             yield
-        finally:
-            if before != index:
-                backend.set_device(before)
 
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
         return self.lane(src.device).copy_to_host(src, dst)
