@@ -89,3 +89,44 @@ def test_the_wait_for_a_cpu_offloaded_gradient_runs_on_the_pipelines_device_from
         assert seen == [True], "the wait did not cover the copy into the host gradient"
         assert sim.take_hazards() == []
         assert sim.device_syncs == 0
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, with_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if with_b else self.a(x)
+
+
+def test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_main_thread(simulated_device) -> None:
+    """N8: the resident placement's widening buffer (a bf16 model over float32 masters) is used by the updater
+    thread's stream during backward and by the main thread's stream in step(); each use waits for an event recorded
+    after the previous one, else the main thread's kernel may overwrite the buffer while the updater's still reads it
+    (a main thread on a non-default stream). In the third step ``b``'s gradient is set by hand (its bucket never
+    completes during backward: its update runs in step(), on the main thread) while ``a``'s updates during backward."""
+    sim = simulated_device
+    torch.manual_seed(0)
+    model = _TwoLayers().to(torch.bfloat16)
+    opt = OffloadAdamW([{"params": list(model.a.parameters()), "update_on": "device"},
+                        {"params": list(model.b.parameters()), "update_on": "device"}],
+                       lr=1e-3, offload_gradients=True, update_in_backward=True, stream_chunk_bytes=1 << 20,
+                       bucket_bytes=1)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    with sim.watching_buffers():
+        for step in range(4):
+            if step == 1:
+                buffers = opt._pipeline.placements._components["device"]._buffers  # type: ignore[union-attr]
+                assert len(buffers) == 1, "the resident update did not widen through its buffer"
+                for buffer in buffers.values():
+                    sim.watch_buffer(buffer)
+            if step == 2:
+                for p in model.b.parameters():
+                    p.grad = torch.full_like(p, 0.01)
+            model(x, with_b=step != 2).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert sim.take_hazards() == []
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -9,7 +9,9 @@ Contract:
   the fused kernel over the whole list (what torch.optim.AdamW(fused=True) runs). The others (a bf16 model over
   float32 masters, or GradScaler's scale, which the fused op divides in place) go through one device buffer that
   receives their widened gradient chunk by chunk (at most ``chunk_bytes`` of the state's dtype, allocated before any
-  update of a step by :meth:`reserve`, after the optimizer's device-memory check), never a full-size copy.
+  update of a step by :meth:`reserve`, after the optimizer's device-memory check), never a full-size copy. The
+  updater thread (updates during backward) and the main thread (step()) use it on their own streams: each use waits
+  for an event recorded after the previous one.
 * The step count is advanced once per tensor, every chunk of a tensor reads the same count: the result is bitwise
   torch's fused AdamW on float32 masters on that device (kernels/fused_device.py).
 """
@@ -45,6 +47,9 @@ class DeviceUpdate:
         self._coefficient = coefficient
         self._chunk_bytes = chunk_bytes // CHUNK_ALIGN * CHUNK_ALIGN
         self._buffers: dict[torch.device, Tensor] = {}
+        # The latest use of each widening buffer, as an event on the stream that used it: the updater thread's stream
+        # (updates during backward) and the main thread's (step()) are not the same stream.
+        self._released: dict[torch.device, Completion] = {}
 
     def reserve(self, slots: Sequence[Slot]) -> None:
         """A gradient buffer on each device these slots' updates run on, checked against the device's memory first."""
@@ -80,6 +85,9 @@ class DeviceUpdate:
     def _widened(self, work: list[TensorWork], counts: list[Tensor], hp: StepHyper, scale: Tensor | None,
                  dtype: torch.dtype, device: torch.device) -> None:
         buffer = self._buffers[device].view(dtype)
+        released = self._released.pop(device, None)
+        if released is not None:
+            self._engine.current_stream_waits(device, released)  # another thread's stream may still read the buffer
         cap = buffer.numel() // CHUNK_ALIGN * CHUNK_ALIGN
         for pieces in chunk_plan([w.numel for w in work], cap):
             sliced = [[f[p.start:p.end] for f in work[p.index].state_flats] for p in pieces]
@@ -91,12 +99,14 @@ class DeviceUpdate:
                 take_edits=[w.take_edits for w in items], grad_scale=scale,
                 widened=[buffer[p.offset:p.offset + p.end - p.start] for p in pieces],
             )
+        self._released[device] = self._engine.mark(device)
 
     def settle(self) -> None:
         return None  # nothing is copied: the next forward waits on the device for the parameters written
 
     def close(self) -> None:
         self._buffers.clear()
+        self._released.clear()
 
 
 def _fused(work: list[TensorWork], counts: list[Tensor], hp: StepHyper, scale: Tensor | None) -> None:

@@ -28,7 +28,16 @@ on a GPU, and the backend turns each of CUDA's hazards into wrong bits or a reco
    current device is not the simulated device's index is recorded as a stray context (on CUDA: a context of
    about 0.5 GB created on that device), except page-locking calls that name their device.
 6. **Hidden synchronisations are counted** (a copy from pageable memory), for tests to assert zero where the
-   design promises none.
+   design promises none; so are device-wide synchronisations (:attr:`SimulatedCuda.device_syncs`), which the
+   pipeline never needs.
+7. **Device buffers shared by threads** (:meth:`SimulatedCuda.watch_buffer`, opt-in per test): every operation of
+   a thread that runs pipeline work is seen (a dispatch mode, entered by :meth:`SimulatedCuda.watching_buffers` and
+   by each worker thread's set-up); an access to a watched buffer from a stream not ordered after the latest access
+   from another stream (vector clocks) is a recorded hazard.
+
+With ``host_parameters`` the device serves no tensor: every parameter is a host parameter (FSDP2's
+``CPUOffloadPolicy``), and only the copies a test issues (:meth:`SimulatedCuda.copy`, a stand-in for FSDP2's
+non-blocking copy into a page-locked host gradient) land late.
 
 A CPU tensor counts as a tensor of the simulated device when the pipeline's engine claimed it (accel/streams.py's
 ``is_device_tensor``): every parameter of a pipeline built while the backend is installed.
@@ -51,6 +60,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from offload_adamw.accel import streams
 from offload_adamw.accel.transfer import DONE, Completion, HostCompletion, finish_at_exit
@@ -283,6 +294,8 @@ class SimulatedCuda:
         self._host_pending: list[tuple[int, int, Completion, _Ticket]] = []
         self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
         self._late_runs = 0  # compute_later's work that has run
+        # Device buffers a test watches (watch_buffer): span -> (stream, time) of the latest access, by any thread
+        self._buffers: dict[tuple[int, int], tuple[_Stream, int] | None] = {}
 
     # ------------------------------------------------------------------ the record
 
@@ -528,6 +541,59 @@ class SimulatedCuda:
 
     def set_device(self, index: int) -> None:
         self._local.device = int(index)
+        if self._buffers:
+            self._watch_thread()  # a worker thread's set-up (thread_init): its accesses to watched buffers are seen
+
+    # ------------------------------------------------------------------ shared device buffers (N8)
+
+    def watch_buffer(self, t: Tensor) -> None:
+        """Record every access to ``t``'s memory (a device buffer the pipeline's threads share) from the threads that
+        run pipeline work: the calling thread inside :meth:`watching_buffers`, and every worker thread set up from now
+        on. An access from a stream that is not ordered (``wait_event``/``wait_stream``) after the latest access from
+        another stream is a recorded hazard: on CUDA the two kernels may run at once (a main thread on a non-default
+        stream and the updater thread's own)."""
+        with self.lock:
+            self._buffers[_span(t)] = None
+
+    @contextlib.contextmanager
+    def watching_buffers(self) -> Iterator[None]:
+        """The calling thread's accesses to watched buffers are seen for the block."""
+        mode = _BufferWatch(self)
+        with mode:
+            self._local.watching = True
+            try:
+                yield
+            finally:
+                self._local.watching = False
+
+    def _watch_thread(self) -> None:
+        if getattr(self._local, "watching", False):
+            return
+        self._local.watching = True
+        _BufferWatch(self).__enter__()  # for the rest of the worker thread's life
+
+    def _accessed(self, tensors: list[Tensor]) -> None:
+        spans = []
+        for t in tensors:
+            try:
+                spans.append(_span(t))
+            except (RuntimeError, NotImplementedError):  # no storage (a DTensor's outer tensor, meta)
+                continue
+        with self.lock:
+            touched = [key for key in self._buffers for start, end in spans if start < key[1] and key[0] < end]
+        if not touched:
+            return
+        override = getattr(self._local, "override", None)
+        stream = override[-1] if override else self._compute_stream()
+        with self.lock:
+            stream.tick()  # this access is new work of the stream: an event recorded from now on covers it
+            for key in set(touched):
+                last = self._buffers[key]
+                if last is not None and last[0] is not stream and stream.clock.get(last[0].id, 0) < last[1]:
+                    self.hazards.append(
+                        f"a device buffer of {key[1] - key[0]} bytes used on {stream.name} while {last[0].name}'s use "
+                        "of it may still run: no event of that stream was waited for")
+                self._buffers[key] = (stream, stream.time)
 
     # ------------------------------------------------------------------ for tests
 
@@ -549,6 +615,20 @@ class SimulatedCuda:
         with self.lock:
             found, self.hazards = self.hazards, []
         return found
+
+
+class _BufferWatch(TorchDispatchMode):
+    """Every operation of the thread it is entered on: the watched device buffers it touches (SimulatedCuda._accessed)."""
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not func.is_view:  # a view touches no memory: it is no access of the device
+            self.backend._accessed([t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)])
+        return func(*args, **kwargs)
 
 
 def install(seed: int, index: int = 0) -> SimulatedCuda:
