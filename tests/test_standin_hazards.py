@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections import Counter
 
+import pytest
 import torch
 
 from _parity import same_bits
-from offload_adamw import OffloadAdamW
+from offload_adamw import OffloadAdamW, OffloadGradScaler
+from offload_adamw.accel import streams
 from offload_adamw.accel.transfer import TransferEngine
 from offload_adamw.testing.simulated_cuda import SimulatedCuda, simulated_cuda
 from test_update_in_backward import Blocks, _block_bytes, _train
@@ -115,7 +118,7 @@ def test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_mai
                        lr=1e-3, offload_gradients=True, update_in_backward=True, stream_chunk_bytes=1 << 20,
                        bucket_bytes=1)
     x = torch.randn(32, 64, dtype=torch.bfloat16)
-    with sim.watching_buffers():
+    with sim.watching():
         for step in range(4):
             if step == 1:
                 buffers = opt._pipeline.placements._components["device"]._buffers  # type: ignore[union-attr]
@@ -130,3 +133,65 @@ def test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_mai
             opt.zero_grad()
     assert sim.take_hazards() == []
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+PLACEMENTS = {"host": ("host",), "stream": ("stream",), "device": ("device",), "mix": ("stream", "device", "host")}
+MODES = {"kept": {"offload_gradients": False}, "freed": {"offload_gradients": True},
+         "uib": {"offload_gradients": True, "update_in_backward": True}}
+
+
+def _steady_syncs(sim: SimulatedCuda, placement: str, mode: str, clip: float | None, *, steps: int = 2,
+                  scaler: str = "none") -> Counter:
+    """The hidden synchronisations of ``steps`` steps after two warm-up steps (buffers, state, buckets in place);
+    ``scaler``: none, or OffloadGradScaler's ``step`` alone or after ``unscale``."""
+    torch.manual_seed(0)
+    scaling = None if scaler == "none" else OffloadGradScaler("cpu", init_scale=2.0**12)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+    pattern = PLACEMENTS[placement]
+    groups = [{"params": list(layer.parameters()), "update_on": pattern[k % len(pattern)]}
+              for k, layer in enumerate(model)]
+    opt = OffloadAdamW(groups, lr=1e-3, max_grad_norm=clip, stream_chunk_bytes=1 << 20, bucket_bytes=1, **MODES[mode])
+    x = torch.randn(16, 32)
+    for step in range(2 + steps):
+        if step == 2:
+            if scaling is not None:  # GradScaler("cpu")'s state: on the simulated device, the device's
+                streams.claim(scaling._scale)  # type: ignore[arg-type]
+                streams.claim(scaling._growth_tracker)  # type: ignore[arg-type]
+            before = Counter(sim.hidden_syncs)
+            context = sim.watching()
+            context.__enter__()
+        loss = model(x).square().mean()
+        if scaling is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaling.scale(loss).backward()
+            if scaler == "unscale":
+                scaling.unscale_(opt)
+            scaling.step(opt)
+            scaling.update()
+        opt.zero_grad()
+    context.__exit__(None, None, None)
+    return Counter(sim.hidden_syncs) - before
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["noclip", "clip"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_the_steady_state_step_issues_no_hidden_synchronisation(placement, mode, clip, simulated_device) -> None:
+    """N5: a step's scalars (step counts, the loss scale, the clip coefficient) reach the device without the host
+    waiting: no copy from pageable host memory (``.to(device)``, a hidden synchronisation per bucket and group on
+    CUDA, per parameter for the clip coefficient, and the streamed ring's prefetch lost)."""
+    syncs = _steady_syncs(simulated_device, placement, mode, clip)
+    assert syncs == Counter(), f"hidden synchronisations in two steady-state steps: {dict(syncs)}"
+
+
+@pytest.mark.parametrize("scaler", ["step", "unscale"])
+@pytest.mark.parametrize("mode", ["kept", "freed"])
+@pytest.mark.parametrize("placement", ["stream", "device", "mix"])
+def test_the_loss_scale_reaches_the_device_without_a_hidden_synchronisation(placement, mode, scaler,
+                                                                             simulated_device) -> None:
+    """N5: OffloadGradScaler's scale, divided out by a streamed or resident group's fused kernel, goes to the device
+    from page-locked memory (``step``), and its unscale of the device gradients (``unscale``) adds no copy either."""
+    syncs = _steady_syncs(simulated_device, placement, mode, None, scaler=scaler)
+    assert syncs == Counter(), f"hidden synchronisations in two steady-state steps: {dict(syncs)}"

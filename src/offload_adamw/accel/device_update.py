@@ -57,6 +57,12 @@ class DeviceUpdate:
             self._optimizer.check_device_buffers(self._chunk_bytes, device, "gradient widening")  # type: ignore[attr-defined]
             self._buffers[device] = torch.empty(self._chunk_bytes, dtype=torch.uint8, device=device)
 
+    def _sender(self, device: torch.device) -> Callable[[Tensor], Tensor] | None:
+        """How a step's small host tensors reach ``device`` (the engine's lane: no host wait), or None on the host."""
+        if not self._engine.is_device(device):
+            return None
+        return lambda host: self._engine.to_device(device, host)
+
     def buffer_bytes(self) -> int:
         """Device bytes of the widening buffers, as allocated (the resident state is the optimizer's to count)."""
         return sum(b.numel() for b in self._buffers.values())
@@ -67,8 +73,9 @@ class DeviceUpdate:
         for _, hp, by_device in gather(self._optimizer, self._slots, params, where, gradient, self._coefficient(),
                                        self._used):
             for device, work in by_device.items():
-                counts = advance_steps([w.state.step for w in work], device)
-                device_scale = None if scale is None else scale.to(device)
+                send = self._sender(device)
+                counts = advance_steps([w.state.step for w in work], device, send)
+                device_scale = None if scale is None else scale.to(device) if send is None else send(scale)
                 whole = [i for i, w in enumerate(work) if device_scale is None and w.grad.dtype == w.state.master.dtype]
                 if whole:
                     _fused([work[i] for i in whole], [counts[i] for i in whole], hp, None)

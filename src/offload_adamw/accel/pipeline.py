@@ -371,7 +371,15 @@ class GradientPipeline:
 
     def unscale_(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict[torch.device, Tensor]:
         """GradScaler's unscale-and-check over the gradients wherever they live (freed mode; accel/amp.py)."""
-        return amp.unscale_gradients_(self.host_gradients(), inv_scale, found_inf, allow_fp16)
+        def on_device(p: Tensor, grad: Tensor) -> bool:  # a streamed or resident group's gradient stays there
+            slot = self.slots[p]
+            return not slot.on_host and self.engine.is_device(slot.local.device)
+
+        to_device = None
+        if self.engine.is_device(found_inf.device):
+            def to_device(host: Tensor) -> Tensor:
+                return self.engine.to_device(found_inf.device, host)
+        return amp.unscale_gradients_(self.host_gradients(), inv_scale, found_inf, allow_fp16, on_device, to_device)
 
     def refuse_mid_step(self, what: str) -> None:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""

@@ -20,6 +20,10 @@ Contract:
   forward, or the update of a chunk that was sent) wait for a send without the host waiting.
 * ``copy_all_to_host(device, pairs)``: every host buffer receives its device tensor, ordered after the work
   issued so far on the current stream of ``device`` (the update that wrote them); one completion for all.
+* ``to_device(device, host)``: a step's small host tensors (its step counts, its loss scale) reach the device from
+  page-locked staging on the current stream, ordered before the kernels issued after it: never a copy from pageable
+  memory, which would block the host (a hidden synchronisation per bucket on CUDA, and the streamed ring's prefetch
+  lost).
 * ``mark(device)`` is a completion for the work issued so far on the current stream of ``device``
   (a gradient norm taken in a hook); :meth:`TransferEngine.current_stream_waits` orders the current stream after it.
 * Lanes, one per device, chosen by the device, never by a flag: a device with streams gets the stream lane,
@@ -134,6 +138,8 @@ class Lane(Protocol):
 
     def mark(self) -> Completion: ...
 
+    def to_device(self, device: torch.device, host: Tensor) -> Tensor: ...
+
     def current_stream_waits(self, completion: Completion) -> None: ...
 
     def synchronize(self) -> None: ...
@@ -173,6 +179,9 @@ class _Synchronous:
 
     def mark(self) -> Completion:
         return DONE
+
+    def to_device(self, device: torch.device, host: Tensor) -> Tensor:
+        return host.to(device)
 
     def current_stream_waits(self, completion: Completion) -> None:
         completion.wait()
@@ -240,6 +249,20 @@ class _StreamLane:
 
     def mark(self) -> Completion:
         return self._event(self._compute())
+
+    def to_device(self, device: torch.device, host: Tensor) -> Tensor:
+        # From page-locked staging, on the current stream: the kernels issued after it read it in stream order, and
+        # the host does not wait (from pageable memory the copy would block the host). The staging may go at once:
+        # torch's page-locked allocator keeps it until the copy has read it.
+        staging = self.backend.pinned_empty(host.numel(), host.dtype).view(host.shape)
+        staging.copy_(host)
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        compute = self._compute()
+        self.backend.copy(out, staging, to_device=True)
+        landed = self._event(compute)
+        assert isinstance(landed, _StreamCompletion)
+        compute.wait_event(landed.event)  # a no-op on CUDA (one stream, in order); a thread that computes at once waits
+        return out
 
     def current_stream_waits(self, completion: Completion) -> None:
         self.compute_waits(completion)
@@ -460,6 +483,15 @@ class TransferEngine:
 
     def mark(self, device: torch.device) -> Completion:
         return self.lane(device).mark()
+
+    def to_device(self, device: torch.device, host: Tensor) -> Tensor:
+        """A copy on ``device`` of the small host tensor ``host`` (a step's counts, its loss scale), ordered before
+        the work issued next on the current stream of ``device``, without the host waiting for the device (see the
+        module contract)."""
+        out = self.lane(device).to_device(device, host)
+        if out is not host and out.device.type == "cpu" and self.backend_for(device) is not None:
+            claim(out)  # a tensor of the simulated device
+        return out
 
     def current_stream_waits(self, device: torch.device, completion: Completion) -> None:
         self.lane(device).current_stream_waits(completion)

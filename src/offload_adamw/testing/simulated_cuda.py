@@ -51,6 +51,7 @@ import ctypes
 import itertools
 import queue
 import random
+import sys
 import threading
 import time
 import weakref
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -95,6 +97,18 @@ def _span(t: Tensor) -> tuple[int, int]:
         return start, start
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
+
+
+def _spans(tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """The memory of each tensor that has some (a DTensor's outer tensor or a meta tensor has none)."""
+    out = []
+    for t in tensors:
+        try:
+            if t.device.type == "cpu" and t.layout == torch.strided:
+                out.append(_span(t))
+        except (RuntimeError, NotImplementedError):
+            continue
+    return out
 
 
 def _pause(rng: random.Random) -> None:
@@ -296,6 +310,9 @@ class SimulatedCuda:
         self._late_runs = 0  # compute_later's work that has run
         # Device buffers a test watches (watch_buffer): span -> (stream, time) of the latest access, by any thread
         self._buffers: dict[tuple[int, int], tuple[_Stream, int] | None] = {}
+        self._watching = False  # inside watching(): worker threads set up now watch their operations too
+        self._pageable_moves: list[tuple[int, int]] = []  # host memory moved with .to(device), not yet used (N5)
+        self._derived: set[tuple[int, int]] = set()  # memory computed from the device's tensors (N5)
 
     # ------------------------------------------------------------------ the record
 
@@ -541,8 +558,20 @@ class SimulatedCuda:
 
     def set_device(self, index: int) -> None:
         self._local.device = int(index)
-        if self._buffers:
+        if self._watching:
             self._watch_thread()  # a worker thread's set-up (thread_init): its accesses to watched buffers are seen
+
+    def _count_moves(self, spans: list[tuple[int, int]]) -> None:
+        """An operation over the device's tensors that reads a tensor moved from pageable memory: one hidden
+        synchronisation per move (counted once)."""
+        if not self._on_device(spans):
+            return
+        with self.lock:
+            used = [m for m in self._pageable_moves if any(m[0] < b and a < m[1] or m == (a, b) for a, b in spans)]
+            if not used:
+                return
+            self._pageable_moves = [m for m in self._pageable_moves if m not in used]
+            self.hidden_syncs["a copy to the device from pageable memory (.to(device))"] += len(used)
 
     # ------------------------------------------------------------------ shared device buffers (N8)
 
@@ -556,29 +585,94 @@ class SimulatedCuda:
             self._buffers[_span(t)] = None
 
     @contextlib.contextmanager
-    def watching_buffers(self) -> Iterator[None]:
-        """The calling thread's accesses to watched buffers are seen for the block."""
-        mode = _BufferWatch(self)
-        with mode:
-            self._local.watching = True
-            try:
-                yield
-            finally:
-                self._local.watching = False
+    def watching(self) -> Iterator[None]:
+        """The calling thread's operations are seen for the block, and those of every worker thread set up inside it
+        (its ``thread_init``): accesses to watched buffers, and copies to the device from pageable memory made with
+        ``.to(device)`` (see :meth:`_moved`)."""
+        before = self._watching
+        self._watching = True
+        try:
+            with _MoveWatch(self), _BufferWatch(self):
+                self._local.watching = True
+                try:
+                    yield
+                finally:
+                    self._local.watching = False
+        finally:
+            self._watching = before
 
     def _watch_thread(self) -> None:
         if getattr(self._local, "watching", False):
             return
         self._local.watching = True
-        _BufferWatch(self).__enter__()  # for the rest of the worker thread's life
+        _MoveWatch(self).__enter__()  # for the rest of the worker thread's life
+        _BufferWatch(self).__enter__()
+
+    def _device_spans(self) -> list[tuple[int, int]]:
+        """The memory of the tensors the engine claimed as this device's (the parameters), of their gradients where
+        these live on the device, and of the watched buffers."""
+        spans = list(self._buffers)
+        for ref in list(streams._claimed.values()):
+            t = ref()
+            if t is None:
+                continue
+            spans.append(_span(t))
+            grad = t.grad
+            if grad is not None and type(grad) is Tensor and grad.layout == torch.strided:
+                with contextlib.suppress(RuntimeError):  # a freed gradient's stand-in has no storage
+                    spans.append(_span(grad))
+        return spans
+
+    def _derive(self, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+        """What an operation over the device's tensors computes is the device's too (a norm, a clip coefficient):
+        moving it to the device is no copy from the host."""
+        if not outputs or not self._on_device(_spans(inputs)):
+            return
+        for t in outputs:
+            spans = _spans([t])
+            if not spans:
+                continue
+            with self.lock:
+                self._derived.add(spans[0])
+            weakref.finalize(t.untyped_storage(), self._underive, spans[0])
+
+    def _derive_created(self, t: Tensor) -> None:
+        spans = _spans([t])
+        if spans:
+            with self.lock:
+                self._derived.add(spans[0])
+            weakref.finalize(t.untyped_storage(), self._underive, spans[0])
+
+    def _underive(self, span: tuple[int, int]) -> None:
+        with self.lock:
+            self._derived.discard(span)
+
+    def _on_device(self, spans: list[tuple[int, int]]) -> bool:
+        with self.lock:
+            device = self._device_spans() + list(self._derived)
+        return any(a < d_end and d_start < b for a, b in spans for d_start, d_end in device if b > a)
+
+    def _moved(self, t: Tensor) -> None:
+        """``t`` is the result of ``.to(device)`` (or ``.to(device, dtype)``) of a host tensor in pageable memory that
+        is not the device's: on CUDA, a copy to the device that blocks the host (a hidden synchronisation) when the
+        result is used by a device kernel, which :meth:`_accessed` counts (on the CPU the call is a no-op)."""
+        span = _span(t)
+        if self._on_device([span]):
+            return  # computed on the device: no copy
+        with self.lock:
+            if span not in self._pageable_moves:  # .to("cpu") then .to(device) of one host tensor: one copy on CUDA
+                self._pageable_moves.append(span)
+        weakref.finalize(t.untyped_storage(), self._unmove, span)
+
+    def _unmove(self, span: tuple[int, int]) -> None:
+        with self.lock:
+            if span in self._pageable_moves:
+                self._pageable_moves.remove(span)
 
     def _accessed(self, tensors: list[Tensor]) -> None:
-        spans = []
-        for t in tensors:
-            try:
-                spans.append(_span(t))
-            except (RuntimeError, NotImplementedError):  # no storage (a DTensor's outer tensor, meta)
-                continue
+        spans = _spans(tensors)
+        if self._pageable_moves:
+            self._count_moves(spans)
         with self.lock:
             touched = [key for key in self._buffers for start, end in spans if start < key[1] and key[0] < end]
         if not touched:
@@ -626,9 +720,55 @@ class _BufferWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         if not func.is_view:  # a view touches no memory: it is no access of the device
-            self.backend._accessed([t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)])
-        return func(*args, **kwargs)
+            self.backend._accessed(inputs)
+        out = func(*args, **kwargs)
+        self.backend._derive(inputs, [t for t in tree_leaves(out) if isinstance(t, Tensor)])
+        return out
+
+
+def _ours(depth: int) -> bool:
+    """Whether the caller ``depth`` frames above the caller is offload_adamw's production code (torch's own moves, a
+    GradScaler's for one, are torch's: on CUDA its state lives on the device)."""
+    module = sys._getframe(depth + 1).f_globals.get("__name__", "")
+    return module.startswith("offload_adamw.") and not module.startswith("offload_adamw.testing")
+
+
+def _target_device(args: Any, kwargs: dict[str, Any]) -> torch.device | None:
+    """The device ``Tensor.to(*args, **kwargs)`` moves to (None: the tensor's own)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # torch's parser of .to's arguments takes no copy
+    for tried in (tuple(args), tuple(args)[:-1]):
+        try:
+            return torch._C._nn._parse_to(*tried, **kwargs)[0]
+        except (TypeError, RuntimeError):
+            continue
+    return None
+
+
+class _MoveWatch(TorchFunctionMode):
+    """``Tensor.to`` with a device, of a host tensor in pageable memory that is not the device's (SimulatedCuda._moved)."""
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (isinstance(out, Tensor) and kwargs.get("device") not in (None, "cpu")
+                and not any(isinstance(t, Tensor) for t in tree_leaves((args, kwargs)))):
+            # Created on a device named by a device object (a tensor's .device: a GradScaler's flag, a device buffer),
+            # not by the string "cpu" (host memory, as offload_adamw spells it): the device's.
+            if self.backend.serves(torch.device(kwargs["device"])):
+                self.backend._derive_created(out)
+        if func is Tensor.to and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
+            src = args[0]
+            device = _target_device(args[1:], kwargs)
+            if (device is not None and src.device.type == "cpu" and self.backend.serves(device) and _ours(1)
+                    and not streams.is_device_tensor(src) and not self.backend._is_pinned(src) and src.numel() > 0):
+                self.backend._moved(out)
+        return out
 
 
 def install(seed: int, index: int = 0) -> SimulatedCuda:
