@@ -435,7 +435,12 @@ class GradientPipeline:
             return
         self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
         opt.preflight([w for p, w in where.items() if p not in early.params and p.grad is not None and not opt.state.get(p)])
-        scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
+        scale = None
+        if grad_scale is not None:
+            # Read to the host (a wait for the device, once per step) only for host groups; a streamed or resident
+            # group's kernel reads it where it is.
+            host_groups = any(self.slots[p].on_host for p in where if p not in early.params and p.grad is not None)
+            scale = grad_scale.detach().to("cpu" if host_groups else grad_scale.device, torch.float32)
 
         # Parameters the device still reads in backward must not be overwritten: sends wait for compute.
         self.engine.send_after_compute({s.local.device for s in self.slots if self.engine.is_device(s.local.device)})

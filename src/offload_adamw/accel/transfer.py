@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel.host_memory import PageLocker
-from offload_adamw.accel.streams import CUDA, StreamBackend, claim
+from offload_adamw.accel.streams import CUDA, StreamBackend, claim, is_device_tensor
 
 __all__ = ["Completion", "DONE", "HostCompletion", "Lane", "TransferEngine", "finish_at_exit"]
 
@@ -488,6 +488,8 @@ class TransferEngine:
         """A copy on ``device`` of the small host tensor ``host`` (a step's counts, its loss scale), ordered before
         the work issued next on the current stream of ``device``, without the host waiting for the device (see the
         module contract)."""
+        if host.device.type != "cpu" or is_device_tensor(host):
+            return host.to(device)  # on a device already (a GradScaler's scale): no copy through the host
         out = self.lane(device).to_device(device, host)
         if out is not host and out.device.type == "cpu" and self.backend_for(device) is not None:
             claim(out)  # a tensor of the simulated device

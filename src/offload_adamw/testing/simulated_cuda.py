@@ -313,6 +313,7 @@ class SimulatedCuda:
         self._watching = False  # inside watching(): worker threads set up now watch their operations too
         self._pageable_moves: list[tuple[int, int]] = []  # host memory moved with .to(device), not yet used (N5)
         self._derived: set[tuple[int, int]] = set()  # memory computed from the device's tensors (N5)
+        self._host_copies: dict[int, weakref.ref[Tensor]] = {}  # device tensors read to the host, by id (N5)
 
     # ------------------------------------------------------------------ the record
 
@@ -652,12 +653,27 @@ class SimulatedCuda:
             device = self._device_spans() + list(self._derived)
         return any(a < d_end and d_start < b for a, b in spans for d_start, d_end in device if b > a)
 
-    def _moved(self, t: Tensor) -> None:
+    def _is_device_data(self, t: Tensor) -> bool:
+        return streams.is_device_tensor(t) or self._on_device(_spans([t]))
+
+    def _read_by_host(self, t: Tensor, how: str) -> None:
+        """A device tensor read by the host (``.to("cpu")`` into ``t``, ``.item()``): on CUDA the host waits for
+        the device (a hidden synchronisation)."""
+        with self.lock:
+            self.hidden_syncs[f"a device tensor read by the host ({how})"] += 1
+            self._host_copies[id(t)] = weakref.ref(t)
+
+    def _is_host_copy(self, t: Tensor) -> bool:
+        with self.lock:
+            ref = self._host_copies.get(id(t))
+        return ref is not None and ref() is t
+
+    def _moved(self, t: Tensor, *, host_copy: bool = False) -> None:
         """``t`` is the result of ``.to(device)`` (or ``.to(device, dtype)``) of a host tensor in pageable memory that
         is not the device's: on CUDA, a copy to the device that blocks the host (a hidden synchronisation) when the
         result is used by a device kernel, which :meth:`_accessed` counts (on the CPU the call is a no-op)."""
         span = _span(t)
-        if self._on_device([span]):
+        if not host_copy and self._on_device([span]):
             return  # computed on the device: no copy
         with self.lock:
             if span not in self._pageable_moves:  # .to("cpu") then .to(device) of one host tensor: one copy on CUDA
@@ -723,6 +739,8 @@ class _BufferWatch(TorchDispatchMode):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         if not func.is_view:  # a view touches no memory: it is no access of the device
             self.backend._accessed(inputs)
+        if func is torch.ops.aten._local_scalar_dense.default and _ours(1) and self.backend._is_device_data(inputs[0]):
+            self.backend._read_by_host(inputs[0], ".item()")
         out = func(*args, **kwargs)
         self.backend._derive(inputs, [t for t in tree_leaves(out) if isinstance(t, Tensor)])
         return out
@@ -762,11 +780,18 @@ class _MoveWatch(TorchFunctionMode):
             # not by the string "cpu" (host memory, as offload_adamw spells it): the device's.
             if self.backend.serves(torch.device(kwargs["device"])):
                 self.backend._derive_created(out)
-        if func is Tensor.to and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
+        if func is Tensor.to and args and isinstance(args[0], Tensor) and isinstance(out, Tensor) and _ours(1):
             src = args[0]
             device = _target_device(args[1:], kwargs)
-            if (device is not None and src.device.type == "cpu" and self.backend.serves(device) and _ours(1)
-                    and not streams.is_device_tensor(src) and not self.backend._is_pinned(src) and src.numel() > 0):
+            if device is None or src.device.type != "cpu" or not self.backend.serves(device) or src.numel() == 0:
+                return out
+            if "cpu" in (args[1] if len(args) > 1 else None, kwargs.get("device")):
+                # offload_adamw spells a move to host memory "cpu": of a device tensor, a read by the host
+                if self.backend._is_device_data(src):
+                    self.backend._read_by_host(out, ".to('cpu')")
+            elif self.backend._is_host_copy(src):
+                self.backend._moved(out, host_copy=True)  # back to the device: a copy from pageable memory
+            elif not streams.is_device_tensor(src) and not self.backend._is_pinned(src):
                 self.backend._moved(out)
         return out
 
