@@ -117,7 +117,7 @@ HAZARDS_N: dict[str, tuple[str, str, str, list[str]]] = {
         [STEADY + "[stream-kept-noclip]", STEADY + "[device-uib-clip]"]),
     "N5: the loss scale goes to a resident group's device from pageable memory": (
         f"{ACCEL}/device_update.py", "scale.to(device) if send is None else send(scale)", "scale.to(device)",
-        [SCALE + "[device-freed-step]"]),
+        [SCALE + "[mix-kept-step]"]),  # beside host groups the scale is a host copy (alone it stays on the device)
     "N5: step() reads the loss scale to the host also without host groups": (
         f"{ACCEL}/pipeline.py", '"cpu" if host_groups else grad_scale.device', '"cpu"', [SCALE + "[stream-kept-step]"]),
     "N5: the unscale's host flag goes to the device from pageable memory": (
