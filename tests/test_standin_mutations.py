@@ -74,7 +74,7 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
         TRANSFER, "            backend, index = self._home\n            backend.set_device(index)\n",
         "            pass\n", [LANE_TESTS + "test_worker_threads_make_the_pipelines_device_current", UIB]),
     "engine: DDP's callback thread runs without the pipeline's device current": (
-        TRANSFER, "    if before != index:\n        backend.set_device(index)\n    try:",
+        f"{ACCEL}/streams.py", "    if before != index:\n        backend.set_device(index)\n    try:",
         "    try:", [DDP_SUITE]),
     "arena: host memory unlocked from the current device of whichever thread frees it (N9)": (
         f"{ACCEL}/host_memory.py",
@@ -92,11 +92,10 @@ SCALE = HAZARDS + "test_the_loss_scale_reaches_the_device_without_a_hidden_synch
 #: issue 41's hazards N4, N5, N7, N8, N9: each fix removed, and the test of tests/test_standin_hazards.py that catches it
 HAZARDS_N: dict[str, tuple[str, str, str, list[str]]] = {
     "N4: the gate reads a CPU-offloaded gradient's norm before FSDP2's copy into it has landed": (
-        f"{ACCEL}/pipeline.py", "            self.engine.host_gradient_landed(local_tensor(grad))\n", "",
+        f"{ACCEL}/gate.py", "        self._engine.host_gradient_landed(local_tensor(grad))", "        pass",
         [HAZARDS + "test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_with_no_device_wide_sync"]),
     "N7: the wait for FSDP2's copy synchronises the whole device": (
-        TRANSFER, "            event = backend.new_event()\n            event.record(backend.current_stream(index))\n"
-        "            event.synchronize()\n", "            backend.synchronize_device(index)\n",
+        TRANSFER, "        wait_for_current_stream(backend, index)\n", "        backend.synchronize_device(index)\n",
         [HAZARDS + "test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_with_no_device_wide_sync"]),
     "N9: the wait for FSDP2's copy runs on the calling thread's current device": (
         TRANSFER, "        index = (self._home[1] if self._home is not None\n"
@@ -119,7 +118,7 @@ HAZARDS_N: dict[str, tuple[str, str, str, list[str]]] = {
         f"{ACCEL}/device_update.py", "scale.to(device) if send is None else send(scale)", "scale.to(device)",
         [SCALE + "[mix-kept-step]"]),  # beside host groups the scale is a host copy (alone it stays on the device)
     "N5: step() reads the loss scale to the host also without host groups": (
-        f"{ACCEL}/pipeline.py", '"cpu" if host_groups else grad_scale.device', '"cpu"', [SCALE + "[stream-kept-step]"]),
+        f"{ACCEL}/amp.py", '"cpu" if host_groups else grad_scale.device', '"cpu"', [SCALE + "[stream-kept-step]"]),
     "N5: the unscale's host flag goes to the device from pageable memory": (
         f"{ACCEL}/amp.py", "host_found.to(found_inf.device) if to_device is None else to_device(host_found)",
         "host_found.to(found_inf.device)", [SCALE + "[mix-freed-unscale]"]),

@@ -88,3 +88,11 @@ def unscale_gradients_(pairs: list[tuple[Tensor, Tensor]], inv_scale: Tensor, fo
     if host_found is not None:
         found_inf.add_(host_found.to(found_inf.device) if to_device is None else to_device(host_found))
     return {found_inf.device: found_inf}
+
+
+def step_scale(grad_scale: Tensor | None, host_groups: bool) -> Tensor | None:
+    """The loss scale a step divides the gradients by, in float32: read to the host (a wait for the device, once per
+    step) only where host groups' kernels need it; a streamed or resident group's kernel takes it where it is."""
+    if grad_scale is None:
+        return None
+    return grad_scale.detach().to("cpu" if host_groups else grad_scale.device, torch.float32)

@@ -282,8 +282,6 @@ class GradientPipeline:
         count (gated), and its bucket told (updates during backward)."""
         self.arrived(slot, group)
         if self.gate.tracks():
-            # Read below: FSDP2's CPUOffloadPolicy may still be copying this host gradient in (torch < 2.12).
-            self.engine.host_gradient_landed(local_tensor(grad))
             self.gate.take(slot.param, grad, accumulated=accumulated)
         if self.gate.gated():
             self.gate.queue_decision()
@@ -371,15 +369,8 @@ class GradientPipeline:
 
     def unscale_(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict[torch.device, Tensor]:
         """GradScaler's unscale-and-check over the gradients wherever they live (freed mode; accel/amp.py)."""
-        def on_device(p: Tensor, grad: Tensor) -> bool:  # a streamed or resident group's gradient stays there
-            slot = self.slots[p]
-            return not slot.on_host and self.engine.is_device(slot.local.device)
-
-        to_device = None
-        if self.engine.is_device(found_inf.device):
-            def to_device(host: Tensor) -> Tensor:
-                return self.engine.to_device(found_inf.device, host)
-        return amp.unscale_gradients_(self.host_gradients(), inv_scale, found_inf, allow_fp16, on_device, to_device)
+        return amp.unscale_gradients_(self.host_gradients(), inv_scale, found_inf, allow_fp16, self.placements.on_device,
+                                      lambda host: self.engine.to_device(found_inf.device, host))
 
     def refuse_mid_step(self, what: str) -> None:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
@@ -435,13 +426,7 @@ class GradientPipeline:
             return
         self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
         opt.preflight([w for p, w in where.items() if p not in early.params and p.grad is not None and not opt.state.get(p)])
-        scale = None
-        if grad_scale is not None:
-            # Read to the host (a wait for the device, once per step) only for host groups; a streamed or resident
-            # group's kernel reads it where it is.
-            host_groups = any(self.slots[p].on_host for p in where if p not in early.params and p.grad is not None)
-            scale = grad_scale.detach().to("cpu" if host_groups else grad_scale.device, torch.float32)
-
+        scale = amp.step_scale(grad_scale, any(self.slots[p].on_host for p in where if p not in early.params))
         # Parameters the device still reads in backward must not be overwritten: sends wait for compute.
         self.engine.send_after_compute({s.local.device for s in self.slots if self.engine.is_device(s.local.device)})
         # In the order this backward produced the gradients (stable: those it did not reach last, in optimizer order).

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "install", "installed", "installed_backend",
-           "is_device_tensor"]
+__all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "current_device", "install", "installed", "installed_backend",
+           "is_device_tensor", "wait_for_current_stream"]
 
 
 class StreamBackend(Protocol):
@@ -173,6 +173,28 @@ def _clear_cuda_error(index: int | None) -> None:
 
 
 CUDA: StreamBackend = CudaBackend()
+
+
+@contextlib.contextmanager
+def current_device(backend: StreamBackend, index: int) -> Iterator[None]:
+    """Device ``index`` current on the calling thread for the block, restored after it (no context on another)."""
+    before = backend.get_device()
+    if before != index:
+        backend.set_device(index)
+    try:
+        yield
+    finally:
+        if before != index:
+            backend.set_device(before)
+
+
+def wait_for_current_stream(backend: StreamBackend, index: int) -> None:
+    """The host waits for the work issued so far on the calling thread's current stream of device ``index`` (an
+    event on it: that stream's work, not the whole device's), with ``index`` current for the calls."""
+    with current_device(backend, index):
+        event = backend.new_event()
+        event.record(backend.current_stream(index))
+        event.synchronize()
 
 _installed: list[StreamBackend] = []
 # The tensors an installed backend serves as device tensors, by id, each held weakly (its entry goes with it; a

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel.host_memory import PageLocker
-from offload_adamw.accel.streams import CUDA, StreamBackend, claim, is_device_tensor
+from offload_adamw.accel.streams import CUDA, StreamBackend, claim, current_device, is_device_tensor, wait_for_current_stream
 
 __all__ = ["Completion", "DONE", "HostCompletion", "Lane", "TransferEngine", "finish_at_exit"]
 
@@ -343,19 +343,6 @@ def _accumulate_forever(jobs: queue.SimpleQueue[Any], thread_init: Callable[[], 
             done.finish()
 
 
-@contextlib.contextmanager
-def _current(backend: StreamBackend, index: int) -> Iterator[None]:
-    """Device ``index`` current on the calling thread for the block, restored after it (no context on another)."""
-    before = backend.get_device()
-    if before != index:
-        backend.set_device(index)
-    try:
-        yield
-    finally:
-        if before != index:
-            backend.set_device(before)
-
-
 class TransferEngine:
     """The lanes of every device a pipeline copies to or from, and its accumulator (see the module contract)."""
 
@@ -417,21 +404,15 @@ class TransferEngine:
         return lane
 
     def _offload_backend(self) -> StreamBackend | None:
-        """The device whose own copies may still be landing in a host parameter's page-locked gradient: the installed
-        backend (a simulated device with host parameters), else CUDA once a context exists."""
-        if self._backend is not None:
-            return self._backend
-        return CUDA if torch.cuda.is_initialized() else None
+        """The device whose copies may land in a host parameter's page-locked gradient (installed, or CUDA's)."""
+        return self._backend if self._backend is not None else CUDA if torch.cuda.is_initialized() else None
 
     def host_gradient_landed(self, grad: Tensor) -> None:
         """A host parameter's gradient ``grad`` (host memory) has landed: FSDP2's ``CPUOffloadPolicy`` copies each
         reduced shard into a page-locked host gradient without blocking, and torch before 2.12 calls the hook before
         that copy has ended. Called before anything reads such a gradient (its norm and count in the gate, its copy).
-
-        The wait is an event on the calling thread's current stream (the hook's: FSDP2 issues that copy on it) of the
-        pipeline's device (else the device current where the pipeline was built, the rank's own: FSDP2's), made current
-        for the wait: the copy, not every stream of the device (a device-wide synchronisation would also wait for the
-        next group's reduce-scatter and the compute), and never device 0 from a thread of another rank."""
+        The wait: an event on the hook's stream (where FSDP2 issued the copy) of the pipeline's device, else the rank's
+        (current where the pipeline was built), not the whole device, never device 0 from a thread of another rank."""
         if grad.device.type != "cpu" or self.backend_for(grad.device) is not None:
             return  # a device tensor: the lane orders its reads
         backend = self._offload_backend()
@@ -439,10 +420,7 @@ class TransferEngine:
             return
         index = (self._home[1] if self._home is not None
                  else self._offload_index if self._offload_index is not None else backend.get_device())
-        with _current(backend, index):
-            event = backend.new_event()
-            event.record(backend.current_stream(index))
-            event.synchronize()
+        wait_for_current_stream(backend, index)
 
     def thread_init(self) -> None:
         """Called first by every worker thread of the pipeline: its current device is the pipeline's, so that no
@@ -458,7 +436,7 @@ class TransferEngine:
         if self._home is None:
             yield
             return
-        with _current(*self._home):
+        with current_device(*self._home):
             yield
 
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
