@@ -5,8 +5,12 @@ Contract:
 * :class:`StreamBackend` is exactly what the lane calls: a new stream, the calling thread's current stream,
   a stream context, blocking events (record, synchronize, query), ``wait_stream`` and ``wait_event`` (methods
   of the streams, as torch spells them), ``record_stream``, a non-blocking copy on the current stream,
-  page-locking and unlocking host memory (and an exactly sized page-locked allocation's fallback), the
-  calling thread's current device. Nothing here decides anything: the lane's order of work is the lane's.
+  page-locking and unlocking host memory (and an exactly sized page-locked allocation's fallback), whether host
+  memory is page-locked, the calling thread's current device; and a device-wide synchronisation, which the pipeline
+  never calls (a stream or an event names what it waits for; the simulated device counts it). Nothing here decides
+  anything: the lane's order of work is the lane's.
+* :func:`current_device` makes a device current for a block (no context on another), and
+  :func:`wait_for_current_stream` has the host wait for the calling thread's current stream of a device.
 * :data:`CUDA` is the backend over ``torch.cuda``, a plain call per method. It is what runs for CUDA devices.
 * Another backend (the simulated CUDA device of ``offload_adamw.testing``) is chosen only by being installed:
   :func:`installed_backend` (a context manager) or :func:`install`; pipelines built while it is installed
