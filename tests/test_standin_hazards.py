@@ -147,7 +147,7 @@ MODES = {"kept": {"offload_gradients": False}, "freed": {"offload_gradients": Tr
 
 
 def _steady_syncs(sim: SimulatedCuda, placement: str, mode: str, clip: float | None, *, steps: int = 2,
-                  scaler: str = "none") -> Counter:
+                  scaler: str = "none", nonfinite: str = "propagate") -> Counter:
     """The hidden synchronisations of ``steps`` steps after two warm-up steps (buffers, state, buckets in place);
     ``scaler``: none, or OffloadGradScaler's ``step`` alone or after ``unscale``."""
     torch.manual_seed(0)
@@ -156,7 +156,8 @@ def _steady_syncs(sim: SimulatedCuda, placement: str, mode: str, clip: float | N
     pattern = PLACEMENTS[placement]
     groups = [{"params": list(layer.parameters()), "update_on": pattern[k % len(pattern)]}
               for k, layer in enumerate(model)]
-    opt = OffloadAdamW(groups, lr=1e-3, max_grad_norm=clip, stream_chunk_bytes=1 << 20, bucket_bytes=1, **MODES[mode])
+    opt = OffloadAdamW(groups, lr=1e-3, max_grad_norm=clip, stream_chunk_bytes=1 << 20, bucket_bytes=1,
+                       nonfinite=nonfinite, **MODES[mode])
     x = torch.randn(16, 32)
     for step in range(2 + steps):
         if step == 2:
@@ -201,9 +202,20 @@ def test_the_loss_scale_reaches_the_device_without_a_hidden_synchronisation(plac
     its unscale of the device gradients (``unscale``) copies nothing through the host. Inherent: beside host groups
     (``mix``) the host reads the scale where host kernels need it: step() once per step to divide the host gradients
     by it, and the unscale of freed host gradients once per call for its inverse (with ``step`` alone GradScaler's own
-    non-finite check calls it: two reads per step; kept gradients are unscaled by torch on the device: none)."""
+    non-finite check calls it: two reads per step; kept gradients are unscaled by torch on the device: none). And
+    every placement reads GradScaler's found_inf once per step: step() decides on the host whether to skip."""
     syncs = _steady_syncs(simulated_device, placement, mode, None, scaler=scaler)
     reads = {("kept", "step"): 1, ("freed", "step"): 2, ("kept", "unscale"): 0, ("freed", "unscale"): 1}
     per_step = reads[mode, scaler] if placement == "mix" else 0
-    expected = Counter({"a device tensor read by the host (.to('cpu'))": 2 * per_step} if per_step else {})
+    expected = Counter({"a device tensor read by the host (.item())": 2})
+    if per_step:
+        expected["a device tensor read by the host (.to('cpu'))"] = 2 * per_step
     assert syncs == expected, f"hidden synchronisations in two steady-state steps: {dict(syncs)}"
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_the_non_finite_decision_of_updates_during_backward_reads_one_flag_per_step(placement, simulated_device) -> None:
+    """N5, inherent: with updates during backward and a skip policy, backward's end reads one flag (the count of inf and
+    NaN over every gradient) from the device per step, and nothing else is read or sent."""
+    syncs = _steady_syncs(simulated_device, placement, "uib", 0.05, nonfinite="skip")
+    assert syncs == Counter({"a device tensor read by the host (.item())": 2}), dict(syncs)

@@ -29,7 +29,10 @@ on a GPU, and the backend turns each of CUDA's hazards into wrong bits or a reco
    about 0.5 GB created on that device), except page-locking calls that name their device.
 6. **Hidden synchronisations are counted** (a copy from pageable memory), for tests to assert zero where the
    design promises none; so are device-wide synchronisations (:attr:`SimulatedCuda.device_syncs`), which the
-   pipeline never needs.
+   pipeline never needs. Inside :meth:`SimulatedCuda.watching` also a ``.to(device)`` of offload_adamw's own host
+   tensor in pageable memory that a device kernel reads, and a device tensor read by the host (``.to("cpu")``,
+   ``.item()``) from offload_adamw's code. Torch runs autograd's hooks and callbacks without function modes: a
+   ``.to`` there is not seen (an ``.item()`` is).
 7. **Device buffers shared by threads** (:meth:`SimulatedCuda.watch_buffer`, opt-in per test): every operation of
    a thread that runs pipeline work is seen (a dispatch mode, entered by :meth:`SimulatedCuda.watching_buffers` and
    by each worker thread's set-up); an access to a watched buffer from a stream not ordered after the latest access
@@ -739,18 +742,28 @@ class _BufferWatch(TorchDispatchMode):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         if not func.is_view:  # a view touches no memory: it is no access of the device
             self.backend._accessed(inputs)
-        if func is torch.ops.aten._local_scalar_dense.default and _ours(1) and self.backend._is_device_data(inputs[0]):
+        if func is torch.ops.aten._local_scalar_dense.default and _ours() and self.backend._is_device_data(inputs[0]):
             self.backend._read_by_host(inputs[0], ".item()")
         out = func(*args, **kwargs)
         self.backend._derive(inputs, [t for t in tree_leaves(out) if isinstance(t, Tensor)])
         return out
 
 
-def _ours(depth: int) -> bool:
-    """Whether the caller ``depth`` frames above the caller is offload_adamw's production code (torch's own moves, a
-    GradScaler's for one, are torch's: on CUDA its state lives on the device)."""
-    module = sys._getframe(depth + 1).f_globals.get("__name__", "")
-    return module.startswith("offload_adamw.") and not module.startswith("offload_adamw.testing")
+def _caller() -> str:
+    """The module of the code that called the operation, above the modes and torch's own wrappers."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module != "torch" and not module.startswith(("torch.", "offload_adamw.testing")):
+            return str(module)
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
+def _ours() -> bool:
+    """Whether offload_adamw's production code called the operation: torch's own moves (a GradScaler's, for one) are
+    torch's, and on CUDA its state lives on the device."""
+    return _caller().startswith("offload_adamw.")
 
 
 def _target_device(args: Any, kwargs: dict[str, Any]) -> torch.device | None:
@@ -775,12 +788,13 @@ class _MoveWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if (isinstance(out, Tensor) and kwargs.get("device") not in (None, "cpu")
-                and not any(isinstance(t, Tensor) for t in tree_leaves((args, kwargs)))):
+                and not any(isinstance(t, Tensor) for t in tree_leaves((args, kwargs)))
+                and not _caller().startswith("offload_adamw.kernels")):
             # Created on a device named by a device object (a tensor's .device: a GradScaler's flag, a device buffer),
-            # not by the string "cpu" (host memory, as offload_adamw spells it): the device's.
+            # not by the string "cpu" (host memory, as offload_adamw spells it) nor by a host kernel: the device's.
             if self.backend.serves(torch.device(kwargs["device"])):
                 self.backend._derive_created(out)
-        if func is Tensor.to and args and isinstance(args[0], Tensor) and isinstance(out, Tensor) and _ours(1):
+        if func is Tensor.to and args and isinstance(args[0], Tensor) and isinstance(out, Tensor) and _ours():
             src = args[0]
             device = _target_device(args[1:], kwargs)
             if device is None or src.device.type != "cpu" or not self.backend.serves(device) or src.numel() == 0:
