@@ -74,8 +74,8 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
         TRANSFER, "            backend, index = self._home\n            backend.set_device(index)\n",
         "            pass\n", [LANE_TESTS + "test_worker_threads_make_the_pipelines_device_current", UIB]),
     "engine: DDP's callback thread runs without the pipeline's device current": (
-        TRANSFER, "        if before != index:\n            backend.set_device(index)\n        try:",
-        "        try:", [DDP_SUITE]),
+        f"{ACCEL}/streams.py", "    if before != index:\n        backend.set_device(index)\n    try:",
+        "    try:", [DDP_SUITE]),
     "arena: host memory unlocked from the current device of whichever thread frees it (N9)": (
         f"{ACCEL}/host_memory.py",
         "            if before is not None and before != index:\n                backend.set_device(index)\n", "",
@@ -83,6 +83,47 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
     "arena: host memory unlocked without waiting for the copies that touch it": (
         f"{ACCEL}/host_memory.py", "            locker.synchronize()\n", "",
         [LANE_TESTS + "test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it"]),
+}
+
+HAZARDS = "tests/test_standin_hazards.py::"
+STEADY = HAZARDS + "test_the_steady_state_step_issues_no_hidden_synchronisation"
+SCALE = HAZARDS + "test_the_loss_scale_reaches_the_device_without_a_hidden_synchronisation"
+
+#: issue 41's hazards N4, N5, N7, N8, N9: each fix removed, and the test of tests/test_standin_hazards.py that catches it
+HAZARDS_N: dict[str, tuple[str, str, str, list[str]]] = {
+    "N4: the gate reads a CPU-offloaded gradient's norm before FSDP2's copy into it has landed": (
+        f"{ACCEL}/gate.py", "        self._engine.host_gradient_landed(local_tensor(grad))", "        pass",
+        [HAZARDS + "test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_with_no_device_wide_sync"]),
+    "N7: the wait for FSDP2's copy synchronises the whole device": (
+        TRANSFER, "        wait_for_current_stream(backend, index)\n", "        backend.synchronize_device(index)\n",
+        [HAZARDS + "test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_with_no_device_wide_sync"]),
+    "N9: the wait for FSDP2's copy runs on the calling thread's current device": (
+        TRANSFER, "        index = (self._home[1] if self._home is not None\n"
+        "                 else self._offload_index if self._offload_index is not None else backend.get_device())\n",
+        "        index = backend.get_device()\n",
+        [HAZARDS + "test_the_wait_for_a_cpu_offloaded_gradient_runs_on_the_pipelines_device_from_any_thread"]),
+    "N8: a use of the resident widening buffer does not wait for the previous use's event": (
+        f"{ACCEL}/device_update.py",
+        "            self._engine.current_stream_waits(device, released)  # another thread's stream may still read the buffer\n",
+        "            pass\n",
+        [HAZARDS + "test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_main_thread"]),
+    "N8: no event is recorded after a use of the resident widening buffer": (
+        f"{ACCEL}/device_update.py", "        self._released[device] = self._engine.mark(device)\n", "",
+        [HAZARDS + "test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_main_thread"]),
+    "N5: the step counts go to the device from pageable memory (.to(device))": (
+        "offload_adamw/kernels/fused_device.py",
+        "(stacked.to(device) if to_device is None else to_device(stacked))", "stacked.to(device)",
+        [STEADY + "[stream-kept-noclip]", STEADY + "[device-uib-clip]"]),
+    "N5: the loss scale goes to a resident group's device from pageable memory": (
+        f"{ACCEL}/device_update.py", "scale.to(device) if send is None else send(scale)", "scale.to(device)",
+        [SCALE + "[mix-kept-step]"]),  # beside host groups the scale is a host copy (alone it stays on the device)
+    "N5: step() reads the loss scale to the host also without host groups": (
+        f"{ACCEL}/amp.py", '"cpu" if host_groups else grad_scale.device', '"cpu"', [SCALE + "[stream-kept-step]"]),
+    "N5: the unscale's host flag goes to the device from pageable memory": (
+        f"{ACCEL}/amp.py", "host_found.to(found_inf.device) if to_device is None else to_device(host_found)",
+        "host_found.to(found_inf.device)", [SCALE + "[mix-freed-unscale]"]),
+    "N5: the kernels do not wait for a small tensor's copy to the device (the lane's to_device)": (
+        TRANSFER, "        compute.wait_event(landed.event)  # a no-op on CUDA", "        pass  # ", [PLACED]),
 }
 
 #: name -> (module under src/, the text removed or changed, its replacement, the tests that must catch it)
@@ -118,6 +159,7 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         f"{ACCEL}/stream_update.py", "        for done in pending:\n            done.wait()",
         "        for done in pending:\n            pass", [RING, PLACED]),
     **LANE,
+    **HAZARDS_N,
 }
 
 #: waits of the pipeline (none of the lane's) that the simulated device cannot catch, or that an earlier wait covers, and why

@@ -5,8 +5,12 @@ Contract:
 * :class:`StreamBackend` is exactly what the lane calls: a new stream, the calling thread's current stream,
   a stream context, blocking events (record, synchronize, query), ``wait_stream`` and ``wait_event`` (methods
   of the streams, as torch spells them), ``record_stream``, a non-blocking copy on the current stream,
-  page-locking and unlocking host memory (and an exactly sized page-locked allocation's fallback), the
-  calling thread's current device. Nothing here decides anything: the lane's order of work is the lane's.
+  page-locking and unlocking host memory (and an exactly sized page-locked allocation's fallback), whether host
+  memory is page-locked, the calling thread's current device; and a device-wide synchronisation, which the pipeline
+  never calls (a stream or an event names what it waits for; the simulated device counts it). Nothing here decides
+  anything: the lane's order of work is the lane's.
+* :func:`current_device` makes a device current for a block (no context on another), and
+  :func:`wait_for_current_stream` has the host wait for the calling thread's current stream of a device.
 * :data:`CUDA` is the backend over ``torch.cuda``, a plain call per method. It is what runs for CUDA devices.
 * Another backend (the simulated CUDA device of ``offload_adamw.testing``) is chosen only by being installed:
   :func:`installed_backend` (a context manager) or :func:`install`; pipelines built while it is installed
@@ -27,8 +31,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "install", "installed", "installed_backend",
-           "is_device_tensor", "pci_bus_id"]
+__all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "current_device", "install", "installed", "installed_backend",
+           "is_device_tensor", "pci_bus_id", "wait_for_current_stream"]
 
 
 class StreamBackend(Protocol):
@@ -77,6 +81,15 @@ class StreamBackend(Protocol):
 
     def pinned_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         """Page-locked host memory from the backend's own allocator (the fallback where :meth:`pin` fails)."""
+        ...
+
+    def is_page_locked(self, t: Tensor) -> bool:
+        """Whether the host tensor ``t`` lives in page-locked memory (a copy into it may still be in flight)."""
+        ...
+
+    def synchronize_device(self, index: int) -> None:
+        """Wait for every stream of device ``index`` (device-wide: the pipeline never needs it, a stream or an event
+        names the work it waits for; a test asserts it is not called)."""
         ...
 
     def get_device(self) -> int:
@@ -136,6 +149,12 @@ class CudaBackend:
     def pinned_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
+    def is_page_locked(self, t: Tensor) -> bool:
+        return t.device.type == "cpu" and t.is_pinned()
+
+    def synchronize_device(self, index: int) -> None:
+        torch.cuda.synchronize(index)
+
     def get_device(self) -> int:
         return torch.cuda.current_device()
 
@@ -166,6 +185,28 @@ def _clear_cuda_error(index: int | None) -> None:
 
 
 CUDA: StreamBackend = CudaBackend()
+
+
+@contextlib.contextmanager
+def current_device(backend: StreamBackend, index: int) -> Iterator[None]:
+    """Device ``index`` current on the calling thread for the block, restored after it (no context on another)."""
+    before = backend.get_device()
+    if before != index:
+        backend.set_device(index)
+    try:
+        yield
+    finally:
+        if before != index:
+            backend.set_device(before)
+
+
+def wait_for_current_stream(backend: StreamBackend, index: int) -> None:
+    """The host waits for the work issued so far on the calling thread's current stream of device ``index`` (an
+    event on it: that stream's work, not the whole device's), with ``index`` current for the calls."""
+    with current_device(backend, index):
+        event = backend.new_event()
+        event.record(backend.current_stream(index))
+        event.synchronize()
 
 _installed: list[StreamBackend] = []
 # The tensors an installed backend serves as device tensors, by id, each held weakly (its entry goes with it; a

@@ -28,7 +28,19 @@ on a GPU, and the backend turns each of CUDA's hazards into wrong bits or a reco
    current device is not the simulated device's index is recorded as a stray context (on CUDA: a context of
    about 0.5 GB created on that device), except page-locking calls that name their device.
 6. **Hidden synchronisations are counted** (a copy from pageable memory), for tests to assert zero where the
-   design promises none.
+   design promises none; so are device-wide synchronisations (:attr:`SimulatedCuda.device_syncs`), which the
+   pipeline never needs. Inside :meth:`SimulatedCuda.watching` also a ``.to(device)`` of offload_adamw's own host
+   tensor in pageable memory that a device kernel reads, and a device tensor read by the host (``.to("cpu")``,
+   ``.item()``) from offload_adamw's code. Torch runs autograd's hooks and callbacks without function modes: a
+   ``.to`` there is not seen (an ``.item()`` is).
+7. **Device buffers shared by threads** (:meth:`SimulatedCuda.watch_buffer`, opt-in per test): every operation of
+   a thread that runs pipeline work is seen (a dispatch mode, entered by :meth:`SimulatedCuda.watching_buffers` and
+   by each worker thread's set-up); an access to a watched buffer from a stream not ordered after the latest access
+   from another stream (vector clocks) is a recorded hazard.
+
+With ``host_parameters`` the device serves no tensor: every parameter is a host parameter (FSDP2's
+``CPUOffloadPolicy``), and only the copies a test issues (:meth:`SimulatedCuda.copy`, a stand-in for FSDP2's
+non-blocking copy into a page-locked host gradient) land late.
 
 A CPU tensor counts as a tensor of the simulated device when the pipeline's engine claimed it (accel/streams.py's
 ``is_device_tensor``): every parameter of a pipeline built while the backend is installed.
@@ -42,6 +54,7 @@ import ctypes
 import itertools
 import queue
 import random
+import sys
 import threading
 import time
 import weakref
@@ -51,6 +64,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from offload_adamw.accel import streams
 from offload_adamw.accel.transfer import DONE, Completion, HostCompletion, finish_at_exit
@@ -84,6 +100,18 @@ def _span(t: Tensor) -> tuple[int, int]:
         return start, start
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
+
+
+def _spans(tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """The memory of each tensor that has some (a DTensor's outer tensor or a meta tensor has none)."""
+    out = []
+    for t in tensors:
+        try:
+            if t.device.type == "cpu" and t.layout == torch.strided:
+                out.append(_span(t))
+        except (RuntimeError, NotImplementedError):
+            continue
+    return out
 
 
 def _pause(rng: random.Random) -> None:
@@ -263,9 +291,16 @@ class _Read:
 class SimulatedCuda:
     """The simulated device ``index`` (see the module contract); an instance is one process's device of that index."""
 
-    def __init__(self, seed: int, index: int = 0) -> None:
+    def __init__(self, seed: int, index: int = 0, *, host_parameters: bool = False) -> None:
         self.seed = int(seed)
         self.device_index = int(index)
+        self.host_parameters = bool(host_parameters)
+        """The model's parameters live in host memory (FSDP2's CPUOffloadPolicy): the device serves no tensor (every
+        parameter is a host parameter, on the synchronous lane), and only its copies (:meth:`copy`, issued by a test's
+        stand-in for FSDP2) land late into page-locked host gradients."""
+        self.device_syncs = 0
+        """Device-wide synchronisations (:meth:`synchronize_device`): the pipeline promises none."""
+        self._all_streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self.lock = threading.RLock()
         self.hazards: list[str] = []
         self.hidden_syncs: collections.Counter[str] = collections.Counter()
@@ -276,6 +311,12 @@ class SimulatedCuda:
         self._host_pending: list[tuple[int, int, Completion, _Ticket]] = []
         self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
         self._late_runs = 0  # compute_later's work that has run
+        # Device buffers a test watches (watch_buffer): span -> (stream, time) of the latest access, by any thread
+        self._buffers: dict[tuple[int, int], tuple[_Stream, int] | None] = {}
+        self._watching = False  # inside watching(): worker threads set up now watch their operations too
+        self._pageable_moves: list[tuple[int, int]] = []  # host memory moved with .to(device), not yet used (N5)
+        self._derived: set[tuple[int, int]] = set()  # memory computed from the device's tensors (N5)
+        self._host_copies: dict[int, weakref.ref[Tensor]] = {}  # device tensors read to the host, by id (N5)
 
     # ------------------------------------------------------------------ the record
 
@@ -293,7 +334,7 @@ class SimulatedCuda:
     # ------------------------------------------------------------------ StreamBackend
 
     def serves(self, device: torch.device) -> bool:
-        return device.type == "cpu"
+        return device.type == "cpu" and not self.host_parameters
 
     def index(self, device: torch.device) -> int:
         return self.device_index
@@ -301,7 +342,9 @@ class SimulatedCuda:
     def new_stream(self, index: int) -> _Stream:
         self.called("new stream")
         n = next(self._streams)
-        return _Stream(self, f"side{n}", self.seed * 7919 + n, compute=False)
+        stream = _Stream(self, f"side{n}", self.seed * 7919 + n, compute=False)
+        self._all_streams.add(stream)
+        return stream
 
     def _compute_stream(self) -> _Stream:
         stream = getattr(self._local, "compute", None)
@@ -309,6 +352,7 @@ class SimulatedCuda:
             thread = threading.current_thread()
             seed = self.seed * 104729 + (thread.ident or 0) % 9973
             stream = self._local.compute = _Stream(self, f"compute-{thread.name}", seed, compute=True)
+            self._all_streams.add(stream)
         return stream
 
     def current_stream(self, index: int) -> _Stream:
@@ -501,11 +545,168 @@ class SimulatedCuda:
         self.unpin(start, self.device_index)
         del owner
 
+    def is_page_locked(self, t: Tensor) -> bool:
+        return t.device.type == "cpu" and self._is_pinned(t)
+
+    def synchronize_device(self, index: int) -> None:
+        """Every stream of the device has reached the work issued on it so far; counted in :attr:`device_syncs`."""
+        self.called("cudaDeviceSynchronize")
+        with self.lock:
+            self.device_syncs += 1
+            every = list(self._all_streams)
+        for stream in every:
+            stream.reached().wait()
+
     def get_device(self) -> int:
         return int(getattr(self._local, "device", 0))
 
     def set_device(self, index: int) -> None:
         self._local.device = int(index)
+        if self._watching:
+            self._watch_thread()  # a worker thread's set-up (thread_init): its accesses to watched buffers are seen
+
+    def _count_moves(self, spans: list[tuple[int, int]]) -> None:
+        """An operation over the device's tensors that reads a tensor moved from pageable memory: one hidden
+        synchronisation per move (counted once)."""
+        if not self._on_device(spans):
+            return
+        with self.lock:
+            used = [m for m in self._pageable_moves if any(m[0] < b and a < m[1] or m == (a, b) for a, b in spans)]
+            if not used:
+                return
+            self._pageable_moves = [m for m in self._pageable_moves if m not in used]
+            self.hidden_syncs["a copy to the device from pageable memory (.to(device))"] += len(used)
+
+    # ------------------------------------------------------------------ shared device buffers (N8)
+
+    def watch_buffer(self, t: Tensor) -> None:
+        """Record every access to ``t``'s memory (a device buffer the pipeline's threads share) from the threads that
+        run pipeline work: the calling thread inside :meth:`watching_buffers`, and every worker thread set up from now
+        on. An access from a stream that is not ordered (``wait_event``/``wait_stream``) after the latest access from
+        another stream is a recorded hazard: on CUDA the two kernels may run at once (a main thread on a non-default
+        stream and the updater thread's own)."""
+        with self.lock:
+            self._buffers[_span(t)] = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """The calling thread's operations are seen for the block, and those of every worker thread set up inside it
+        (its ``thread_init``): accesses to watched buffers, and copies to the device from pageable memory made with
+        ``.to(device)`` (see :meth:`_moved`)."""
+        before = self._watching
+        self._watching = True
+        try:
+            with _MoveWatch(self), _BufferWatch(self):
+                self._local.watching = True
+                try:
+                    yield
+                finally:
+                    self._local.watching = False
+        finally:
+            self._watching = before
+
+    def _watch_thread(self) -> None:
+        if getattr(self._local, "watching", False):
+            return
+        self._local.watching = True
+        _MoveWatch(self).__enter__()  # for the rest of the worker thread's life
+        _BufferWatch(self).__enter__()
+
+    def _device_spans(self) -> list[tuple[int, int]]:
+        """The memory of the tensors the engine claimed as this device's (the parameters), of their gradients where
+        these live on the device, and of the watched buffers."""
+        spans = list(self._buffers)
+        for ref in list(streams._claimed.values()):
+            t = ref()
+            if t is None:
+                continue
+            spans.append(_span(t))
+            grad = t.grad
+            if grad is not None and type(grad) is Tensor and grad.layout == torch.strided:
+                with contextlib.suppress(RuntimeError):  # a freed gradient's stand-in has no storage
+                    spans.append(_span(grad))
+        return spans
+
+    def _derive(self, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+        """What an operation over the device's tensors computes is the device's too (a norm, a clip coefficient):
+        moving it to the device is no copy from the host."""
+        if not outputs or not self._on_device(_spans(inputs)):
+            return
+        for t in outputs:
+            spans = _spans([t])
+            if not spans:
+                continue
+            with self.lock:
+                self._derived.add(spans[0])
+            weakref.finalize(t.untyped_storage(), self._underive, spans[0])
+
+    def _derive_created(self, t: Tensor) -> None:
+        spans = _spans([t])
+        if spans:
+            with self.lock:
+                self._derived.add(spans[0])
+            weakref.finalize(t.untyped_storage(), self._underive, spans[0])
+
+    def _underive(self, span: tuple[int, int]) -> None:
+        with self.lock:
+            self._derived.discard(span)
+
+    def _on_device(self, spans: list[tuple[int, int]]) -> bool:
+        with self.lock:
+            device = self._device_spans() + list(self._derived)
+        return any(a < d_end and d_start < b for a, b in spans for d_start, d_end in device if b > a)
+
+    def _is_device_data(self, t: Tensor) -> bool:
+        return streams.is_device_tensor(t) or self._on_device(_spans([t]))
+
+    def _read_by_host(self, t: Tensor, how: str) -> None:
+        """A device tensor read by the host (``.to("cpu")`` into ``t``, ``.item()``): on CUDA the host waits for
+        the device (a hidden synchronisation)."""
+        with self.lock:
+            self.hidden_syncs[f"a device tensor read by the host ({how})"] += 1
+            self._host_copies[id(t)] = weakref.ref(t)
+
+    def _is_host_copy(self, t: Tensor) -> bool:
+        with self.lock:
+            ref = self._host_copies.get(id(t))
+        return ref is not None and ref() is t
+
+    def _moved(self, t: Tensor, *, host_copy: bool = False) -> None:
+        """``t`` is the result of ``.to(device)`` (or ``.to(device, dtype)``) of a host tensor in pageable memory that
+        is not the device's: on CUDA, a copy to the device that blocks the host (a hidden synchronisation) when the
+        result is used by a device kernel, which :meth:`_accessed` counts (on the CPU the call is a no-op)."""
+        span = _span(t)
+        if not host_copy and self._on_device([span]):
+            return  # computed on the device: no copy
+        with self.lock:
+            if span not in self._pageable_moves:  # .to("cpu") then .to(device) of one host tensor: one copy on CUDA
+                self._pageable_moves.append(span)
+        weakref.finalize(t.untyped_storage(), self._unmove, span)
+
+    def _unmove(self, span: tuple[int, int]) -> None:
+        with self.lock:
+            if span in self._pageable_moves:
+                self._pageable_moves.remove(span)
+
+    def _accessed(self, tensors: list[Tensor]) -> None:
+        spans = _spans(tensors)
+        if self._pageable_moves:
+            self._count_moves(spans)
+        with self.lock:
+            touched = [key for key in self._buffers for start, end in spans if start < key[1] and key[0] < end]
+        if not touched:
+            return
+        override = getattr(self._local, "override", None)
+        stream = override[-1] if override else self._compute_stream()
+        with self.lock:
+            stream.tick()  # this access is new work of the stream: an event recorded from now on covers it
+            for key in set(touched):
+                last = self._buffers[key]
+                if last is not None and last[0] is not stream and stream.clock.get(last[0].id, 0) < last[1]:
+                    self.hazards.append(
+                        f"a device buffer of {key[1] - key[0]} bytes used on {stream.name} while {last[0].name}'s use "
+                        "of it may still run: no event of that stream was waited for")
+                self._buffers[key] = (stream, stream.time)
 
     #: the PCI address the simulated device reports (a test sets it, with a made-up sysfs that places it)
     pci_address: str | None = None
@@ -535,6 +736,86 @@ class SimulatedCuda:
         return found
 
 
+class _BufferWatch(TorchDispatchMode):
+    """Every operation of the thread it is entered on: the watched device buffers it touches (SimulatedCuda._accessed)."""
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if not func.is_view:  # a view touches no memory: it is no access of the device
+            self.backend._accessed(inputs)
+        if func is torch.ops.aten._local_scalar_dense.default and _ours() and self.backend._is_device_data(inputs[0]):
+            self.backend._read_by_host(inputs[0], ".item()")
+        out = func(*args, **kwargs)
+        self.backend._derive(inputs, [t for t in tree_leaves(out) if isinstance(t, Tensor)])
+        return out
+
+
+def _caller() -> str:
+    """The module of the code that called the operation, above the modes and torch's own wrappers."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module != "torch" and not module.startswith(("torch.", "offload_adamw.testing")):
+            return str(module)
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
+def _ours() -> bool:
+    """Whether offload_adamw's production code called the operation: torch's own moves (a GradScaler's, for one) are
+    torch's, and on CUDA its state lives on the device."""
+    return _caller().startswith("offload_adamw.")
+
+
+def _target_device(args: Any, kwargs: dict[str, Any]) -> torch.device | None:
+    """The device ``Tensor.to(*args, **kwargs)`` moves to (None: the tensor's own)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # torch's parser of .to's arguments takes no copy
+    for tried in (tuple(args), tuple(args)[:-1]):
+        try:
+            return torch._C._nn._parse_to(*tried, **kwargs)[0]
+        except (TypeError, RuntimeError):
+            continue
+    return None
+
+
+class _MoveWatch(TorchFunctionMode):
+    """``Tensor.to`` with a device, of a host tensor in pageable memory that is not the device's (SimulatedCuda._moved)."""
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (isinstance(out, Tensor) and kwargs.get("device") not in (None, "cpu")
+                and not any(isinstance(t, Tensor) for t in tree_leaves((args, kwargs)))
+                and not _caller().startswith("offload_adamw.kernels")):
+            # Created on a device named by a device object (a tensor's .device: a GradScaler's flag, a device buffer),
+            # not by the string "cpu" (host memory, as offload_adamw spells it) nor by a host kernel: the device's.
+            if self.backend.serves(torch.device(kwargs["device"])):
+                self.backend._derive_created(out)
+        if func is Tensor.to and args and isinstance(args[0], Tensor) and isinstance(out, Tensor) and _ours():
+            src = args[0]
+            device = _target_device(args[1:], kwargs)
+            if device is None or src.device.type != "cpu" or not self.backend.serves(device) or src.numel() == 0:
+                return out
+            if "cpu" in (args[1] if len(args) > 1 else None, kwargs.get("device")):
+                # offload_adamw spells a move to host memory "cpu": of a device tensor, a read by the host
+                if self.backend._is_device_data(src):
+                    self.backend._read_by_host(out, ".to('cpu')")
+            elif self.backend._is_host_copy(src):
+                self.backend._moved(out, host_copy=True)  # back to the device: a copy from pageable memory
+            elif not streams.is_device_tensor(src) and not self.backend._is_pinned(src):
+                self.backend._moved(out)
+        return out
+
+
 def install(seed: int, index: int = 0) -> SimulatedCuda:
     """Install a simulated device ``index`` for every pipeline built from now on in this process (subprocess workers
     call it from their command line), and make ``index`` the calling thread's current device, as a rank's own
@@ -546,10 +827,10 @@ def install(seed: int, index: int = 0) -> SimulatedCuda:
 
 
 @contextlib.contextmanager
-def simulated_cuda(seed: int, index: int = 0) -> Iterator[SimulatedCuda]:
+def simulated_cuda(seed: int, index: int = 0, *, host_parameters: bool = False) -> Iterator[SimulatedCuda]:
     """Pipelines built inside this context run the stream lane on a simulated device ``index`` (the calling thread's
-    current device inside it)."""
-    backend = SimulatedCuda(seed, index)
+    current device inside it); ``host_parameters``: see :attr:`SimulatedCuda.host_parameters`."""
+    backend = SimulatedCuda(seed, index, host_parameters=host_parameters)
     before = backend.get_device()
     backend.set_device(index)
     try:
