@@ -116,7 +116,8 @@ def test_omp_num_threads_one_no_longer_sizes_the_update():
     code = ("import os, torch\nfrom offload_adamw import OffloadAdamW\nfrom offload_adamw.kernels import blocked\n"
             "p = torch.nn.Parameter(torch.ones(1 << 20, dtype=torch.bfloat16))\n"
             "opt = OffloadAdamW([p])\np.grad = torch.ones_like(p)\nopt.step()\n"
-            "print(torch.get_num_threads(), opt.host_threads, len(os.sched_getaffinity(0)), max((size for size, _ in blocked._pools), default=1))")
+            "workers = max((size for size, _ in blocked._pools), default=1)\n"
+            "print(torch.get_num_threads(), opt.host_threads, len(os.sched_getaffinity(0)), workers)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     torch_threads, host_threads, cores, workers = map(int, out.stdout.split())
     assert (torch_threads, host_threads, workers) == (1, cores, cores)
