@@ -45,12 +45,14 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from offload_adamw.accel import streams
 from offload_adamw.accel.transfer import DONE, Completion, HostCompletion, finish_at_exit
@@ -86,11 +88,11 @@ def _span(t: Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def _pause(rng: random.Random) -> None:
-    time.sleep(SLOW_DELAY_S if rng.random() < 0.04 else rng.uniform(0.0, MAX_DELAY_S))
+def _pause(rng: random.Random, latency_s: float) -> None:
+    time.sleep(latency_s + (SLOW_DELAY_S if rng.random() < 0.04 else rng.uniform(0.0, MAX_DELAY_S)))
 
 
-def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random, finished: list[Any]) -> None:
+def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random, finished: list[Any], backend: SimulatedCuda) -> None:
     while True:
         job = jobs.get()
         if job is None:
@@ -98,7 +100,7 @@ def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random, finished: li
         work, copy, done = job
         del job
         if copy:
-            _pause(rng)
+            _pause(rng, backend.copy_latency_s)
         try:
             work()
         except BaseException as error:
@@ -128,6 +130,9 @@ class _Stream:
         self._last: Completion = DONE
         self._finished: list[Any] = []  # work the worker has run, dropped by the issuing thread
         self._lock = threading.Lock()
+        # A compute stream's waits its thread did not block for (the thread runs torch's operations on a device tensor
+        # a pending copy writes only after them: _DeviceOrder)
+        self.deferred: list[Completion] = []
 
     def __repr__(self) -> str:
         return f"<simulated stream {self.name}>"
@@ -149,7 +154,7 @@ class _Stream:
         with self._lock:
             finished, self._finished[:] = list(self._finished), []
             if self._thread is None:
-                thread = threading.Thread(target=_work_forever, args=(self._jobs, self.rng, self._finished),
+                thread = threading.Thread(target=_work_forever, args=(self._jobs, self.rng, self._finished, self.backend),
                                           name=f"simulated-cuda-{self.name}", daemon=True)
                 thread.start()
                 self._thread = thread
@@ -192,10 +197,23 @@ class _Stream:
     def _wait_for(self, completion: Completion) -> None:
         if completion.done():
             return
-        if self.compute:
+        if self.compute and not self.backend.orders_device_work():
             completion.wait()  # what this thread issues next is this stream's work: the thread itself waits
-        else:
-            self.submit(completion.wait, copy=False)
+            return
+        # The device waits, not the host: later work of this stream (and of streams that wait for it) runs after it;
+        # on a compute stream whose thread orders its device work (_DeviceOrder), the thread's torch operations on
+        # device memory a pending copy writes wait for it too, and nothing else does.
+        self.submit(completion.wait, copy=False)
+        if self.compute:
+            with self.backend.lock:
+                self.deferred.append(completion)
+
+    def drain(self) -> None:
+        """The calling thread (this compute stream's) waits for the waits it deferred."""
+        with self.backend.lock:
+            deferred, self.deferred = self.deferred, []
+        for completion in deferred:
+            completion.wait()
 
 
 class _Event:
@@ -251,6 +269,40 @@ def _unowned(t: Tensor) -> Tensor:
     return flat.as_strided(t.shape, t.stride())
 
 
+#: torch functions that read or write no element of a tensor (its metadata, a view of it): they wait for nothing
+_METADATA = frozenset({
+    "__get__", "__set__", "data_ptr", "untyped_storage", "is_pinned", "numel", "element_size", "stride", "size", "dim",
+    "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "detach", "view", "as_strided", "__getitem__",
+    "__hash__", "__len__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "_is_view",
+})
+
+
+def _overlaps(spans: list[tuple[int, int]], pending: list[tuple[int, int, Completion]]) -> list[Completion]:
+    return [done for a, b, done in pending if any(s < b and a < e for s, e in spans)]
+
+
+class _DeviceOrder(TorchFunctionMode):
+    """On a thread whose compute stream defers its waits: each torch operation runs in the thread's stream order.
+
+    The simulated device runs torch's operations at once on the calling thread. On CUDA they are queued on the
+    thread's current stream, after every wait issued on it before them; so an operation that touches device memory a
+    pending copy writes (a parameter being sent back, a ring buffer being filled) first waits, here, for the waits the
+    thread's compute stream deferred, and one that touches memory that :meth:`SimulatedCuda.compute_later` work of this
+    thread's stream still writes waits for that work. Nothing else waits: an operation on host memory (a staging
+    buffer) runs at once, as the host does on CUDA, and one on memory a copy writes that no wait covered reads poison.
+    """
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _METADATA:
+            self.backend._in_stream_order(args, kwargs)
+        return func(*args, **kwargs)
+
+
 class _Read:
     __slots__ = ("stream", "reused", "done")
 
@@ -276,6 +328,10 @@ class SimulatedCuda:
         self._host_pending: list[tuple[int, int, Completion, _Ticket]] = []
         self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
         self._late_runs = 0  # compute_later's work that has run
+        self._to_device: list[tuple[int, int, Completion]] = []  # device memory pending copies write: (start, end, done)
+        self._late: list[tuple[int, int, Completion, _Stream]] = []  # memory compute_later's pending work writes
+        self.copy_latency_s = 0.0
+        """Added to every copy's delay (:meth:`slow_copies`)."""
 
     # ------------------------------------------------------------------ the record
 
@@ -289,6 +345,51 @@ class SimulatedCuda:
         if current != self.device_index:
             self.record(f"stray context: {what} from thread {threading.current_thread().name!r}, whose current "
                         f"device is {current}, for device {self.device_index}")
+
+    def orders_device_work(self) -> bool:
+        """Whether the calling thread runs its torch operations in its compute stream's order (:class:`_DeviceOrder`):
+        its compute stream's waits are then the device's, not the host's."""
+        return bool(getattr(self._local, "orders", False))
+
+    def order_device_work(self) -> TorchFunctionMode:
+        """The mode (entered by the caller, on its thread) in which the calling thread's compute stream defers its waits
+        to the device, and its torch operations wait only where the device would (:class:`_DeviceOrder`)."""
+        self._local.orders = True
+        return _DeviceOrder(self)
+
+    def _in_stream_order(self, args: Any, kwargs: Any) -> None:
+        stream = getattr(self._local, "compute", None)
+        if stream is None or not (stream.deferred or self._late):
+            return
+        with self.lock:
+            stream.deferred = [c for c in stream.deferred if not c.done()]
+            self._to_device = [e for e in self._to_device if not e[2].done()]
+            self._late = [e for e in self._late if not e[2].done()]
+            copies = list(self._to_device) if stream.deferred else []
+            late = [(a, b, done) for a, b, done, on in self._late if on is stream]
+        if not copies and not late:
+            return
+        spans = []
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, Tensor):
+                try:
+                    spans.append(_span(leaf))
+                except (RuntimeError, NotImplementedError):
+                    continue  # no memory of its own (a stand-in, a DTensor): its parts pass here one by one
+        if _overlaps(spans, copies):
+            stream.drain()
+        for done in _overlaps(spans, late):
+            done.wait()
+
+    @contextlib.contextmanager
+    def slow_copies(self, latency_s: float) -> Iterator[None]:
+        """Every copy issued inside takes ``latency_s`` more (a slow link, a busy copy engine): what runs meanwhile on
+        the host is sure to meet the copies still in flight."""
+        before, self.copy_latency_s = self.copy_latency_s, latency_s
+        try:
+            yield
+        finally:
+            self.copy_latency_s = before
 
     # ------------------------------------------------------------------ StreamBackend
 
@@ -365,6 +466,8 @@ class SimulatedCuda:
         with self.lock:
             self._host_pending = [p for p in self._host_pending if not p[2].done()]
             self._host_pending.append((start, end, done, ticket))
+            if to_device:
+                self._to_device.append((*_span(dst), done))
         if pageable:
             # cudaMemcpyAsync from pageable memory: staged by the driver, the host waits for the stream.
             self.hidden_syncs["copy from pageable host memory"] += 1
@@ -509,9 +612,10 @@ class SimulatedCuda:
 
     # ------------------------------------------------------------------ for tests
 
-    def compute_later(self, work: Callable[[], None], delay_s: float = 0.02) -> Completion:
+    def compute_later(self, work: Callable[[], None], delay_s: float = 0.02, writes: Sequence[Tensor] = ()) -> Completion:
         """``work`` on the calling thread's current stream, after ``delay_s``: compute the host issued and the device
-        has not run yet (what a copy that did not wait for this stream would miss)."""
+        has not run yet (what a copy, or another thread, that did not wait for this stream would miss). The calling
+        thread's own torch operations on ``writes`` (inside :meth:`order_device_work`) run after it, in stream order."""
         stream = self.current_stream(self.device_index)
 
         def late() -> None:
@@ -521,7 +625,10 @@ class SimulatedCuda:
             with self.lock:
                 self._late_runs += 1  # a change of a copy's source from here on may be this work's
 
-        return stream.submit(late, copy=False)
+        done = stream.submit(late, copy=False)
+        with self.lock:
+            self._late += [(*_span(t), done, stream) for t in writes]
+        return done
 
     def take_hazards(self) -> list[str]:
         with self.lock:
@@ -536,6 +643,7 @@ def install(seed: int, index: int = 0) -> SimulatedCuda:
     backend = SimulatedCuda(seed, index)
     streams.install(backend)
     backend.set_device(index)
+    backend.order_device_work().__enter__()  # for the life of the process, on the calling (main) thread
     return backend
 
 
@@ -547,7 +655,8 @@ def simulated_cuda(seed: int, index: int = 0) -> Iterator[SimulatedCuda]:
     before = backend.get_device()
     backend.set_device(index)
     try:
-        with streams.installed_backend(backend):
+        with streams.installed_backend(backend), backend.order_device_work():
             yield backend
     finally:
+        backend._local.orders = False
         backend.set_device(before)
