@@ -317,3 +317,32 @@ def test_page_locked_memory_is_locked_and_unlocked_from_its_own_device_on_any_th
     thread.join()
     assert sim._pinned == {}, "the arena's pages were not unlocked"
     assert sim.take_hazards() == []
+
+
+def _torch_twin(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    import copy
+
+    twin = copy.deepcopy(model)
+    return twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+
+
+def test_a_second_step_without_backward_waits_for_the_first_steps_sends_before_it_writes_staging(sim) -> None:
+    """HostUpdate's ``slot.sending.wait()``: step() returns with its sends in flight (the compute stream waits for them,
+    the host does not), and a second step() right after it, on the same freed gradients (torch allows it), writes the
+    staging buffers those sends still read. Bitwise torch's fused AdamW, stepped twice the same way."""
+    from offload_adamw import OffloadAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    twin, reference = _torch_twin(model)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, transfer_pipeline=True, offload_gradients=True, bucket_bytes=1)
+    x = torch.randn(16, 64)
+    model(x).square().mean().backward()
+    twin(x).square().mean().backward()
+    with sim.slow_copies(0.02):
+        for _ in range(3):
+            opt.step()  # no backward in between: the same host gradients, the sends of the step before still in flight
+            reference.step()
+    for ours, theirs in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(ours, theirs), "a staging buffer was written while its send to the device still read it"
+    assert sim.take_hazards() == []

@@ -96,6 +96,9 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "freed: the accumulation buffer reused with its add pending": (
         f"{ACCEL}/residency.py", "        slot.adding.wait()  # the accumulation buffer is about to be overwritten\n", "",
         [PARITY_FREED]),
+    "host update: staging written again before the previous copy out of it ended (slot.sending.wait())": (
+        f"{ACCEL}/host_update.py", "                    slot.sending.wait()  # the previous copy out of staging has ended\n",
+        "", [LANE_TESTS + "test_a_second_step_without_backward_waits_for_the_first_steps_sends_before_it_writes_staging"]),
     "step: the next forward does not wait for the parameters sent back": (
         f"{ACCEL}/pipeline.py", "            self.engine.compute_waits(device, done)\n", "            pass\n",
         [PARITY_KEPT]),
@@ -130,10 +133,6 @@ NOT_CAUGHT = {
         "nothing between backward and step(), see the same bits; what it orders is the user's code after the "
         "updates and their marks: tests/test_update_in_backward_changes.py's probes edit at once after backward and "
         "meet its absence only when the worker is still busy",
-    "host update: staging written again before the previous copy out of it ended (slot.sending.wait())":
-        "within a step each staging buffer is written once, and torch's own operations run on the calling thread, so "
-        "the compute stream's wait for the send-backs at the end of the step (compute_waits) blocks the host: no later "
-        "host write can meet a send still in flight",
     "a reduced DDP bucket waits for a pending add before its copy (land_reduced's slot.complete())":
         "DDP accumulates on the device, so no add is ever pending on a DDP parameter's buffer",
     "a streamed or resident update during backward orders its device work after the stream that produced the gradient "
