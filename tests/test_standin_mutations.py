@@ -99,6 +99,10 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "host update: staging written again before the previous copy out of it ended (slot.sending.wait())": (
         f"{ACCEL}/host_update.py", "                    slot.sending.wait()  # the previous copy out of staging has ended\n",
         "", [LANE_TESTS + "test_a_second_step_without_backward_waits_for_the_first_steps_sends_before_it_writes_staging"]),
+    "backward's last callback does not wait for the updates handed to the worker (DuringBackward._settle)": (
+        f"{ACCEL}/schedule.py", "        updater.settle()\n", "",
+        ["tests/test_update_in_backward_changes.py::"
+         "test_an_edit_right_after_backward_is_refused_while_the_updates_still_wait_for_their_copies"]),
     "step: the next forward does not wait for the parameters sent back": (
         f"{ACCEL}/pipeline.py", "            self.engine.compute_waits(device, done)\n", "            pass\n",
         [PARITY_KEPT]),
@@ -128,11 +132,6 @@ NOT_CAUGHT = {
     "the step's wait for the worker before it takes the early updates' copies (updater.finish() before self._sent)":
         "backward's last callback has already waited for every update handed to the worker (updater.settle()), so no "
         "update runs when step() takes the copies; finish() still ends the worker and raises an update's error there",
-    "backward's last callback waits for the updates handed to the worker (DuringBackward._settle's updater.settle())":
-        "without it step()'s finish() still waits before anything reads the updates, so the suites, which edit "
-        "nothing between backward and step(), see the same bits; what it orders is the user's code after the "
-        "updates and their marks: tests/test_update_in_backward_changes.py's probes edit at once after backward and "
-        "meet its absence only when the worker is still busy",
     "a reduced DDP bucket waits for a pending add before its copy (land_reduced's slot.complete())":
         "DDP accumulates on the device, so no add is ever pending on a DDP parameter's buffer",
     "a streamed or resident update during backward orders its device work after the stream that produced the gradient "
