@@ -103,6 +103,9 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         f"{ACCEL}/schedule.py", "        updater.settle()\n", "",
         ["tests/test_update_in_backward_changes.py::"
          "test_an_edit_right_after_backward_is_refused_while_the_updates_still_wait_for_their_copies"]),
+    "step: an early update's error does not surface at step() (BackwardUpdater.finish)": (
+        f"{ACCEL}/overlap.py", "        if error is not None:\n            raise error\n", "",
+        ["tests/test_overlap_updater.py::test_the_first_error_of_an_update_is_raised_by_finish"]),
     "step: the next forward does not wait for the parameters sent back": (
         f"{ACCEL}/pipeline.py", "            self.engine.compute_waits(device, done)\n", "            pass\n",
         [PARITY_KEPT]),
@@ -129,9 +132,6 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
 
 #: waits of the pipeline (none of the lane's) that the simulated device cannot catch, or that an earlier wait covers, and why
 NOT_CAUGHT = {
-    "the step's wait for the worker before it takes the early updates' copies (updater.finish() before self._sent)":
-        "backward's last callback has already waited for every update handed to the worker (updater.settle()), so no "
-        "update runs when step() takes the copies; finish() still ends the worker and raises an update's error there",
     "a reduced DDP bucket waits for a pending add before its copy (land_reduced's slot.complete())":
         "DDP accumulates on the device, so no add is ever pending on a DDP parameter's buffer",
     "a streamed or resident update during backward orders its device work after the stream that produced the gradient "
