@@ -146,3 +146,42 @@ def test_the_ring_on_the_simulated_device(buffers, simulated_device) -> None:
 def test_streamed_updates_during_backward_on_the_simulated_device(simulated_device) -> None:
     test_update_in_backward.test_streamed_and_resident_groups_update_during_backward_bitwise_torch_fused(
         ("stream", "host"), 4, False)
+
+
+def _lands_late(sim):
+    """A post-accumulate-grad hook, registered before the optimizer's: the gradient autograd produced lands late on the
+    backward thread's compute stream (poisoned now, its values written by work queued on that stream), as a gradient
+    whose kernels the device has not run yet when the host reaches the hook."""
+    def hook(p: torch.Tensor) -> None:
+        grad = p.grad
+        values = grad.clone()
+        grad.fill_(float("nan"))
+        sim.compute_later(lambda: grad.copy_(values), delay_s=0.01, writes=[grad])
+    return hook
+
+
+@pytest.mark.parametrize(("placed", "simulated_device"), [("stream", 96), ("device", 97)],
+                         ids=["stream-seed96", "device-seed97"], indirect=["simulated_device"])
+def test_an_update_during_backward_waits_for_the_stream_that_produced_its_device_gradient(placed, simulated_device):
+    """DeviceGradients.landed's current_stream_waits: the updater thread's update of a streamed or resident group reads a
+    gradient that lands late on the backward thread's stream, so it must wait for that stream (the mark its hook
+    took). Bitwise torch's fused AdamW, and updates ran during backward."""
+    import copy
+
+    from offload_adamw import OffloadAdamW
+
+    uib = test_update_in_backward
+    torch.manual_seed(0)
+    reference = uib.Blocks()
+    model = copy.deepcopy(reference)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(_lands_late(simulated_device))
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(uib._placed(model, (placed,)), lr=1e-3, weight_decay=0.1, offload_gradients=True,
+                        update_in_backward=True, bucket_bytes=uib._block_bytes(model), stream_chunk_bytes=1 << 20)
+    uib._train(reference, theirs, 3, 1, ours=False)
+    timelines = uib._train(model, ours, 3, 1, ours=True)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), "an update read its gradient before the stream that produced it"
+    last = timelines[-1]
+    assert any(b.update_start < last.backward_end for b in last.buckets), "no update ran during backward"

@@ -298,8 +298,11 @@ class _DeviceOrder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _METADATA:
-            self.backend._in_stream_order(args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name not in _METADATA:
+            late = self.backend._in_stream_order(args, kwargs)
+            if late:
+                return self.backend._after_late_work(func, name, args, kwargs, late)
         return func(*args, **kwargs)
 
 
@@ -357,10 +360,12 @@ class SimulatedCuda:
         self._local.orders = True
         return _DeviceOrder(self)
 
-    def _in_stream_order(self, args: Any, kwargs: Any) -> None:
+    def _in_stream_order(self, args: Any, kwargs: Any) -> list[Completion]:
+        """Drain the calling thread's deferred waits if the operation touches device memory a pending copy writes; the
+        compute_later work of the thread's own stream that still writes memory it touches."""
         stream = getattr(self._local, "compute", None)
         if stream is None or not (stream.deferred or self._late):
-            return
+            return []
         with self.lock:
             stream.deferred = [c for c in stream.deferred if not c.done()]
             self._to_device = [e for e in self._to_device if not e[2].done()]
@@ -368,7 +373,7 @@ class SimulatedCuda:
             copies = list(self._to_device) if stream.deferred else []
             late = [(a, b, done) for a, b, done, on in self._late if on is stream]
         if not copies and not late:
-            return
+            return []
         spans = []
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, Tensor):
@@ -378,8 +383,33 @@ class SimulatedCuda:
                     continue  # no memory of its own (a stand-in, a DTensor): its parts pass here one by one
         if _overlaps(spans, copies):
             stream.drain()
-        for done in _overlaps(spans, late):
-            done.wait()
+        return _overlaps(spans, late)
+
+    def _after_late_work(self, func: Any, name: str, args: Any, kwargs: Any, late: list[Completion]) -> Any:
+        """An operation of this thread on memory that compute_later work of its stream still writes. An out-of-place
+        operation whose inputs need no gradient is queued after it, as on CUDA: its result is a new tensor, poisoned
+        until the operation has run on the stream (and this thread's operations on it wait, in turn). Any other waits
+        for the work, then runs (a host read, an in-place write, an operation autograd records)."""
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+        if not (grad or "out" in kwargs or name.endswith("_")):
+            out = func(*args, **kwargs)  # on what is there now: only the result's shape and dtype are kept
+            if isinstance(out, Tensor) and not any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                                                   for t in leaves if t.layout == torch.strided):
+                stream = self._compute_stream()
+                _poison(out)
+
+                def queued() -> None:
+                    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+                        out.copy_(func(*args, **kwargs))
+
+                done = stream.submit(queued, copy=False)
+                with self.lock:
+                    self._late.append((*_span(out), done, stream))
+                return out
+        for completion in late:
+            completion.wait()
+        return func(*args, **kwargs)
 
     @contextlib.contextmanager
     def slow_copies(self, latency_s: float) -> Iterator[None]:
@@ -620,7 +650,8 @@ class SimulatedCuda:
 
         def late() -> None:
             time.sleep(delay_s)
-            with torch.no_grad():
+            # No move of a version counter here: a kernel's moves it when the host issues it (the caller's business).
+            with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
                 work()
             with self.lock:
                 self._late_runs += 1  # a change of a copy's source from here on may be this work's
