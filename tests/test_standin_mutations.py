@@ -32,6 +32,7 @@ PLACED = ("tests/test_standin_suites.py::test_placements_on_the_simulated_device
           "[stream+device-fp32-acc4-freed-clip-scaler_none-seed81]")
 
 LANE_TESTS = "tests/test_standin.py::"
+SUITES = "tests/test_standin_suites.py::"
 TRANSFER = f"{ACCEL}/transfer.py"
 DDP_SUITE = "tests/test_standin_suites.py::test_distributed_suites_on_the_simulated_device[ddp]"
 
@@ -106,6 +107,17 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "step: an early update's error does not surface at step() (BackwardUpdater.finish)": (
         f"{ACCEL}/overlap.py", "        if error is not None:\n            raise error\n", "",
         ["tests/test_overlap_updater.py::test_the_first_error_of_an_update_is_raised_by_finish"]),
+    "device gradients: an update during backward reads its gradient before the stream that produced it "
+    "(DeviceGradients.landed's current_stream_waits)": (
+        f"{ACCEL}/device_grads.py", "        self._engine.current_stream_waits(grad.device, slot.landing)\n", "",
+        [SUITES + "test_an_update_during_backward_waits_for_the_stream_that_produced_its_device_gradient[stream-seed96]",
+         SUITES + "test_an_update_during_backward_waits_for_the_stream_that_produced_its_device_gradient[device-seed97]"]),
+    "resident: the next forward does not wait for the parameters an update during backward wrote (DeviceUpdate.run's mark)": (
+        f"{ACCEL}/device_update.py", "                sent.append((device, self._engine.mark(device)))\n", "",
+        [SUITES + "test_the_next_forward_waits_for_the_parameters_an_update_during_backward_wrote[device-seed99]"]),
+    "stream: the next forward does not wait for the parameters an update during backward wrote (StreamUpdate.run's mark)": (
+        f"{ACCEL}/stream_update.py", "                sent.append((device, self._engine.mark(device)))\n", "",
+        [SUITES + "test_the_next_forward_waits_for_a_streamed_parameter_written_back_after_its_update[100]"]),
     "step: the next forward does not wait for the parameters sent back": (
         f"{ACCEL}/pipeline.py", "            self.engine.compute_waits(device, done)\n", "            pass\n",
         [PARITY_KEPT]),
@@ -134,12 +146,6 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
 NOT_CAUGHT = {
     "a reduced DDP bucket waits for a pending add before its copy (land_reduced's slot.complete())":
         "DDP accumulates on the device, so no add is ever pending on a DDP parameter's buffer",
-    "a streamed or resident update during backward orders its device work after the stream that produced the gradient "
-    "(DeviceGradients.landed's current_stream_waits), and the next forward waits for the parameters it wrote (the mark "
-    "StreamUpdate.run and DeviceUpdate.run return)":
-        "each thread has its own compute stream, but torch's own operations (autograd's gradient, the fused update) run "
-        "at once on the calling thread: only work a test hands to compute_later is late, so these marks are complete "
-        "when taken (the lane's mark and wait themselves are caught: LANE)",
 }
 
 

@@ -18,6 +18,7 @@ pipeline or of the lane fails one of these or a test of tests/test_standin.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -185,3 +186,68 @@ def test_an_update_during_backward_waits_for_the_stream_that_produced_its_device
         assert torch.equal(p.detach(), q.detach()), "an update read its gradient before the stream that produced it"
     last = timelines[-1]
     assert any(b.update_start < last.backward_end for b in last.buckets), "no update ran during backward"
+
+
+@pytest.mark.parametrize(("placed", "simulated_device"), [("stream", 98), ("device", 99)],
+                         ids=["stream-seed98", "device-seed99"], indirect=["simulated_device"])
+def test_the_next_forward_waits_for_the_parameters_an_update_during_backward_wrote(placed, simulated_device):
+    """The mark StreamUpdate.run and DeviceUpdate.run return: the updater thread's kernels run late on its own stream
+    (late_kernels), and the next forward, on the user's thread, must wait for that stream (step() has its compute
+    stream wait for the mark). Bitwise torch's fused AdamW, and updates ran during backward."""
+    import copy
+
+    from offload_adamw import OffloadAdamW
+
+    uib = test_update_in_backward
+    torch.manual_seed(0)
+    reference = uib.Blocks()
+    model = copy.deepcopy(reference)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(uib._placed(model, (placed,)), lr=1e-3, weight_decay=0.1, offload_gradients=True,
+                        update_in_backward=True, bucket_bytes=uib._block_bytes(model), stream_chunk_bytes=1 << 20)
+    uib._train(reference, theirs, 3, 1, ours=False)
+    with simulated_device.late_kernels(0.02):
+        timelines = uib._train(model, ours, 3, 1, ours=True)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), "a forward read a parameter before the update that wrote it ran"
+    last = timelines[-1]
+    assert any(b.update_start < last.backward_end for b in last.buckets), "no update ran during backward"
+
+
+class _Gapped(torch.nn.Module):
+    """A parameter that is not dense (a slice of a wider tensor): its update writes an aligned copy, written back after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(48, 64)[:, :32])
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.w))
+
+
+@pytest.mark.parametrize("simulated_device", [100], indirect=True)
+def test_the_next_forward_waits_for_a_streamed_parameter_written_back_after_its_update(simulated_device):
+    """The mark StreamUpdate.run returns: a streamed parameter that is not dense is updated in an aligned copy and
+    written back once the chunks have gone back to the host, after the last copy step() waits for; the next forward
+    must wait for the updater's stream through the mark. Bitwise torch's fused AdamW."""
+    import copy
+
+    from offload_adamw import OffloadAdamW
+
+    torch.manual_seed(0)
+    model = _Gapped()
+    reference = copy.deepcopy(model)
+    assert not model.w.is_contiguous()
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    ours = OffloadAdamW([{"params": list(model.parameters()), "update_on": "stream"}], lr=1e-2, offload_gradients=True,
+                        update_in_backward=True, bucket_bytes=1, stream_chunk_bytes=1 << 20)
+    batches = [torch.randn(16, 48, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    for net, opt in ((reference, theirs), (model, ours)):
+        with simulated_device.late_kernels(0.02) if net is model else contextlib.nullcontext():
+            for x in batches:
+                net(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), "a forward read a parameter before its write-back ran"

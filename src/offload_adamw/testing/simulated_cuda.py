@@ -277,6 +277,25 @@ _METADATA = frozenset({
 })
 
 
+#: the device kernels of an update that a worker thread queues on its stream under SimulatedCuda.late_kernels
+_KERNELS = frozenset({"_fused_adamw_", "copy_"})
+
+
+def _in_a_parameter(t: Tensor) -> bool:
+    """Whether ``t`` is (a view of) the memory of a tensor a pipeline claimed as a device tensor (accel/streams.py)."""
+    try:
+        start, end = _span(t)
+    except (RuntimeError, NotImplementedError):
+        return False
+    for ref in list(streams._claimed.values()):
+        claimed = ref()
+        if claimed is not None and claimed.numel():
+            a, b = _span(claimed)
+            if a <= start and end <= b:
+                return True
+    return False
+
+
 def _overlaps(spans: list[tuple[int, int]], pending: list[tuple[int, int, Completion]]) -> list[Completion]:
     return [done for a, b, done in pending if any(s < b and a < e for s, e in spans)]
 
@@ -299,6 +318,8 @@ class _DeviceOrder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name in _KERNELS and self.backend._queues_kernels() and self.backend._queue_kernel(func, name, args, kwargs):
+            return None if name == "_fused_adamw_" else args[0]
         if name not in _METADATA:
             late = self.backend._in_stream_order(args, kwargs)
             if late:
@@ -332,9 +353,11 @@ class SimulatedCuda:
         self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
         self._late_runs = 0  # compute_later's work that has run
         self._to_device: list[tuple[int, int, Completion]] = []  # device memory pending copies write: (start, end, done)
-        self._late: list[tuple[int, int, Completion, _Stream]] = []  # memory compute_later's pending work writes
+        self._late: list[tuple[int, int, Completion, _Stream]] = []  # memory late work writes (compute_later, queued ops)
         self.copy_latency_s = 0.0
         """Added to every copy's delay (:meth:`slow_copies`)."""
+        self.kernel_latency_s: float | None = None
+        """Inside :meth:`late_kernels`: how late a worker thread's queued kernel runs."""
 
     # ------------------------------------------------------------------ the record
 
@@ -370,7 +393,8 @@ class SimulatedCuda:
             stream.deferred = [c for c in stream.deferred if not c.done()]
             self._to_device = [e for e in self._to_device if not e[2].done()]
             self._late = [e for e in self._late if not e[2].done()]
-            copies = list(self._to_device) if stream.deferred else []
+            # What a wait of the thread's stream may stand for: copies to the device, other streams' late work.
+            copies = [*self._to_device, *((a, b, d) for a, b, d, on in self._late if on is not stream)] if stream.deferred else []
             late = [(a, b, done) for a, b, done, on in self._late if on is stream]
         if not copies and not late:
             return []
@@ -402,6 +426,8 @@ class SimulatedCuda:
                 def queued() -> None:
                     with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
                         out.copy_(func(*args, **kwargs))
+                    with self.lock:
+                        self._late_runs += 1
 
                 done = stream.submit(queued, copy=False)
                 with self.lock:
@@ -410,6 +436,48 @@ class SimulatedCuda:
         for completion in late:
             completion.wait()
         return func(*args, **kwargs)
+
+    def _queues_kernels(self) -> bool:
+        return bool(getattr(self._local, "kernels_late", False))
+
+    def _queue_kernel(self, func: Any, name: str, args: Any, kwargs: Any) -> bool:
+        """A pipeline worker's device kernel, queued on its thread's stream (see :meth:`late_kernels`); whether it was."""
+        if name == "_fused_adamw_":
+            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+            if not any(_in_a_parameter(t) for t in leaves):
+                return False  # the host's own update (kernels of the host placement): host work, at once
+            written = [t for t in tree_leaves(args[:5] if len(args) >= 5 else (args, kwargs)) if isinstance(t, Tensor)]
+        else:  # copy_ into a device parameter (a model copy of a master)
+            if not (args and isinstance(args[0], Tensor) and _in_a_parameter(args[0])):
+                return False
+            written = [args[0]]
+            increment_version(args[0])  # at issue, as on CUDA; the queued copy moves it no more
+        stream = self._compute_stream()
+        latency = self.kernel_latency_s
+
+        def queued() -> None:
+            time.sleep(latency)
+            with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+                func(*args, **kwargs)
+            with self.lock:
+                self._late_runs += 1
+
+        done = stream.submit(queued, copy=False)
+        with self.lock:
+            self._late += [(*_span(t), done, stream) for t in written if t.numel()]
+        return True
+
+    @contextlib.contextmanager
+    def late_kernels(self, latency_s: float) -> Iterator[None]:
+        """Pipeline worker threads started inside (the updater of updates during backward) queue the device kernels of an
+        update (torch's fused AdamW on device tensors, the copy into a device parameter) on their compute stream, to run
+        ``latency_s`` later, and defer their compute stream's waits to the device: the host goes on, as on CUDA, and
+        another thread that reads what they write must have waited for their stream."""
+        before, self.kernel_latency_s = self.kernel_latency_s, latency_s
+        try:
+            yield
+        finally:
+            self.kernel_latency_s = before
 
     @contextlib.contextmanager
     def slow_copies(self, latency_s: float) -> Iterator[None]:
@@ -639,6 +707,10 @@ class SimulatedCuda:
 
     def set_device(self, index: int) -> None:
         self._local.device = int(index)
+        if self.kernel_latency_s is not None and not self.orders_device_work():
+            # A pipeline worker making the device current (its thread set-up) inside late_kernels: for the thread's life.
+            self.order_device_work().__enter__()
+            self._local.kernels_late = True
 
     # ------------------------------------------------------------------ for tests
 
