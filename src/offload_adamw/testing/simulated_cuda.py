@@ -453,7 +453,7 @@ class SimulatedCuda:
             written = [args[0]]
             increment_version(args[0])  # at issue, as on CUDA; the queued copy moves it no more
         stream = self._compute_stream()
-        latency = self.kernel_latency_s
+        latency = self.kernel_latency_s or 0.0
 
         def queued() -> None:
             time.sleep(latency)
