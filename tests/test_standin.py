@@ -346,3 +346,29 @@ def test_a_second_step_without_backward_waits_for_the_first_steps_sends_before_i
     for ours, theirs in zip(model.parameters(), twin.parameters()):
         assert torch.equal(ours, theirs), "a staging buffer was written while its send to the device still read it"
     assert sim.take_hazards() == []
+
+
+def test_a_reduced_bucket_replaces_a_host_gradient_only_once_the_add_queued_into_it_has_ended(sim) -> None:
+    """FreedGradients.land_reduced's ``slot.complete()``: DDP's reduced slice replaces the host gradient; an add still
+    queued into that buffer (a tensor added into ``p.grad``'s stand-in, as FSDP2's accumulation or compiled autograd
+    adds) must have ended before the copy of the slice is issued, or the accumulator thread's add and the copy write
+    the buffer at once. Component level: no DDP configuration the library accepts queues such an add before a reduced
+    bucket lands (accumulation under DDP happens on the device), but the residency's contract does not rely on it."""
+    from offload_adamw import OffloadAdamW
+
+    p = torch.nn.Parameter(torch.randn(4096))
+    with sim.late_kernels(0.0):  # the accumulator thread in stream order: its writes into a pending copy are hazards
+        opt = OffloadAdamW([p], offload_gradients=True, transfer_pipeline=True)
+        pipeline = opt.transfer_pipeline
+        assert pipeline is not None
+        for _ in range(2):  # the first step page-locks the accumulation buffer: copies into it are asynchronous after
+            (p * 2.0).sum().backward()  # the gradient (2.0) in host memory, p.grad its stand-in
+            p.grad.add_(torch.ones(4096))
+            opt.step()
+            opt.zero_grad()
+        (p * 2.0).sum().backward()
+        with sim.slow_copies(0.02):
+            p.grad.add_(torch.ones(4096))  # the addend's copy to the host, then the accumulator's add, both queued
+            pipeline.residency.land_reduced(pipeline.slots[p], torch.full((4096,), 5.0))
+        assert torch.equal(opt.gradient(p), torch.full((4096,), 5.0))
+    assert sim.take_hazards() == []

@@ -18,12 +18,34 @@ on a GPU, and the backend turns each of CUDA's hazards into wrong bits or a reco
    stream, and the backend counts it in :attr:`SimulatedCuda.hidden_syncs`. A host buffer changed while a copy
    still reads it leaves the destination poisoned and records a hazard.
 4. **Compute is asynchronous, per thread.** Each thread has its own current stream (as a user-set main stream
-   would: the updater thread's is not the main thread's). Torch's own operations run at once on the calling
-   thread; work a test gives :meth:`SimulatedCuda.compute_later` runs late on the thread's compute stream, so a
-   copy that did not wait for that stream reads what it had not written yet. A copy to the host of a device
-   tensor issued on a stream that has not waited for the issuing thread's current stream since that stream last
-   did work (vector clocks: each ``current_stream`` call is new work) is a recorded hazard even when the bits
-   happen to be right.
+   would: the updater thread's is not the main thread's). What is modelled, and what is not:
+
+   * *The host runs ahead of its compute stream.* On the thread that installed the device (the test's, a rank's
+     main thread) a compute stream's ``wait_stream``/``wait_event`` is the device's, not the host's: the host
+     goes on at once (``compute_waits`` at the end of ``step()`` does not block), and a host write after it (a
+     staging buffer written again) can meet a send still in flight. That thread runs its torch operations in its
+     stream's order (:class:`_DeviceOrder`, a ``TorchFunctionMode``): an operation that reads or writes device
+     memory a pending copy to the device writes, or memory another stream's late work writes, first waits for
+     the waits its stream deferred (a host read, ``.item()``, ``torch.equal``, the next forward: on CUDA each
+     is queued after them or synchronises with them); one on memory no pending copy writes runs at once; one on
+     memory a pending copy writes that no wait covered reads poison. Operations on a tensor's metadata or
+     views wait for nothing. Other threads' compute-stream waits block the host, as before (conservative).
+   * *Late work on a stream.* Work a test gives :meth:`SimulatedCuda.compute_later` runs late on the calling
+     thread's stream (a gradient whose kernels the device has not run yet); with ``writes=`` its thread's own
+     later operations on that memory are in stream order: an out-of-place one whose inputs need no gradient is
+     queued after it (its result poisoned until then, as a norm taken in a hook), any other waits for it. Another
+     thread that reads that memory without waiting for the stream reads poison.
+   * *Late kernels* (:meth:`SimulatedCuda.late_kernels`, per test): pipeline worker threads started inside it
+     queue an update's device kernels (torch's fused AdamW on a parameter's memory, a copy into a parameter) on
+     their stream and defer their stream's waits; their in-place writes into host memory a copy to the host
+     still writes are hazards (on CUDA the two interleave). The main thread's in-place writes are checked so too.
+   * *Not modelled*: torch's own operations otherwise run at once on the calling thread (autograd's kernels, the
+     host kernels, everything on worker threads outside ``late_kernels``); an operation reached only through
+     C++ (autograd's accumulation, a backward kernel) is not in stream order; a host read does not wait for
+     ``compute_later`` work that named no ``writes``.
+   * A copy to the host of a device tensor issued on a stream that has not waited for the issuing thread's
+     current stream since that stream last did work (vector clocks: each ``current_stream`` call is new work) is
+     a recorded hazard even when the bits happen to be right.
 5. **The current device is per thread** (0 unless set). Every call of the backend made from a thread whose
    current device is not the simulated device's index is recorded as a stray context (on CUDA: a context of
    about 0.5 GB created on that device), except page-locking calls that name their device.
@@ -318,8 +340,12 @@ class _DeviceOrder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if getattr(self.backend._local, "internal", False):
+            return func(*args, **kwargs)  # the simulated device's own bookkeeping (a copy's poison, its snapshot)
         if name in _KERNELS and self.backend._queues_kernels() and self.backend._queue_kernel(func, name, args, kwargs):
             return None if name == "_fused_adamw_" else args[0]
+        if name.endswith("_") and not name.startswith("__") and args and isinstance(args[0], Tensor):
+            self.backend._check_host_write(args[0], name)
         if name not in _METADATA:
             late = self.backend._in_stream_order(args, kwargs)
             if late:
@@ -353,6 +379,7 @@ class SimulatedCuda:
         self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
         self._late_runs = 0  # compute_later's work that has run
         self._to_device: list[tuple[int, int, Completion]] = []  # device memory pending copies write: (start, end, done)
+        self._to_host: list[tuple[int, int, Completion]] = []  # host memory pending copies write
         self._late: list[tuple[int, int, Completion, _Stream]] = []  # memory late work writes (compute_later, queued ops)
         self.copy_latency_s = 0.0
         """Added to every copy's delay (:meth:`slow_copies`)."""
@@ -436,6 +463,22 @@ class SimulatedCuda:
         for completion in late:
             completion.wait()
         return func(*args, **kwargs)
+
+    def _check_host_write(self, t: Tensor, name: str) -> None:
+        """An in-place write by a thread in stream order: into host memory a pending copy to the host still writes, it
+        races with that copy (on CUDA the copy's bytes and the host's interleave): a hazard."""
+        if not self._to_host:
+            return
+        try:
+            span = _span(t)
+        except (RuntimeError, NotImplementedError):
+            return
+        with self.lock:
+            self._to_host = [e for e in self._to_host if not e[2].done()]
+            racing = _overlaps([span], self._to_host)
+        if racing:
+            self.record(f"{name} wrote host memory of shape {tuple(t.shape)} on thread "
+                        f"{threading.current_thread().name!r} while a copy to the host still wrote it")
 
     def _queues_kernels(self) -> bool:
         return bool(getattr(self._local, "kernels_late", False))
@@ -544,6 +587,13 @@ class SimulatedCuda:
 
     def copy(self, dst: Tensor, src: Tensor, *, to_device: bool) -> None:
         self.called("copy")
+        self._local.internal = True
+        try:
+            self._copy(dst, src, to_device=to_device)
+        finally:
+            self._local.internal = False
+
+    def _copy(self, dst: Tensor, src: Tensor, *, to_device: bool) -> None:
         stream = self.current_stream(self.device_index)
         host = src if to_device else dst
         pageable = not self._is_pinned(host)
@@ -566,6 +616,9 @@ class SimulatedCuda:
             self._host_pending.append((start, end, done, ticket))
             if to_device:
                 self._to_device.append((*_span(dst), done))
+            else:
+                self._to_host = [e for e in self._to_host if not e[2].done()]
+                self._to_host.append((start, end, done))
         if pageable:
             # cudaMemcpyAsync from pageable memory: staged by the driver, the host waits for the stream.
             self.hidden_syncs["copy from pageable host memory"] += 1
