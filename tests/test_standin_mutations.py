@@ -110,21 +110,20 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "step: an early update's error does not surface at step() (BackwardUpdater.finish)": (
         f"{ACCEL}/overlap.py", "        if error is not None:\n            raise error\n", "",
         ["tests/test_overlap_updater.py::test_the_first_error_of_an_update_is_raised_by_finish"]),
-    "device gradients: an update during backward reads its gradient before the stream that produced it "
-    "(DeviceGradients.landed's current_stream_waits)": (
+    "device grads: an early update does not wait for the gradient's stream (DeviceGradients.landed)": (
         f"{ACCEL}/device_grads.py", "        self._engine.current_stream_waits(grad.device, slot.landing)\n", "",
         [SUITES + "test_an_update_during_backward_waits_for_the_stream_that_produced_its_device_gradient[stream-seed96]",
          SUITES + "test_an_update_during_backward_waits_for_the_stream_that_produced_its_device_gradient[device-seed97]"]),
-    "resident: the next forward does not wait for the parameters an update during backward wrote (DeviceUpdate.run's mark)": (
+    "resident: the next forward does not wait for an early update's kernels (DeviceUpdate.run's mark)": (
         f"{ACCEL}/device_update.py", "                sent.append((device, self._engine.mark(device)))\n", "",
         [SUITES + "test_the_next_forward_waits_for_the_parameters_an_update_during_backward_wrote[device-seed99]"]),
-    "stream: the next forward does not wait for the parameters an update during backward wrote (StreamUpdate.run's mark)": (
+    "stream: the next forward does not wait for an early update's kernels (StreamUpdate.run's mark)": (
         f"{ACCEL}/stream_update.py", "                sent.append((device, self._engine.mark(device)))\n", "",
         [SUITES + "test_the_next_forward_waits_for_a_streamed_parameter_written_back_after_its_update[100]"]),
-    "freed: a reduced DDP bucket is copied into a host gradient an add still writes (land_reduced's slot.complete())": (
+    "freed: a reduced DDP bucket copied into a gradient an add still writes (land_reduced)": (
         f"{ACCEL}/residency.py",
-        "        host = self._slots.ensure_grad_buffer(slot)\n        slot.complete()\n        slot.landing = self._engine",
-        "        host = self._slots.ensure_grad_buffer(slot)\n        slot.landing = self._engine",
+        "        slot.complete()\n        slot.landing = self._engine.copy_to_host(grad, host)\n",
+        "        slot.landing = self._engine.copy_to_host(grad, host)\n",
         [LANE_TESTS + "test_a_reduced_bucket_replaces_a_host_gradient_only_once_the_add_queued_into_it_has_ended"]),
     "step: the next forward does not wait for the parameters sent back": (
         f"{ACCEL}/pipeline.py", "            self.engine.compute_waits(device, done)\n", "            pass\n",

@@ -12,8 +12,11 @@ clipping (tests/test_update_in_backward.py), zero_grad and accumulation in host 
 DDP and FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and tests/test_overlap_fsdp.py, rank r on
 device index r), and the placements of tests/test_placement.py (streamed and resident groups, alone and beside host
 groups, the ring over tensors of many chunks with 2 and 3 buffers, updates during backward). The in-process rows run
-on device index 1. Each row has its own seed. tests/test_standin_mutations.py shows that removing any one wait of the
-pipeline or of the lane fails one of these or a test of tests/test_standin.py.
+on device index 1. Each row has its own seed. The last tests make compute late where it is on a GPU: a gradient that
+lands late on the backward thread's stream (a hook poisons it and restores it there), and the updater thread's kernels
+queued late on its own stream (``late_kernels``), so that an update during backward must wait for the stream that
+produced its gradient, and the next forward for the stream that wrote the parameters. tests/test_standin_mutations.py
+shows that removing any one wait of the pipeline or of the lane fails one of these or a test of tests/test_standin.py.
 """
 
 from __future__ import annotations
