@@ -157,27 +157,54 @@ def test_changes_after_step_and_before_backward_are_taken_as_torch_takes_them():
 
 
 def test_a_mark_sees_any_one_element_changed_in_any_layout():
-    # A write through p.data moves no version counter: in host memory the mark's fingerprint must see it, also for a
-    # view at an offset that is no multiple of 8 bytes, a tail shorter than 8 bytes, and complex or bf16 elements.
-    from offload_adamw.accel.changes import changed, mark, values_of
+    # A write through p.data moves no version counter: the mark's fingerprint must see it, in host memory and on a
+    # device (the device fingerprint, computed here on CPU tensors: the same ops), also for a view at an offset that is
+    # no multiple of 8 bytes, a tail shorter than 8 bytes, complex or bf16 elements, channels_last, and a tensor of
+    # more than one row of the device fingerprint's words (with a partial last row).
+    from offload_adamw.accel.changes import COLUMNS, DeviceFingerprints, changed, mark, values_of
 
+    fingerprints = DeviceFingerprints()
     cases = {
         "float32": torch.randn(1000),
         "view at an odd offset": torch.randn(1001)[1:],
         "bf16 with a short tail": torch.randn(9, dtype=torch.bfloat16),
         "complex64": torch.randn(7, dtype=torch.complex64),
         "transposed": torch.randn(6, 5).t(),
+        "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "rows and a partial row": torch.randn(3 * COLUMNS * 2 + 5),
     }
     for name, t in cases.items():
-        before = mark(t, values_of(t))
-        assert not changed(t, before), name
-        for k in (0, t.numel() // 2, t.numel() - 1):
-            where = tuple(int(i) for i in torch.unravel_index(torch.tensor(k), t.shape))
-            old = t.data[where].clone()
-            t.data[where] += 1
-            assert changed(t, before), (name, k)
-            t.data[where] = old
-            assert not changed(t, before), (name, k, "put back")
+        for device in (False, True):
+            before = mark(t, None, fingerprints.take(t)) if device else mark(t, values_of(t))
+            assert changed([(t, before)], fingerprints) == [False], (name, device)
+            for k in (0, t.numel() // 2, t.numel() - 1):
+                where = tuple(int(i) for i in torch.unravel_index(torch.tensor(k), t.shape))
+                old = t.data[where].clone()
+                t.data[where] += 1
+                assert changed([(t, before)], fingerprints) == [True], (name, device, k)
+                t.data[where] = old
+                assert changed([(t, before)], fingerprints) == [False], (name, device, k, "put back")
+
+
+def test_the_device_fingerprint_sees_elements_swapped_where_a_plain_sum_does_not():
+    # A permutation of a parameter written through p.data (p.data.copy_(p.data.flip(0))) keeps every plain sum: the
+    # device fingerprint weighs each word by its row and its column, so a swap of two words is seen, in one row, in
+    # one column, anywhere.
+    from offload_adamw.accel.changes import COLUMNS, DeviceFingerprints, changed, fingerprint, mark
+
+    fingerprints = DeviceFingerprints()
+    t = torch.randn(4 * COLUMNS * 2 + 3)  # float32: 2 per word; 4 whole rows and a partial one
+    before = mark(t, None, fingerprints.take(t))
+    words = t.data[:4 * COLUMNS * 2].view(torch.int64).view(4, COLUMNS)  # through .data: no version counter moves
+    for a, b in [((0, 0), (0, 1)), ((0, 5), (3, 5)), ((1, 7), (2, 900)), ((3, COLUMNS - 1), (0, 0))]:
+        plain = fingerprint(t)
+        words[a], words[b] = words[b].clone(), words[a].clone()
+        assert torch.equal(fingerprint(t), plain)  # the host fingerprint does not see a swap
+        assert changed([(t, before)], fingerprints) == [True], (a, b)
+        words[a], words[b] = words[b].clone(), words[a].clone()
+        assert changed([(t, before)], fingerprints) == [False], (a, b, "put back")
+    t.data.copy_(t.data.flip(0))
+    assert changed([(t, before)], fingerprints) == [True]
 
 
 def _two_heads(seed: int = 0) -> nn.Module:

@@ -181,7 +181,7 @@ class GradientPipeline:
         intact = lambda slot: self.residency.intact(slot)  # noqa: E731, PLW0108 - the residency is built below
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
-                           thread_init=self.engine.thread_init, intact=intact)
+                           thread_init=self.engine.thread_init, intact=intact, compute_waits=self.engine.compute_waits)
             if config.update_in_backward else AtStep()
         )
         self.residency: ByPlacement = ByPlacement(

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.changes import Mark, Snapshot, changed, mark, values_of
+from offload_adamw.accel.changes import DeviceFingerprints, Mark, Snapshot, changed, mark, on_device, values_of
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
@@ -127,6 +127,7 @@ class DuringBackward:
     def __init__(self, optimizer: Any, slots: SlotTable, gate: Gate, *, describe: Callable[[Slot], str],
                  run_early: Callable[[list[Tensor]], tuple[Sent, dict[str, float]]],
                  thread_init: Callable[[], None], intact: Callable[[Slot], bool] = lambda s: is_host_resident(s.param.grad),
+                 compute_waits: Callable[[torch.device, Completion], None] = lambda device, done: done.wait(),
                  ) -> None:
         self._optimizer = optimizer
         self._intact = intact  # p.grad is still the gradient backward's hook landed (a host stand-in, or on the device)
@@ -135,6 +136,8 @@ class DuringBackward:
         self._describe = describe
         self._run_early = run_early
         self._thread_init = thread_init
+        self._compute_waits = compute_waits  # the current stream of a device waits for a completion (not the host)
+        self._fingerprints = DeviceFingerprints()
         self._updater: BackwardUpdater | None = None
         self._buckets: list[list[Tensor]] = []
         self._sent: Sent = []
@@ -180,10 +183,16 @@ class DuringBackward:
         if updater is None or not updater.started():
             return
         updater.settle()
-        for p, values in list(self._values.items()):
-            slot = self._slots.get(p)
-            if slot is not None and p not in self._marks:  # marked once, by the backward its update ran in
-                self._marks[p] = mark(slot.local, values)
+        # Marked once, by the backward its update ran in.
+        fresh = [(p, slot) for p in list(self._values) if p not in self._marks and (slot := self._slots.get(p)) is not None]
+        if any(on_device(slot.local) for _, slot in fresh):
+            # An accelerator parameter's fingerprint is taken on the device, on the current stream (backward's final
+            # callbacks run on the caller's, where the user's edits will follow): after the copies back have landed.
+            for device, done in self._sent:
+                self._compute_waits(device, done)
+        for p, slot in fresh:
+            device_values = self._fingerprints.take(slot.local) if on_device(slot.local) else None
+            self._marks[p] = mark(slot.local, self._values[p], device_values)
 
     def _failed_backward(self) -> None:
         """Before step(), zero_grad() or a load: a backward that raised. Nothing ran early: it is dropped as torch drops
@@ -375,9 +384,10 @@ class DuringBackward:
         if not ran:
             return
         problems = [] if snapshot is None else snapshot.changes(self._optimizer)
-        for p, before in marks.items():
-            slot = self._slots.get(p)
-            if slot is not None and changed(slot.local, before):
+        marked = [(slot, before) for p, before in marks.items() if (slot := self._slots.get(p)) is not None]
+        edited = changed([(slot.local, before) for slot, before in marked], self._fingerprints)  # one read per device
+        for (slot, _), was_edited in zip(marked, edited):
+            if was_edited:
                 problems.append(f"{self._describe(slot)} was changed between backward and step() (written through "
                                 "p.data, assigned, loaded or edited in place)")
         if not problems:
