@@ -161,7 +161,7 @@ def test_a_mark_sees_any_one_element_changed_in_any_layout():
     # device (the device fingerprint, computed here on CPU tensors: the same ops), also for a view at an offset that is
     # no multiple of 8 bytes, a tail shorter than 8 bytes, complex or bf16 elements, channels_last, and a tensor of
     # more than one row of the device fingerprint's words (with a partial last row).
-    from offload_adamw.accel.changes import COLUMNS, DeviceFingerprints, changed, mark, values_of
+    from offload_adamw.accel.changes import COLUMNS, DeviceFingerprints, changed, fingerprint, mark
 
     fingerprints = DeviceFingerprints()
     cases = {
@@ -175,7 +175,7 @@ def test_a_mark_sees_any_one_element_changed_in_any_layout():
     }
     for name, t in cases.items():
         for device in (False, True):
-            before = mark(t, None, fingerprints.take(t)) if device else mark(t, values_of(t))
+            before = mark(t, None, fingerprints.take(t)) if device else mark(t, fingerprint(t))
             assert changed([(t, before)], fingerprints) == [False], (name, device)
             for k in (0, t.numel() // 2, t.numel() - 1):
                 where = tuple(int(i) for i in torch.unravel_index(torch.tensor(k), t.shape))

@@ -196,6 +196,40 @@ def check_nonfinite_skip(mesh, measured: dict) -> None:
     assert_same(reference, theirs, model, ours)
 
 
+#: edits of a DTensor parameter through p.data between backward and step() (its local shard changes on every rank)
+EDITS = {
+    "clamp": lambda model: model.blocks[3][0].weight.data.clamp_(-0.01, 0.01),
+    "in-place copy": lambda model: model.blocks[5][2].bias.data.copy_(model.blocks[5][2].bias.data.flip(0)),
+}
+
+
+def check_edit_refused(mesh, measured: dict) -> None:
+    """An edit through p.data of a sharded parameter whose update ran during backward is refused by step(), naming it,
+    on every rank (the mark of the local shard: a host fingerprint, or on the simulated device a device one)."""
+    rank = dist.get_rank()
+    refused = {}
+    for edit, change in EDITS.items():
+        model = sharded(mesh)
+        ours = OffloadAdamW(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                            update_in_backward=True)
+        for step in range(2):
+            loss_of(model, step, 0, rank).backward()
+            ours.step()
+            ours.zero_grad()
+        loss_of(model, 2, 0, rank).backward()
+        change(model)
+        try:
+            ours.step()
+        except RuntimeError as error:
+            refused[edit] = str(error)
+        else:
+            refused[edit] = ""
+    measured["refused"] = {edit: bool(why) for edit, why in refused.items()}
+    names = {"clamp": "'blocks.3.0.weight' was changed", "in-place copy": "'blocks.5.2.bias' was changed"}
+    wrong = {edit: why[:300] for edit, why in refused.items() if names[edit] not in why}
+    assert not wrong, f"rank {rank}: not refused by name: {wrong}"
+
+
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     join_gloo(rank, port, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -209,6 +243,7 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     for clip_by, accumulation, sync_each in FREED_CASES:
         run(freed_case_name(clip_by, accumulation, sync_each), check_freed_case, clip_by, accumulation, sync_each)
     run("nonfinite-skip", check_nonfinite_skip)
+    run("edit-refused", check_edit_refused)
     dist.destroy_process_group()
 
 

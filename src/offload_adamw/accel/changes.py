@@ -9,8 +9,8 @@ Contract (docs/update-in-backward.md#the-protocol-what-is-refused-and-when):
 * :func:`mark` marks a parameter after its update: its version counter and data pointer, which every torch
   operation on it moves, and a fingerprint of its bits, since a write through ``p.data`` moves no version
   counter. For a tensor in host memory (:func:`fingerprint`) the update takes it as it leaves the parameter, on
-  the worker thread while backward goes on (:func:`values_of`). For a tensor on an accelerator
-  (:meth:`DeviceFingerprints.take`) it is computed on the device, on the current stream, once that stream has
+  the worker thread while backward goes on. For a tensor on an accelerator (the transfer engine tells which;
+  :meth:`DeviceFingerprints.take`) it is computed on the device, on the current stream, once that stream has
   waited for the update's copies back (the caller orders it), and stays there: no value is read back. The version
   counter and the data pointer are taken when backward has ended (whatever backward itself did to them, FSDP2's
   resharding or our own landings, is not an edit).
@@ -31,10 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import streams
-
 __all__ = ["COLUMNS", "DeviceFingerprints", "HYPER_KEYS", "Mark", "OPTIMIZER_KEYS", "Snapshot", "changed", "fingerprint",
-           "hyper_of", "mark", "on_device", "values_of"]
+           "hyper_of", "mark"]
 
 #: the keys of a group an update reads, in the order a refusal names them
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "fused")
@@ -198,24 +196,9 @@ class DeviceFingerprints:
         return out
 
 
-def _in_host_memory(local: Tensor) -> bool:
-    return local.device.type == "cpu" and not streams.is_device_tensor(local)
-
-
-def values_of(local: Tensor) -> Tensor | None:
-    """The fingerprint of ``local`` where it lives in host memory (the update takes it as it leaves the tensor),
-    else None."""
-    return fingerprint(local) if _in_host_memory(local) else None
-
-
-def on_device(local: Tensor) -> bool:
-    """Whether ``local`` lives on an accelerator (its fingerprint is a device one)."""
-    return local.device.type != "meta" and not _in_host_memory(local)
-
-
 def mark(local: Tensor, values: Tensor | None, device_values: Tensor | None = None) -> Mark:
     """What tells a later edit of ``local`` (a parameter's local tensor) apart: its version counter and data pointer
-    now, ``values``, its host fingerprint from :func:`values_of`, and ``device_values``, its device fingerprint from
+    now, ``values``, its host fingerprint from :func:`fingerprint`, and ``device_values``, its device fingerprint from
     :meth:`DeviceFingerprints.take` (see the module contract)."""
     return local._version, local.data_ptr(), values, device_values
 

@@ -181,7 +181,8 @@ class GradientPipeline:
         intact = lambda slot: self.residency.intact(slot)  # noqa: E731, PLW0108 - the residency is built below
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
-                           thread_init=self.engine.thread_init, intact=intact, compute_waits=self.engine.compute_waits)
+                           thread_init=self.engine.thread_init, intact=intact, compute_waits=self.engine.compute_waits,
+                           is_device=self.engine.is_device)
             if config.update_in_backward else AtStep()
         )
         self.residency: ByPlacement = ByPlacement(

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.changes import DeviceFingerprints, Mark, Snapshot, changed, mark, on_device, values_of
+from offload_adamw.accel.changes import DeviceFingerprints, Mark, Snapshot, changed, fingerprint, mark
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
@@ -128,6 +128,7 @@ class DuringBackward:
                  run_early: Callable[[list[Tensor]], tuple[Sent, dict[str, float]]],
                  thread_init: Callable[[], None], intact: Callable[[Slot], bool] = lambda s: is_host_resident(s.param.grad),
                  compute_waits: Callable[[torch.device, Completion], None] = lambda device, done: done.wait(),
+                 is_device: Callable[[torch.device], bool] = lambda device: device.type not in ("cpu", "meta"),
                  ) -> None:
         self._optimizer = optimizer
         self._intact = intact  # p.grad is still the gradient backward's hook landed (a host stand-in, or on the device)
@@ -137,6 +138,7 @@ class DuringBackward:
         self._run_early = run_early
         self._thread_init = thread_init
         self._compute_waits = compute_waits  # the current stream of a device waits for a completion (not the host)
+        self._is_device = is_device  # a parameter on this device lives apart from the host (the transfer engine's answer)
         self._fingerprints = DeviceFingerprints()
         self._updater: BackwardUpdater | None = None
         self._buckets: list[list[Tensor]] = []
@@ -185,13 +187,13 @@ class DuringBackward:
         updater.settle()
         # Marked once, by the backward its update ran in.
         fresh = [(p, slot) for p in list(self._values) if p not in self._marks and (slot := self._slots.get(p)) is not None]
-        if any(on_device(slot.local) for _, slot in fresh):
+        if any(self._is_device(slot.local.device) for _, slot in fresh):
             # An accelerator parameter's fingerprint is taken on the device, on the current stream (backward's final
             # callbacks run on the caller's, where the user's edits will follow): after the copies back have landed.
             for device, done in self._sent:
                 self._compute_waits(device, done)
         for p, slot in fresh:
-            device_values = self._fingerprints.take(slot.local) if on_device(slot.local) else None
+            device_values = self._fingerprints.take(slot.local) if self._is_device(slot.local.device) else None
             self._marks[p] = mark(slot.local, self._values[p], device_values)
 
     def _failed_backward(self) -> None:
@@ -453,8 +455,9 @@ class DuringBackward:
         for p in bucket:  # the values as the update left them, taken while backward goes on; marked when it ends
             slot = self._slots.get(p)
             if slot is not None:
-                # A parameter sent back from a staging buffer is written by a copy that may land later: version only.
-                self._values[p] = values_of(slot.local) if slot.staging is None else None
+                # A parameter in host memory: its fingerprint as the update left it. On an accelerator it is taken on the
+                # device when backward ends, after the copies back have landed (_settle).
+                self._values[p] = None if self._is_device(slot.local.device) else fingerprint(slot.local)
         self._sent += sent
         return times
 
