@@ -20,8 +20,10 @@ from offload_adamw import OffloadAdamW
 from offload_adamw.accel import streams
 
 REPETITIONS = 8
-# The probes step a scheduler before opt.step() on purpose; torch warns about that order.
-pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+# The probes step a scheduler before opt.step() on purpose; torch warns about that order. A refused optimizer is then
+# dropped with the gradients its updates during backward applied, which it says (tests/test_wrappers_freed.py).
+pytestmark = [pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before"),
+              pytest.mark.filterwarnings("ignore:an OffloadAdamW was dropped between backward and step")]
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -43,7 +43,7 @@ from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import graph_task
-from offload_adamw.accel.transfer import Completion
+from offload_adamw.accel.transfer import Completion, TransferEngine
 
 __all__ = ["AtStep", "DuringBackward", "Early"]
 
@@ -115,8 +115,8 @@ class AtStep:
     def armed(self) -> bool:
         return False
 
-    def close(self) -> None:
-        return None
+    def close(self) -> dict[Tensor, str]:
+        return {}
 
 
 class DuringBackward:
@@ -127,9 +127,7 @@ class DuringBackward:
     def __init__(self, optimizer: Any, slots: SlotTable, gate: Gate, *, describe: Callable[[Slot], str],
                  run_early: Callable[[list[Tensor]], tuple[Sent, dict[str, float]]],
                  thread_init: Callable[[], None], intact: Callable[[Slot], bool] = lambda s: is_host_resident(s.param.grad),
-                 compute_waits: Callable[[torch.device, Completion], None] = lambda device, done: done.wait(),
-                 is_device: Callable[[torch.device], bool] = lambda device: device.type not in ("cpu", "meta"),
-                 ) -> None:
+                 engine: TransferEngine) -> None:
         self._optimizer = optimizer
         self._intact = intact  # p.grad is still the gradient backward's hook landed (a host stand-in, or on the device)
         self._slots = slots
@@ -137,8 +135,7 @@ class DuringBackward:
         self._describe = describe
         self._run_early = run_early
         self._thread_init = thread_init
-        self._compute_waits = compute_waits  # the current stream of a device waits for a completion (not the host)
-        self._is_device = is_device  # a parameter on this device lives apart from the host (the transfer engine's answer)
+        self._engine = engine  # which devices live apart from the host, and their streams' waits
         self._fingerprints = DeviceFingerprints()
         self._updater: BackwardUpdater | None = None
         self._buckets: list[list[Tensor]] = []
@@ -146,6 +143,8 @@ class DuringBackward:
         self._snapshot: Snapshot | None = None  # what the hyperparameters were when the latest backward began
         self._values: dict[Tensor, Tensor | None] = {}  # each updated parameter's fingerprint, as its update left it
         self._marks: dict[Tensor, Mark] = {}  # the parameters updated during backward, as backward left them
+        # Updated during a backward whose step() has not run (kept through a refused step), by name: gradients spent.
+        self._spent: dict[Tensor, str] = {}
         self._torn_why = ""  # why the step is refused until a load (empty: a backward raised after updates)
         self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
         self._missing_state = False
@@ -176,8 +175,9 @@ class DuringBackward:
 
     def _settle(self, tries: int) -> None:
         """After every callback of the ending backward (the gate's decision included, which may start the updates):
-        wait for the updates handed to the worker, each of which marks its parameters when it ends. backward() has
-        not returned yet, so no edit of the user's can come between an update and its mark."""
+        wait for the updates handed to the worker and mark their parameters, once, an accelerator one's fingerprint
+        after the copies back have landed, on the current stream (the caller's in final callbacks, where the user's
+        edits follow). backward() has not returned yet, so no edit of the user's can come between an update and its mark."""
         if self._gate.deciding() and tries > 0:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(tries - 1))
             return
@@ -185,15 +185,12 @@ class DuringBackward:
         if updater is None or not updater.started():
             return
         updater.settle()
-        # Marked once, by the backward its update ran in.
         fresh = [(p, slot) for p in list(self._values) if p not in self._marks and (slot := self._slots.get(p)) is not None]
-        if any(self._is_device(slot.local.device) for _, slot in fresh):
-            # An accelerator parameter's fingerprint is taken on the device, on the current stream (backward's final
-            # callbacks run on the caller's, where the user's edits will follow): after the copies back have landed.
+        if any(self._engine.is_device(slot.local.device) for _, slot in fresh):
             for device, done in self._sent:
-                self._compute_waits(device, done)
+                self._engine.compute_waits(device, done)
         for p, slot in fresh:
-            device_values = self._fingerprints.take(slot.local) if self._is_device(slot.local.device) else None
+            device_values = self._fingerprints.take(slot.local) if self._engine.is_device(slot.local.device) else None
             self._marks[p] = mark(slot.local, self._values[p], device_values)
 
     def _failed_backward(self) -> None:
@@ -233,7 +230,7 @@ class DuringBackward:
         self._torn = 0
         self._torn_why = ""
         self._snapshot = None
-        self._marks, self._values = {}, {}
+        self._marks, self._values, self._spent = {}, {}, {}
         self._drop_updater()
 
     def _open_gate(self) -> None:
@@ -377,6 +374,7 @@ class DuringBackward:
         sent, self._sent = self._sent, []  # after the worker has ended: its last bucket's copies are among them
         early = {p for r in records for p in self._buckets[r.bucket]}
         self._refuse_changes(snapshot, marks, ran=len(early))
+        self._spent = {}  # the step goes on: its gradients are p.grad's as torch's step leaves them
         return Early(early, records, sent)
 
     def _refuse_changes(self, snapshot: Snapshot | None, marks: dict[Tensor, Mark], ran: int) -> None:
@@ -387,8 +385,7 @@ class DuringBackward:
             return
         problems = [] if snapshot is None else snapshot.changes(self._optimizer)
         marked = [(slot, before) for p, before in marks.items() if (slot := self._slots.get(p)) is not None]
-        edited = changed([(slot.local, before) for slot, before in marked], self._fingerprints)  # one read per device
-        for (slot, _), was_edited in zip(marked, edited):
+        for (slot, _), was_edited in zip(marked, changed([(s.local, b) for s, b in marked], self._fingerprints)):
             if was_edited:
                 problems.append(f"{self._describe(slot)} was changed between backward and step() (written through "
                                 "p.data, assigned, loaded or edited in place)")
@@ -455,9 +452,9 @@ class DuringBackward:
         for p in bucket:  # the values as the update left them, taken while backward goes on; marked when it ends
             slot = self._slots.get(p)
             if slot is not None:
-                # A parameter in host memory: its fingerprint as the update left it. On an accelerator it is taken on the
-                # device when backward ends, after the copies back have landed (_settle).
-                self._values[p] = None if self._is_device(slot.local.device) else fingerprint(slot.local)
+                self._spent[p] = self._describe(slot)
+                # In host memory its fingerprint as the update left it; on an accelerator taken when backward ends (_settle).
+                self._values[p] = None if self._engine.is_device(slot.local.device) else fingerprint(slot.local)
         self._sent += sent
         return times
 
@@ -466,13 +463,16 @@ class DuringBackward:
         self._failed_backward()
         self.refuse_mid_step("clear its gradients")
         self._snapshot = None  # a backward dropped without a step: the next one begins afresh
-        self._marks, self._values = {}, {}
+        self._marks, self._values, self._spent = {}, {}, {}
         if self._updater is not None and self._updater.gated() and self._updater.started():
             self._drop_updater()
 
-    def close(self) -> None:
+    def close(self) -> dict[Tensor, str]:
+        """Drop the worker (waiting for it); the parameters (by name) updated during a backward whose step() has not
+        run: their gradients were applied."""
         _WATCHED.discard(self)
         self._drop_updater()
+        return dict(self._spent)
 
 
 # Schedules with updates during backward, watched by one global forward pre-hook (registered with the first).
