@@ -335,3 +335,32 @@ def test_an_edit_of_an_accelerator_parameter_between_backward_and_step_is_refuse
             opt.step()
         with pytest.raises(RuntimeError, match="update_in_backward"):
             opt.step()
+
+
+TENSOR_BETAS = {
+    # torch's schedulers fill a tensor in place (lr), or replace the betas tuple (OneCycleLR, CyclicLR with momentum)
+    "beta1 filled in place": (lambda opt, s: opt.param_groups[0]["betas"][0].fill_(0.8), r"\['betas'\] changed"),
+    "beta2 filled in place": (lambda opt, s: opt.param_groups[0]["betas"][1].fill_(0.99), r"\['betas'\] changed"),
+    "OneCycleLR stepped before step()": (lambda opt, s: s.step(), r"\['lr'\] changed.*\['betas'\] changed"),
+}
+
+
+@pytest.mark.parametrize("probe", list(TENSOR_BETAS))
+def test_tensor_betas_changed_between_backward_and_step_are_refused_every_time(probe):
+    # betas as tensors (which torch accepts): a change after backward began is seen by value, every time.
+    change, names = TENSOR_BETAS[probe]
+    for _ in range(REPETITIONS):
+        model = _model()
+        opt = OffloadAdamW(model.named_parameters(), lr=torch.tensor(1e-3), betas=(torch.tensor(0.9), torch.tensor(0.999)),
+                           offload_gradients=True, update_in_backward=True, bucket_bytes=1)
+        scheduler = (torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=20) if "OneCycle" in probe
+                     else torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+        for k in range(2):
+            _loss(model, k).backward()
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+        _loss(model, 2).backward()
+        change(opt, scheduler)
+        with pytest.raises(RuntimeError, match=names):
+            opt.step()
