@@ -150,11 +150,10 @@ def test_tensor_betas_changed_between_steps_are_honoured_as_torch(mode, schedule
     opt = _ours(ours.parameters(), mode, betas=(torch.tensor(0.9), torch.tensor(0.999)), lr=torch.tensor(LR))
     ref = _torch(theirs.parameters(), betas=(torch.tensor(0.9), torch.tensor(0.999)), lr=torch.tensor(LR))
     for model, o in ((ours, opt), (theirs, ref)):
-        scheduler = {"filled in place": None,
-                     "OneCycleLR": lambda: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=10),
-                     "CyclicLR": lambda: torch.optim.lr_scheduler.CyclicLR(
-                         o, base_lr=1e-3, max_lr=5e-2, step_size_up=2, base_momentum=0.8, max_momentum=0.9)}[schedule]
-        s = scheduler() if scheduler is not None else None
+        s = {"filled in place": lambda o: None,
+             "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=10),
+             "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(
+                 o, base_lr=1e-3, max_lr=5e-2, step_size_up=2, base_momentum=0.8, max_momentum=0.9)}[schedule](o)
         for k in range(5):
             _train(model, o, 1, start=k)
             if s is not None:
