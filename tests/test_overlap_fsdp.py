@@ -88,3 +88,12 @@ def test_fsdp2_an_edit_through_p_data_between_backward_and_step_is_refused_on_ev
         case = result["edit-refused"]
         assert case["ok"], f"rank {rank}:\n{case['error']}"
         assert case["measured"]["refused"] == {"clamp": True, "in-place copy": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["given-back", "given-back-update_in_backward"])
+def test_fsdp2_an_optimizer_dropped_before_its_step_gives_back_what_it_did_not_apply(results, name) -> None:
+    """Freed DTensor gradients come back as DTensors over real shards, the reference's bits; those the updates during
+    backward applied do not (p.grad None, one warning), so that no new optimizer applies them twice."""
+    for rank, result in enumerate(results):
+        assert result[name]["ok"], f"rank {rank}:\n{result[name]['error']}"

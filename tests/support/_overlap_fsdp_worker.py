@@ -230,6 +230,47 @@ def check_edit_refused(mesh, measured: dict) -> None:
     assert not wrong, f"rank {rank}: not refused by name: {wrong}"
 
 
+def check_given_back(update_in_backward: bool, mesh, measured: dict) -> None:
+    """An optimizer dropped between the third backward and its step(): freed gradients come back as real tensors
+    (DTensors over real local shards, with the stand-in's placements) equal to the reference's, and a fresh torch
+    AdamW steps with them as with the reference's; with updates during backward the gradients those updates applied
+    are not given back (p.grad None, a warning), the parameters being the reference's after its third step."""
+    import gc
+    import warnings
+
+    rank = dist.get_rank()
+    reference, model = sharded(mesh), sharded(mesh)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                        update_in_backward=update_in_backward)
+    for m, o in ((reference, theirs), (model, ours)):
+        for step in range(3):
+            m(batch(step, 0, rank)).square().mean().backward()
+            if step < 2:
+                o.step()
+                o.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del ours, o
+        gc.collect()
+    said = [str(w.message) for w in caught if "not given back" in str(w.message)]
+    grads = [p.grad for p in model.parameters()]
+    measured.update(none=sum(g is None for g in grads), grads=len(grads), warned=len(said),
+                    types=sorted({type(g).__name__ for g in grads if g is not None}))
+    if update_in_backward:
+        theirs.step()
+        assert all(g is None for g in grads) and len(said) == 1, measured
+    else:
+        assert not said and [g is None for g in grads] == [q.grad is None for q in reference.parameters()], measured
+        for p, q in zip(model.parameters(), reference.parameters()):
+            same = p.grad is None or torch.equal(local(p.grad), local(q.grad))
+            assert type(p.grad) is type(q.grad) and same, "a gradient given back differs"
+        for m in (model, reference):
+            torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True).step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.detach().to_local(), q.detach().to_local()), "not the reference's parameters"
+
+
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     join_gloo(rank, port, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -244,6 +285,8 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
         run(freed_case_name(clip_by, accumulation, sync_each), check_freed_case, clip_by, accumulation, sync_each)
     run("nonfinite-skip", check_nonfinite_skip)
     run("edit-refused", check_edit_refused)
+    run("given-back", check_given_back, False)
+    run("given-back-update_in_backward", check_given_back, True)
     dist.destroy_process_group()
 
 
