@@ -364,3 +364,31 @@ def test_tensor_betas_changed_between_backward_and_step_are_refused_every_time(p
         change(opt, scheduler)
         with pytest.raises(RuntimeError, match=names):
             opt.step()
+
+
+def test_the_device_fingerprint_is_the_documented_sums_taken_alone_or_together():
+    # The pair of sums of docs/update-in-backward.md, computed here word by word with Python's integers, for tensors
+    # with and without whole rows, with tail bytes, at an odd offset; take_all (the small ones of a device in one batch)
+    # gives what take gives for each.
+    from offload_adamw.accel.changes import _COLUMN_WEIGHT, COLUMNS, DeviceFingerprints
+
+    def documented(t):
+        flat = (torch.view_as_real(t) if t.is_complex() else t).contiguous().reshape(-1)
+        raw = bytes(flat.view(torch.uint8).tolist())
+        n = len(raw) // 8
+        words = [int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True) for i in range(n)]
+        rows = n // COLUMNS
+        last = words[rows * COLUMNS:] + list(raw[8 * n:])
+        plain = sum(words) + sum(raw[8 * n:])
+        weighed = sum((r + 1 + _COLUMN_WEIGHT * (c + 1)) * words[r * COLUMNS + c] for r in range(rows) for c in range(COLUMNS))
+        weighed += sum((rows + 1 + _COLUMN_WEIGHT * (j + 1)) * v for j, v in enumerate(last))
+        return [x - (1 << 64) if (x := value % (1 << 64)) >> 63 else x for value in (plain, weighed)]
+
+    gen = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(2 * COLUMNS * 2 + 3, generator=gen), torch.randn(5, generator=gen),
+               torch.randn(7, dtype=torch.bfloat16, generator=gen), torch.randn(1001, generator=gen)[1:],
+               torch.randn(3, dtype=torch.complex64, generator=gen), torch.zeros(0), torch.randn(COLUMNS * 2, generator=gen)]
+    fingerprints = DeviceFingerprints()
+    together = fingerprints.take_all(tensors)
+    for t, sums in zip(tensors, together):
+        assert sums.tolist() == documented(t) == fingerprints.take(t).tolist(), (t.dtype, t.shape)

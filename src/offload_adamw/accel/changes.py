@@ -121,22 +121,21 @@ def _bytes(t: Tensor) -> Tensor:
     return flat.reshape(-1).view(torch.uint8)
 
 
-def _words(raw: Tensor) -> tuple[Tensor, Tensor]:
-    """``raw``'s whole 64-bit words as int64, and the bytes after them (fewer than 8) as int64, one each."""
+def _whole_words(raw: Tensor) -> Tensor:
+    """``raw``'s whole 64-bit words as int64 (the bytes after them, fewer than 8, left out)."""
     whole = raw.numel() // 8 * 8
     try:
-        words = raw[:whole].view(torch.int64)
+        return raw[:whole].view(torch.int64)
     except RuntimeError:  # a tensor whose storage offset is not a multiple of 8 bytes
-        words = raw[:whole].clone().view(torch.int64)
-    return words, raw[whole:].to(torch.int64)
+        return raw[:whole].clone().view(torch.int64)
 
 
 def fingerprint(t: Tensor) -> Tensor:
     """The wrapping int64 sum of ``t``'s bytes read as 8-byte words (the last, shorter word byte by byte), as a
     tensor: a change of any element changes it (a sum over a group), unless other changes cancel it exactly or
     only elements are swapped. One read of the tensor at memory speed (a third of a host update's time)."""
-    words, tail = _words(_bytes(t))
-    return torch.stack([words.sum(), tail.sum()])
+    raw = _bytes(t)
+    return torch.stack([_whole_words(raw).sum(), raw[raw.numel() // 8 * 8:].to(torch.int64).sum()])
 
 
 class DeviceFingerprints:
@@ -147,22 +146,67 @@ class DeviceFingerprints:
     is the pair, modulo 2**64, (sum of every ``w`` and ``v``, sum of ``(r + 1 + K * (c + 1)) * w[r, c]`` and of
     ``(R + 1 + K * (j + 1)) * v[j]``), ``K`` an odd constant. It is computed from the row sums and the column sums of
     the whole rows (two reads of the tensor, two reductions) and the last row's words one by one, with weights kept
-    per device and size.
+    per device and size. The tensors of a device without a whole row (most of a model's tensors: biases, norms) are
+    taken together, in a few kernels for all of them (their launches are most of the cost of small tensors).
     """
 
     def __init__(self) -> None:
         self._weights: dict[tuple[torch.device, int, int], Tensor] = {}
+        self._batches: dict[tuple[torch.device, tuple[int, ...]], tuple[Tensor, Tensor]] = {}  # weights, bounds
 
     def take(self, t: Tensor) -> Tensor:
         """The fingerprint of ``t`` as an int64 tensor of 2 elements on ``t``'s device, computed on its current stream
         (nothing is read back)."""
-        words, tail = _words(_bytes(t))
-        rows = words.numel() // COLUMNS
-        head = words[:rows * COLUMNS].view(rows, COLUMNS)
-        rest = torch.cat([words[rows * COLUMNS:], tail])
-        parts = [head.sum(1), head.sum(0), rest] if rows else [rest]
-        weights = self._weights_for(t.device, rows, rest.numel())
-        return (torch.cat(parts).unsqueeze(0) * weights).sum(1)
+        return self.take_all([t])[0]
+
+    def take_all(self, tensors: list[Tensor]) -> list[Tensor]:
+        """:meth:`take` of each tensor (those of a device without a whole row together)."""
+        by_device: dict[torch.device, list[int]] = {}
+        for k, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(k)
+        out: list[Tensor] = [torch.empty(0)] * len(tensors)
+        for members in by_device.values():
+            for k, sums in zip(members, self._stacked([tensors[k] for k in members]).unbind(0)):
+                out[k] = sums
+        return out
+
+    def _stacked(self, tensors: list[Tensor]) -> Tensor:
+        """(len(tensors), 2): the fingerprints of tensors of one device."""
+        out: list[Tensor | None] = [None] * len(tensors)
+        small: dict[torch.device, list[tuple[int, Tensor, Tensor]]] = {}
+        for k, t in enumerate(tensors):
+            raw = _bytes(t)
+            words, tail = _whole_words(raw), raw[raw.numel() // 8 * 8:]
+            rows = words.numel() // COLUMNS
+            if not rows:
+                small.setdefault(t.device, []).append((k, words, tail))
+                continue
+            head = words[:rows * COLUMNS].view(rows, COLUMNS)
+            rest = torch.cat([words[rows * COLUMNS:], tail.to(torch.int64)])
+            weights = self._weights_for(t.device, rows, rest.numel())
+            out[k] = (torch.cat([head.sum(1), head.sum(0), rest]).unsqueeze(0) * weights).sum(1)
+        for device, members in small.items():
+            for k, sums in zip([k for k, _, _ in members], self._take_small(device, members).unbind(0)):
+                out[k] = sums
+        return torch.stack([t for t in out if t is not None])
+
+    def _take_small(self, device: torch.device, members: list[tuple[int, Tensor, Tensor]]) -> Tensor:
+        """(len(members), 2): each member's words and tail bytes, all in one row, weighed and summed per member."""
+        tails = [tail for _, _, tail in members if tail.numel()]
+        wide = iter(torch.cat(tails).to(torch.int64).split([t.numel() for t in tails]) if tails else [])
+        parts = [part for _, words, tail in members for part in ((words, next(wide)) if tail.numel() else (words,))]
+        lengths = tuple(words.numel() + tail.numel() for _, words, tail in members)
+        key = (device, lengths)
+        if key not in self._batches:
+            if len(self._batches) >= 8:  # the sets of parameters a step marks vary little: keep a few
+                self._batches.clear()
+            weights = torch.cat([self._weights_for(device, 0, n) for n in lengths], dim=1)
+            ends = torch.tensor(lengths).cumsum(0)  # each member's sums: running sums at its end less at its start
+            self._batches[key] = (weights, torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(device))
+        weights, bounds = self._batches[key]
+        running = (torch.cat(parts).unsqueeze(0) * weights).cumsum(1)  # modulo 2**64: differences stay exact
+        running = torch.cat([torch.zeros(2, 1, dtype=torch.int64, device=device), running], dim=1)
+        return (running[:, bounds[1:]] - running[:, bounds[:-1]]).t()
 
     def _weights_for(self, device: torch.device, rows: int, rest: int) -> Tensor:
         """(2, rows + COLUMNS + rest) int64 weights, or (2, rest) without rows: the first line sums the words (row sums
@@ -189,7 +233,7 @@ class DeviceFingerprints:
         for k, (t, _) in enumerate(items):
             by_device.setdefault(t.device, []).append(k)
         for members in by_device.values():
-            now = torch.stack([self.take(items[k][0]) for k in members])
+            now = self._stacked([items[k][0] for k in members])
             before = torch.stack([items[k][1] for k in members])
             for k, differs in zip(members, (now != before).any(1).tolist()):  # the one read back of this device
                 out[k] = bool(differs)

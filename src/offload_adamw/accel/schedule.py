@@ -189,8 +189,10 @@ class DuringBackward:
         if any(self._engine.is_device(slot.local.device) for _, slot in fresh):
             for device, done in self._sent:
                 self._engine.compute_waits(device, done)
+        on_device = [slot.local for _, slot in fresh if self._engine.is_device(slot.local.device)]
+        taken = iter(self._fingerprints.take_all(on_device))  # the small ones of a device together
         for p, slot in fresh:
-            device_values = self._fingerprints.take(slot.local) if self._engine.is_device(slot.local.device) else None
+            device_values = next(taken) if self._engine.is_device(slot.local.device) else None
             self._marks[p] = mark(slot.local, self._values[p], device_values)
 
     def _failed_backward(self) -> None:
