@@ -140,3 +140,27 @@ def test_gradients_whose_update_ran_during_backward_are_not_given_back_to_be_app
     new.step()  # nothing to apply: the updates of the third step ran once
     for p, q in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(p.detach(), q.detach())
+
+
+def test_after_a_completed_step_with_updates_during_backward_every_gradient_is_given_back():
+    # torch keeps p.grad after its step: an optimizer dropped after step() and before zero_grad() gives every gradient
+    # back, also those its updates during backward applied, and says nothing.
+    import gc
+    import warnings
+
+    ours, theirs = _model(), _model()
+    dropped = OffloadAdamW(ours.named_parameters(), lr=1e-2, offload_gradients=True, update_in_backward=True,
+                           bucket_bytes=1)
+    reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        for m, o in ((ours, dropped), (theirs, reference)):
+            m(_x(step)).square().mean().backward()
+            o.step()
+            if step < 2:
+                o.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del dropped
+        gc.collect()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert type(p.grad) is torch.Tensor and torch.equal(p.grad, q.grad) and torch.equal(p.detach(), q.detach())

@@ -376,7 +376,6 @@ class DuringBackward:
         sent, self._sent = self._sent, []  # after the worker has ended: its last bucket's copies are among them
         early = {p for r in records for p in self._buckets[r.bucket]}
         self._refuse_changes(snapshot, marks, ran=len(early))
-        self._spent = {}  # the step goes on: its gradients are p.grad's as torch's step leaves them
         return Early(early, records, sent)
 
     def _refuse_changes(self, snapshot: Snapshot | None, marks: dict[Tensor, Mark], ran: int) -> None:
@@ -437,6 +436,7 @@ class DuringBackward:
         parameters that had a gradient in this step, and so have state. A trainable parameter that no backward reached
         (an unused head) is in no bucket and keeps nothing waiting."""
         state = self._optimizer.state
+        self._spent = {}  # the step has run: its gradients are p.grad's as torch's step leaves them
         self._unreached = {s.param for s in self._slots if s.param.requires_grad and not state.get(s.param)}
         self._checked_task = None
         kept = [
