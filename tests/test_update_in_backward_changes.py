@@ -392,3 +392,26 @@ def test_the_device_fingerprint_is_the_documented_sums_taken_alone_or_together()
     together = fingerprints.take_all(tensors)
     for t, sums in zip(tensors, together):
         assert sums.tolist() == documented(t) == fingerprints.take(t).tolist(), (t.dtype, t.shape)
+
+
+GRADIENT_PROBES = {
+    "a gradient assigned after backward": (lambda w: setattr(w, "grad", torch.ones_like(w)), "was given a gradient"),
+    "a gradient cleared after backward": (lambda w: setattr(w, "grad", None), "its gradient was cleared"),
+}
+
+
+@pytest.mark.parametrize("probe", list(GRADIENT_PROBES))
+def test_a_step_refused_for_a_gradient_changed_after_backward_stays_refused(probe):
+    # The other parameters' updates ran during backward: a second step() after the refusal would update them again
+    # with the gradients they were updated with (silent: every parameter moved twice in one step). Refused until a
+    # checkpoint is restored, as after any change between backward and step().
+    change, names = GRADIENT_PROBES[probe]
+    model, opt = _armed()
+    _loss(model, 2).backward()
+    change(model[0].weight)
+    with pytest.raises(RuntimeError, match=names):
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=names):
+        opt.step()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
