@@ -475,10 +475,9 @@ class GradientPipeline:
         skip = self.optimizer.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None],
                                                  self.ddp.process_groups())
         if skip and early:
-            raise RuntimeError(
+            self.schedule.tear(
                 "a gradient the hooks did not see is not finite, but with update_in_backward=True the updates of "
-                "the others already ran during backward; set gradients only through backward"
-            )
+                "the others already ran during backward; set gradients only through backward", len(early))
         return skip
 
     def _run_early(self, bucket: list[Tensor]) -> tuple[list[Any], dict[str, float]]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -105,6 +105,9 @@ class AtStep:
 
     def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
         return None
+
+    def tear(self, message: str, ran: int) -> NoReturn:
+        raise RuntimeError(message)
 
     def prepare(self, buckets: list[list[Tensor]]) -> None:
         return None
@@ -398,38 +401,38 @@ class DuringBackward:
             "hyperparameters (scheduler.step(), a step pre-hook) and edit parameters after optimizer.step() or before "
             "backward, or use update_in_backward=False"
         )
+        self.tear(message, ran)
+
+    def tear(self, message: str, ran: int) -> NoReturn:
+        """Refuse this step, and every later one until a load restores a checkpoint: the updates of ``ran`` parameters
+        ran during backward (a second step() would run them again, or leave them one update ahead)."""
         self._torn = ran
-        message += (f". The updates of {ran} parameter(s) already ran during backward and cannot be taken back: the "
-                    "optimizer refuses to step until a checkpoint is restored (offload_adamw.checkpoint.load, or the "
-                    "model's weights and opt.load_state_dict)")
-        self._torn_why = message
-        raise RuntimeError(message)
+        self._torn_why = message + (
+            f". The updates of {ran} parameter(s) already ran during backward and cannot be taken back: the optimizer "
+            "refuses to step until a checkpoint is restored (offload_adamw.checkpoint.load, or the model's weights and "
+            "opt.load_state_dict)")
+        raise RuntimeError(self._torn_why)
 
     def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
-        """What the step may not meet after early updates (before any update of its own)."""
+        """What the step may not meet after early updates (before any update of its own): refused, and torn."""
         describe = self._optimizer.describe_param
         for p in early.params:
             if p not in where:
                 continue
             if p.grad is None:
-                raise RuntimeError(
-                    f"{describe(*where[p])}: its gradient was cleared between backward and step() "
-                    "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
-                    "clear gradients after optimizer.step()"
-                )
+                self.tear(f"{describe(*where[p])}: its gradient was cleared between backward and step() "
+                          "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
+                          "clear gradients after optimizer.step()", len(early.params))
             if not self._intact(self._slots[p]):
-                raise RuntimeError(
-                    f"{describe(*where[p])} was given a gradient after backward, or its gradient was changed after "
-                    "backward (clipped, unscaled: a streamed or resident group's gradient stays on the device), but with "
-                    "update_in_backward=True its update already ran during backward; set gradients only through "
-                    "backward, and clip with max_grad_norm"
-                )
+                self.tear(f"{describe(*where[p])} was given a gradient after backward, or its gradient was changed after "
+                          "backward (clipped, unscaled: a streamed or resident group's gradient stays on the device), but "
+                          "with update_in_backward=True its update already ran during backward; set gradients only "
+                          "through backward, and clip with max_grad_norm", len(early.params))
         if early.params and self._optimizer.nonfinite != "propagate" and self._gate.checked_policy == "propagate":
-            raise RuntimeError(
-                f"nonfinite changed to {self._optimizer.nonfinite!r} between backward and step(), but with "
-                "update_in_backward=True updates already ran during backward without a non-finite check; set nonfinite "
-                "before the backward (the constructor's nonfinite=), or change it after optimizer.step()"
-            )
+            self.tear(f"nonfinite changed to {self._optimizer.nonfinite!r} between backward and step(), but with "
+                      "update_in_backward=True updates already ran during backward without a non-finite check; set "
+                      "nonfinite before the backward (the constructor's nonfinite=), or change it after optimizer.step()",
+                      len(early.params))
 
     def prepare(self, buckets: list[list[Tensor]]) -> None:
         """The next step's early updates follow this step's buckets (the order of this backward), with only the
