@@ -21,10 +21,10 @@ Contract, one schedule each, chosen once at construction:
   updated during backward and edited after its update (``p.data`` written or assigned,
   ``model.load_state_dict``, an in-place op), compared with its mark (accel/changes.py): backward's last
   callback waits for the updates handed to the worker (``BackwardUpdater.settle``) and marks each, so the
-  user's code between backward and ``step()`` cannot race with an update or its mark. After
-  such a refusal every step is refused until a ``load_state_dict`` restores a checkpoint: the updated
-  parameters are one update ahead of the others. When no update ran, ``step()`` runs them all with the
-  values of now, exactly as torch's AdamW.
+  user's code between backward and ``step()`` cannot race with an update or its mark. After such a
+  refusal, or one of a gradient cleared or assigned after its update (:meth:`DuringBackward.tear`), every step
+  is refused until a ``load_state_dict`` restores a checkpoint: the updated parameters are one update ahead.
+  When no update ran, ``step()`` runs them all with the values of now, exactly as torch's AdamW.
 """
 
 from __future__ import annotations
