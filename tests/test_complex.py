@@ -142,3 +142,29 @@ def test_every_pipeline_mode_trains_complex_parameters_as_their_real_views(mode)
         q.grad = torch.view_as_real(w.grad)
         ref.step()
         assert same_bits(torch.view_as_real(p.detach()), q.detach())
+
+
+@pytest.mark.filterwarnings("ignore:an OffloadAdamW was dropped between backward and step")  # the refused one
+@pytest.mark.parametrize("mode", ["freed", "update in backward"])
+def test_complex_parameters_with_freed_gradients_on_the_simulated_device(mode, simulated_device):
+    # The copies of a complex gradient to the host and of the parameter back land late into poisoned buffers on the
+    # simulated CUDA device; with updates during backward an edit through p.data is then seen by the device fingerprint
+    # of the complex parameter (its real view's bytes).
+    from offload_adamw.accel import streams
+
+    test_every_pipeline_mode_trains_complex_parameters_as_their_real_views(mode)
+    gen = torch.Generator().manual_seed(5)
+    params = {n: torch.nn.Parameter(torch.complex(torch.randn(s, generator=gen), torch.randn(s, generator=gen)))
+              for n, s in (("z", (40, 3)), ("w", (9,)))}
+    opt = OffloadAdamW(list(params.items()), lr=0.01, bucket_bytes=1, **MODES[mode])
+    assert all(streams.is_device_tensor(p) for p in params.values())
+    for k in range(3):
+        x = torch.complex(torch.randn(3, generator=gen), torch.randn(3, generator=gen))
+        (_loss(params["z"], x) + _loss(params["w"], x[:1])).backward()
+        if k < 2:
+            opt.step()
+            opt.zero_grad()
+    if mode == "update in backward":
+        params["w"].data[4] *= 1j  # a quarter turn of one element, through .data
+        with pytest.raises(RuntimeError, match="parameter 'w' was changed between backward and step"):
+            opt.step()

@@ -9,7 +9,9 @@ Each property makes the same calls on OffloadAdamW and on ``torch.optim.AdamW(fu
 bitwise equal to) and compares the bits, or the calls seen, or the error types:
 
 * state_dict round trips, without and with ``param_names``; a load into a fresh optimizer, into one built without
-  names (the names are kept, as torch keeps them), and into torch's AdamW, each continuing bit for bit;
+  names (the names are kept, as torch keeps them), and into torch's AdamW (fused, foreach and for-loop alike), each
+  continuing bit for bit;
+* tensor lr and betas changed between steps as torch's schedulers change them (filled in place, the tuple replaced);
 * hooks: step pre/post hooks, state_dict pre/post hooks, load_state_dict pre/post hooks, called as torch calls them;
 * param_groups: a group added after steps, a group's lr and weight decay edited between steps;
 * complex parameters, trained as their real views;
@@ -119,6 +121,47 @@ def test_a_state_dict_leaves_for_torch_and_continues_exactly(mode):
     _train(leaving, torch_after, 2, start=3)
     _train(theirs, ref, 2, start=3)
     assert _same_params(leaving, theirs)
+
+
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_a_state_dict_continues_exactly_in_each_of_torchs_implementations(mode):
+    # issue 37: the state_dict carried fused=None, which torch adopts on load (1.5e-8 from the run it continues). Into
+    # torch's fused, foreach and for-loop AdamW alike, the continuation is torch's fused run, bit for bit.
+    ours, theirs = _model(), _model()
+    opt, ref = _ours(ours.parameters(), mode), _torch(theirs.parameters())
+    _train(ours, opt, 3)
+    _train(theirs, ref, 3)
+    leaving = {kind: copy.deepcopy(ours) for kind in ("fused", "foreach", "for-loop")}
+    kwargs = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    for kind, model in leaving.items():
+        after = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **kwargs[kind])
+        after.load_state_dict(copy.deepcopy(opt.state_dict()))
+        _train(model, after, 2, start=3)
+    _train(theirs, ref, 2, start=3)
+    assert all(_same_params(model, theirs) for model in leaving.values())
+
+
+@pytest.mark.parametrize("schedule", ["filled in place", "OneCycleLR", "CyclicLR"])
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_tensor_betas_changed_between_steps_are_honoured_as_torch(mode, schedule):
+    # Tensor lr and betas, changed after each step() as torch's schedulers change them (a tensor filled in place; the
+    # betas tuple replaced by OneCycleLR and CyclicLR with momentum): every step as torch's fused AdamW.
+    ours, theirs = _model(), _model()
+    opt = _ours(ours.parameters(), mode, betas=(torch.tensor(0.9), torch.tensor(0.999)), lr=torch.tensor(LR))
+    ref = _torch(theirs.parameters(), betas=(torch.tensor(0.9), torch.tensor(0.999)), lr=torch.tensor(LR))
+    for model, o in ((ours, opt), (theirs, ref)):
+        s = {"filled in place": lambda o: None,
+             "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=10),
+             "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(
+                 o, base_lr=1e-3, max_lr=5e-2, step_size_up=2, base_momentum=0.8, max_momentum=0.9)}[schedule](o)
+        for k in range(5):
+            _train(model, o, 1, start=k)
+            if s is not None:
+                s.step()
+            else:
+                o.param_groups[0]["betas"][0].fill_(0.9 - 0.02 * (k + 1))
+                o.param_groups[0]["betas"][1].fill_(0.999 - 0.001 * (k + 1))
+    assert _same_params(ours, theirs)
 
 
 # ------------------------------------------------------------------------ hooks

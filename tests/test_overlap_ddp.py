@@ -35,7 +35,9 @@ WORKER = Path(__file__).resolve().parent / "support" / "_overlap_ddp_worker.py"
 #: what CI runs (the rest is slow): unclipped and clipped with accumulation, bucket views, a parameter outside DDP,
 #: a misuse refused, the non-finite skip
 QUICK = [case_name(None, 1, True), case_name(0.05, 4, True), "bucket_views-clip", "head_outside_ddp-clip",
-         "opt_no_sync_without_ddp_no_sync_refused", "nonfinite-skip"]
+         "opt_no_sync_without_ddp_no_sync_refused", "nonfinite-skip", "given-back-update_in_backward"]
+#: an optimizer dropped between backward and step(): its freed gradients given back, or not where already applied
+GIVEN_BACK = ["given-back", "given-back-update_in_backward"]
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +95,11 @@ def test_ddp_non_finite_step_is_skipped_before_any_update(results) -> None:
         case = result["nonfinite-skip"]
         assert case["ok"], f"rank {rank}:\n{case['error']}"
         assert case["measured"]["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("name", table(GIVEN_BACK, GIVEN_BACK, QUICK))
+def test_ddp_an_optimizer_dropped_before_its_step_gives_back_what_it_did_not_apply(results, name) -> None:
+    """Freed gradients come back as real tensors, the reference's bits; those the updates during backward applied do
+    not (p.grad None, one warning), so that no new optimizer applies them twice."""
+    for rank, result in enumerate(results):
+        assert result[name]["ok"], f"rank {rank}:\n{result[name]['error']}"

@@ -78,3 +78,22 @@ def test_fsdp2_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(resu
         case = result["nonfinite-skip"]
         assert case["ok"], f"rank {rank}:\n{case['error']}"
         assert case["measured"]["skipped_steps"] == 1
+
+
+@pytest.mark.slow  # the simulated device's run (tests/test_standin_suites.py) is the quick one: the device fingerprint
+def test_fsdp2_an_edit_through_p_data_between_backward_and_step_is_refused_on_every_rank(results) -> None:
+    """A clamp and an in-place copy of a sharded parameter's .data after its update ran during backward: step() refuses
+    them by name on both ranks (the local shard's mark)."""
+    for rank, result in enumerate(results):
+        case = result["edit-refused"]
+        assert case["ok"], f"rank {rank}:\n{case['error']}"
+        assert case["measured"]["refused"] == {"clamp": True, "in-place copy": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["given-back", "given-back-update_in_backward"])
+def test_fsdp2_an_optimizer_dropped_before_its_step_gives_back_what_it_did_not_apply(results, name) -> None:
+    """Freed DTensor gradients come back as DTensors over real shards, the reference's bits; those the updates during
+    backward applied do not (p.grad None, one warning), so that no new optimizer applies them twice."""
+    for rank, result in enumerate(results):
+        assert result[name]["ok"], f"rank {rank}:\n{result[name]['error']}"

@@ -98,7 +98,9 @@ DISTRIBUTED = {
     "ddp": ("_overlap_ddp_worker.py", 61, [ddp_worker.case_name(None, 4, True), ddp_worker.case_name(ddp_worker.CLIP, 1, True)]),
     # groups landing during backward, clipped; FSDP2 reducing every micro-batch into the host shard (the accumulator)
     # freed gradients at the step on the stand-in: the parity rows above; here the two updates-during-backward cases
-    "fsdp2": ("_overlap_fsdp_worker.py", 62, [fsdp_worker.case_name(None, 1), fsdp_worker.case_name(fsdp_worker.CLIP, 4)]),
+    # and an edit of a sharded parameter through p.data between backward and step(), refused (its device fingerprint)
+    "fsdp2": ("_overlap_fsdp_worker.py", 62, [fsdp_worker.case_name(None, 1), fsdp_worker.case_name(fsdp_worker.CLIP, 4),
+                                              "edit-refused"]),
 }
 
 

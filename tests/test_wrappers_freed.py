@@ -111,3 +111,56 @@ def test_an_optimizer_dropped_before_its_step_gives_the_gradients_back_as_real_t
     new.zero_grad()
     gc.collect()
     assert all(r() is None for r in grads), "a given-back gradient is kept alive after zero_grad()"
+
+
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_gradients_whose_update_ran_during_backward_are_not_given_back_to_be_applied_twice(update_on):
+    # An optimizer dropped between a backward whose updates ran (update_in_backward) and its step(): those gradients
+    # were applied already. Given back as real tensors, a new optimizer would apply them a second time (silent wrong
+    # training). As torch's optimizer-in-backward pattern (step() and zero_grad() in a post-accumulate-grad hook)
+    # leaves it, each such p.grad is None, with a warning naming the parameters and why.
+    import gc
+
+    ours, theirs = _model(), _model()
+    named = [{"params": list(ours.named_parameters()), "update_on": update_on}]
+    dropped = OffloadAdamW(named, lr=1e-2, offload_gradients=True, update_in_backward=True, bucket_bytes=1)
+    reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        for m, o in ((ours, dropped), (theirs, reference)):
+            m(_x(step)).square().mean().backward()
+            if step < 2:
+                o.step()
+                o.zero_grad()
+    reference.step()  # torch's third step; ours ran during the third backward
+    with pytest.warns(RuntimeWarning, match=r"'0\.weight'.*update_in_backward.*a second time"):
+        del dropped
+        gc.collect()
+    assert all(p.grad is None for p in ours.parameters())
+    new = torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=True)
+    new.step()  # nothing to apply: the updates of the third step ran once
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_after_a_completed_step_with_updates_during_backward_every_gradient_is_given_back():
+    # torch keeps p.grad after its step: an optimizer dropped after step() and before zero_grad() gives every gradient
+    # back, also those its updates during backward applied, and says nothing.
+    import gc
+    import warnings
+
+    ours, theirs = _model(), _model()
+    dropped = OffloadAdamW(ours.named_parameters(), lr=1e-2, offload_gradients=True, update_in_backward=True,
+                           bucket_bytes=1)
+    reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        for m, o in ((ours, dropped), (theirs, reference)):
+            m(_x(step)).square().mean().backward()
+            o.step()
+            if step < 2:
+                o.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del dropped
+        gc.collect()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert type(p.grad) is torch.Tensor and torch.equal(p.grad, q.grad) and torch.equal(p.detach(), q.detach())

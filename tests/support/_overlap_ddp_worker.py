@@ -267,6 +267,48 @@ def check_nonfinite_skip(measured: dict) -> None:
     assert_same(reference, theirs, model, ours)
 
 
+def check_given_back(update_in_backward: bool, measured: dict) -> None:
+    """An optimizer dropped between the third backward and its step(): freed gradients come back as real tensors
+    equal to the reference's, and a fresh torch AdamW steps with them as with the reference's; with updates during
+    backward the gradients those updates applied are not given back (p.grad None, a warning), the parameters being
+    the reference's after its third step."""
+    import gc
+    import warnings
+
+    rank = dist.get_rank()
+    reference, model = wrapped(), wrapped()
+    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                        update_in_backward=update_in_backward)
+    ours.attach(model)
+    for m, o in ((reference, theirs), (model, ours)):
+        for step in range(3):
+            m(batch(step, 0, rank)).square().mean().backward()
+            if step < 2:
+                o.step()
+                o.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del ours, o
+        gc.collect()
+    said = [str(w.message) for w in caught if "not given back" in str(w.message)]
+    grads = [p.grad for p in model.parameters()]
+    measured.update(none=sum(g is None for g in grads), grads=len(grads), warned=len(said),
+                    types=sorted({type(g).__name__ for g in grads if g is not None}))
+    if update_in_backward:
+        theirs.step()
+        assert all(g is None for g in grads) and len(said) == 1, measured
+    else:
+        assert not said and [g is None for g in grads] == [q.grad is None for q in reference.parameters()], measured
+        for p, q in zip(model.parameters(), reference.parameters()):
+            same = p.grad is None or torch.equal(p.grad, q.grad)
+            assert type(p.grad) is type(q.grad) and same, "a gradient given back differs"
+        for m in (model, reference):
+            torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True).step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.detach(), q.detach()), "not the reference's parameters"
+
+
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     join_gloo(rank, port, WORLD)
     cases = CaseResults(Path(out) / f"results_rank{rank}.json", only)
@@ -282,6 +324,8 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     run(MIXED[0], lambda measured: check_head_outside_ddp(False, measured))
     run(MIXED[1], lambda measured: check_head_outside_ddp(True, measured))
     run("nonfinite-skip", check_nonfinite_skip)
+    run("given-back", lambda measured: check_given_back(False, measured))
+    run("given-back-update_in_backward", lambda measured: check_given_back(True, measured))
     dist.destroy_process_group()
 
 

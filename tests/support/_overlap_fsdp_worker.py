@@ -196,6 +196,81 @@ def check_nonfinite_skip(mesh, measured: dict) -> None:
     assert_same(reference, theirs, model, ours)
 
 
+#: edits of a DTensor parameter through p.data between backward and step() (its local shard changes on every rank)
+EDITS = {
+    "clamp": lambda model: model.blocks[3][0].weight.data.clamp_(-0.01, 0.01),
+    "in-place copy": lambda model: model.blocks[5][2].bias.data.copy_(model.blocks[5][2].bias.data.flip(0)),
+}
+
+
+def check_edit_refused(mesh, measured: dict) -> None:
+    """An edit through p.data of a sharded parameter whose update ran during backward is refused by step(), naming it,
+    on every rank (the mark of the local shard: a host fingerprint, or on the simulated device a device one)."""
+    rank = dist.get_rank()
+    refused = {}
+    for edit, change in EDITS.items():
+        model = sharded(mesh)
+        ours = OffloadAdamW(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                            update_in_backward=True)
+        for step in range(2):
+            loss_of(model, step, 0, rank).backward()
+            ours.step()
+            ours.zero_grad()
+        loss_of(model, 2, 0, rank).backward()
+        change(model)
+        try:
+            ours.step()
+        except RuntimeError as error:
+            refused[edit] = str(error)
+        else:
+            refused[edit] = ""
+    measured["refused"] = {edit: bool(why) for edit, why in refused.items()}
+    names = {"clamp": "'blocks.3.0.weight' was changed", "in-place copy": "'blocks.5.2.bias' was changed"}
+    wrong = {edit: why[:300] for edit, why in refused.items() if names[edit] not in why}
+    assert not wrong, f"rank {rank}: not refused by name: {wrong}"
+
+
+def check_given_back(update_in_backward: bool, mesh, measured: dict) -> None:
+    """An optimizer dropped between the third backward and its step(): freed gradients come back as real tensors
+    (DTensors over real local shards, with the stand-in's placements) equal to the reference's, and a fresh torch
+    AdamW steps with them as with the reference's; with updates during backward the gradients those updates applied
+    are not given back (p.grad None, a warning), the parameters being the reference's after its third step."""
+    import gc
+    import warnings
+
+    rank = dist.get_rank()
+    reference, model = sharded(mesh), sharded(mesh)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
+                        update_in_backward=update_in_backward)
+    for m, o in ((reference, theirs), (model, ours)):
+        for step in range(3):
+            m(batch(step, 0, rank)).square().mean().backward()
+            if step < 2:
+                o.step()
+                o.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del ours, o
+        gc.collect()
+    said = [str(w.message) for w in caught if "not given back" in str(w.message)]
+    grads = [p.grad for p in model.parameters()]
+    measured.update(none=sum(g is None for g in grads), grads=len(grads), warned=len(said),
+                    types=sorted({type(g).__name__ for g in grads if g is not None}))
+    if update_in_backward:
+        theirs.step()
+        assert all(g is None for g in grads) and len(said) == 1, measured
+    else:
+        assert not said and [g is None for g in grads] == [q.grad is None for q in reference.parameters()], measured
+        for p, q in zip(model.parameters(), reference.parameters()):
+            same = p.grad is None or torch.equal(local(p.grad), local(q.grad))
+            assert type(p.grad) is type(q.grad) and same, "a gradient given back differs"
+        for m in (model, reference):
+            torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True).step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.detach().to_local(), q.detach().to_local()), "not the reference's parameters"
+
+
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     join_gloo(rank, port, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -209,6 +284,9 @@ def worker(rank: int, port: int, out: str, only: list[str]) -> None:
     for clip_by, accumulation, sync_each in FREED_CASES:
         run(freed_case_name(clip_by, accumulation, sync_each), check_freed_case, clip_by, accumulation, sync_each)
     run("nonfinite-skip", check_nonfinite_skip)
+    run("edit-refused", check_edit_refused)
+    run("given-back", check_given_back, False)
+    run("given-back-update_in_backward", check_given_back, True)
     dist.destroy_process_group()
 
 

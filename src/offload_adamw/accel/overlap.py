@@ -149,6 +149,16 @@ class BackwardUpdater:
         for future in futures:
             future.exception()
 
+    def settled_results(self) -> list[Any]:
+        """What each update that has ended returned, in bucket order; after :meth:`settle` every update handed to
+        the worker has (the early updates' copies back, for a wait before their parameters are fingerprinted)."""
+        with self._lock:
+            futures = list(self._futures)
+            records = dict(self._records)
+        if not all(f.done() for f in futures):
+            raise RuntimeError("settled_results() before settle(): an update is still running")
+        return [records[i].result for i in sorted(records) if records[i].end and records[i].result is not None]
+
     def finish(self) -> tuple[list[int], list[UpdateRecord]]:
         """Wait for every started update; (buckets still to update, records of those updated)."""
         if not self._enabled:

@@ -56,7 +56,7 @@ from offload_adamw.accel.gate import Gate, clipped_view
 from offload_adamw.accel.host_update import HostUpdate
 from offload_adamw.accel.overlap import UpdateRecord
 from offload_adamw.accel.placements import Placements
-from offload_adamw.accel.residency import FreedGradients, KeptGradients
+from offload_adamw.accel.residency import FreedGradients, KeptGradients, drop_spent
 from offload_adamw.accel.schedule import AtStep, DuringBackward
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import AutogradHooks, DdpSource
@@ -181,7 +181,7 @@ class GradientPipeline:
         intact = lambda slot: self.residency.intact(slot)  # noqa: E731, PLW0108 - the residency is built below
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
-                           thread_init=self.engine.thread_init, intact=intact)
+                           thread_init=self.engine.thread_init, intact=intact, engine=self.engine)
             if config.update_in_backward else AtStep()
         )
         self.residency: ByPlacement = ByPlacement(
@@ -236,7 +236,7 @@ class GradientPipeline:
     def _close(self) -> None:
         swaps.stop_looking(self)
         self.hooks.close()
-        self.schedule.close()
+        drop_spent(self.schedule.close())  # after the worker has ended: the gradients its updates applied
         self.residency.close()  # freed gradients outlive their buffers: each p.grad becomes a real tensor holding one
         # The pipeline is a reference cycle, freed only by the collector: what it holds on the device goes now.
         self.placements.close()
@@ -475,10 +475,9 @@ class GradientPipeline:
         skip = self.optimizer.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None],
                                                  self.ddp.process_groups())
         if skip and early:
-            raise RuntimeError(
+            self.schedule.tear(
                 "a gradient the hooks did not see is not finite, but with update_in_backward=True the updates of "
-                "the others already ran during backward; set gradients only through backward"
-            )
+                "the others already ran during backward; set gradients only through backward", len(early))
         return skip
 
     def _run_early(self, bucket: list[Tensor]) -> tuple[list[Any], dict[str, float]]:

@@ -13,7 +13,8 @@ Contract, one strategy each, chosen once at construction:
   ops keep their cross-rank meaning). A second micro-batch's gradient is copied into the accumulation
   buffer and added on the accumulator thread; so is a reduced shard FSDP2 adds into ``p.grad``. Neither
   blocks backward. A cleared ``p.grad`` drops the host gradient; an assigned one replaces it. When the
-  optimizer goes before its step, each stand-in becomes a real tensor holding its gradient (:meth:`FreedGradients.give_back`).
+  optimizer goes before its step, each stand-in becomes a real tensor holding its gradient (:meth:`FreedGradients.give_back`),
+  except the gradients an update during backward already applied, which the pipeline clears first (accel/pipeline.py).
 * Both strategies answer the step's question, :meth:`FreedGradients.ready` and :meth:`KeptGradients.ready`:
   the complete, current host gradient of a parameter, or None.
 """
@@ -21,6 +22,7 @@ Contract, one strategy each, chosen once at construction:
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,7 +34,7 @@ from offload_adamw.accel.slots import Holding, Slot, SlotTable, Source
 from offload_adamw.accel.transfer import TransferEngine
 from offload_adamw.distributed import local_tensor
 
-__all__ = ["FreedGradients", "KeptGradients", "Residency"]
+__all__ = ["FreedGradients", "KeptGradients", "Residency", "drop_spent"]
 
 
 class Guard(Protocol):
@@ -359,3 +361,19 @@ class _Both:
     def done(self) -> bool:
         return bool(self._a.done() and self._b.done())
 
+
+def drop_spent(spent: dict[Tensor, str]) -> None:
+    """The pipeline closes (its optimizer went) between a backward whose updates ran and step(): those gradients were
+    applied. Given back, another optimizer would apply them again; each such ``p.grad`` is None, as torch's
+    optimizer-in-backward pattern (step() and zero_grad() in a post-accumulate-grad hook) leaves it, with a warning."""
+    names = [name for p, name in spent.items() if p.grad is not None]
+    for p in spent:
+        p.grad = None
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        warnings.warn(
+            f"an OffloadAdamW was dropped between backward and step(): the gradients of {len(names)} parameter(s) "
+            f"({shown}) are not given back (p.grad is None): with update_in_backward=True their updates already ran "
+            "during that backward, and another optimizer would apply them a second time",
+            RuntimeWarning, stacklevel=2,
+        )

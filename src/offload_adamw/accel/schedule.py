@@ -21,10 +21,10 @@ Contract, one schedule each, chosen once at construction:
   updated during backward and edited after its update (``p.data`` written or assigned,
   ``model.load_state_dict``, an in-place op), compared with its mark (accel/changes.py): backward's last
   callback waits for the updates handed to the worker (``BackwardUpdater.settle``) and marks each, so the
-  user's code between backward and ``step()`` cannot race with an update or its mark. After
-  such a refusal every step is refused until a ``load_state_dict`` restores a checkpoint: the updated
-  parameters are one update ahead of the others. When no update ran, ``step()`` runs them all with the
-  values of now, exactly as torch's AdamW.
+  user's code between backward and ``step()`` cannot race with an update or its mark. After such a
+  refusal, or one of a gradient cleared or assigned after its update (:meth:`DuringBackward.tear`), every step
+  is refused until a ``load_state_dict`` restores a checkpoint: the updated parameters are one update ahead.
+  When no update ran, ``step()`` runs them all with the values of now, exactly as torch's AdamW.
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.changes import Mark, Snapshot, changed, mark, values_of
+from offload_adamw.accel.changes import DeviceFingerprints, Mark, Snapshot, changed, fingerprint, mark
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import Gate
 from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import graph_task
-from offload_adamw.accel.transfer import Completion
+from offload_adamw.accel.transfer import Completion, TransferEngine
 
 __all__ = ["AtStep", "DuringBackward", "Early"]
 
@@ -106,6 +106,9 @@ class AtStep:
     def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
         return None
 
+    def tear(self, message: str, ran: int) -> NoReturn:
+        raise RuntimeError(message)
+
     def prepare(self, buckets: list[list[Tensor]]) -> None:
         return None
 
@@ -115,8 +118,8 @@ class AtStep:
     def armed(self) -> bool:
         return False
 
-    def close(self) -> None:
-        return None
+    def close(self) -> dict[Tensor, str]:
+        return {}
 
 
 class DuringBackward:
@@ -127,7 +130,7 @@ class DuringBackward:
     def __init__(self, optimizer: Any, slots: SlotTable, gate: Gate, *, describe: Callable[[Slot], str],
                  run_early: Callable[[list[Tensor]], tuple[Sent, dict[str, float]]],
                  thread_init: Callable[[], None], intact: Callable[[Slot], bool] = lambda s: is_host_resident(s.param.grad),
-                 ) -> None:
+                 engine: TransferEngine) -> None:
         self._optimizer = optimizer
         self._intact = intact  # p.grad is still the gradient backward's hook landed (a host stand-in, or on the device)
         self._slots = slots
@@ -135,11 +138,15 @@ class DuringBackward:
         self._describe = describe
         self._run_early = run_early
         self._thread_init = thread_init
+        self._engine = engine  # which devices live apart from the host, and their streams' waits
+        self._fingerprints = DeviceFingerprints()
         self._updater: BackwardUpdater | None = None
         self._buckets: list[list[Tensor]] = []
         self._snapshot: Snapshot | None = None  # what the hyperparameters were when the latest backward began
         self._values: dict[Tensor, Tensor | None] = {}  # each updated parameter's fingerprint, as its update left it
         self._marks: dict[Tensor, Mark] = {}  # the parameters updated during backward, as backward left them
+        # Updated during a backward whose step() has not run (kept through a refused step), by name: gradients spent.
+        self._spent: dict[Tensor, str] = {}
         self._torn_why = ""  # why the step is refused until a load (empty: a backward raised after updates)
         self._unreached: set[Tensor] = set()  # trainable, without state at the last step: no backward reached them yet
         self._missing_state = False
@@ -170,8 +177,9 @@ class DuringBackward:
 
     def _settle(self, tries: int) -> None:
         """After every callback of the ending backward (the gate's decision included, which may start the updates):
-        wait for the updates handed to the worker, each of which marks its parameters when it ends. backward() has
-        not returned yet, so no edit of the user's can come between an update and its mark."""
+        wait for the updates handed to the worker and mark their parameters, once, an accelerator one's fingerprint
+        after the copies back have landed, on the current stream (the caller's in final callbacks, where the user's
+        edits follow). backward() has not returned yet, so no edit of the user's can come between an update and its mark."""
         if self._gate.deciding() and tries > 0:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(tries - 1))
             return
@@ -179,10 +187,15 @@ class DuringBackward:
         if updater is None or not updater.started():
             return
         updater.settle()
-        for p, values in list(self._values.items()):
-            slot = self._slots.get(p)
-            if slot is not None and p not in self._marks:  # marked once, by the backward its update ran in
-                self._marks[p] = mark(slot.local, values)
+        fresh = [(p, slot) for p in list(self._values) if p not in self._marks and (slot := self._slots.get(p)) is not None]
+        if any(self._engine.is_device(slot.local.device) for _, slot in fresh):
+            for device, done in (s for result in updater.settled_results() for s in result):
+                self._engine.compute_waits(device, done)
+        on_device = [slot.local for _, slot in fresh if self._engine.is_device(slot.local.device)]
+        taken = iter(self._fingerprints.take_all(on_device))  # the small ones of a device together
+        for p, slot in fresh:
+            device_values = next(taken) if self._engine.is_device(slot.local.device) else None
+            self._marks[p] = mark(slot.local, self._values[p], device_values)
 
     def _failed_backward(self) -> None:
         """Before step(), zero_grad() or a load: a backward that raised. Nothing ran early: it is dropped as torch drops
@@ -221,7 +234,7 @@ class DuringBackward:
         self._torn = 0
         self._torn_why = ""
         self._snapshot = None
-        self._marks, self._values = {}, {}
+        self._marks, self._values, self._spent = {}, {}, {}
         self._drop_updater()
 
     def _open_gate(self) -> None:
@@ -374,9 +387,9 @@ class DuringBackward:
         if not ran:
             return
         problems = [] if snapshot is None else snapshot.changes(self._optimizer)
-        for p, before in marks.items():
-            slot = self._slots.get(p)
-            if slot is not None and changed(slot.local, before):
+        marked = [(slot, before) for p, before in marks.items() if (slot := self._slots.get(p)) is not None]
+        for (slot, _), was_edited in zip(marked, changed([(s.local, b) for s, b in marked], self._fingerprints)):
+            if was_edited:
                 problems.append(f"{self._describe(slot)} was changed between backward and step() (written through "
                                 "p.data, assigned, loaded or edited in place)")
         if not problems:
@@ -387,44 +400,45 @@ class DuringBackward:
             "hyperparameters (scheduler.step(), a step pre-hook) and edit parameters after optimizer.step() or before "
             "backward, or use update_in_backward=False"
         )
+        self.tear(message, ran)
+
+    def tear(self, message: str, ran: int) -> NoReturn:
+        """Refuse this step, and every later one until a load restores a checkpoint: the updates of ``ran`` parameters
+        ran during backward (a second step() would run them again, or leave them one update ahead)."""
         self._torn = ran
-        message += (f". The updates of {ran} parameter(s) already ran during backward and cannot be taken back: the "
-                    "optimizer refuses to step until a checkpoint is restored (offload_adamw.checkpoint.load, or the "
-                    "model's weights and opt.load_state_dict)")
-        self._torn_why = message
-        raise RuntimeError(message)
+        self._torn_why = message + (
+            f". The updates of {ran} parameter(s) already ran during backward and cannot be taken back: the optimizer "
+            "refuses to step until a checkpoint is restored (offload_adamw.checkpoint.load, or the model's weights and "
+            "opt.load_state_dict)")
+        raise RuntimeError(self._torn_why)
 
     def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
-        """What the step may not meet after early updates (before any update of its own)."""
+        """What the step may not meet after early updates (before any update of its own): refused, and torn."""
         describe = self._optimizer.describe_param
         for p in early.params:
             if p not in where:
                 continue
             if p.grad is None:
-                raise RuntimeError(
-                    f"{describe(*where[p])}: its gradient was cleared between backward and step() "
-                    "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
-                    "clear gradients after optimizer.step()"
-                )
+                self.tear(f"{describe(*where[p])}: its gradient was cleared between backward and step() "
+                          "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
+                          "clear gradients after optimizer.step()", len(early.params))
             if not self._intact(self._slots[p]):
-                raise RuntimeError(
-                    f"{describe(*where[p])} was given a gradient after backward, or its gradient was changed after "
-                    "backward (clipped, unscaled: a streamed or resident group's gradient stays on the device), but with "
-                    "update_in_backward=True its update already ran during backward; set gradients only through "
-                    "backward, and clip with max_grad_norm"
-                )
+                self.tear(f"{describe(*where[p])} was given a gradient after backward, or its gradient was changed after "
+                          "backward (clipped, unscaled: a streamed or resident group's gradient stays on the device), but "
+                          "with update_in_backward=True its update already ran during backward; set gradients only "
+                          "through backward, and clip with max_grad_norm", len(early.params))
         if early.params and self._optimizer.nonfinite != "propagate" and self._gate.checked_policy == "propagate":
-            raise RuntimeError(
-                f"nonfinite changed to {self._optimizer.nonfinite!r} between backward and step(), but with "
-                "update_in_backward=True updates already ran during backward without a non-finite check; set nonfinite "
-                "before the backward (the constructor's nonfinite=), or change it after optimizer.step()"
-            )
+            self.tear(f"nonfinite changed to {self._optimizer.nonfinite!r} between backward and step(), but with "
+                      "update_in_backward=True updates already ran during backward without a non-finite check; set "
+                      "nonfinite before the backward (the constructor's nonfinite=), or change it after optimizer.step()",
+                      len(early.params))
 
     def prepare(self, buckets: list[list[Tensor]]) -> None:
         """The next step's early updates follow this step's buckets (the order of this backward), with only the
         parameters that had a gradient in this step, and so have state. A trainable parameter that no backward reached
         (an unused head) is in no bucket and keeps nothing waiting."""
         state = self._optimizer.state
+        self._spent = {}  # the step has run: its gradients are p.grad's as torch's step leaves them
         self._unreached = {s.param for s in self._slots if s.param.requires_grad and not state.get(s.param)}
         self._checked_task = None
         kept = [
@@ -443,8 +457,9 @@ class DuringBackward:
         for p in bucket:  # the values as the update left them, taken while backward goes on; marked when it ends
             slot = self._slots.get(p)
             if slot is not None:
-                # A parameter sent back from a staging buffer is written by a copy that may land later: version only.
-                self._values[p] = values_of(slot.local) if slot.staging is None else None
+                self._spent[p] = self._describe(slot)
+                # In host memory its fingerprint as the update left it; on an accelerator taken when backward ends (_settle).
+                self._values[p] = None if self._engine.is_device(slot.local.device) else fingerprint(slot.local)
         return times, sent
 
     def zero_grad(self) -> None:
@@ -452,13 +467,16 @@ class DuringBackward:
         self._failed_backward()
         self.refuse_mid_step("clear its gradients")
         self._snapshot = None  # a backward dropped without a step: the next one begins afresh
-        self._marks, self._values = {}, {}
+        self._marks, self._values, self._spent = {}, {}, {}
         if self._updater is not None and self._updater.gated() and self._updater.started():
             self._drop_updater()
 
-    def close(self) -> None:
+    def close(self) -> dict[Tensor, str]:
+        """Drop the worker (waiting for it); the parameters (by name) updated during a backward whose step() has not
+        run: their gradients were applied."""
         _WATCHED.discard(self)
         self._drop_updater()
+        return dict(self._spent)
 
 
 # Schedules with updates during backward, watched by one global forward pre-hook (registered with the first).
