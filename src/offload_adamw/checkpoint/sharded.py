@@ -196,7 +196,7 @@ def _write(
         error = f"cannot save checkpoint {final}: {_describe(exc)}; nothing was published"
     _agree(error)
     # The shards: DCP's safetensors writer, one file per rank, fsynced by DCP (sync_files).
-    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True), no_dist=world == 1)
     # This rank's own state, and the digests of what this rank wrote (so no rank hashes another's files).
     digests: dict[str, Any] = {}
     error = None
@@ -254,54 +254,60 @@ def _write(
 # -------------------------------------------------------------------- read
 
 
-class _Reader:
-    """Builds DCP's storage reader over the files of a snapshot (lazily: importing DCP costs time)."""
+def _reader(snapshot: publication.Snapshot, shards: list[str]) -> Any:
+    """DCP's safetensors reader over the shard files of ``snapshot``, its layout from their headers (JSON)."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import Metadata
 
-    @staticmethod
-    def make(snapshot: publication.Snapshot, shards: list[str]) -> Any:
-        from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
-        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata,
-            Metadata,
-            MetadataIndex,
-            StorageMeta,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
+    class SnapshotReader(HuggingFaceStorageReader):
+        """Reads the files the manifest lists, each through the snapshot's descriptor; no ``.metadata``, no pickle."""
 
-        class SnapshotReader(HuggingFaceStorageReader):
-            """DCP's safetensors reader, its layout read from the safetensors headers (JSON) of the files the
-            manifest lists, each opened through the snapshot's descriptor; no ``.metadata``, no pickle."""
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return _layout(snapshot, shards)
 
-            def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-                from safetensors import safe_open
+    return SnapshotReader(str(snapshot.root))
 
-                tensors: dict[str, TensorStorageMetadata] = {}
-                storage: dict[MetadataIndex, Any] = {}
-                for name in shards:
-                    where = snapshot.reopenable(name) or str(snapshot.root / name)
-                    with safe_open(where, framework="pt") as f:
-                        header = f.metadata() or {}
-                        offsets_of = json.loads(header.get("DCP_SHARDING_INFO", "{}"))
-                        for key in f.keys():
-                            piece = f.get_slice(key)
-                            shape = list(piece.get_shape())
-                            offsets = list(offsets_of.get(key, {}).get("saved_offsets", [0] * len(shape)))
-                            dtype = getattr(torch, _SAFETENSORS_DTYPES[piece.get_dtype()])
-                            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
-                            entry = tensors.get(key)
-                            end = [o + s for o, s in zip(offsets, shape, strict=True)]
-                            if entry is None:
-                                tensors[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(end), [chunk])
-                            else:
-                                entry.chunks.append(chunk)
-                                entry.size = torch.Size(max(a, b) for a, b in zip(entry.size, end, strict=True))
-                            storage[MetadataIndex(fqn=key, offset=torch.Size(offsets))] = _HFStorageInfo(
-                                relative_path=where, shape=torch.Size(shape), dtype=dtype)
-                return Metadata(state_dict_metadata=dict(tensors), storage_data=storage, storage_meta=StorageMeta())
 
-        return SnapshotReader(str(snapshot.root))
+def _layout(snapshot: publication.Snapshot, shards: list[str]) -> Any:
+    """DCP's Metadata rebuilt from plain data: each shard's tensors, shapes and dtypes from its safetensors header,
+    their offsets in the whole tensor from the JSON that DCP's safetensors writer puts in that header."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    tensors: dict[str, TensorStorageMetadata] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for name in shards:
+        where = snapshot.reopenable(name) or str(snapshot.root / name)
+        try:
+            with safe_open(where, framework="pt") as f:
+                offsets_of = json.loads((f.metadata() or {}).get("DCP_SHARDING_INFO", "{}"))
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    shape = list(piece.get_shape())
+                    offsets = list(offsets_of.get(key, {}).get("saved_offsets", [0] * len(shape)))
+                    dtype = getattr(torch, _SAFETENSORS_DTYPES[piece.get_dtype()])
+                    end = [o + n for o, n in zip(offsets, shape, strict=True)]
+                    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
+                    entry = tensors.get(key)
+                    if entry is None:
+                        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(end), [chunk])
+                    else:
+                        entry.chunks.append(chunk)
+                        entry.size = torch.Size(max(a, b) for a, b in zip(entry.size, end, strict=True))
+                    storage[MetadataIndex(fqn=key, offset=torch.Size(offsets))] = _HFStorageInfo(
+                        relative_path=where, shape=torch.Size(shape), dtype=dtype)
+        except Exception as exc:  # the digests passed: a writer bug or a forged file
+            raise CheckpointCorrupt(
+                f"{snapshot.root / name}: not a readable safetensors shard ({type(exc).__name__}: {exc})") from exc
+    return Metadata(state_dict_metadata=dict(tensors), storage_data=storage, storage_meta=StorageMeta())
 
 
 #: safetensors' dtype names -> torch's
@@ -417,24 +423,42 @@ def load(
     except CheckpointError as exc:
         error = str(exc)
     _agree(error, CheckpointCorrupt)
-    state = _state(model, optimizer)
-    templates: dict[str, Tensor] = {}
-    encode(state, templates, _STATE)
-    wanted = _match(meta, templates, report, optimizer is not None, scheduler, zero)
-    if report.problems and strict:
-        raise CheckpointMismatch(report)
-    if report.problems:
-        raise CheckpointError(
-            f"cannot load checkpoint {root} with strict=False: a sharded checkpoint is loaded whole or not at all "
-            f"({len(report.problems)} problem(s): {'; '.join(report.problems)}); nothing was changed")
-    import torch.distributed.checkpoint as dcp
+    # DCP's get_optimizer_state_dict allocates the state of parameters that have none (a zero-lr step): taken
+    # back on a refusal, so that a refused load leaves the optimizer as it found it.
+    stateless = [] if optimizer is None else [
+        p for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
+    try:
+        state = _state(model, optimizer)
+        templates: dict[str, Tensor] = {}
+        encode(state, templates, _STATE)
+        wanted = _match(meta, templates, report, optimizer is not None, scheduler, zero)
+        elsewhere = [f"rank {r}: {len(found)} problem(s)" for r, found in enumerate(_all(report.problems))
+                     if found and r != rank]
+        if report.problems or elsewhere:
+            report.problems.extend(elsewhere)
+            if strict:
+                raise CheckpointMismatch(report)
+            raise CheckpointError(
+                f"cannot load checkpoint {root} with strict=False: a sharded checkpoint is loaded whole or not at all "
+                f"({len(report.problems)} problem(s): {'; '.join(report.problems)}); nothing was changed")
+        import torch.distributed.checkpoint as dcp
 
-    # Read into copies: the model and the optimizer change only once everything was read.
-    loaded = {key: templates[key].detach().clone() for key in wanted}
-    shards = sorted(n for n in publication.manifest_files(snapshot, version=SHARDED_VERSION) if SHARD_FILE.fullmatch(n))
-    dcp.load(loaded, storage_reader=_Reader.make(snapshot, shards))
-    saved = decode(meta["state"], loaded, f"{root / META_FILE}: state")
-    _commit(saved, report, model, optimizer, scheduler, zero, rng_state)
+        # Read into copies: the model and the optimizer change only once everything was read.
+        loaded = {key: templates[key].detach().clone() for key in wanted}
+        shards = sorted(n for n in publication.manifest_files(snapshot, version=SHARDED_VERSION)
+                        if SHARD_FILE.fullmatch(n))
+        try:
+            dcp.load(loaded, storage_reader=_reader(snapshot, shards), no_dist=world == 1)
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
+            # (CheckpointException is a BaseException)
+            raise CheckpointCorrupt(f"cannot read the shards of {root}: nothing was changed; {exc}") from exc
+        saved = decode(meta["state"], loaded, f"{root / META_FILE}: state")
+        _commit(saved, report, model, optimizer, scheduler, zero, rng_state)
+    except BaseException:
+        for p in stateless:
+            if optimizer is not None:
+                optimizer.state.pop(p, None)
+        raise
     return report
 
 
