@@ -178,7 +178,6 @@ def _write(
     scheduler: Any, extra: Any, *, step: int | None, overwrite: bool, rng: bool,
 ) -> Path | None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
     # Gather (every rank): an unsaveable object fails here, on every rank, before a shard is written.
     error = None
@@ -196,7 +195,7 @@ def _write(
         error = f"cannot save checkpoint {final}: {_describe(exc)}; nothing was published"
     _agree(error)
     # The shards: DCP's safetensors writer, one file per rank, fsynced by DCP (sync_files).
-    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True), no_dist=world == 1)
+    dcp.save(tensors, storage_writer=_writer(tmp), no_dist=world == 1)
     # This rank's own state, and the digests of what this rank wrote (so no rank hashes another's files).
     digests: dict[str, Any] = {}
     error = None
@@ -249,6 +248,75 @@ def _write(
     # Every rank returns after the publication (or raises with rank 0), so that each sees the same checkpoints.
     _agree(error)
     return previous
+
+
+def _writer(tmp: Path) -> Any:
+    """DCP's safetensors writer (one file per rank, each shard's offsets in its header), streaming.
+
+    DCP's own builds the whole file in memory (``safetensors.torch.save`` returns its bytes): one more
+    copy of the rank's whole state on the host. This one writes the same file (the header first, from the
+    plan's shapes and dtypes, then each tensor's bytes from where it lives): the host holds at most one
+    tensor's contiguous CPU copy beyond the state (none for a contiguous host tensor).
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class StreamingWriter(HuggingFaceStorageWriter):
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            results: list[Any] = []
+            if plan.items:
+                name = f"shard-{plan.storage_data['shard_index']:05d}-model-00001-of-00001.safetensors"
+                results = _write_shard(tmp / name, name, plan.items, planner, _StorageInfo, WriteResult)
+            done: Future = Future()
+            done.set_result(results)
+            return done
+
+    return StreamingWriter(str(tmp), save_distributed=True)
+
+
+_TO_SAFETENSORS = {v: k for k, v in {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                                     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                                     "BOOL": "bool"}.items()}
+
+
+def _write_shard(path: Path, name: str, items: list[Any], planner: Any, storage_info: Any, write_result: Any) -> list[Any]:
+    """One rank's safetensors file, streamed tensor by tensor, fsynced; DCP's WriteResults for its items."""
+    header: dict[str, Any] = {}
+    offsets: dict[str, Any] = {}
+    begin = 0
+    layout = []
+    for item in items:
+        props, chunk = item.tensor_data.properties, item.tensor_data.chunk
+        dtype = str(props.dtype).removeprefix("torch.")
+        if dtype not in _TO_SAFETENSORS:
+            raise CheckpointError(f"cannot save {item.index.fqn!r}: a {dtype} tensor has no safetensors dtype")
+        length = torch.Size(chunk.sizes).numel() * props.dtype.itemsize
+        header[item.index.fqn] = {"dtype": _TO_SAFETENSORS[dtype], "shape": list(chunk.sizes),
+                                  "data_offsets": [begin, begin + length]}
+        offsets[item.index.fqn] = {"saved_offsets": list(chunk.offsets)}
+        layout.append((item, begin, length))
+        begin += length
+    header["__metadata__"] = {"DCP_SHARDING_INFO": json.dumps(offsets), "DCP_VERSION": "1.0", "format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned, as safetensors writes it
+    results = []
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        start = f.tell()
+        for item, at, length in layout:
+            tensor = planner.resolve_data(item).detach().to("cpu").contiguous()
+            if tensor.numel() * tensor.element_size() != length:  # the plan and the data disagree: a DCP bug
+                raise CheckpointError(f"cannot save {item.index.fqn!r}: {tensor.shape} is not the planned chunk")
+            if length:
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            results.append(write_result(index=item.index, size_in_bytes=length,
+                                        storage_data=storage_info(relative_path=name, offset=start + at, length=length)))
+        f.flush()
+        os.fsync(f.fileno())
+    return results
 
 
 # -------------------------------------------------------------------- read
