@@ -102,6 +102,17 @@ def test_a_flipped_byte_in_any_file_is_refused_naming_it(run_dir, tmp_path):
             checkpoint.verify(path)
 
 
+@pytest.mark.parametrize("name", ["shard-00002-model-00001-of-00001.safetensors", "rank-00001.json", "extra-fifo"])
+def test_a_fifo_in_the_directory_is_refused_by_name_without_blocking(run_dir, tmp_path, name):
+    import os
+
+    path = copy_of(run_dir, tmp_path)
+    (path / name).unlink(missing_ok=True)
+    os.mkfifo(path / name)  # opening it for reading would block until a writer comes
+    message = refused_unchanged(path)
+    assert name in message and ("a FIFO" in message or "not opened" in message), message
+
+
 class RunsCode:
     """A pickle that, if loaded, writes ``marker``: what a malicious checkpoint would do."""
 

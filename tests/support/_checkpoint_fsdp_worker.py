@@ -9,7 +9,7 @@ writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measure
   ``DIR/ck`` and the full parameters at the save in ``DIR/ck_expected.safetensors`` (the test loads it at world 1).
 * ``refusals``: a copy with one byte of rank 1's shard flipped is refused on both ranks (one rank checks
   that file's digest, all agree) and nothing changes; a second save without ``overwrite`` is refused
-  on both ranks, with it the path is replaced.
+  on both ranks, with it the path is replaced; a save under a regular file is refused on both ranks, naming it.
 * ``reshard``: TinyCausalLM under FSDP2 trained 3 steps by OffloadAdamW(fused=True), saved with
   ``checkpoint.save`` at ``DIR/ours``, and by torch.optim.AdamW(fused=True), saved with ``dcp.save`` of
   ``get_state_dict`` at ``DIR/torch``; both resumed under DDP at world 2 for 3 steps: bit for bit the same.
@@ -134,6 +134,17 @@ def case_refusals(rank, mesh, out: Path, measured) -> list[str]:
         bad.append("a save onto an existing checkpoint without overwrite was accepted")
     except CheckpointError as exc:
         measured["exists"] = str(exc)
+    blocker = out / "a-file"
+    if rank == 0:
+        blocker.write_text("not a directory")
+    dist.barrier()
+    try:
+        checkpoint.save(blocker / "ck", model, optimizer, scheduler)
+        bad.append("a save under a file was accepted")
+    except CheckpointError as exc:
+        measured["under_a_file"] = str(exc)
+        if "a-file is a file, not a directory" not in str(exc):
+            bad.append(f"the refusal does not name the file in the way: {exc}")
     step(model, optimizer, scheduler, 1, rank)
     checkpoint.save(path, model, optimizer, scheduler, overwrite=True)
     if checkpoint.verify(path)["step"] != 2:
