@@ -49,9 +49,12 @@ Contract:
   loads what matches, leaves the rest as it is, and returns the
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
   ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
-* A model or optimizer holding DTensors (FSDP2, tensor parallelism: each rank has a shard) is
-  refused by ``save`` and ``load`` before anything is written or changed, naming the first one and
-  torch.distributed.checkpoint (DCP), which saves and loads shards.
+* A model or optimizer holding DTensors (FSDP2, tensor parallelism: each rank has a shard) is saved
+  by ``save`` into layout 2 (:mod:`~offload_adamw.checkpoint.sharded`, on torch.distributed.checkpoint;
+  every rank calls ``save``). ``load``, ``verify``, ``latest`` and ``resolve`` read either layout by
+  the version its manifest declares; ``load`` of layout 2 is collective where a process group runs and
+  reshards into any layout. A layout-1 checkpoint is not loaded into a DTensor model (refused, naming
+  the first DTensor, before anything changes).
 
 ``load`` runs in named stages: read (:func:`_read`: the files of one directory, opened once, behind
 a verified seal, so that a load racing a save that replaces the checkpoint reads the old one or the
@@ -61,7 +64,8 @@ optimizer and scheduler, by name), commit (:func:`_commit`) and roll back (:func
 was committed before a refusal). ``save`` gathers everything (:func:`_gather`) before it writes and
 publishes (:func:`_write_and_publish`).
 
-The pieces: :mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
+The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2),
+:mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
 :mod:`~offload_adamw.checkpoint.publication` (fsync, exchange, locks, clean-up; no torch),
 :mod:`~offload_adamw.checkpoint.layout` (file names) and :mod:`~offload_adamw.checkpoint.errors`.
 """
