@@ -26,11 +26,15 @@ Contract:
   :class:`CheckpointMismatch` naming each culprit, on every rank, with nothing changed. ``strict=False``
   is refused here (a partial load of shards is not offered).
 * Resharding is DCP's: the shards are read into whatever this run's layout is (FSDP2 at another world
-  size, DDP, one plain process), and what is loaded is bit for bit what was saved.
+  size, DDP, one plain process), and what is loaded is bit for bit what was saved. A load is collective
+  (every rank calls it; the digests are checked in shares) where the model holds DTensors; otherwise
+  (one process, each DDP rank) a process loads alone, reading everything it needs, with no collective;
+  rank *r* restores rank *r*'s RNG states either way.
 """
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import json
 import os
@@ -66,8 +70,18 @@ _OPTIMIZER = f"{_STATE}/optimizer/"
 # ------------------------------------------------------------------ ranks
 
 
+_LOCAL: contextvars.ContextVar[bool] = contextvars.ContextVar("offload_adamw_checkpoint_local", default=False)
+"""Set while a load runs in this process alone (a model without DTensors: one process, or one DDP rank)."""
+
+
+def _process_rank() -> int:
+    """This process's rank in the default group (0 without one): whose RNG states it restores."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
+    """(rank, world size) of the ranks taking part: every rank of the default group, or this process alone."""
+    if not _LOCAL.get() and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
@@ -469,25 +483,44 @@ def load(
     strict: bool,
     *,
     rng: bool,
+    collective: bool,
 ) -> LoadReport:
-    """Collective load of a layout-2 snapshot into this run's layout (see the module contract)."""
+    """A load of a layout-2 snapshot into this run's layout (see the module contract): collective (every rank
+    of the default group calls it) where the model holds DTensors, else by this process alone."""
+    token = _LOCAL.set(not collective)
+    try:
+        return _load(snapshot, model, optimizer, scheduler, strict, rng=rng)
+    finally:
+        _LOCAL.reset(token)
+
+
+def _load(
+    snapshot: publication.Snapshot,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    strict: bool,
+    *,
+    rng: bool,
+) -> LoadReport:
     from offload_adamw.checkpoint import store
 
     rank, world = _world()
+    own = _process_rank()
     meta = verified_meta(snapshot, share=True)
     root = snapshot.root
     error: str | None = None
     report = LoadReport(path=str(root), step=meta["step"])
     try:
-        mine = _read_rank(snapshot, rank) if rank < meta["world_size"] else None
-        zero = mine if rank == 0 else _read_rank(snapshot, 0)
+        mine = _read_rank(snapshot, own) if own < meta["world_size"] else None
+        zero = mine if own == 0 else _read_rank(snapshot, 0)
         report.extra = zero.get("extra") if zero is not None else None
         rng_state = mine.get("rng") if (rng and mine is not None) else None
         if rng and mine is None:
             report.rng_skipped["rank"] = (
-                f"the checkpoint holds the RNG states of {meta['world_size']} rank(s); rank {rank} has none to restore")
+                f"the checkpoint holds the RNG states of {meta['world_size']} rank(s); rank {own} has none to restore")
         if rng_state is not None:
-            store._check_rng(rng_state, root / rank_files(rank)[0])
+            store._check_rng(rng_state, root / rank_files(own)[0])
     except CheckpointError as exc:
         error = str(exc)
     _agree(error, CheckpointCorrupt)

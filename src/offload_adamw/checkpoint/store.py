@@ -627,7 +627,8 @@ def load(
     """
     with _open(Path(path), follow=True) as snapshot:
         if publication.manifest_version(snapshot) == SHARDED_VERSION:
-            return sharded.load(snapshot, model, optimizer, scheduler, strict, rng=rng)
+            collective = _first_dtensor(model, optimizer) is not None
+            return sharded.load(snapshot, model, optimizer, scheduler, strict, rng=rng, collective=collective)
         _refuse_sharded(f"cannot load checkpoint {path}", model, optimizer, "nothing was changed")
         saved = _read_snapshot(snapshot)
     extra, rng_state = _verify(saved, rng=rng)
