@@ -159,6 +159,18 @@ def test_a_pickle_that_the_manifest_vouches_for_never_runs(run_dir, tmp_path, na
     assert not marker.exists()
 
 
+def test_a_manifest_naming_a_file_outside_the_directory_is_refused_unopened(run_dir, tmp_path):
+    path = copy_of(run_dir, tmp_path)
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["../secret.json"] = {"bytes": 2, "sha256": hashlib.sha256(b"{}").hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    reseal(path)
+    message = refused_unchanged(path)
+    assert "../secret.json" in message and "no save writes" in message, message
+
+
 def test_dcp_own_checkpoint_with_a_malicious_metadata_is_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
 

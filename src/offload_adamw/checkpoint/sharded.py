@@ -59,6 +59,7 @@ from offload_adamw.checkpoint.layout import (
     dumps,
     is_count,
     rank_files,
+    written_by_a_save,
 )
 from offload_adamw.checkpoint.publication import TMP_TAG
 
@@ -397,6 +398,20 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
                        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
+def open_listed(snapshot: publication.Snapshot) -> list[str]:
+    """Open every file the manifest of ``snapshot`` lists (not yet checked: :func:`verified_meta` does); the names
+    that were missing. An unreadable manifest opens nothing here; the check refuses it."""
+    try:
+        files = json.loads(snapshot.read(MANIFEST_FILE))["files"]
+        # only names a save writes: a forged manifest must not open "../x" or "/etc/passwd" through the directory
+        names = [name for name in files if isinstance(name, str) and written_by_a_save(name)] if isinstance(
+            files, dict) else []
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return []
+    snapshot.open_more(names)
+    return [name for name in names if name in snapshot.missing]
+
+
 def verified_meta(snapshot: publication.Snapshot, *, share: bool = False) -> dict[str, Any]:
     """The checked metadata of a layout-2 snapshot, every file checked against the manifest first.
 
@@ -415,6 +430,10 @@ def verified_meta(snapshot: publication.Snapshot, *, share: bool = False) -> dic
         if stray:
             raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(
                 f"{n} is not in the manifest (a save never writes it; it was not opened)" for n in stray))
+        foreign = [name for name in entries if not written_by_a_save(name)]
+        if foreign:
+            raise CheckpointCorrupt(f"refusing to load {root}: the manifest lists {foreign}, which no save writes "
+                                    "(malformed manifest; nothing was opened)")
         names = sorted(entries)
         snapshot.open_more(names)
         damaged = publication.check_files(snapshot, entries, names[rank::world])

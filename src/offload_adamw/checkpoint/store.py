@@ -193,7 +193,12 @@ def _open(requested: Path, *, follow: bool) -> publication.Snapshot:
             if attempts_left and follow and resolve(requested) is not None:
                 continue  # a kept previous checkpoint, deleted once the new one was complete
             raise CheckpointError(f"{root}: no checkpoint directory there") from None
-        if snapshot.missing and attempts_left and snapshot.replaced():
+        missing = snapshot.missing
+        if publication.manifest_version(snapshot) == SHARDED_VERSION:
+            # layout 2 names its files in the manifest: opened now too, so that a save replacing the
+            # directory from here on changes nothing of what is read (as for layout 1's fixed names)
+            missing = sharded.open_listed(snapshot)
+        if missing and attempts_left and snapshot.replaced():
             snapshot.close()
             continue
         return snapshot
