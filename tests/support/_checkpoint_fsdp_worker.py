@@ -7,6 +7,8 @@ writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measure
   (with ``extra``), train one more; a fresh model loads the checkpoint and trains the same step: every
   parameter bit for bit, the report, the RNG stream, ``latest`` on every rank. The checkpoint stays at
   ``DIR/ck`` and the full parameters at the save in ``DIR/ck_expected.safetensors`` (the test loads it at world 1).
+* ``bf16_masters``: the same with bf16 parameters: the float32 masters are saved and come back bit for bit
+  (not rebuilt from bf16), and the resumed step is exact.
 * ``refusals``: a copy with one byte of rank 1's shard flipped is refused on both ranks (one rank checks
   that file's digest, all agree) and nothing changes; a second save without ``overwrite`` is refused
   on both ranks, with it the path is replaced; a save under a regular file is refused on both ranks, naming it.
@@ -39,7 +41,7 @@ from offload_adamw import OffloadAdamW, checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
 WORLD = 2
-CASES = ("round_trip", "refusals", "reshard")
+CASES = ("round_trip", "bf16_masters", "refusals", "reshard")
 
 
 def build() -> torch.nn.Module:
@@ -47,9 +49,9 @@ def build() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
 
 
-def small(mesh):
+def small(mesh, dtype=torch.float32):
     """The small model sharded in two units, OffloadAdamW and a scheduler."""
-    model = build()
+    model = build().to(dtype)
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = OffloadAdamW(model.parameters(), lr=1e-2)
@@ -57,7 +59,7 @@ def small(mesh):
 
 
 def step(model, optimizer, scheduler, i: int, rank: int) -> None:
-    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * i + rank))
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * i + rank)).to(next(model.parameters()).dtype)
     model(x).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -97,6 +99,38 @@ def case_round_trip(rank, mesh, out: Path, measured) -> list[str]:
         bad.append(f"loaded {report.loaded}")
     if fresh_scheduler.state_dict() != scheduler_at_save:
         bad.append(f"scheduler {fresh_scheduler.state_dict()}, saved {scheduler_at_save}")
+    step(fresh, fresh_optimizer, fresh_scheduler, 2, rank)
+    got = full(fresh)
+    bad += [f"{k} differs after resuming" for k in expected if not torch.equal(got[k], expected[k])]
+    return bad
+
+
+def masters(optimizer) -> list[torch.Tensor]:
+    out = []
+    for state in optimizer.state.values():
+        master = state["master_param"]
+        out.append(master.full_tensor() if hasattr(master, "full_tensor") else master.clone())
+    return out
+
+
+def case_bf16_masters(rank, mesh, out: Path, measured) -> list[str]:
+    """bf16 parameters: the float32 masters are saved and loaded (not rebuilt from bf16), and the resume is exact."""
+    bad = []
+    model, optimizer, scheduler = small(mesh, torch.bfloat16)
+    for i in range(2):
+        step(model, optimizer, scheduler, i, rank)
+    path = checkpoint.save(out / "ck-bf16", model, optimizer, scheduler)
+    saved_masters = masters(optimizer)
+    step(model, optimizer, scheduler, 2, rank)
+    expected = full(model)
+    fresh, fresh_optimizer, fresh_scheduler = small(mesh, torch.bfloat16)
+    checkpoint.load(path, fresh, fresh_optimizer, fresh_scheduler)
+    loaded = masters(fresh_optimizer)
+    if len(loaded) != 4 or any(m.dtype != torch.float32 for m in loaded):
+        bad.append(f"masters after the load: {[m.dtype for m in loaded]}")
+    bad += [f"master {i} differs after the load" for i, (a, b) in enumerate(zip(loaded, saved_masters, strict=True))
+            if not torch.equal(a, b)]
+    bad += [f"master {i} is its bf16 copy" for i, m in enumerate(loaded) if torch.equal(m, m.bfloat16().float())]
     step(fresh, fresh_optimizer, fresh_scheduler, 2, rank)
     got = full(fresh)
     bad += [f"{k} differs after resuming" for k in expected if not torch.equal(got[k], expected[k])]
@@ -245,7 +279,8 @@ def worker(rank: int, port: int, out: str, cases: list[str], kill: str | None) -
         killed_save(rank, mesh, root, kill)
         return
     results = CaseResults(root / f"rank{rank}.json", cases)
-    checks = {"round_trip": case_round_trip, "refusals": case_refusals, "reshard": case_reshard}
+    checks = {"round_trip": case_round_trip, "bf16_masters": case_bf16_masters, "refusals": case_refusals,
+              "reshard": case_reshard}
     for name in cases:
         results.judge(name, checks[name], rank, mesh, root)
     dist.destroy_process_group()
