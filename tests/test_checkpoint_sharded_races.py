@@ -1,4 +1,5 @@
-"""A load racing saves that replace a sharded (layout 2, DCP) checkpoint reads the old one or the new one, whole.
+"""Sharded (layout 2, DCP) checkpoints raced: a load racing overwrites reads one whole checkpoint; saves racing to
+create one path without ``overwrite``: exactly one wins.
 
 As tests/test_checkpoint_races.py for layout 1: a writer process (tests/support/_sharded_overwrite_worker.py, a
 1-rank FSDP2 model) replaces one checkpoint over and over with ``overwrite=True``; this process loads it into
@@ -9,6 +10,7 @@ opened at once, and the shards are read through those descriptors.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import test_checkpoint_concurrent_saves as concurrent
 import test_checkpoint_races as races
 from _overwrite_worker import build
 from offload_adamw import checkpoint
@@ -64,3 +67,14 @@ def test_a_load_racing_an_overwrite_of_a_sharded_checkpoint_gets_one_whole_check
     assert len(seen) == 100, (len(seen), refused[:2])
     assert len(set(seen)) >= 10, f"the writer hardly ran during the loads: {len(set(seen))} steps seen, {out} saves"
     assert not mixed and not refused, f"{len(mixed)} mixed ({mixed[:2]}), {len(refused)} refused ({refused[:2]})"
+
+
+@pytest.mark.slow  # about 8 s: three forked writers, each with its own gloo group and FSDP2 model
+def test_concurrent_sharded_saves_without_overwrite_one_wins_the_rest_are_refused(tmp_path):
+    """As tests/test_checkpoint_concurrent_saves.py, with sharded saves: the publish window widened in 3 writers."""
+    done = subprocess.run([sys.executable, str(concurrent.WORKER), str(tmp_path), str(concurrent.WORKERS),
+                           str(concurrent.PATHS), "widen", "sharded"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcomes = json.loads(done.stdout)
+    concurrent.judge(tmp_path, outcomes, concurrent.PATHS)
+    assert all(checkpoint.verify(tmp_path / f"c-{k}")["version"] == 2 for k in range(concurrent.PATHS))
