@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from offload_adamw import OffloadAdamW, checkpoint
-from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
+from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from _checkpoint_fsdp_worker import build
@@ -70,6 +70,22 @@ def test_a_world2_checkpoint_loads_into_one_plain_process(run_dir):
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
     assert {float(s["step"]) for s in optimizer.state.values()} == {2.0}
     assert checkpoint.verify(run_dir / "ck")["world_size"] == 2
+
+
+def test_other_parameter_groups_are_refused_by_name_with_nothing_changed(run_dir):
+    """Saved with one group; an optimizer with weights and biases in two groups must not take the saved
+    hyperparameters onto the wrong parameters: refused, naming a parameter in another group."""
+    model = build()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = OffloadAdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-2)
+    before = values(model)
+    with pytest.raises(CheckpointMismatch) as caught:
+        checkpoint.load(run_dir / "ck", model, optimizer)
+    assert "group" in str(caught.value) and "0.bias" in str(caught.value), caught.value
+    assert caught.value.report.group_mismatch, caught.value.report
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not optimizer.state
 
 
 def copy_of(run_dir: Path, tmp_path: Path) -> Path:

@@ -552,6 +552,8 @@ def _load(
         templates: dict[str, Tensor] = {}
         encode(state, templates, _STATE)
         wanted = _match(meta, templates, report, optimizer is not None, scheduler, zero)
+        if optimizer is not None and "optimizer" in meta["state"]:
+            _match_groups(meta["state"]["optimizer"], state["optimizer"], report)
         elsewhere = [f"rank {r}: {len(found)} problem(s)" for r, found in enumerate(_all(report.problems))
                      if found and r != rank]
         if report.problems or elsewhere:
@@ -626,6 +628,34 @@ def _match(
             report.problems.append(
                 f"scheduler: the checkpoint holds a {saved_sched.get('class')}, this is a {type(scheduler).__name__}")
     return wanted
+
+
+def _groups_of(optimizer_state: Any) -> dict[str, int]:
+    """parameter name -> index of its group, in an optimizer state as DCP gives it (groups list names)."""
+    groups = optimizer_state.get("param_groups") if isinstance(optimizer_state, dict) else None
+    if not isinstance(groups, list):
+        return {}
+    return {name: gi for gi, group in enumerate(groups) if isinstance(group, dict)
+            for name in group.get("params", []) if isinstance(name, str)}
+
+
+def _match_groups(saved: Any, here: dict[str, Any], report: LoadReport) -> None:
+    """Every parameter optimized in the same group on both sides, else a problem naming it: DCP would load the
+    saved groups' hyperparameters onto whatever parameters they list, silently regrouping them."""
+    saved_of, here_of = _groups_of(saved), _groups_of(here)
+    saved_count = len(saved.get("param_groups", [])) if isinstance(saved, dict) else 0
+    here_count = len(here.get("param_groups", []))
+    if saved_count != here_count:
+        report.problems.append(f"the checkpoint has {saved_count} parameter group(s), the optimizer has {here_count}")
+    for name, gi in here_of.items():
+        if saved_of.get(name) != gi:
+            report.group_mismatch.append(name)
+            where = "not optimized" if name not in saved_of else f"in group {saved_of[name]}"
+            report.problems.append(f"group mismatch {name!r}: {where} in the checkpoint, group {gi} here")
+    for name, gi in saved_of.items():
+        if name not in here_of:
+            report.group_mismatch.append(name)
+            report.problems.append(f"group mismatch {name!r}: optimized in group {gi} of the checkpoint, not here")
 
 
 def _commit(
