@@ -88,6 +88,25 @@ def test_other_parameter_groups_are_refused_by_name_with_nothing_changed(run_dir
     assert not optimizer.state
 
 
+def test_a_load_between_a_backward_that_updated_and_step_is_refused_naming_the_optimizer(run_dir):
+    """update_in_backward=True, after a backward that already updated parameters: DCP's get_optimizer_state_dict
+    calls the optimizer's own state_dict(), which refuses; the load says so as a CheckpointError and changes
+    nothing (not a bare RuntimeError from inside DCP)."""
+    model = build()
+    optimizer = OffloadAdamW(model.parameters(), lr=1e-2, offload_gradients=True, update_in_backward=True,
+                             bucket_bytes=64)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(5))
+    model(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    rng_before = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match="update_in_backward=True"):
+        checkpoint.load(run_dir / "ck", model, optimizer)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    optimizer.step()
+
+
 def copy_of(run_dir: Path, tmp_path: Path) -> Path:
     target = tmp_path / "ck"
     shutil.copytree(run_dir / "ck", target)

@@ -548,12 +548,18 @@ def _load(
     stateless = [] if optimizer is None else [
         p for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
     try:
-        state = _state(model, optimizer)
         templates: dict[str, Tensor] = {}
-        encode(state, templates, _STATE)
-        wanted = _match(meta, templates, report, optimizer is not None, scheduler, zero)
-        if optimizer is not None and "optimizer" in meta["state"]:
-            _match_groups(meta["state"]["optimizer"], state["optimizer"], report)
+        wanted: list[str] = []
+        try:
+            state = _state(model, optimizer)
+        except Exception as exc:  # OffloadAdamW between a backward that updated and step(): its state_dict refuses
+            report.problems.append(f"the model or the optimizer refuses to give its state now ({type(exc).__name__}: "
+                                   f"{exc})")
+        else:  # every rank reaches the agreement below, whatever it found
+            encode(state, templates, _STATE)
+            wanted = _match(meta, templates, report, optimizer is not None, scheduler, zero)
+            if optimizer is not None and "optimizer" in meta["state"]:
+                _match_groups(meta["state"]["optimizer"], state["optimizer"], report)
         elsewhere = [f"rank {r}: {len(found)} problem(s)" for r, found in enumerate(_all(report.problems))
                      if found and r != rank]
         if report.problems or elsewhere:
