@@ -107,6 +107,13 @@ def test_a_load_between_a_backward_that_updated_and_step_is_refused_naming_the_o
     optimizer.step()
 
 
+def test_a_model_on_the_meta_device_is_refused_by_name(run_dir):
+    with torch.device("meta"):
+        model = build()
+    with pytest.raises(CheckpointMismatch, match="meta device '0.weight'"):
+        checkpoint.load(run_dir / "ck", model, None)
+
+
 def copy_of(run_dir: Path, tmp_path: Path) -> Path:
     target = tmp_path / "ck"
     shutil.copytree(run_dir / "ck", target)

@@ -609,7 +609,11 @@ def _match(
                                    "not in the checkpoint")
             continue
         own = _tensor_info(target)
-        if info["shape"] != own["shape"]:
+        if target.is_meta:
+            report.problems.append(
+                f"meta device {name!r}: the model's tensor holds no storage, nothing can be loaded into it; "
+                "materialize the model first (module.to_empty(device=...))")
+        elif info["shape"] != own["shape"]:
             report.wrong_shape[name] = (tuple(info["shape"]), tuple(own["shape"]))
             report.problems.append(f"wrong shape {name!r}: {tuple(info['shape'])} in the checkpoint, "
                                    f"{tuple(own['shape'])} here")
