@@ -11,7 +11,8 @@ writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measure
   (not rebuilt from bf16), and the resumed step is exact.
 * ``refusals``: a copy with one byte of rank 1's shard flipped is refused on both ranks (one rank checks
   that file's digest, all agree) and nothing changes; a second save without ``overwrite`` is refused
-  on both ranks, with it the path is replaced; a save under a regular file is refused on both ranks, naming it.
+  on both ranks, with it the path is replaced; ranks given two different checkpoints are refused on both;
+  a save under a regular file is refused on both ranks, naming it.
 * ``reshard``: TinyCausalLM under FSDP2 trained 3 steps by OffloadAdamW(fused=True), saved with
   ``checkpoint.save`` at ``DIR/ours``, and by torch.optim.AdamW(fused=True), saved with ``dcp.save`` of
   ``get_state_dict`` at ``DIR/torch``; both resumed under DDP at world 2 for 3 steps: bit for bit the same.
@@ -180,9 +181,27 @@ def case_refusals(rank, mesh, out: Path, measured) -> list[str]:
         if "a-file is a file, not a directory" not in str(exc):
             bad.append(f"the refusal does not name the file in the way: {exc}")
     step(model, optimizer, scheduler, 1, rank)
+    older = out / "ck2-older"
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(path, older)
+    dist.barrier()
     checkpoint.save(path, model, optimizer, scheduler, overwrite=True)
+    # The ranks reading two different checkpoints (two paths here; a save replacing the checkpoint between
+    # the ranks' opening it, in life) would mix them: refused on both ranks, nothing changed.
+    fresh, fresh_optimizer, fresh_scheduler = small(mesh)
+    before = full(fresh)
+    try:
+        checkpoint.load(path if rank == 0 else older, fresh, fresh_optimizer, fresh_scheduler)
+        bad.append("ranks reading two different checkpoints were not refused")
+    except CheckpointError as exc:
+        measured["two_checkpoints"] = str(exc)
+    after = full(fresh)
+    bad += [f"{k} changed by a load refused for two checkpoints" for k in before if not torch.equal(before[k], after[k])]
     if checkpoint.verify(path)["step"] != 2:
         bad.append("overwrite=True did not replace the checkpoint")
+    dist.barrier()
     if rank == 0 and any(p.name.startswith(".") for p in out.iterdir()):
         bad.append(f"hidden leftovers: {sorted(p.name for p in out.iterdir())}")
     return bad

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -528,6 +529,14 @@ def _load(
     own = _process_rank()
     meta = verified_meta(snapshot, share=True)
     root = snapshot.root
+    # Every rank must read the same checkpoint: ranks given two paths, or a save replacing the checkpoint
+    # between the ranks' opening it, would mix two checkpoints (each rank's digests would pass).
+    manifests = _all(hashlib.sha256(snapshot.read(MANIFEST_FILE)).hexdigest())
+    if len(set(manifests)) > 1:
+        raise CheckpointError(
+            f"cannot load checkpoint {root}: the ranks opened different checkpoints (manifest sha256 by rank: "
+            f"{[m[:12] for m in manifests]}): another path on some rank, or a save replaced it meanwhile; "
+            "nothing was changed")
     error: str | None = None
     report = LoadReport(path=str(root), step=meta["step"])
     try:
