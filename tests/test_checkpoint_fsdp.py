@@ -265,7 +265,9 @@ def test_a_save_killed_at_any_stage_leaves_the_previous_checkpoint_whole(tmp_pat
     assert report.step == 2 and all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
     assert checkpoint.latest(tmp_path) == tmp_path / "ck"
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ck.tmp-")]
-    assert leftovers, "the killed save left no temporary: the kill came too late to test anything"
+    if stage != "shards":  # rank 0 itself was killed, so nothing removed its temporary
+        assert leftovers, "the killed save left no temporary: the kill came too late to test anything"
+    # (rank 1 killed: rank 0's collective fails and it removes the temporary itself, or is terminated first)
     checkpoint.save(tmp_path / "other", model, optimizer)  # a later save deletes what the killed one left
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ck.tmp-")]
 

@@ -261,15 +261,15 @@ def kill_at(stage: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if stage == "shards" and rank == 1:
-        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+        from offload_adamw.checkpoint import sharded
 
-        original = HuggingFaceStorageWriter.write_data
+        original = sharded._write_shard
 
-        def write_then_die(self, plan, planner):
-            original(self, plan, planner)  # the shard is on disk, the others' may not be yet
+        def write_then_die(*args, **kwargs):
+            original(*args, **kwargs)  # this rank's shard is on disk, the others' may not be yet
             die()
 
-        HuggingFaceStorageWriter.write_data = write_then_die  # type: ignore[method-assign]
+        sharded._write_shard = write_then_die  # type: ignore[assignment]
     elif stage == "seal" and rank == 0:
         publication.seal = die  # type: ignore[assignment]
     elif stage == "publish" and rank == 0:
