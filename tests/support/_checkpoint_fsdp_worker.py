@@ -12,7 +12,8 @@ writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measure
 * ``refusals``: a copy with one byte of rank 1's shard flipped is refused on both ranks (one rank checks
   that file's digest, all agree) and nothing changes; a second save without ``overwrite`` is refused
   on both ranks, with it the path is replaced; ranks given two different checkpoints are refused on both;
-  a save under a regular file is refused on both ranks, naming it.
+  a save under a regular file is refused on both ranks, naming it; a save that DCP fails (a complex buffer)
+  is a CheckpointError on both ranks and leaves nothing.
 * ``reshard``: TinyCausalLM under FSDP2 trained 3 steps by OffloadAdamW(fused=True), saved with
   ``checkpoint.save`` at ``DIR/ours``, and by torch.optim.AdamW(fused=True), saved with ``dcp.save`` of
   ``get_state_dict`` at ``DIR/torch``; both resumed under DDP at world 2 for 3 steps: bit for bit the same.
@@ -169,6 +170,18 @@ def case_refusals(rank, mesh, out: Path, measured) -> list[str]:
         bad.append("a save onto an existing checkpoint without overwrite was accepted")
     except CheckpointError as exc:
         measured["exists"] = str(exc)
+    # A tensor safetensors cannot hold (complex): DCP's save fails on the rank that writes it and raises on all;
+    # every rank gets a CheckpointError and nothing is published, no temporary is left.
+    odd, odd_optimizer, odd_scheduler = small(mesh)
+    odd.register_buffer("z", torch.zeros(2, dtype=torch.complex64))
+    try:
+        checkpoint.save(out / "ck-complex", odd, odd_optimizer, odd_scheduler)
+        bad.append("a complex buffer was saved")
+    except CheckpointError as exc:
+        measured["complex"] = str(exc)[:300]
+    dist.barrier()
+    if rank == 0 and any(p.name.startswith((".ck-complex", "ck-complex")) for p in out.iterdir()):
+        bad.append(f"a failed save left {sorted(p.name for p in out.iterdir())}")
     blocker = out / "a-file"
     if rank == 0:
         blocker.write_text("not a directory")

@@ -5,8 +5,9 @@ Contract:
 * :func:`save` is collective: every rank of the default process group calls it with its own shards. The
   model and the optimizer are taken by parameter name through DCP's ``get_model_state_dict`` /
   ``get_optimizer_state_dict`` (OffloadAdamW's float32 masters and moments included), their tensors
-  written by ``dcp.save`` through DCP's safetensors writer (``HuggingFaceStorageWriter``,
-  ``save_distributed=True``): one ``shard-*.safetensors`` per rank, each shard's offsets in its header.
+  written by ``dcp.save`` in the files of DCP's safetensors writer (``HuggingFaceStorageWriter``,
+  ``save_distributed=True``: one ``shard-*.safetensors`` per rank, each shard's offsets in its header),
+  streamed tensor by tensor (:func:`_writer`: DCP's own builds each file in memory first).
   Everything else is JSON: ``meta.json`` (rank 0: the nested state with references to the tensors, each
   tensor's global shape and dtype, the step, the world size) and per rank ``rank-NNNNN.json`` /
   ``.safetensors`` (that rank's RNG states of every device; rank 0's also the scheduler and ``extra``).
@@ -210,8 +211,12 @@ def _write(
     except Exception as exc:
         error = f"cannot save checkpoint {final}: {_describe(exc)}; nothing was published"
     _agree(error)
-    # The shards: DCP's safetensors writer, one file per rank, fsynced by DCP (sync_files).
-    dcp.save(tensors, storage_writer=_writer(tmp), no_dist=world == 1)
+    # The shards: one safetensors file per rank, streamed and fsynced by _write_shard.
+    try:
+        dcp.save(tensors, storage_writer=_writer(tmp), no_dist=world == 1)
+    except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
+        raise CheckpointError(f"could not write checkpoint {final}: {exc}; nothing was published and any previous "
+                              "checkpoint there is intact") from exc
     # This rank's own state, and the digests of what this rank wrote (so no rank hashes another's files).
     digests: dict[str, Any] = {}
     error = None
