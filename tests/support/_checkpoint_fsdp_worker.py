@@ -14,6 +14,8 @@ writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measure
   on both ranks, with it the path is replaced; ranks given two different checkpoints are refused on both;
   a save under a regular file is refused on both ranks, naming it; a save that DCP fails (a complex buffer)
   is a CheckpointError on both ranks and leaves nothing.
+* ``converted``: a one-process checkpoint (layout 1) of the same model is refused by the FSDP2 model, naming
+  the converter; converted by ``checkpoint.convert`` it loads: every parameter and moment bit for bit.
 * ``reshard``: TinyCausalLM under FSDP2 trained 3 steps by OffloadAdamW(fused=True), saved with
   ``checkpoint.save`` at ``DIR/ours``, and by torch.optim.AdamW(fused=True), saved with ``dcp.save`` of
   ``get_state_dict`` at ``DIR/torch``; both resumed under DDP at world 2 for 3 steps: bit for bit the same.
@@ -43,7 +45,7 @@ from offload_adamw import OffloadAdamW, checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
 WORLD = 2
-CASES = ("round_trip", "bf16_masters", "refusals", "reshard")
+CASES = ("round_trip", "bf16_masters", "refusals", "converted", "reshard")
 
 
 def build() -> torch.nn.Module:
@@ -220,6 +222,49 @@ def case_refusals(rank, mesh, out: Path, measured) -> list[str]:
     return bad
 
 
+def case_converted(rank, mesh, out: Path, measured) -> list[str]:
+    """A one-process checkpoint (layout 1) converted (checkpoint.convert) loads into the FSDP2 model: every
+    parameter and moment bit for bit what the one process had."""
+    from safetensors.torch import load_file
+
+    from offload_adamw.checkpoint.convert import convert
+
+    if rank == 0:
+        plain = build()
+        plain_optimizer = OffloadAdamW(plain.parameters(), lr=1e-2)
+        plain_scheduler = torch.optim.lr_scheduler.StepLR(plain_optimizer, 1, gamma=0.9)
+        for i in range(2):
+            step(plain, plain_optimizer, plain_scheduler, i, 0)
+        convert(checkpoint.save(out / "legacy", plain, plain_optimizer, plain_scheduler), out / "converted")
+        expected = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+        names = dict(plain.named_parameters())
+        expected |= {f"{n}::exp_avg": plain_optimizer.state[p]["exp_avg"] for n, p in names.items()}
+        save_file(expected, str(out / "converted_expected.safetensors"))
+    dist.barrier()
+    expected = load_file(out / "converted_expected.safetensors")
+    model, optimizer, scheduler = small(mesh)
+    bad = []
+    before = full(model)
+    try:  # the original itself: refused, naming the first DTensor and the command that converts it
+        checkpoint.load(out / "legacy", model, optimizer, scheduler)
+        bad.append("a one-process checkpoint was loaded into the FSDP2 model")
+    except CheckpointError as exc:
+        if "offload_adamw.checkpoint.convert" not in str(exc) or "'0.weight'" not in str(exc):
+            bad.append(f"the refusal does not say what to do: {exc}")
+    after = full(model)
+    bad += [f"{k} changed by a refused load" for k in before if not torch.equal(before[k], after[k])]
+    report = checkpoint.load(out / "converted", model, optimizer, scheduler)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    got = full(model)
+    states = get_optimizer_state_dict(model, optimizer)["state"]  # by name, as global DTensors
+    for name, state in states.items():
+        moment = state["exp_avg"]
+        got[f"{name}::exp_avg"] = moment.full_tensor() if hasattr(moment, "full_tensor") else moment
+    bad += [] if report.step == 2 else [f"step {report.step}"]
+    return bad + [f"{k} differs" for k in expected if not torch.equal(got[k], expected[k])]
+
+
 def case_reshard(rank, mesh, out: Path, measured) -> list[str]:
     """FSDP2 at world 2 -> DDP at world 2: our save/load equals torch's own DCP resume, bit for bit."""
     import torch.distributed.checkpoint as dcp
@@ -312,7 +357,7 @@ def worker(rank: int, port: int, out: str, cases: list[str], kill: str | None) -
         return
     results = CaseResults(root / f"rank{rank}.json", cases)
     checks = {"round_trip": case_round_trip, "bf16_masters": case_bf16_masters, "refusals": case_refusals,
-              "reshard": case_reshard}
+              "converted": case_converted, "reshard": case_reshard}
     for name in cases:
         results.judge(name, checks[name], rank, mesh, root)
     dist.destroy_process_group()

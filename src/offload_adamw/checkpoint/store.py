@@ -396,8 +396,8 @@ def _refuse_sharded(what: str, model: torch.nn.Module, optimizer: torch.optim.Op
     if culprit is not None:
         raise CheckpointError(
             f"{what}: {culprit} is a DTensor (a shard of an FSDP2 or tensor-parallel model), and this checkpoint "
-            "(layout 1, written by an earlier version for one process) holds whole tensors of one process. Load it "
-            f"into the unsharded model and save it again, which writes the sharded layout (DCP); {outcome}"
+            "(layout 1, one process) holds whole tensors of one process. Convert it to the sharded layout first: "
+            f"python -m offload_adamw.checkpoint.convert SRC DST; {outcome}"
         )
 
 
