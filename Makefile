@@ -76,10 +76,12 @@ docs: $(DOCS_STAMP)
 bench: venv
 	$(VENV)/bin/offload-adamw bench
 
-# On the GPU machine, with its own python3 and CUDA torch (no venv, no installs: it has no network):
-# the GPU run (the gpu tests, CUDA parity, the ~1B model, PCIe, host threads), results in bench-out/gpu-run/.
+# On the GPU machine, with its own python3 and CUDA torch (no venv, no installs: it has no network): the GPU run,
+# `offload-adamw selftest --bench` (parity, PCIe, host step, the ~1B Llama) then the gpu tests, within 9 minutes,
+# at most 4 files in $(OUT) (benchmarks/gpu_check.sh): OUT from the environment where it is set, as on the lent machine.
+OUT ?= bench-out/gpu-run
 gpu-check:
-	PYTHON=$(PYTHON) bash benchmarks/gpu_run.sh bench-out/gpu-run
+	PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) .venv-latest .venv-pins build *.egg-info

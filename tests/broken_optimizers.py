@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw import OffloadAdamW
+from offload_adamw.distributed.node import node_share
 
 
 @dataclass(frozen=True)
@@ -343,6 +344,8 @@ class NoValidation(TextbookAdamW):
         self.nonfinite = "propagate"
         self.skipped_steps = 0
         self._pin_memory = False
+        self.node = node_share(gather=False)
+        self.host_threads = self.node.threads
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
                     "maximize": maximize, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
                     "decoupled_weight_decay": True}
@@ -589,6 +592,8 @@ class SplitBetaAdamW(TextbookAdamW):
         self.nonfinite = "propagate"
         self.skipped_steps = 0
         self._pin_memory = False
+        self.node = node_share(gather=False)
+        self.host_threads = self.node.threads
         defaults = {"lr": lr, "beta1": beta1, "beta2": beta2, "epsilon": epsilon, "wd": wd, "correct_bias": correct_bias,
                     "amsgrad": False, "maximize": False}
         torch.optim.Optimizer.__init__(self, params, defaults)

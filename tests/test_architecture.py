@@ -34,7 +34,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"optim"}),
     # measurements of the machine and the optimizer: below the tool rooms, so the planner can read its probes
     frozenset({"benchmarking"}),
-    frozenset({"checkpoint", "conformance", "planning", "auditing"}),
+    frozenset({"checkpoint", "conformance", "planning", "auditing", "selftest"}),
     frozenset({"integrations"}),
     frozenset({"demo"}),
     frozenset({"cli"}),
@@ -49,7 +49,7 @@ TORCH_FREE = ("offload_adamw.contract", "offload_adamw.planning.planner", "offlo
               "offload_adamw.conformance.report", "offload_adamw.benchmarking.device_trace")
 #: what a cli/ module may import: it parses and prints, the work is done by the room it is about.
 CLI_REACHES = frozenset({"_version", "_output", "cli", "benchmarking", "checkpoint", "conformance", "planning",
-                         "auditing", "integrations", "demo"})
+                         "auditing", "selftest", "integrations", "demo"})
 
 
 def layer_line() -> str:

@@ -230,7 +230,7 @@ def test_host_memory_takes_the_hierarchy_and_divides_by_the_ranks_of_the_node(tm
     )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     shared = host_memory()
-    assert shared.sources["cgroup limit - usage, / 4 ranks on this node (LOCAL_WORLD_SIZE)"] == (1 << 30) // 4
+    assert shared.sources["cgroup limit - usage, / 4 ranks on this node (LOCAL_WORLD_SIZE (torchrun))"] == (1 << 30) // 4
     assert shared.available <= (1 << 30) // 4
     layer = torch.nn.Linear(1 << 12, 1 << 12).to(torch.bfloat16)  # 16 Mi elements: 192 MiB of state
     optimizer = OffloadAdamW(layer.parameters(), pin_memory=False)

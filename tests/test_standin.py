@@ -317,3 +317,58 @@ def test_page_locked_memory_is_locked_and_unlocked_from_its_own_device_on_any_th
     thread.join()
     assert sim._pinned == {}, "the arena's pages were not unlocked"
     assert sim.take_hazards() == []
+
+
+def _torch_twin(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    import copy
+
+    twin = copy.deepcopy(model)
+    return twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+
+
+def test_a_second_step_without_backward_waits_for_the_first_steps_sends_before_it_writes_staging(sim) -> None:
+    """HostUpdate's ``slot.sending.wait()``: step() returns with its sends in flight (the compute stream waits for them,
+    the host does not), and a second step() right after it, on the same freed gradients (torch allows it), writes the
+    staging buffers those sends still read. Bitwise torch's fused AdamW, stepped twice the same way."""
+    from offload_adamw import OffloadAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    twin, reference = _torch_twin(model)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, transfer_pipeline=True, offload_gradients=True, bucket_bytes=1)
+    x = torch.randn(16, 64)
+    model(x).square().mean().backward()
+    twin(x).square().mean().backward()
+    with sim.slow_copies(0.02):
+        for _ in range(3):
+            opt.step()  # no backward in between: the same host gradients, the sends of the step before still in flight
+            reference.step()
+    for ours, theirs in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(ours, theirs), "a staging buffer was written while its send to the device still read it"
+    assert sim.take_hazards() == []
+
+
+def test_a_reduced_bucket_replaces_a_host_gradient_only_once_the_add_queued_into_it_has_ended(sim) -> None:
+    """FreedGradients.land_reduced's ``slot.complete()``: DDP's reduced slice replaces the host gradient; an add still
+    queued into that buffer (a tensor added into ``p.grad``'s stand-in, as FSDP2's accumulation or compiled autograd
+    adds) must have ended before the copy of the slice is issued, or the accumulator thread's add and the copy write
+    the buffer at once. Component level: no DDP configuration the library accepts queues such an add before a reduced
+    bucket lands (accumulation under DDP happens on the device), but the residency's contract does not rely on it."""
+    from offload_adamw import OffloadAdamW
+
+    p = torch.nn.Parameter(torch.randn(4096))
+    with sim.late_kernels(0.0):  # the accumulator thread in stream order: its writes into a pending copy are hazards
+        opt = OffloadAdamW([p], offload_gradients=True, transfer_pipeline=True)
+        pipeline = opt.transfer_pipeline
+        assert pipeline is not None
+        for _ in range(2):  # the first step page-locks the accumulation buffer: copies into it are asynchronous after
+            (p * 2.0).sum().backward()  # the gradient (2.0) in host memory, p.grad its stand-in
+            p.grad.add_(torch.ones(4096))
+            opt.step()
+            opt.zero_grad()
+        (p * 2.0).sum().backward()
+        with sim.slow_copies(0.02):
+            p.grad.add_(torch.ones(4096))  # the addend's copy to the host, then the accumulator's add, both queued
+            pipeline.residency.land_reduced(pipeline.slots[p], torch.full((4096,), 5.0))
+        assert torch.equal(opt.gradient(p), torch.full((4096,), 5.0))
+    assert sim.take_hazards() == []

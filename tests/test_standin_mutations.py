@@ -1,13 +1,16 @@
-"""Proof that the stand-in device bites: delete one wait of the pipeline, and a stand-in suite fails.
+"""Proof that the simulated CUDA device bites: delete one wait of the pipeline or of its lane, and a named test fails.
 
-Each mutation removes one wait (or moves a host read before its wait) in a copy of the sources; the named
-stand-in tests (tests/test_standin_suites.py) then run on that copy in a subprocess and must fail with a
-test failure, not a collection error, while the same tests pass on the unmutated copy. Marked slow: each
-mutation is a fresh interpreter (about half a minute); run with ``pytest -m slow tests/test_standin_mutations.py``.
+Each mutation removes one wait, record or event (or moves a host read before its wait) in a copy of the sources;
+the named tests (tests/test_standin.py, tests/test_standin_suites.py, and a few others) then run on that copy in a
+subprocess and must fail with a test failure, not a collection error, while the same tests pass on the unmutated
+copy. Marked slow: each mutation is a fresh interpreter (about half a minute); run with
+``pytest -m slow tests/test_standin_mutations.py``.
 
-Waits the stand-in cannot catch by design, and why, are listed in NOT_CAUGHT: they are real on CUDA, where the
-host runs ahead of the device, but the stand-in's compute stream is the calling thread and blocks at the end of
-each step (as its contract says), so no later host write can meet a copy still in flight.
+NOT_CAUGHT lists the waits no test catches, each with its reason; it is empty, and a quick test keeps it so. Every
+wait it used to list is caught now that the simulated device's host runs ahead of its compute streams (a compute
+stream's wait is the device's, not the host's; late kernels and late gradients, offload_adamw.testing.simulated_cuda),
+or was restructured away: the early updates' copies come back in the records ``BackwardUpdater.finish()`` returns,
+so the step cannot take them before the worker has ended.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ PLACED = ("tests/test_standin_suites.py::test_placements_on_the_simulated_device
           "[stream+device-fp32-acc4-freed-clip-scaler_none-seed81]")
 
 LANE_TESTS = "tests/test_standin.py::"
+SUITES = "tests/test_standin_suites.py::"
 TRANSFER = f"{ACCEL}/transfer.py"
 DDP_SUITE = "tests/test_standin_suites.py::test_distributed_suites_on_the_simulated_device[ddp]"
 
@@ -74,8 +78,8 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
         TRANSFER, "            backend, index = self._home\n            backend.set_device(index)\n",
         "            pass\n", [LANE_TESTS + "test_worker_threads_make_the_pipelines_device_current", UIB]),
     "engine: DDP's callback thread runs without the pipeline's device current": (
-        TRANSFER, "        if before != index:\n            backend.set_device(index)\n        try:",
-        "        try:", [DDP_SUITE]),
+        f"{ACCEL}/streams.py", "    if before != index:\n        backend.set_device(index)\n    try:",
+        "    try:", [DDP_SUITE]),
     "arena: host memory unlocked from the current device of whichever thread frees it (N9)": (
         f"{ACCEL}/host_memory.py",
         "            if before is not None and before != index:\n                backend.set_device(index)\n", "",
@@ -83,6 +87,47 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
     "arena: host memory unlocked without waiting for the copies that touch it": (
         f"{ACCEL}/host_memory.py", "            locker.synchronize()\n", "",
         [LANE_TESTS + "test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it"]),
+}
+
+HAZARDS = "tests/test_standin_hazards.py::"
+STEADY = HAZARDS + "test_the_steady_state_step_issues_no_hidden_synchronisation"
+SCALE = HAZARDS + "test_the_loss_scale_reaches_the_device_without_a_hidden_synchronisation"
+
+#: issue 41's hazards N4, N5, N7, N8, N9: each fix removed, and the test of tests/test_standin_hazards.py that catches it
+HAZARDS_N: dict[str, tuple[str, str, str, list[str]]] = {
+    "N4: the gate reads a CPU-offloaded gradient's norm before FSDP2's copy into it has landed": (
+        f"{ACCEL}/gate.py", "        self._engine.host_gradient_landed(local_tensor(grad))", "        pass",
+        [HAZARDS + "test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_with_no_device_wide_sync"]),
+    "N7: the wait for FSDP2's copy synchronises the whole device": (
+        TRANSFER, "        wait_for_current_stream(backend, index)\n", "        backend.synchronize_device(index)\n",
+        [HAZARDS + "test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_with_no_device_wide_sync"]),
+    "N9: the wait for FSDP2's copy runs on the calling thread's current device": (
+        TRANSFER, "        index = (self._home[1] if self._home is not None\n"
+        "                 else self._offload_index if self._offload_index is not None else backend.get_device())\n",
+        "        index = backend.get_device()\n",
+        [HAZARDS + "test_the_wait_for_a_cpu_offloaded_gradient_runs_on_the_pipelines_device_from_any_thread"]),
+    "N8: a use of the resident widening buffer does not wait for the previous use's event": (
+        f"{ACCEL}/device_update.py",
+        "            self._engine.current_stream_waits(device, released)  # another thread's stream may still read the buffer\n",
+        "            pass\n",
+        [HAZARDS + "test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_main_thread"]),
+    "N8: no event is recorded after a use of the resident widening buffer": (
+        f"{ACCEL}/device_update.py", "        self._released[device] = self._engine.mark(device)\n", "",
+        [HAZARDS + "test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_main_thread"]),
+    "N5: the step counts go to the device from pageable memory (.to(device))": (
+        "offload_adamw/kernels/fused_device.py",
+        "(stacked.to(device) if to_device is None else to_device(stacked))", "stacked.to(device)",
+        [STEADY + "[stream-kept-noclip]", STEADY + "[device-uib-clip]"]),
+    "N5: the loss scale goes to a resident group's device from pageable memory": (
+        f"{ACCEL}/device_update.py", "scale.to(device) if send is None else send(scale)", "scale.to(device)",
+        [SCALE + "[mix-kept-step]"]),  # beside host groups the scale is a host copy (alone it stays on the device)
+    "N5: step() reads the loss scale to the host also without host groups": (
+        f"{ACCEL}/amp.py", '"cpu" if host_groups else grad_scale.device', '"cpu"', [SCALE + "[stream-kept-step]"]),
+    "N5: the unscale's host flag goes to the device from pageable memory": (
+        f"{ACCEL}/amp.py", "host_found.to(found_inf.device) if to_device is None else to_device(host_found)",
+        "host_found.to(found_inf.device)", [SCALE + "[mix-freed-unscale]"]),
+    "N5: the kernels do not wait for a small tensor's copy to the device (the lane's to_device)": (
+        TRANSFER, "        compute.wait_event(landed.event)  # a no-op on CUDA", "        pass  # ", [PLACED]),
 }
 
 #: name -> (module under src/, the text removed or changed, its replacement, the tests that must catch it)
@@ -96,6 +141,31 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "freed: the accumulation buffer reused with its add pending": (
         f"{ACCEL}/residency.py", "        slot.adding.wait()  # the accumulation buffer is about to be overwritten\n", "",
         [PARITY_FREED]),
+    "host update: staging written again before the previous copy out of it ended (slot.sending.wait())": (
+        f"{ACCEL}/host_update.py", "                    slot.sending.wait()  # the previous copy out of staging has ended\n",
+        "", [LANE_TESTS + "test_a_second_step_without_backward_waits_for_the_first_steps_sends_before_it_writes_staging"]),
+    "backward's last callback does not wait for the updates handed to the worker (DuringBackward._settle)": (
+        f"{ACCEL}/schedule.py", "        updater.settle()\n", "",
+        ["tests/test_update_in_backward_changes.py::"
+         "test_an_edit_right_after_backward_is_refused_while_the_updates_still_wait_for_their_copies"]),
+    "step: an early update's error does not surface at step() (BackwardUpdater.finish)": (
+        f"{ACCEL}/overlap.py", "        if error is not None:\n            raise error\n", "",
+        ["tests/test_overlap_updater.py::test_the_first_error_of_an_update_is_raised_by_finish"]),
+    "device grads: an early update does not wait for the gradient's stream (DeviceGradients.landed)": (
+        f"{ACCEL}/device_grads.py", "        self._engine.current_stream_waits(grad.device, slot.landing)\n", "",
+        [SUITES + "test_an_update_during_backward_waits_for_the_stream_that_produced_its_device_gradient[stream-seed96]",
+         SUITES + "test_an_update_during_backward_waits_for_the_stream_that_produced_its_device_gradient[device-seed97]"]),
+    "resident: the next forward does not wait for an early update's kernels (DeviceUpdate.run's mark)": (
+        f"{ACCEL}/device_update.py", "                sent.append((device, self._engine.mark(device)))\n", "",
+        [SUITES + "test_the_next_forward_waits_for_the_parameters_an_update_during_backward_wrote[device-seed99]"]),
+    "stream: the next forward does not wait for an early update's kernels (StreamUpdate.run's mark)": (
+        f"{ACCEL}/stream_update.py", "                sent.append((device, self._engine.mark(device)))\n", "",
+        [SUITES + "test_the_next_forward_waits_for_a_streamed_parameter_written_back_after_its_update[100]"]),
+    "freed: a reduced DDP bucket copied into a gradient an add still writes (land_reduced)": (
+        f"{ACCEL}/residency.py",
+        "        slot.complete()\n        slot.landing = self._engine.copy_to_host(grad, host)\n",
+        "        slot.landing = self._engine.copy_to_host(grad, host)\n",
+        [LANE_TESTS + "test_a_reduced_bucket_replaces_a_host_gradient_only_once_the_add_queued_into_it_has_ended"]),
     "step: the next forward does not wait for the parameters sent back": (
         f"{ACCEL}/pipeline.py", "            self.engine.compute_waits(device, done)\n", "            pass\n",
         [PARITY_KEPT]),
@@ -118,31 +188,15 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         f"{ACCEL}/stream_update.py", "        for done in pending:\n            done.wait()",
         "        for done in pending:\n            pass", [RING, PLACED]),
     **LANE,
+    **HAZARDS_N,
 }
 
 #: waits of the pipeline (none of the lane's) that the simulated device cannot catch, or that an earlier wait covers, and why
-NOT_CAUGHT = {
-    "the step's wait for the worker before it takes the early updates' copies (updater.finish() before self._sent)":
-        "backward's last callback has already waited for every update handed to the worker (updater.settle()), so no "
-        "update runs when step() takes the copies; finish() still ends the worker and raises an update's error there",
-    "backward's last callback waits for the updates handed to the worker (DuringBackward._settle's updater.settle())":
-        "without it step()'s finish() still waits before anything reads the updates, so the suites, which edit "
-        "nothing between backward and step(), see the same bits; what it orders is the user's code after the "
-        "updates and their marks: tests/test_update_in_backward_changes.py's probes edit at once after backward and "
-        "meet its absence only when the worker is still busy",
-    "host update: staging written again before the previous copy out of it ended (slot.sending.wait())":
-        "within a step each staging buffer is written once, and torch's own operations run on the calling thread, so "
-        "the compute stream's wait for the send-backs at the end of the step (compute_waits) blocks the host: no later "
-        "host write can meet a send still in flight",
-    "a reduced DDP bucket waits for a pending add before its copy (land_reduced's slot.complete())":
-        "DDP accumulates on the device, so no add is ever pending on a DDP parameter's buffer",
-    "a streamed or resident update during backward orders its device work after the stream that produced the gradient "
-    "(DeviceGradients.landed's current_stream_waits), and the next forward waits for the parameters it wrote (the mark "
-    "StreamUpdate.run and DeviceUpdate.run return)":
-        "each thread has its own compute stream, but torch's own operations (autograd's gradient, the fused update) run "
-        "at once on the calling thread: only work a test hands to compute_later is late, so these marks are complete "
-        "when taken (the lane's mark and wait themselves are caught: LANE)",
-}
+NOT_CAUGHT: dict[str, str] = {}
+
+
+def test_every_wait_is_caught() -> None:
+    assert NOT_CAUGHT == {}, "a wait no test catches: make the hazard real on the simulated device, or restructure"
 
 
 def _run(src: Path, tests: list[str]) -> subprocess.CompletedProcess[str]:

@@ -12,12 +12,16 @@ clipping (tests/test_update_in_backward.py), zero_grad and accumulation in host 
 DDP and FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and tests/test_overlap_fsdp.py, rank r on
 device index r), and the placements of tests/test_placement.py (streamed and resident groups, alone and beside host
 groups, the ring over tensors of many chunks with 2 and 3 buffers, updates during backward). The in-process rows run
-on device index 1. Each row has its own seed. tests/test_standin_mutations.py shows that removing any one wait of the
-pipeline or of the lane fails one of these or a test of tests/test_standin.py.
+on device index 1. Each row has its own seed. The last tests make compute late where it is on a GPU: a gradient that
+lands late on the backward thread's stream (a hook poisons it and restores it there), and the updater thread's kernels
+queued late on its own stream (``late_kernels``), so that an update during backward must wait for the stream that
+produced its gradient, and the next forward for the stream that wrote the parameters. tests/test_standin_mutations.py
+shows that removing any one wait of the pipeline or of the lane fails one of these or a test of tests/test_standin.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -146,3 +150,107 @@ def test_the_ring_on_the_simulated_device(buffers, simulated_device) -> None:
 def test_streamed_updates_during_backward_on_the_simulated_device(simulated_device) -> None:
     test_update_in_backward.test_streamed_and_resident_groups_update_during_backward_bitwise_torch_fused(
         ("stream", "host"), 4, False)
+
+
+def _lands_late(sim):
+    """A post-accumulate-grad hook, registered before the optimizer's: the gradient autograd produced lands late on the
+    backward thread's compute stream (poisoned now, its values written by work queued on that stream), as a gradient
+    whose kernels the device has not run yet when the host reaches the hook."""
+    def hook(p: torch.Tensor) -> None:
+        grad = p.grad
+        values = grad.clone()
+        grad.fill_(float("nan"))
+        sim.compute_later(lambda: grad.copy_(values), delay_s=0.01, writes=[grad])
+    return hook
+
+
+@pytest.mark.parametrize(("placed", "simulated_device"), [("stream", 96), ("device", 97)],
+                         ids=["stream-seed96", "device-seed97"], indirect=["simulated_device"])
+def test_an_update_during_backward_waits_for_the_stream_that_produced_its_device_gradient(placed, simulated_device):
+    """DeviceGradients.landed's current_stream_waits: the updater thread's update of a streamed or resident group reads a
+    gradient that lands late on the backward thread's stream, so it must wait for that stream (the mark its hook
+    took). Bitwise torch's fused AdamW, and updates ran during backward."""
+    import copy
+
+    from offload_adamw import OffloadAdamW
+
+    uib = test_update_in_backward
+    torch.manual_seed(0)
+    reference = uib.Blocks()
+    model = copy.deepcopy(reference)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(_lands_late(simulated_device))
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(uib._placed(model, (placed,)), lr=1e-3, weight_decay=0.1, offload_gradients=True,
+                        update_in_backward=True, bucket_bytes=uib._block_bytes(model), stream_chunk_bytes=1 << 20)
+    uib._train(reference, theirs, 3, 1, ours=False)
+    timelines = uib._train(model, ours, 3, 1, ours=True)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), "an update read its gradient before the stream that produced it"
+    last = timelines[-1]
+    assert any(b.update_start < last.backward_end for b in last.buckets), "no update ran during backward"
+
+
+@pytest.mark.parametrize(("placed", "simulated_device"), [("stream", 98), ("device", 99)],
+                         ids=["stream-seed98", "device-seed99"], indirect=["simulated_device"])
+def test_the_next_forward_waits_for_the_parameters_an_update_during_backward_wrote(placed, simulated_device):
+    """The mark StreamUpdate.run and DeviceUpdate.run return: the updater thread's kernels run late on its own stream
+    (late_kernels), and the next forward, on the user's thread, must wait for that stream (step() has its compute
+    stream wait for the mark). Bitwise torch's fused AdamW, and updates ran during backward."""
+    import copy
+
+    from offload_adamw import OffloadAdamW
+
+    uib = test_update_in_backward
+    torch.manual_seed(0)
+    reference = uib.Blocks()
+    model = copy.deepcopy(reference)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ours = OffloadAdamW(uib._placed(model, (placed,)), lr=1e-3, weight_decay=0.1, offload_gradients=True,
+                        update_in_backward=True, bucket_bytes=uib._block_bytes(model), stream_chunk_bytes=1 << 20)
+    uib._train(reference, theirs, 3, 1, ours=False)
+    with simulated_device.late_kernels(0.02):
+        timelines = uib._train(model, ours, 3, 1, ours=True)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), "a forward read a parameter before the update that wrote it ran"
+    last = timelines[-1]
+    assert any(b.update_start < last.backward_end for b in last.buckets), "no update ran during backward"
+
+
+class _Gapped(torch.nn.Module):
+    """A parameter that is not dense (a slice of a wider tensor): its update writes an aligned copy, written back after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(48, 64)[:, :32])
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.w))
+
+
+@pytest.mark.parametrize("simulated_device", [100], indirect=True)
+def test_the_next_forward_waits_for_a_streamed_parameter_written_back_after_its_update(simulated_device):
+    """The mark StreamUpdate.run returns: a streamed parameter that is not dense is updated in an aligned copy and
+    written back once the chunks have gone back to the host, after the last copy step() waits for; the next forward
+    must wait for the updater's stream through the mark. Bitwise torch's fused AdamW."""
+    import copy
+
+    from offload_adamw import OffloadAdamW
+
+    torch.manual_seed(0)
+    model = _Gapped()
+    reference = copy.deepcopy(model)
+    assert not model.w.is_contiguous()
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    ours = OffloadAdamW([{"params": list(model.parameters()), "update_on": "stream"}], lr=1e-2, offload_gradients=True,
+                        update_in_backward=True, bucket_bytes=1, stream_chunk_bytes=1 << 20)
+    batches = [torch.randn(16, 48, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    for net, opt in ((reference, theirs), (model, ours)):
+        with simulated_device.late_kernels(0.02) if net is model else contextlib.nullcontext():
+            for x in batches:
+                net(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), "a forward read a parameter before its write-back ran"

@@ -271,3 +271,20 @@ class _NoSync:
 
     def zero_grad(self):
         self.opt.zero_grad()
+
+
+def test_an_edit_right_after_backward_is_refused_while_the_updates_still_wait_for_their_copies():
+    # Backward's last callback waits for the updates handed to the worker and marks their parameters, so that an edit
+    # made as soon as backward returns comes after every update and its mark. Here the copies are slow (a busy link),
+    # so when backward's hooks have all run the worker is still waiting for the first buckets' gradients: without that
+    # wait the last bucket (the first layer) is updated after the edit, unmarked, and the edit goes through silently.
+    from offload_adamw.testing.simulated_cuda import simulated_cuda
+
+    with simulated_cuda(4, index=1) as sim:
+        model, opt = _armed()  # built inside: every parameter is on the simulated device
+        with sim.slow_copies(0.02):
+            _loss(model, 2).backward()
+            _no_grad_mul(model[0].weight)  # at once, from the user's thread
+            with pytest.raises(RuntimeError, match=r"parameter '0.weight' was changed between backward and step\(\)"):
+                opt.step()
+    assert sim.take_hazards() == []

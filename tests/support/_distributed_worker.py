@@ -40,6 +40,7 @@ from offload_adamw import OffloadAdamW, StateDictMismatch
 
 WORLD = 2
 RESUME_AT, RESUME_END = 3, 6
+RESUME_CLIP = 0.05  # torch's clip_grad_norm_ before each step of the default-kernel resume (check_dcp_resume)
 
 
 def sharded(seed: int, mesh) -> torch.nn.Module:
@@ -57,7 +58,9 @@ def torch_adamw(model, kind: str) -> torch.optim.Optimizer:
 
 
 def offload_adamw(model, kind: str, **kw) -> OffloadAdamW:
-    return OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=(kind == "fused"), **kw)
+    """``kind`` "single": the for-loop update (fused=False); "fused": fused=True; "default": fused=None."""
+    fused = {"single": False, "fused": True, "default": None}[kind]
+    return OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=fused, **kw)
 
 
 def full_states(model, optimizer) -> dict[str, torch.Tensor]:
@@ -338,6 +341,16 @@ def check_dcp_resume(rank, mesh, measured, out: Path, ckpt_w1: Path | None):
         bitwise, gap, _ = diff(full_params(fresh), expected)
         measured[label] = gap
         assert bitwise, f"{label}: resumed run differs from the uninterrupted one (max {gap})"
+
+    # The default kernel (torch's fused op) and clipping: saved at world 2 by OffloadAdamW and by torch's
+    # AdamW(fused=True) alike, for tests/test_distributed.py to resume both at world 1 and compare.
+    for name, make in (("ckpt_w2_offload_default", lambda m: offload_adamw(m, "default")),
+                       ("ckpt_w2_torch_fused", lambda m: torch_adamw(m, "fused"))):
+        model = sharded(0, mesh)
+        opt = make(model)
+        train(model, opt, range(RESUME_AT), None, clip=RESUME_CLIP)
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=out / name)
 
 
 def check_checkpoint_metadata(rank, mesh, measured, out: Path):

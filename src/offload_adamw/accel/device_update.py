@@ -9,7 +9,9 @@ Contract:
   the fused kernel over the whole list (what torch.optim.AdamW(fused=True) runs). The others (a bf16 model over
   float32 masters, or GradScaler's scale, which the fused op divides in place) go through one device buffer that
   receives their widened gradient chunk by chunk (at most ``chunk_bytes`` of the state's dtype, allocated before any
-  update of a step by :meth:`reserve`, after the optimizer's device-memory check), never a full-size copy.
+  update of a step by :meth:`reserve`, after the optimizer's device-memory check), never a full-size copy. The
+  updater thread (updates during backward) and the main thread (step()) use it on their own streams: each use waits
+  for an event recorded after the previous one.
 * The step count is advanced once per tensor, every chunk of a tensor reads the same count: the result is bitwise
   torch's fused AdamW on float32 masters on that device (kernels/fused_device.py).
 """
@@ -45,12 +47,21 @@ class DeviceUpdate:
         self._coefficient = coefficient
         self._chunk_bytes = chunk_bytes // CHUNK_ALIGN * CHUNK_ALIGN
         self._buffers: dict[torch.device, Tensor] = {}
+        # The latest use of each widening buffer, as an event on the stream that used it: the updater thread's stream
+        # (updates during backward) and the main thread's (step()) are not the same stream.
+        self._released: dict[torch.device, Completion] = {}
 
     def reserve(self, slots: Sequence[Slot]) -> None:
         """A gradient buffer on each device these slots' updates run on, checked against the device's memory first."""
         for device in {s.local.device for s in slots} - set(self._buffers):
             self._optimizer.check_device_buffers(self._chunk_bytes, device, "gradient widening")  # type: ignore[attr-defined]
             self._buffers[device] = torch.empty(self._chunk_bytes, dtype=torch.uint8, device=device)
+
+    def _sender(self, device: torch.device) -> Callable[[Tensor], Tensor] | None:
+        """How a step's small host tensors reach ``device`` (the engine's lane: no host wait), or None on the host."""
+        if not self._engine.is_device(device):
+            return None
+        return lambda host: self._engine.to_device(device, host)
 
     def buffer_bytes(self) -> int:
         """Device bytes of the widening buffers, as allocated (the resident state is the optimizer's to count)."""
@@ -62,8 +73,9 @@ class DeviceUpdate:
         for _, hp, by_device in gather(self._optimizer, self._slots, params, where, gradient, self._coefficient(),
                                        self._used):
             for device, work in by_device.items():
-                counts = advance_steps([w.state.step for w in work], device)
-                device_scale = None if scale is None else scale.to(device)
+                send = self._sender(device)
+                counts = advance_steps([w.state.step for w in work], device, send)
+                device_scale = None if scale is None else scale.to(device) if send is None else send(scale)
                 whole = [i for i, w in enumerate(work) if device_scale is None and w.grad.dtype == w.state.master.dtype]
                 if whole:
                     _fused([work[i] for i in whole], [counts[i] for i in whole], hp, None)
@@ -80,6 +92,9 @@ class DeviceUpdate:
     def _widened(self, work: list[TensorWork], counts: list[Tensor], hp: StepHyper, scale: Tensor | None,
                  dtype: torch.dtype, device: torch.device) -> None:
         buffer = self._buffers[device].view(dtype)
+        released = self._released.pop(device, None)
+        if released is not None:
+            self._engine.current_stream_waits(device, released)  # another thread's stream may still read the buffer
         cap = buffer.numel() // CHUNK_ALIGN * CHUNK_ALIGN
         for pieces in chunk_plan([w.numel for w in work], cap):
             sliced = [[f[p.start:p.end] for f in work[p.index].state_flats] for p in pieces]
@@ -91,12 +106,14 @@ class DeviceUpdate:
                 take_edits=[w.take_edits for w in items], grad_scale=scale,
                 widened=[buffer[p.offset:p.offset + p.end - p.start] for p in pieces],
             )
+        self._released[device] = self._engine.mark(device)
 
     def settle(self) -> None:
         return None  # nothing is copied: the next forward waits on the device for the parameters written
 
     def close(self) -> None:
         self._buffers.clear()
+        self._released.clear()
 
 
 def _fused(work: list[TensorWork], counts: list[Tensor], hp: StepHyper, scale: Tensor | None) -> None:

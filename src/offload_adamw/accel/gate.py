@@ -113,6 +113,7 @@ class Gate:
     def take(self, param: Tensor, grad: Tensor, *, accumulated: bool) -> None:
         """``param``'s gradient landed: its norm and count on its device, before it leaves (accumulated: added onto
         a gradient of an earlier backward, whose sum's norm is the host's to take)."""
+        self._engine.host_gradient_landed(local_tensor(grad))  # FSDP2's CPUOffloadPolicy: its copy in may be pending
         if accumulated or self.taken or param in self._norms or param in self._counts:
             self._stale = True
         if self.tracks():

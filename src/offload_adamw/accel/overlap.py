@@ -10,6 +10,10 @@ Contract:
 * A *gate* holds every update back until it is opened: the updates of a clipped step need the
   global gradient norm, known only when the last gradient has landed; :meth:`BackwardUpdater.open_gate` is called
   then (or by ``finish``). Without a gate, buckets start as they complete.
+* ``update(index)`` returns None or ``(timings, result)``: the timings go into the bucket's record's ``extra``, the
+  result (what the update issued: the copies it sent back) into its ``result``. The caller takes results only from
+  the records :meth:`BackwardUpdater.finish` returns, after the worker has ended: no result is read while an update
+  may still add to it.
 * :meth:`BackwardUpdater.settle` waits for the updates handed to the worker so far (the schedule calls it when
   backward ends). :meth:`BackwardUpdater.finish` (called by ``step()``) opens the gate, waits for the worker, re-raises the first
   error of an update, and returns the buckets not updated (those whose gradients did not all land,
@@ -27,6 +31,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["BackwardUpdater", "UpdateRecord"]
 
@@ -41,6 +46,8 @@ class UpdateRecord:
     end: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
     """What the update function reported (for example when its copies were complete)."""
+    result: Any = None
+    """What the update function returned besides its timings (see the module contract)."""
 
 
 class BackwardUpdater:
@@ -49,7 +56,7 @@ class BackwardUpdater:
     def __init__(
         self,
         buckets: Sequence[Sequence[Hashable]],
-        update: Callable[[int], dict[str, float] | None],
+        update: Callable[[int], tuple[dict[str, float], Any] | None],
         *,
         gated: bool,
         enabled: bool = True,
@@ -129,9 +136,10 @@ class BackwardUpdater:
         self._worker = threading.current_thread()
         record = self._records[index]
         record.start = time.monotonic()
-        extra = self._update(index)
+        out = self._update(index)
         record.end = time.monotonic()
-        if extra:
+        if out is not None:
+            extra, record.result = out
             record.extra.update(extra)
 
     def settle(self) -> None:

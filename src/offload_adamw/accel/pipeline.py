@@ -369,7 +369,8 @@ class GradientPipeline:
 
     def unscale_(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict[torch.device, Tensor]:
         """GradScaler's unscale-and-check over the gradients wherever they live (freed mode; accel/amp.py)."""
-        return amp.unscale_gradients_(self.host_gradients(), inv_scale, found_inf, allow_fp16)
+        return amp.unscale_gradients_(self.host_gradients(), inv_scale, found_inf, allow_fp16, self.placements.on_device,
+                                      lambda host: self.engine.to_device(found_inf.device, host))
 
     def refuse_mid_step(self, what: str) -> None:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
@@ -425,8 +426,7 @@ class GradientPipeline:
             return
         self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
         opt.preflight([w for p, w in where.items() if p not in early.params and p.grad is not None and not opt.state.get(p)])
-        scale = None if grad_scale is None else grad_scale.detach().to("cpu", torch.float32)
-
+        scale = amp.step_scale(grad_scale, any(self.slots[p].on_host for p in where if p not in early.params))
         # Parameters the device still reads in backward must not be overwritten: sends wait for compute.
         self.engine.send_after_compute({s.local.device for s in self.slots if self.engine.is_device(s.local.device)})
         # In the order this backward produced the gradients (stable: those it did not reach last, in optimizer order).

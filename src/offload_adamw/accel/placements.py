@@ -95,6 +95,10 @@ class Placements:
                 sent += self._components[name].run(by_placement[name], where, scale, gradient, times)
         return sent
 
+    def on_device(self, p: Tensor, grad: Tensor) -> bool:
+        """Whether ``p``'s gradient ``grad`` stays on the device (a streamed or resident group's), not in host memory."""
+        return not self._slots[p].on_host
+
     def settle(self) -> None:
         for name in ("stream", "device"):
             self._components[name].settle()  # type: ignore[attr-defined]

@@ -167,6 +167,8 @@ class FreedGradients:
     def land_reduced(self, slot: Slot, grad: Tensor) -> None:
         """A reduced DDP bucket's slice: it replaces the host gradient (DDP accumulates on the device)."""
         host = self._slots.ensure_grad_buffer(slot)
+        # No accepted DDP configuration queues an add into this buffer before its bucket lands, but an add of the user's
+        # into p.grad's stand-in would: the copy must not write the buffer while the accumulator thread does.
         slot.complete()
         slot.landing = self._engine.copy_to_host(grad, host)
         slot.holding = Holding.GRADIENT

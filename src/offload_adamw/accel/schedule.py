@@ -137,7 +137,6 @@ class DuringBackward:
         self._thread_init = thread_init
         self._updater: BackwardUpdater | None = None
         self._buckets: list[list[Tensor]] = []
-        self._sent: Sent = []
         self._snapshot: Snapshot | None = None  # what the hyperparameters were when the latest backward began
         self._values: dict[Tensor, Tensor | None] = {}  # each updated parameter's fingerprint, as its update left it
         self._marks: dict[Tensor, Mark] = {}  # the parameters updated during backward, as backward left them
@@ -363,7 +362,7 @@ class DuringBackward:
             return Early()  # every update runs in step(), with the values of now, as torch's
         _, records = updater.finish()
         marks, self._marks, self._values = self._marks, {}, {}
-        sent, self._sent = self._sent, []  # after the worker has ended: its last bucket's copies are among them
+        sent = [s for r in records for s in r.result]  # what each update sent back, from records of ended updates
         early = {p for r in records for p in self._buckets[r.bucket]}
         self._refuse_changes(snapshot, marks, ran=len(early))
         return Early(early, records, sent)
@@ -436,8 +435,9 @@ class DuringBackward:
         self._buckets = kept
         self._updater = BackwardUpdater(kept, self._early_update, gated=self._gate.gated(), thread_init=self._thread_init)
 
-    def _early_update(self, index: int) -> dict[str, float]:
-        """A bucket's update on the worker thread, while backward goes on."""
+    def _early_update(self, index: int) -> tuple[dict[str, float], Sent]:
+        """A bucket's update on the worker thread, while backward goes on: its timings and the copies it sent back
+        (which step() takes from the records finish() returns)."""
         bucket = self._buckets[index]
         sent, times = self._run_early(bucket)
         for p in bucket:  # the values as the update left them, taken while backward goes on; marked when it ends
@@ -445,8 +445,7 @@ class DuringBackward:
             if slot is not None:
                 # A parameter sent back from a staging buffer is written by a copy that may land later: version only.
                 self._values[p] = values_of(slot.local) if slot.staging is None else None
-        self._sent += sent
-        return times
+        return times, sent
 
     def zero_grad(self) -> None:
         """Buckets complete in the cleared backward, waiting for a coefficient, would run on the next one's."""

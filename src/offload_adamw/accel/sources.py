@@ -387,8 +387,9 @@ class DdpSource:
                 slot = self._slots.get(p)
                 if slot is not None:
                     if slot.on_host:  # a streamed or resident group's gradient never leaves the device
+                        # Under the lock, which allocation needs; the residency's land_reduced orders its copy after any
+                        # add still queued into the buffer.
                         self._slots.ensure_grad_buffer(slot)
-                        slot.adding.wait()
                     members.append((slot, grad))
         syncing = self._landing.syncing() and self._lands_early
         if syncing and not lands and self._gate.gated():

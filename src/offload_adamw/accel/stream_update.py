@@ -84,6 +84,12 @@ class StreamUpdate:
             self._optimizer.check_device_buffers(nbytes, device, "stream ring")  # type: ignore[attr-defined]
             self._rings[device] = _Ring(device, self._chunk_bytes, self._buffers)
 
+    def _sender(self, device: torch.device) -> Callable[[Tensor], Tensor] | None:
+        """How a step's small host tensors reach ``device`` (the engine's lane: no host wait), or None on the host."""
+        if not self._engine.is_device(device):
+            return None
+        return lambda host: self._engine.to_device(device, host)
+
     def buffer_bytes(self) -> int:
         """Device bytes of the rings, as allocated."""
         return sum(r.raw.numel() for r in self._rings.values())
@@ -94,8 +100,9 @@ class StreamUpdate:
         for _, hp, by_device in gather(self._optimizer, self._slots, params, where, gradient, self._coefficient(),
                                        self._used):
             for device, work in by_device.items():
-                counts = advance_steps([w.state.step for w in work], device)
-                device_scale = None if scale is None else scale.to(device)
+                send = self._sender(device)
+                counts = advance_steps([w.state.step for w in work], device, send)
+                device_scale = None if scale is None else scale.to(device) if send is None else send(scale)
                 by_dtype: dict[torch.dtype, list[int]] = {}
                 for i, w in enumerate(work):
                     by_dtype.setdefault(w.state.master.dtype, []).append(i)

@@ -5,8 +5,12 @@ Contract:
 * :class:`StreamBackend` is exactly what the lane calls: a new stream, the calling thread's current stream,
   a stream context, blocking events (record, synchronize, query), ``wait_stream`` and ``wait_event`` (methods
   of the streams, as torch spells them), ``record_stream``, a non-blocking copy on the current stream,
-  page-locking and unlocking host memory (and an exactly sized page-locked allocation's fallback), the
-  calling thread's current device. Nothing here decides anything: the lane's order of work is the lane's.
+  page-locking and unlocking host memory (and an exactly sized page-locked allocation's fallback), whether host
+  memory is page-locked, the calling thread's current device; and a device-wide synchronisation, which the pipeline
+  never calls (a stream or an event names what it waits for; the simulated device counts it). Nothing here decides
+  anything: the lane's order of work is the lane's.
+* :func:`current_device` makes a device current for a block (no context on another), and
+  :func:`wait_for_current_stream` has the host wait for the calling thread's current stream of a device.
 * :data:`CUDA` is the backend over ``torch.cuda``, a plain call per method. It is what runs for CUDA devices.
 * Another backend (the simulated CUDA device of ``offload_adamw.testing``) is chosen only by being installed:
   :func:`installed_backend` (a context manager) or :func:`install`; pipelines built while it is installed
@@ -27,8 +31,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "install", "installed", "installed_backend",
-           "is_device_tensor"]
+__all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "current_device", "install", "installed", "installed_backend",
+           "is_device_tensor", "pci_bus_id", "wait_for_current_stream"]
 
 
 class StreamBackend(Protocol):
@@ -79,12 +83,25 @@ class StreamBackend(Protocol):
         """Page-locked host memory from the backend's own allocator (the fallback where :meth:`pin` fails)."""
         ...
 
+    def is_page_locked(self, t: Tensor) -> bool:
+        """Whether the host tensor ``t`` lives in page-locked memory (a copy into it may still be in flight)."""
+        ...
+
+    def synchronize_device(self, index: int) -> None:
+        """Wait for every stream of device ``index`` (device-wide: the pipeline never needs it, a stream or an event
+        names the work it waits for; a test asserts it is not called)."""
+        ...
+
     def get_device(self) -> int:
         """The calling thread's current device."""
         ...
 
     def set_device(self, index: int) -> None:
         """Make device ``index`` the calling thread's current device."""
+        ...
+
+    def pci_bus_id(self, index: int) -> str | None:
+        """The PCI address of device ``index`` as sysfs names it ("0000:1b:00.0"), or None where it has none."""
         ...
 
 
@@ -132,11 +149,21 @@ class CudaBackend:
     def pinned_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
+    def is_page_locked(self, t: Tensor) -> bool:
+        return t.device.type == "cpu" and t.is_pinned()
+
+    def synchronize_device(self, index: int) -> None:
+        torch.cuda.synchronize(index)
+
     def get_device(self) -> int:
         return torch.cuda.current_device()
 
     def set_device(self, index: int) -> None:
         torch.cuda.set_device(index)
+
+    def pci_bus_id(self, index: int) -> str | None:
+        p = torch.cuda.get_device_properties(index)  # no context: the driver's description of the device
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # type: ignore[attr-defined]
 
 
 def _on(index: int | None) -> contextlib.AbstractContextManager[Any]:
@@ -158,6 +185,28 @@ def _clear_cuda_error(index: int | None) -> None:
 
 
 CUDA: StreamBackend = CudaBackend()
+
+
+@contextlib.contextmanager
+def current_device(backend: StreamBackend, index: int) -> Iterator[None]:
+    """Device ``index`` current on the calling thread for the block, restored after it (no context on another)."""
+    before = backend.get_device()
+    if before != index:
+        backend.set_device(index)
+    try:
+        yield
+    finally:
+        if before != index:
+            backend.set_device(before)
+
+
+def wait_for_current_stream(backend: StreamBackend, index: int) -> None:
+    """The host waits for the work issued so far on the calling thread's current stream of device ``index`` (an
+    event on it: that stream's work, not the whole device's), with ``index`` current for the calls."""
+    with current_device(backend, index):
+        event = backend.new_event()
+        event.record(backend.current_stream(index))
+        event.synchronize()
 
 _installed: list[StreamBackend] = []
 # The tensors an installed backend serves as device tensors, by id, each held weakly (its entry goes with it; a
@@ -207,3 +256,11 @@ def is_device_tensor(t: Tensor) -> bool:
     optimizer keeps a master for it and never writes it from the host (optim/state.py asks)."""
     ref = _claimed.get(id(t))
     return ref is not None and ref() is t
+
+
+def pci_bus_id(device: torch.device) -> str | None:
+    """The PCI address of the GPU of ``device`` (its backend's answer), or None for a host device."""
+    backend = installed()
+    if backend is not None and backend.serves(device):
+        return backend.pci_bus_id(backend.index(device))
+    return CUDA.pci_bus_id(CUDA.index(device)) if device.type == "cuda" else None

@@ -20,6 +20,10 @@ Contract:
   forward, or the update of a chunk that was sent) wait for a send without the host waiting.
 * ``copy_all_to_host(device, pairs)``: every host buffer receives its device tensor, ordered after the work
   issued so far on the current stream of ``device`` (the update that wrote them); one completion for all.
+* ``to_device(device, host)``: a step's small host tensors (its step counts, its loss scale) reach the device from
+  page-locked staging on the current stream, ordered before the kernels issued after it: never a copy from pageable
+  memory, which would block the host (a hidden synchronisation per bucket on CUDA, and the streamed ring's prefetch
+  lost).
 * ``mark(device)`` is a completion for the work issued so far on the current stream of ``device``
   (a gradient norm taken in a hook); :meth:`TransferEngine.current_stream_waits` orders the current stream after it.
 * Lanes, one per device, chosen by the device, never by a flag: a device with streams gets the stream lane,
@@ -46,7 +50,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel.host_memory import PageLocker
-from offload_adamw.accel.streams import CUDA, StreamBackend, claim
+from offload_adamw.accel.streams import CUDA, StreamBackend, claim, current_device, is_device_tensor, wait_for_current_stream
 
 __all__ = ["Completion", "DONE", "HostCompletion", "Lane", "TransferEngine", "finish_at_exit"]
 
@@ -134,6 +138,8 @@ class Lane(Protocol):
 
     def mark(self) -> Completion: ...
 
+    def to_device(self, device: torch.device, host: Tensor) -> Tensor: ...
+
     def current_stream_waits(self, completion: Completion) -> None: ...
 
     def synchronize(self) -> None: ...
@@ -144,11 +150,11 @@ class Lane(Protocol):
 class _Synchronous:
     """The CPU as device, or an accelerator without streams here: every copy is complete when it returns."""
 
+    def __init__(self, landed: Callable[[Tensor], None]) -> None:
+        self._landed = landed
+
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
-        if src.device.type == "cpu" and torch.cuda.is_initialized() and src.is_pinned():
-            # A pinned host gradient may still be the target of a CUDA copy (FSDP2's CPUOffloadPolicy copies each
-            # reduced shard to the host without blocking, and torch 2.11 calls the hook before that copy has ended).
-            torch.cuda.synchronize()
+        self._landed(src)
         dst.copy_(src)
         return DONE
 
@@ -173,6 +179,9 @@ class _Synchronous:
 
     def mark(self) -> Completion:
         return DONE
+
+    def to_device(self, device: torch.device, host: Tensor) -> Tensor:
+        return host.to(device)
 
     def current_stream_waits(self, completion: Completion) -> None:
         completion.wait()
@@ -240,6 +249,20 @@ class _StreamLane:
 
     def mark(self) -> Completion:
         return self._event(self._compute())
+
+    def to_device(self, device: torch.device, host: Tensor) -> Tensor:
+        # From page-locked staging, on the current stream: the kernels issued after it read it in stream order, and
+        # the host does not wait (from pageable memory the copy would block the host). The staging may go at once:
+        # torch's page-locked allocator keeps it until the copy has read it.
+        staging = self.backend.pinned_empty(host.numel(), host.dtype).view(host.shape)
+        staging.copy_(host)
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        compute = self._compute()
+        self.backend.copy(out, staging, to_device=True)
+        landed = self._event(compute)
+        assert isinstance(landed, _StreamCompletion)
+        compute.wait_event(landed.event)  # a no-op on CUDA (one stream, in order); a thread that computes at once waits
+        return out
 
     def current_stream_waits(self, completion: Completion) -> None:
         self.compute_waits(completion)
@@ -328,6 +351,7 @@ class TransferEngine:
         self._lanes: dict[torch.device, Lane] = {}
         self._lock = threading.Lock()
         self._home: tuple[StreamBackend, int] | None = None  # the first stream device: worker threads make it current
+        self._offload_index: int | None = None  # the device beside host parameters (see host_gradient_landed)
         self.accumulator = _Accumulator(self.thread_init)
 
     def backend_for(self, device: torch.device) -> StreamBackend | None:
@@ -345,6 +369,11 @@ class TransferEngine:
         tensors in host memory, it counts as a device tensor from now on (accel/streams.py)."""
         backend = self.backend_for(tensor.device)
         if backend is None:
+            offload = self._offload_backend() if tensor.device.type == "cpu" else None
+            if offload is not None and self._offload_index is None:
+                # A host parameter beside a device (FSDP2's CPUOffloadPolicy): the device whose copies land in its
+                # gradient is the current device of the thread that builds the pipeline (a rank's own).
+                self._offload_index = offload.get_device()
             return
         if self._home is None:
             self._home = (backend, backend.index(tensor.device))
@@ -365,7 +394,7 @@ class TransferEngine:
                 if lane is None:
                     backend = self.backend_for(device)
                     if backend is None:
-                        lane = _Synchronous()
+                        lane = _Synchronous(self.host_gradient_landed)
                     else:
                         stream_lane = _StreamLane(backend, device)
                         if self._home is None:
@@ -373,6 +402,25 @@ class TransferEngine:
                         lane = stream_lane
                     self._lanes[device] = lane
         return lane
+
+    def _offload_backend(self) -> StreamBackend | None:
+        """The device whose copies may land in a host parameter's page-locked gradient (installed, or CUDA's)."""
+        return self._backend if self._backend is not None else CUDA if torch.cuda.is_initialized() else None
+
+    def host_gradient_landed(self, grad: Tensor) -> None:
+        """A host parameter's gradient ``grad`` (host memory) has landed: FSDP2's ``CPUOffloadPolicy`` copies each
+        reduced shard into a page-locked host gradient without blocking, and torch before 2.12 calls the hook before
+        that copy has ended. Called before anything reads such a gradient (its norm and count in the gate, its copy).
+        The wait: an event on the hook's stream (where FSDP2 issued the copy) of the pipeline's device, else the rank's
+        (current where the pipeline was built), not the whole device, never device 0 from a thread of another rank."""
+        if grad.device.type != "cpu" or self.backend_for(grad.device) is not None:
+            return  # a device tensor: the lane orders its reads
+        backend = self._offload_backend()
+        if backend is None or not backend.is_page_locked(grad):
+            return
+        index = (self._home[1] if self._home is not None
+                 else self._offload_index if self._offload_index is not None else backend.get_device())
+        wait_for_current_stream(backend, index)
 
     def thread_init(self) -> None:
         """Called first by every worker thread of the pipeline: its current device is the pipeline's, so that no
@@ -388,15 +436,8 @@ class TransferEngine:
         if self._home is None:
             yield
             return
-        backend, index = self._home
-        before = backend.get_device()
-        if before != index:
-            backend.set_device(index)
-        try:
+        with current_device(*self._home):
             yield
-        finally:
-            if before != index:
-                backend.set_device(before)
 
     def copy_to_host(self, src: Tensor, dst: Tensor) -> Completion:
         return self.lane(src.device).copy_to_host(src, dst)
@@ -420,6 +461,17 @@ class TransferEngine:
 
     def mark(self, device: torch.device) -> Completion:
         return self.lane(device).mark()
+
+    def to_device(self, device: torch.device, host: Tensor) -> Tensor:
+        """A copy on ``device`` of the small host tensor ``host`` (a step's counts, its loss scale), ordered before
+        the work issued next on the current stream of ``device``, without the host waiting for the device (see the
+        module contract)."""
+        if host.device.type != "cpu" or is_device_tensor(host):
+            return host.to(device)  # on a device already (a GradScaler's scale): no copy through the host
+        out = self.lane(device).to_device(device, host)
+        if out is not host and out.device.type == "cpu" and self.backend_for(device) is not None:
+            claim(out)  # a tensor of the simulated device
+        return out
 
     def current_stream_waits(self, device: torch.device, completion: Completion) -> None:
         self.lane(device).current_stream_waits(completion)

@@ -30,6 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("offload_adamw.cli.plan", "what fits where for a model and a cluster, and how fast a step can be"),
     "bench": ("offload_adamw.cli.bench", "measure host bandwidth and the optimizer step against torch and DeepSpeed"),
     "audit": ("offload_adamw.cli.audit", "audit the optimizer set-up of a training script or checkpoint"),
+    "selftest": ("offload_adamw.cli.selftest",
+                 "on this machine: the environment, every placement bitwise against torch's AdamW, --bench"),
 }
 
 # what exit statuses 0 and 1 mean per subcommand (2 and 141 mean the same everywhere)
@@ -39,6 +41,7 @@ EXIT_MEANINGS: dict[str, dict[int, str]] = {
     "plan": {0: "a strategy this project provides fits", 1: "none fits"},
     "bench": {0: "the benchmark ran"},
     "audit": {0: "no error or warning (info findings allowed)", 1: "at least one error or warning"},
+    "selftest": {0: "every parity row that ran is bitwise torch's", 1: "a row differs or failed (the verdict names it)"},
 }
 
 # optional package -> the extra of pyproject.toml that brings it

@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h = parser.add_argument_group("hardware (defaults: one DGX H100-class node)")
     h.add_argument("--gpus-per-node", type=int, default=hw.gpus_per_node)
     h.add_argument("--nodes", type=int, default=hw.nodes)
+    h.add_argument("--replicas", type=int, default=hw.replicas, metavar="R",
+                   help="HSDP: R copies of the model, each sharded over (nodes x GPUs) / R ranks (1: FSDP)")
     h.add_argument("--gpu-memory-gb", type=float, default=hw.gpu_memory_bytes / GB, help="memory of one GPU, GB (1e9)")
     h.add_argument("--gpu-reserved-gb", type=float, default=hw.gpu_reserved_bytes / GB,
                    help="per GPU: CUDA context, NCCL, allocator slack")
@@ -158,7 +160,8 @@ def build(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         if value is not None:
             host_bw = value
     hardware = HardwareConfig(
-        gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_memory_bytes=args.gpu_memory_gb * GB,
+        gpus_per_node=args.gpus_per_node, nodes=args.nodes, replicas=args.replicas,
+        gpu_memory_bytes=args.gpu_memory_gb * GB,
         gpu_reserved_bytes=args.gpu_reserved_gb * GB, host_memory_bytes=args.host_memory_gb * GB,
         host_reserved_bytes=args.host_reserved_gb * GB, pcie_bytes_per_s=args.pcie_gbps * GB,
         host_memory_bytes_per_s=host_bw, gpu_memory_bytes_per_s=args.gpu_bandwidth_gbps * GB,
@@ -206,7 +209,8 @@ def render(result: Plan) -> str:
     amsgrad = tr.amsgrad
     out = [
         f"{result.model_name}: {result.num_parameters:,} parameters; {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of "
-        f"{_gb(hw.gpu_memory_bytes)} GB, {_gb(hw.host_memory_bytes)} GB host memory per node",
+        f"{_gb(hw.gpu_memory_bytes)} GB, {_gb(hw.host_memory_bytes)} GB host memory per node"
+        + (f"; HSDP: {hw.replicas} replicas of {hw.shard_degree}-way shards" if hw.replicas > 1 else ""),
         f"training: {tr.param_dtype} parameters, seq {tr.seq_len}, micro-batch {tr.micro_batch}, "
         f"accumulation {tr.grad_accumulation}, checkpointing {'on' if tr.activation_checkpointing else 'off'}, "
         f"{'flash' if tr.flash_attention else 'eager'} attention{', amsgrad' if amsgrad else ''}",

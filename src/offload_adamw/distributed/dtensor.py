@@ -63,6 +63,8 @@ def _dtensor_module() -> Any:
 
 
 def is_dtensor(t: Any) -> TypeIs[DTensor]:
+    if type(t) is Tensor or type(t) is torch.nn.Parameter:  # the common case, asked several times per tensor and step
+        return False
     module = _dtensor_module()
     return module is not None and isinstance(t, module.DTensor)
 

@@ -106,7 +106,8 @@ def _widen(grad: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _for_loop_impl(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
                    steps: Tensors, model_params: ModelCopies, take_model_edits: Sequence[bool] | None,
-                   hp: StepHyper) -> None:
+                   hp: StepHyper, threads: int | None, cpus: frozenset[int] | None) -> None:
+    del threads, cpus  # the ground truth runs on the calling thread
     # A tensor lr stays a (float32) tensor, as in torch: lr*wd and lr/c1 are then rounded to float32.
     lr = hp.lr
     for i, theta in enumerate(masters):
@@ -152,12 +153,12 @@ def _for_loop_impl(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
 
 def _blocked_impl(masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
                   steps: Tensors, model_params: ModelCopies, take_model_edits: Sequence[bool] | None,
-                  hp: StepHyper) -> None:
+                  hp: StepHyper, threads: int | None, cpus: frozenset[int] | None) -> None:
     # float32/float64 tensors without casts: torch's fused op over the whole list, exactly
     # as torch.optim.AdamW(fused=True). Mixed-dtype tensors: the same arithmetic in one
     # memory pass (blocked.py: the numba loop, the chunk loop for the rest).
     blocked_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, hp,
-                   take_model_edits=take_model_edits)
+                   take_model_edits=take_model_edits, threads=threads, cpus=cpus)
 
 
 IMPLEMENTATIONS = {"blocked": _blocked_impl, "for_loop": _for_loop_impl}
@@ -175,11 +176,15 @@ def adamw_update_(
     model_params: Sequence[Tensor | None] | None = None,
     take_model_edits: Sequence[bool] | None = None,
     impl: str = "blocked",
+    threads: int | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> None:
     """One AdamW update of every tensor in the lists (all of them have a gradient).
 
     All tensors live on one device (the host, for this project). ``masters``,
-    the moments and ``steps`` are modified in place; ``grads`` are only read.
+    the moments and ``steps`` are modified in place; ``grads`` are only read. ``threads``: the worker
+    threads of the blocked implementation (None: ``torch.get_num_threads()``) and the cores they run on
+    (``cpus``, None: anywhere); the bits do not depend on them.
     """
     _check_lists(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, take_model_edits, hp.amsgrad)
     if not masters:
@@ -188,4 +193,5 @@ def adamw_update_(
         body = IMPLEMENTATIONS[impl]
     except KeyError:
         raise ValueError(f"unknown kernel implementation {impl!r}; choose one of {sorted(IMPLEMENTATIONS)}") from None
-    body(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, take_model_edits, hp)
+    body(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, model_params, take_model_edits, hp, threads,
+         cpus)

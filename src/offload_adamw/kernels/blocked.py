@@ -86,6 +86,7 @@ setting is restored right after.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -131,6 +132,9 @@ class BlockConfig:
     """-1: as many Python worker threads as ``torch.get_num_threads()`` (read at each call),
     each running whole chunks with torch single-threaded; 0: no workers, torch's intra-op
     threads split each chunk's three operations; N >= 1: N Python worker threads."""
+    cpus: frozenset[int] | None = None
+    """The cores the worker threads run on (their affinity: a NUMA node's, distributed/node.py), the calling
+    thread then taking no batches (it may run elsewhere); None: wherever the OS puts them."""
     numba_loop: bool = True
     """Run the first ``n - n % 64`` elements of each mixed tensor through the one loop compiled
     by numba (numba_loop.py): the same bits, checked by a self-test before first use, one pass
@@ -319,7 +323,7 @@ def chunk_loop_status() -> dict[str, Any]:
     }
 
 
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[int, frozenset[int] | None], ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
@@ -340,11 +344,11 @@ def _single_threaded_worker_init() -> None:
     torch.set_num_threads(1)
 
 
-def _get_pool(size: int) -> ThreadPoolExecutor:
-    """The pool of ``size`` workers, made once per size and kept: two optimizers stepping from two
-    threads under different thread counts never shut down a pool the other is using."""
+def _get_pool(size: int, cpus: frozenset[int] | None = None) -> ThreadPoolExecutor:
+    """The pool of ``size`` workers on ``cpus``, made once per size and cores and kept: two optimizers stepping
+    from two threads under different thread counts never shut down a pool the other is using."""
     with _pool_lock:
-        pool = _pools.get(size)
+        pool = _pools.get((size, cpus))
         if pool is None:
             before = torch.get_num_threads()
             pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="offload-adamw")
@@ -352,12 +356,14 @@ def _get_pool(size: int) -> ThreadPoolExecutor:
 
             def init() -> None:
                 _single_threaded_worker_init()
+                if cpus is not None:
+                    os.sched_setaffinity(0, cpus)  # on Linux, this thread's own affinity
                 barrier.wait()  # every worker runs init exactly once
 
             for f in [pool.submit(init) for _ in range(size)]:
                 f.result()
             torch.set_num_threads(before)  # workers keep 1, the process keeps its setting
-            _pools[size] = pool
+            _pools[(size, cpus)] = pool
         return pool
 
 
@@ -373,13 +379,16 @@ def blocked_adamw_(
     *,
     config: BlockConfig = DEFAULT_CONFIG,
     take_model_edits: Sequence[bool] | None = None,
+    threads: int | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> None:
     """One AdamW update of every tensor, bitwise equal to the parity definition (see module docstring).
 
     Elements pair by index whatever the strides (kernels/layout.py): each tensor's operands are
     brought to its master's layout first, without a copy where they share it already. Where
     ``take_model_edits[i]``, the model copy holds the parameter's current value and its edited
-    elements replace their masters before the update (kernels/edits.py).
+    elements replace their masters before the update (kernels/edits.py). ``threads`` and ``cpus``, where
+    given, replace ``config.threads`` and ``config.cpus`` (the optimizer's ``host_threads`` and NUMA node).
     """
     follow = [bool(f) for f in take_model_edits] if take_model_edits is not None else [False] * len(masters)
     aligned: list[layout.Aligned] = []
@@ -392,7 +401,9 @@ def blocked_adamw_(
     _aligned_adamw_(
         cast("list[Tensor]", column[0]), cast("list[Tensor]", column[1]), cast("list[Tensor]", column[2]),
         cast("list[Tensor]", column[3]), cast("list[Tensor]", column[4]) if hp.amsgrad else [], list(steps),
-        column[5] if model_params is not None else None, follow, hp, config,
+        column[5] if model_params is not None else None, follow, hp,
+        dataclasses.replace(config, threads=config.threads if threads is None else threads,
+                            cpus=config.cpus if cpus is None else cpus),
     )
     for a in aligned:
         a.write_back()
@@ -515,7 +526,8 @@ def _aligned_adamw_(
         buffer = _chunk_buffer(dtype, chunk)
         loop(*flat, follow, [c[0] for c in batch], [c[1] for c in batch], [c[2] for c in batch], buffer, *scalars)
 
-    if threads == 0 or (threads == 1 and torch.get_num_threads() == 1):
+    cpus = config.cpus
+    if threads == 0 or (cpus is None and threads == 1 and torch.get_num_threads() == 1):
         for job in jobs:
             job()
         for dtype, work in by_dtype.items():
@@ -541,10 +553,11 @@ def _aligned_adamw_(
         for job in pending_chunks:
             job()
 
-    helpers = min(threads, len(jobs) + len(chunk_jobs)) - (0 if chunk_jobs else 1)
-    futures = [_get_pool(threads).submit(drain) for _ in range(helpers)] if helpers > 0 else []
+    caller_works = cpus is None and not chunk_jobs
+    helpers = min(threads, len(jobs) + len(chunk_jobs)) - (1 if caller_works else 0)
+    futures = [_get_pool(threads, cpus).submit(drain) for _ in range(helpers)] if helpers > 0 else []
     try:
-        if not chunk_jobs:
+        if caller_works:
             for job in pending:
                 job()
     finally:  # the workers are done with the tensors before the caller sees them again, or an error

@@ -28,7 +28,7 @@ Contract (docs/placement.md#the-bitwise-guarantee):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,14 +105,18 @@ def chunk_plan(numels: Sequence[int], capacity: int) -> list[list[Piece]]:
     return chunks
 
 
-def advance_steps(steps: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """+1 on each host step count (torch's fused AdamW, once per tensor before its fused op); the counts on ``device``."""
+def advance_steps(steps: Sequence[Tensor], device: torch.device,
+                  to_device: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
+    """+1 on each host step count (torch's fused AdamW, once per tensor before its fused op); the counts on ``device``,
+    moved there by ``to_device`` (the transfer engine's: from page-locked memory, no host wait), or by ``.to(device)``
+    where none is given; on the host itself where ``to_device`` is None and ``device`` is the CPU."""
     if not steps:
         return []
     torch._foreach_add_(list(steps), 1)
-    if device.type == "cpu":
+    if to_device is None and device.type == "cpu":
         return list(steps)  # the CPU fused op reads the host counts themselves
-    return list(torch.stack(list(steps)).to(device).unbind(0))
+    stacked = torch.stack(list(steps))
+    return list((stacked.to(device) if to_device is None else to_device(stacked)).unbind(0))
 
 
 def _lr_for(lr: float | Tensor, device: torch.device) -> float | Tensor:

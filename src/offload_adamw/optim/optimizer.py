@@ -36,6 +36,7 @@ from torch._compile import _disable_dynamo
 from torch.optim.optimizer import ParamsT
 
 from offload_adamw.accel import ddp as _ddp
+from offload_adamw.accel import streams
 from offload_adamw.accel.amp import HostGradientHolder
 from offload_adamw.accel.clipping import clip_grad_norm_ as _clip_grad_norm_
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
@@ -49,6 +50,7 @@ from offload_adamw.contract.rules import (
     check_placement,
 )
 from offload_adamw.distributed import dtensor as _distributed
+from offload_adamw.distributed import node as _node
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 from offload_adamw.optim import loading as _loading
@@ -157,6 +159,16 @@ class OffloadAdamW(torch.optim.Optimizer):
       out and a load keeps the optimizer's own: a resume may change placement.
     * ``stream_chunk_bytes`` (default 64 MiB, at least 1 MiB) and ``stream_buffers`` (2 or 3): the size
       and number of the ring's device buffers per device (``device_buffer_bytes()`` reports them).
+    * ``host_numa_node`` (default None: the NUMA node of the parameters' GPU, from sysfs, on a host of two or
+      more nodes): the NUMA node whose memory holds the host state and whose cores run the host update
+      (``node.numa`` says which, and why; distributed/node.py). One node, or none known: as the OS places them.
+    * ``host_threads`` (default None: this rank's share of its node, distributed/node.py): the worker
+      threads of the host update, whatever ``OMP_NUM_THREADS`` says (torchrun and accelerate set it to 1
+      in every rank). The default is the cores in this process's affinity set, divided among the ranks
+      of this node when they share them; ``node`` says how it was found, ``host_threads`` what was
+      chosen. The bits do not depend on it. Without a launcher's variable (``LOCAL_WORLD_SIZE``,
+      Open MPI's, MPICH's, Slurm's) and with a multi-host process group, the constructor gathers the
+      ranks' host names once (a collective): construct the optimizer on every rank.
 
     Wrappers: under DistributedDataParallel call ``opt.attach(ddp_model)`` once,
     before the first backward (the pipeline then receives the reduced gradients
@@ -195,6 +207,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         update_on: str = "host",
         stream_chunk_bytes: int = 64 << 20,
         stream_buffers: int = 2,
+        host_threads: int | None = None,
+        host_numa_node: int | None = None,
     ) -> None:
         # The same checks, in the same order and words, as torch.optim.Adam.
         if isinstance(lr, Tensor):
@@ -228,6 +242,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise Unsupported("OffloadAdamW does not support differentiable=True: its step runs under no_grad")
 
         PipelineConfig(stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers)  # refuses bad values now
+        if host_threads is not None and not (
+            isinstance(host_threads, int) and not isinstance(host_threads, bool) and 1 <= host_threads
+        ):
+            raise ValueError(f"host_threads must be a positive integer or None, got {host_threads!r}")
+        if host_numa_node is not None and not (
+            isinstance(host_numa_node, int) and not isinstance(host_numa_node, bool) and 0 <= host_numa_node
+        ):
+            raise ValueError(f"host_numa_node must be a NUMA node number or None, got {host_numa_node!r}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -263,6 +285,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         # DTensor (FSDP2) parameters: state_dict() shows their states as DTensors (distributed/dtensor.py).
         self.register_state_dict_post_hook(_distributed.wrap_state_dict_post_hook)
+        first = next((_distributed.local_tensor(p) for g in self.param_groups for p in g["params"]), None)
+        numa = _node.numa_placement(node=host_numa_node,
+                                    pci_bus_id=None if first is None else streams.pci_bus_id(first.device))
+        self.node = _node.node_share(numa=numa)
+        self.host_threads = self.node.threads if host_threads is None else host_threads
         self._pipeline: GradientPipeline | None = None
         # Kept for a copy or an unpickled optimizer, which builds its own pipeline from them (__setstate__).
         self._pipeline_options: dict[str, Any] = dict(
@@ -276,7 +303,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     #: attributes of this class that a copy or a pickle carries, beside torch's defaults, state and groups
     _COPIED_ATTRIBUTES = ("max_grad_norm", "last_grad_norm", "nonfinite", "skipped_steps", "_pin_memory", "_pipeline_options",
-                          "_update_on")
+                          "_update_on", "node", "host_threads")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's (defaults, state, param_groups) and this class's options; the transfer pipeline is not
@@ -307,6 +334,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.skipped_steps = options.get("skipped_steps", 0)
         self._clip_order = ClipOrder()  # the copy's parameters are others: their model is searched for again
         self._update_on = options.get("_update_on", "host")
+        # An optimizer pickled before these existed: this process's share, found without a collective.
+        self.node = options.get("node") or _node.node_share(gather=False)
+        self.host_threads = options.get("host_threads") or self.node.threads
         self._pin_memory = bool(options.get("_pin_memory", False))
         self._pipeline_options = dict(options.get("_pipeline_options", {"transfer_pipeline": False,
                                                                            "offload_gradients": False,
@@ -603,7 +633,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         host_fresh = [(gi, i) for gi, i in fresh if homes[(gi, i)][0].type == "cpu"]
         if host_fresh:
             _preflight.check_host_memory([(self.param_groups[gi], i) for gi, i in host_fresh],
-                                         pin_memory=any(homes[w][1] is True for w in host_fresh))  # exactly sized: no rounding
+                                         pin_memory=any(homes[w][1] is True for w in host_fresh),
+                                         ranks=(self.node.ranks, self.node.ranks_source))  # exactly sized: no rounding
         device_bytes: dict[torch.device, int] = {}
         for gi, i in fresh:
             if homes[(gi, i)][0].type != "cpu":
@@ -644,8 +675,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             p = group["params"][i]
             device, pin = homes[(gi, i)]
             try:
-                created[p] = _placement.new_state_at(_distributed.local_tensor(p), amsgrad=group["amsgrad"], device=device,
-                                                     pin=pin)
+                with _node.allocating_on(self.node.numa if device.type == "cpu" else None) as made:
+                    created[p] = _placement.new_state_at(_distributed.local_tensor(p), amsgrad=group["amsgrad"],
+                                                         device=device, pin=pin)
+                    made.extend(t for t in created[p].values() if isinstance(t, Tensor))
             except (RuntimeError, MemoryError) as exc:
                 created.clear()  # what was allocated so far goes back
                 if not isinstance(exc, MemoryError) and "allocate" not in str(exc) and "out of memory" not in str(exc):
@@ -696,7 +729,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Fail early, with the figures, when the pipeline's host buffers (``label``) cannot fit in host memory."""
         if os.environ.get(_preflight.ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
             return
-        memory = _preflight.host_memory()
+        memory = _preflight.host_memory(ranks=(self.node.ranks, self.node.ranks_source))
         if memory.sources and nbytes > memory.available:
             where = ", ".join(f"{name}: {value:,} bytes" for name, value in memory.sources.items())
             raise MemoryError(
@@ -733,6 +766,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             impl=self.kernel_impl(group),
             pin_memory=self._pin_memory,
             grad_scale=grad_scale,
+            threads=self.host_threads,
+            cpus=None if self.node.numa is None else self.node.numa.cpus,
         )
 
     # -------------------------------------------------------------------- step
@@ -864,7 +899,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        new_groups, new_state = _loading.prepare_load(self, state_dict, pin=self._pin_memory)
+        with _node.allocating_on(self.node.numa) as made:
+            new_groups, new_state = _loading.prepare_load(self, state_dict, pin=self._pin_memory)
+            made.extend(t for state in new_state.values() for t in state.values()
+                        if isinstance(t, Tensor) and t.device.type == "cpu")
         self._place_loaded(new_groups, new_state)
         # Commit: nothing above touched the optimizer or the parameters.
         self.param_groups = new_groups

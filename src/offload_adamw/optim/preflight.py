@@ -14,9 +14,10 @@ Contract:
   cgroup and every ancestor (:func:`cgroup_free`; cgroup v2 ``memory.max`` /
   ``memory.current``, v1 ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``
   and memory.stat's ``hierarchical_memory_limit``); ``RLIMIT_AS`` minus the
-  address space in use; and ``RLIMIT_MEMLOCK``. Where ``LOCAL_WORLD_SIZE``
-  ranks share the node, each gets its share of the node-wide figures
-  (MemAvailable and the cgroup's): they are divided by that count.
+  address space in use; and ``RLIMIT_MEMLOCK``. Where several ranks share the
+  node (distributed/node.py: torchrun's ``LOCAL_WORLD_SIZE``, Open MPI's, MPICH's
+  or Slurm's variables, or the process group), each gets its share of the
+  node-wide figures (MemAvailable and the cgroup's): they are divided by that count.
 * :func:`check_host_memory` raises :class:`HostMemoryError` (a MemoryError)
   before anything is allocated when the bill exceeds the available bytes,
   with the bytes per kind in the message and on the exception. Pinned state
@@ -43,6 +44,7 @@ from typing import Any
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import Unsupported
 from offload_adamw.distributed import local_tensor
+from offload_adamw.distributed.node import ranks_on_node
 from offload_adamw.optim.state import dtype_name, on_host
 
 try:
@@ -53,7 +55,6 @@ except ImportError:  # Windows: no such limit to report
 __all__ = ["HostMemory", "HostMemoryError", "StateBill", "cgroup_free", "check_host_memory", "host_memory", "state_bill"]
 
 ENV_AVAILABLE = "OFFLOAD_ADAMW_HOST_AVAILABLE_BYTES"
-ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 #: where this process's cgroup is named, and where the cgroup file systems are mounted (tests point these elsewhere).
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -244,14 +245,12 @@ def _address_space_free() -> int | None:
     return int(soft)
 
 
-def _local_world_size() -> int:
-    """The ranks sharing this node (torchrun's LOCAL_WORLD_SIZE); 1 when unset or not a positive integer."""
-    text = os.environ.get(ENV_LOCAL_WORLD_SIZE, "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else 1
+def host_memory(*, available_bytes: int | None = None, ranks: tuple[int, str] | None = None) -> HostMemory:
+    """Measure the host (or take ``available_bytes`` / the environment override).
 
-
-def host_memory(*, available_bytes: int | None = None) -> HostMemory:
-    """Measure the host (or take ``available_bytes`` / the environment override)."""
+    ``ranks``: the ranks sharing this node and where that came from (None: distributed/node.py's
+    :func:`~offload_adamw.distributed.node.ranks_on_node`, without its collective).
+    """
     sources: dict[str, int] = {}
     if available_bytes is None and os.environ.get(ENV_AVAILABLE):
         available_bytes = int(os.environ[ENV_AVAILABLE])
@@ -259,14 +258,14 @@ def host_memory(*, available_bytes: int | None = None) -> HostMemory:
     elif available_bytes is not None:
         sources["available_bytes argument"] = int(available_bytes)
     else:
-        ranks = _local_world_size()
-        share = "" if ranks == 1 else f", / {ranks} ranks on this node ({ENV_LOCAL_WORLD_SIZE})"
+        count, source = ranks_on_node(gather=False) if ranks is None else ranks
+        share = "" if count == 1 else f", / {count} ranks on this node ({source})"
         meminfo = _meminfo_available()
         if meminfo is not None:
-            sources[f"MemAvailable (/proc/meminfo){share}"] = meminfo // ranks
+            sources[f"MemAvailable (/proc/meminfo){share}"] = meminfo // count
         cgroup = cgroup_free()
         if cgroup is not None:
-            sources[f"cgroup limit - usage{share}"] = cgroup[0] // ranks
+            sources[f"cgroup limit - usage{share}"] = cgroup[0] // count
         address_space = _address_space_free()
         if address_space is not None:
             sources["RLIMIT_AS - address space in use"] = address_space
@@ -282,6 +281,7 @@ def check_host_memory(
     pin_memory: bool,
     available_bytes: int | None = None,
     memlock: str = "warn",
+    ranks: tuple[int, str] | None = None,
 ) -> StateBill | None:
     """Fail early, before allocating, if the state of ``fresh`` parameters cannot fit in host memory.
 
@@ -301,7 +301,7 @@ def check_host_memory(
                 "materialize the model (e.g. module.to_empty(device=...) and initialize it) before the first step"
             )
     bill = state_bill(fresh, pin_memory=pin_memory)
-    memory = host_memory(available_bytes=available_bytes)
+    memory = host_memory(available_bytes=available_bytes, ranks=ranks)
     kinds = f"moments {_figure(bill.moments)}, masters {_figure(bill.masters)}, step counters {_figure(bill.steps)}"
     if bill.pinned:
         kinds += f"; pinned, in power-of-two blocks: {_figure(bill.pinned_blocks)}"

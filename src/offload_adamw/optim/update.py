@@ -183,8 +183,11 @@ def update_group(
     impl: str,
     pin_memory: host_state.Pin,
     grad_scale: Tensor | None = None,
+    threads: int | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> None:
-    """One AdamW update of each tensor in ``updates``, all of them members of ``group``."""
+    """One AdamW update of each tensor in ``updates``, all of them members of ``group``, on ``threads`` workers
+    running on ``cpus`` (None: anywhere)."""
     if not updates:
         return
     masters: list[Tensor] = []
@@ -231,4 +234,6 @@ def update_group(
         model_params=model_copies,
         take_model_edits=take_edits,
         impl=impl,
+        threads=threads,
+        cpus=cpus,
     )

@@ -180,6 +180,9 @@ class HardwareConfig:
     """GPUs (ranks) per node; they share the node's host memory and its bandwidth."""
     nodes: int = 1
     """Number of nodes."""
+    replicas: int = 1
+    """HSDP: copies of the sharded model (FSDP2's ``fully_shard`` over a 2-D mesh, replicated across its first
+    dimension); each copy is sharded over ``world_size // replicas`` ranks. 1: FSDP over every rank."""
     gpu_memory_bytes: float = 80 * GB
     """Memory of one GPU. 80e9 for an "80 GB" H100 is conservative: an H100 80GB has 80 GiB (85.9e9 bytes),
     of which the driver keeps some."""
@@ -203,7 +206,7 @@ class HardwareConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("gpus_per_node", "nodes"):
+            if f.name in ("gpus_per_node", "nodes", "replicas"):
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ValueError(f"hardware: {f.name} must be a positive integer, got {value!r}")
             elif f.name.endswith("_per_s") or f.name in ("gpu_memory_bytes", "host_memory_bytes"):
@@ -212,9 +215,18 @@ class HardwareConfig:
             elif not value >= 0:
                 raise ValueError(f"hardware: {f.name} must be non-negative, got {value!r}")
 
+        if self.world_size % self.replicas:
+            raise ValueError(f"hardware: replicas must divide the {self.world_size} ranks "
+                             f"({self.nodes} nodes x {self.gpus_per_node} GPUs), got {self.replicas}")
+
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks each parameter is sharded over: every rank under FSDP, one replica's under HSDP."""
+        return self.world_size // self.replicas
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -521,7 +533,8 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
     gpu_reserved = int(hardware.gpu_reserved_bytes)
     host_reserved = int(hardware.host_reserved_bytes)
 
-    shard = sum(placement.shard_numel(s, world) for _, s in shapes)  # elements per rank under FSDP (padded)
+    degree = hardware.shard_degree  # every rank (FSDP), or one replica's ranks (HSDP)
+    shard = sum(placement.shard_numel(s, degree) for _, s in shapes)  # elements per rank under FSDP (padded)
     # all-gather of the unsharded unit, prefetched one ahead, and the unit's unsharded gradients for reduce-scatter
     fsdp_buffers = 2 * unit * p + unit * g
 
@@ -559,6 +572,9 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
             lanes: dict[str, Any] | None = None, per_rank: RankHostBytes | None = None) -> None:
         bound, bottleneck = _bound(hardware, h2d=h2d, d2h=d2h, host=host_traffic, gpu=gpu_traffic)
         serial, overlapped = times(host_traffic, gpu_traffic, h2d, d2h, lanes)
+        if hardware.replicas > 1 and name.startswith("fsdp"):
+            notes = (f"HSDP: {hardware.replicas} replicas, each sharded over {degree} ranks: every rank holds "
+                     f"1/{degree} of the model, not 1/{world}; gradients are all-reduced across replicas", *notes)
         results.append(
             StrategyPlan(
                 name=name, description=STRATEGIES[name], gpu=gpu, host=host,
@@ -594,7 +610,7 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
     # on the GPU) and the updated parameters come back; with offload_gradients every micro-batch's gradient goes
     # down and is accumulated in host memory.
     node_shard = per_node * shard
-    plan_groups = placement.planning_groups(shapes, world)
+    plan_groups = placement.planning_groups(shapes, degree)
     costs = {flag: placement.placement_costs(param_bytes=p, grad_bytes=g, amsgrad=amsgrad, grad_accumulation=accum,
                                              offload_gradients=flag) for flag in (False, True)}
     ring = training.stream_buffers * training.stream_chunk_bytes

@@ -18,17 +18,51 @@ on a GPU, and the backend turns each of CUDA's hazards into wrong bits or a reco
    stream, and the backend counts it in :attr:`SimulatedCuda.hidden_syncs`. A host buffer changed while a copy
    still reads it leaves the destination poisoned and records a hazard.
 4. **Compute is asynchronous, per thread.** Each thread has its own current stream (as a user-set main stream
-   would: the updater thread's is not the main thread's). Torch's own operations run at once on the calling
-   thread; work a test gives :meth:`SimulatedCuda.compute_later` runs late on the thread's compute stream, so a
-   copy that did not wait for that stream reads what it had not written yet. A copy to the host of a device
-   tensor issued on a stream that has not waited for the issuing thread's current stream since that stream last
-   did work (vector clocks: each ``current_stream`` call is new work) is a recorded hazard even when the bits
-   happen to be right.
+   would: the updater thread's is not the main thread's). What is modelled, and what is not:
+
+   * *The host runs ahead of its compute stream.* On the thread that installed the device (the test's, a rank's
+     main thread) a compute stream's ``wait_stream``/``wait_event`` is the device's, not the host's: the host
+     goes on at once (``compute_waits`` at the end of ``step()`` does not block), and a host write after it (a
+     staging buffer written again) can meet a send still in flight. That thread runs its torch operations in its
+     stream's order (:class:`_DeviceOrder`, a ``TorchFunctionMode``): an operation that reads or writes device
+     memory a pending copy to the device writes, or memory another stream's late work writes, first waits for
+     the waits its stream deferred (a host read, ``.item()``, ``torch.equal``, the next forward: on CUDA each
+     is queued after them or synchronises with them); one on memory no pending copy writes runs at once; one on
+     memory a pending copy writes that no wait covered reads poison. Operations on a tensor's metadata or
+     views wait for nothing. Other threads' compute-stream waits block the host, as before (conservative).
+   * *Late work on a stream.* Work a test gives :meth:`SimulatedCuda.compute_later` runs late on the calling
+     thread's stream (a gradient whose kernels the device has not run yet); with ``writes=`` its thread's own
+     later operations on that memory are in stream order: an out-of-place one whose inputs need no gradient is
+     queued after it (its result poisoned until then, as a norm taken in a hook), any other waits for it. Another
+     thread that reads that memory without waiting for the stream reads poison.
+   * *Late kernels* (:meth:`SimulatedCuda.late_kernels`, per test): pipeline worker threads started inside it
+     queue an update's device kernels (torch's fused AdamW on a parameter's memory, a copy into a parameter) on
+     their stream and defer their stream's waits; their in-place writes into host memory a copy to the host
+     still writes are hazards (on CUDA the two interleave). The main thread's in-place writes are checked so too.
+   * *Not modelled*: torch's own operations otherwise run at once on the calling thread (autograd's kernels, the
+     host kernels, everything on worker threads outside ``late_kernels``); an operation reached only through
+     C++ (autograd's accumulation, a backward kernel) is not in stream order; a host read does not wait for
+     ``compute_later`` work that named no ``writes``.
+   * A copy to the host of a device tensor issued on a stream that has not waited for the issuing thread's
+     current stream since that stream last did work (vector clocks: each ``current_stream`` call is new work) is
+     a recorded hazard even when the bits happen to be right.
 5. **The current device is per thread** (0 unless set). Every call of the backend made from a thread whose
    current device is not the simulated device's index is recorded as a stray context (on CUDA: a context of
    about 0.5 GB created on that device), except page-locking calls that name their device.
 6. **Hidden synchronisations are counted** (a copy from pageable memory), for tests to assert zero where the
-   design promises none.
+   design promises none; so are device-wide synchronisations (:attr:`SimulatedCuda.device_syncs`), which the
+   pipeline never needs. Inside :meth:`SimulatedCuda.watching` also a ``.to(device)`` of offload_adamw's own host
+   tensor in pageable memory that a device kernel reads, and a device tensor read by the host (``.to("cpu")``,
+   ``.item()``) from offload_adamw's code. Torch runs autograd's hooks and callbacks without function modes: a
+   ``.to`` there is not seen (an ``.item()`` is).
+7. **Device buffers shared by threads** (:meth:`SimulatedCuda.watch_buffer`, opt-in per test): every operation of
+   a thread that runs pipeline work is seen (a dispatch mode, entered by :meth:`SimulatedCuda.watching_buffers` and
+   by each worker thread's set-up); an access to a watched buffer from a stream not ordered after the latest access
+   from another stream (vector clocks) is a recorded hazard.
+
+With ``host_parameters`` the device serves no tensor: every parameter is a host parameter (FSDP2's
+``CPUOffloadPolicy``), and only the copies a test issues (:meth:`SimulatedCuda.copy`, a stand-in for FSDP2's
+non-blocking copy into a page-locked host gradient) land late.
 
 A CPU tensor counts as a tensor of the simulated device when the pipeline's engine claimed it (accel/streams.py's
 ``is_device_tensor``): every parameter of a pipeline built while the backend is installed.
@@ -42,15 +76,19 @@ import ctypes
 import itertools
 import queue
 import random
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from offload_adamw.accel import streams
 from offload_adamw.accel.transfer import DONE, Completion, HostCompletion, finish_at_exit
@@ -86,11 +124,23 @@ def _span(t: Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def _pause(rng: random.Random) -> None:
-    time.sleep(SLOW_DELAY_S if rng.random() < 0.04 else rng.uniform(0.0, MAX_DELAY_S))
+def _spans(tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """The memory of each tensor that has some (a DTensor's outer tensor or a meta tensor has none)."""
+    out = []
+    for t in tensors:
+        try:
+            if t.device.type == "cpu" and t.layout == torch.strided:
+                out.append(_span(t))
+        except (RuntimeError, NotImplementedError):
+            continue
+    return out
 
 
-def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random, finished: list[Any]) -> None:
+def _pause(rng: random.Random, latency_s: float) -> None:
+    time.sleep(latency_s + (SLOW_DELAY_S if rng.random() < 0.04 else rng.uniform(0.0, MAX_DELAY_S)))
+
+
+def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random, finished: list[Any], backend: SimulatedCuda) -> None:
     while True:
         job = jobs.get()
         if job is None:
@@ -98,7 +148,7 @@ def _work_forever(jobs: queue.SimpleQueue[Any], rng: random.Random, finished: li
         work, copy, done = job
         del job
         if copy:
-            _pause(rng)
+            _pause(rng, backend.copy_latency_s)
         try:
             work()
         except BaseException as error:
@@ -128,6 +178,9 @@ class _Stream:
         self._last: Completion = DONE
         self._finished: list[Any] = []  # work the worker has run, dropped by the issuing thread
         self._lock = threading.Lock()
+        # A compute stream's waits its thread did not block for (the thread runs torch's operations on a device tensor
+        # a pending copy writes only after them: _DeviceOrder)
+        self.deferred: list[Completion] = []
 
     def __repr__(self) -> str:
         return f"<simulated stream {self.name}>"
@@ -149,7 +202,7 @@ class _Stream:
         with self._lock:
             finished, self._finished[:] = list(self._finished), []
             if self._thread is None:
-                thread = threading.Thread(target=_work_forever, args=(self._jobs, self.rng, self._finished),
+                thread = threading.Thread(target=_work_forever, args=(self._jobs, self.rng, self._finished, self.backend),
                                           name=f"simulated-cuda-{self.name}", daemon=True)
                 thread.start()
                 self._thread = thread
@@ -192,10 +245,23 @@ class _Stream:
     def _wait_for(self, completion: Completion) -> None:
         if completion.done():
             return
-        if self.compute:
+        if self.compute and not self.backend.orders_device_work():
             completion.wait()  # what this thread issues next is this stream's work: the thread itself waits
-        else:
-            self.submit(completion.wait, copy=False)
+            return
+        # The device waits, not the host: later work of this stream (and of streams that wait for it) runs after it;
+        # on a compute stream whose thread orders its device work (_DeviceOrder), the thread's torch operations on
+        # device memory a pending copy writes wait for it too, and nothing else does.
+        self.submit(completion.wait, copy=False)
+        if self.compute:
+            with self.backend.lock:
+                self.deferred.append(completion)
+
+    def drain(self) -> None:
+        """The calling thread (this compute stream's) waits for the waits it deferred."""
+        with self.backend.lock:
+            deferred, self.deferred = self.deferred, []
+        for completion in deferred:
+            completion.wait()
 
 
 class _Event:
@@ -251,6 +317,68 @@ def _unowned(t: Tensor) -> Tensor:
     return flat.as_strided(t.shape, t.stride())
 
 
+#: torch functions that read or write no element of a tensor (its metadata, a view of it): they wait for nothing
+_METADATA = frozenset({
+    "__get__", "__set__", "data_ptr", "untyped_storage", "is_pinned", "numel", "element_size", "stride", "size", "dim",
+    "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "detach", "view", "as_strided", "__getitem__",
+    "__hash__", "__len__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "_is_view",
+})
+
+
+#: the device kernels of an update that a worker thread queues on its stream under SimulatedCuda.late_kernels
+_KERNELS = frozenset({"_fused_adamw_", "copy_"})
+
+
+def _in_a_parameter(t: Tensor) -> bool:
+    """Whether ``t`` is (a view of) the memory of a tensor a pipeline claimed as a device tensor (accel/streams.py)."""
+    try:
+        start, end = _span(t)
+    except (RuntimeError, NotImplementedError):
+        return False
+    for ref in list(streams._claimed.values()):
+        claimed = ref()
+        if claimed is not None and claimed.numel():
+            a, b = _span(claimed)
+            if a <= start and end <= b:
+                return True
+    return False
+
+
+def _overlaps(spans: list[tuple[int, int]], pending: list[tuple[int, int, Completion]]) -> list[Completion]:
+    return [done for a, b, done in pending if any(s < b and a < e for s, e in spans)]
+
+
+class _DeviceOrder(TorchFunctionMode):
+    """On a thread whose compute stream defers its waits: each torch operation runs in the thread's stream order.
+
+    The simulated device runs torch's operations at once on the calling thread. On CUDA they are queued on the
+    thread's current stream, after every wait issued on it before them; so an operation that touches device memory a
+    pending copy writes (a parameter being sent back, a ring buffer being filled) first waits, here, for the waits the
+    thread's compute stream deferred, and one that touches memory that :meth:`SimulatedCuda.compute_later` work of this
+    thread's stream still writes waits for that work. Nothing else waits: an operation on host memory (a staging
+    buffer) runs at once, as the host does on CUDA, and one on memory a copy writes that no wait covered reads poison.
+    """
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if getattr(self.backend._local, "internal", False):
+            return func(*args, **kwargs)  # the simulated device's own bookkeeping (a copy's poison, its snapshot)
+        if name in _KERNELS and self.backend._queues_kernels() and self.backend._queue_kernel(func, name, args, kwargs):
+            return None if name == "_fused_adamw_" else args[0]
+        if name.endswith("_") and not name.startswith("__") and args and isinstance(args[0], Tensor):
+            self.backend._check_host_write(args[0], name)
+        if name not in _METADATA:
+            late = self.backend._in_stream_order(args, kwargs)
+            if late:
+                return self.backend._after_late_work(func, name, args, kwargs, late)
+        return func(*args, **kwargs)
+
+
 class _Read:
     __slots__ = ("stream", "reused", "done")
 
@@ -263,9 +391,16 @@ class _Read:
 class SimulatedCuda:
     """The simulated device ``index`` (see the module contract); an instance is one process's device of that index."""
 
-    def __init__(self, seed: int, index: int = 0) -> None:
+    def __init__(self, seed: int, index: int = 0, *, host_parameters: bool = False) -> None:
         self.seed = int(seed)
         self.device_index = int(index)
+        self.host_parameters = bool(host_parameters)
+        """The model's parameters live in host memory (FSDP2's CPUOffloadPolicy): the device serves no tensor (every
+        parameter is a host parameter, on the synchronous lane), and only its copies (:meth:`copy`, issued by a test's
+        stand-in for FSDP2) land late into page-locked host gradients."""
+        self.device_syncs = 0
+        """Device-wide synchronisations (:meth:`synchronize_device`): the pipeline promises none."""
+        self._all_streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self.lock = threading.RLock()
         self.hazards: list[str] = []
         self.hidden_syncs: collections.Counter[str] = collections.Counter()
@@ -276,6 +411,19 @@ class SimulatedCuda:
         self._host_pending: list[tuple[int, int, Completion, _Ticket]] = []
         self._watched: dict[int, _Watched] = {}  # device storages pending copies read, by the storage object's id
         self._late_runs = 0  # compute_later's work that has run
+        # Device buffers a test watches (watch_buffer): span -> (stream, time) of the latest access, by any thread
+        self._buffers: dict[tuple[int, int], tuple[_Stream, int] | None] = {}
+        self._watching = False  # inside watching(): worker threads set up now watch their operations too
+        self._pageable_moves: list[tuple[int, int]] = []  # host memory moved with .to(device), not yet used (N5)
+        self._derived: set[tuple[int, int]] = set()  # memory computed from the device's tensors (N5)
+        self._host_copies: dict[int, weakref.ref[Tensor]] = {}  # device tensors read to the host, by id (N5)
+        self._to_device: list[tuple[int, int, Completion]] = []  # device memory pending copies write: (start, end, done)
+        self._to_host: list[tuple[int, int, Completion]] = []  # host memory pending copies write
+        self._late: list[tuple[int, int, Completion, _Stream]] = []  # memory late work writes (compute_later, queued ops)
+        self.copy_latency_s = 0.0
+        """Added to every copy's delay (:meth:`slow_copies`)."""
+        self.kernel_latency_s: float | None = None
+        """Inside :meth:`late_kernels`: how late a worker thread's queued kernel runs."""
 
     # ------------------------------------------------------------------ the record
 
@@ -290,10 +438,143 @@ class SimulatedCuda:
             self.record(f"stray context: {what} from thread {threading.current_thread().name!r}, whose current "
                         f"device is {current}, for device {self.device_index}")
 
+    def orders_device_work(self) -> bool:
+        """Whether the calling thread runs its torch operations in its compute stream's order (:class:`_DeviceOrder`):
+        its compute stream's waits are then the device's, not the host's."""
+        return bool(getattr(self._local, "orders", False))
+
+    def order_device_work(self) -> TorchFunctionMode:
+        """The mode (entered by the caller, on its thread) in which the calling thread's compute stream defers its waits
+        to the device, and its torch operations wait only where the device would (:class:`_DeviceOrder`)."""
+        self._local.orders = True
+        return _DeviceOrder(self)
+
+    def _in_stream_order(self, args: Any, kwargs: Any) -> list[Completion]:
+        """Drain the calling thread's deferred waits if the operation touches device memory a pending copy writes; the
+        compute_later work of the thread's own stream that still writes memory it touches."""
+        stream = getattr(self._local, "compute", None)
+        if stream is None or not (stream.deferred or self._late):
+            return []
+        with self.lock:
+            stream.deferred = [c for c in stream.deferred if not c.done()]
+            self._to_device = [e for e in self._to_device if not e[2].done()]
+            self._late = [e for e in self._late if not e[2].done()]
+            # What a wait of the thread's stream may stand for: copies to the device, other streams' late work.
+            copies = [*self._to_device, *((a, b, d) for a, b, d, on in self._late if on is not stream)] if stream.deferred else []
+            late = [(a, b, done) for a, b, done, on in self._late if on is stream]
+        if not copies and not late:
+            return []
+        spans = []
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, Tensor):
+                try:
+                    spans.append(_span(leaf))
+                except (RuntimeError, NotImplementedError):
+                    continue  # no memory of its own (a stand-in, a DTensor): its parts pass here one by one
+        if _overlaps(spans, copies):
+            stream.drain()
+        return _overlaps(spans, late)
+
+    def _after_late_work(self, func: Any, name: str, args: Any, kwargs: Any, late: list[Completion]) -> Any:
+        """An operation of this thread on memory that compute_later work of its stream still writes. An out-of-place
+        operation whose inputs need no gradient is queued after it, as on CUDA: its result is a new tensor, poisoned
+        until the operation has run on the stream (and this thread's operations on it wait, in turn). Any other waits
+        for the work, then runs (a host read, an in-place write, an operation autograd records)."""
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+        if not (grad or "out" in kwargs or name.endswith("_")):
+            out = func(*args, **kwargs)  # on what is there now: only the result's shape and dtype are kept
+            if isinstance(out, Tensor) and not any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                                                   for t in leaves if t.layout == torch.strided):
+                stream = self._compute_stream()
+                _poison(out)
+
+                def queued() -> None:
+                    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+                        out.copy_(func(*args, **kwargs))
+                    with self.lock:
+                        self._late_runs += 1
+
+                done = stream.submit(queued, copy=False)
+                with self.lock:
+                    self._late.append((*_span(out), done, stream))
+                return out
+        for completion in late:
+            completion.wait()
+        return func(*args, **kwargs)
+
+    def _check_host_write(self, t: Tensor, name: str) -> None:
+        """An in-place write by a thread in stream order: into host memory a pending copy to the host still writes, it
+        races with that copy (on CUDA the copy's bytes and the host's interleave): a hazard."""
+        if not self._to_host:
+            return
+        try:
+            span = _span(t)
+        except (RuntimeError, NotImplementedError):
+            return
+        with self.lock:
+            self._to_host = [e for e in self._to_host if not e[2].done()]
+            racing = _overlaps([span], self._to_host)
+        if racing:
+            self.record(f"{name} wrote host memory of shape {tuple(t.shape)} on thread "
+                        f"{threading.current_thread().name!r} while a copy to the host still wrote it")
+
+    def _queues_kernels(self) -> bool:
+        return bool(getattr(self._local, "kernels_late", False))
+
+    def _queue_kernel(self, func: Any, name: str, args: Any, kwargs: Any) -> bool:
+        """A pipeline worker's device kernel, queued on its thread's stream (see :meth:`late_kernels`); whether it was."""
+        if name == "_fused_adamw_":
+            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+            if not any(_in_a_parameter(t) for t in leaves):
+                return False  # the host's own update (kernels of the host placement): host work, at once
+            written = [t for t in tree_leaves(args[:5] if len(args) >= 5 else (args, kwargs)) if isinstance(t, Tensor)]
+        else:  # copy_ into a device parameter (a model copy of a master)
+            if not (args and isinstance(args[0], Tensor) and _in_a_parameter(args[0])):
+                return False
+            written = [args[0]]
+            increment_version(args[0])  # at issue, as on CUDA; the queued copy moves it no more
+        stream = self._compute_stream()
+        latency = self.kernel_latency_s or 0.0
+
+        def queued() -> None:
+            time.sleep(latency)
+            with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+                func(*args, **kwargs)
+            with self.lock:
+                self._late_runs += 1
+
+        done = stream.submit(queued, copy=False)
+        with self.lock:
+            self._late += [(*_span(t), done, stream) for t in written if t.numel()]
+        return True
+
+    @contextlib.contextmanager
+    def late_kernels(self, latency_s: float) -> Iterator[None]:
+        """Pipeline worker threads started inside (the updater of updates during backward) queue the device kernels of an
+        update (torch's fused AdamW on device tensors, the copy into a device parameter) on their compute stream, to run
+        ``latency_s`` later, and defer their compute stream's waits to the device: the host goes on, as on CUDA, and
+        another thread that reads what they write must have waited for their stream."""
+        before, self.kernel_latency_s = self.kernel_latency_s, latency_s
+        try:
+            yield
+        finally:
+            self.kernel_latency_s = before
+
+    @contextlib.contextmanager
+    def slow_copies(self, latency_s: float) -> Iterator[None]:
+        """Every copy issued inside takes ``latency_s`` more (a slow link, a busy copy engine): what runs meanwhile on
+        the host is sure to meet the copies still in flight."""
+        before, self.copy_latency_s = self.copy_latency_s, latency_s
+        try:
+            yield
+        finally:
+            self.copy_latency_s = before
+
     # ------------------------------------------------------------------ StreamBackend
 
     def serves(self, device: torch.device) -> bool:
-        return device.type == "cpu"
+        return device.type == "cpu" and not self.host_parameters
 
     def index(self, device: torch.device) -> int:
         return self.device_index
@@ -301,7 +582,9 @@ class SimulatedCuda:
     def new_stream(self, index: int) -> _Stream:
         self.called("new stream")
         n = next(self._streams)
-        return _Stream(self, f"side{n}", self.seed * 7919 + n, compute=False)
+        stream = _Stream(self, f"side{n}", self.seed * 7919 + n, compute=False)
+        self._all_streams.add(stream)
+        return stream
 
     def _compute_stream(self) -> _Stream:
         stream = getattr(self._local, "compute", None)
@@ -309,6 +592,7 @@ class SimulatedCuda:
             thread = threading.current_thread()
             seed = self.seed * 104729 + (thread.ident or 0) % 9973
             stream = self._local.compute = _Stream(self, f"compute-{thread.name}", seed, compute=True)
+            self._all_streams.add(stream)
         return stream
 
     def current_stream(self, index: int) -> _Stream:
@@ -345,6 +629,13 @@ class SimulatedCuda:
 
     def copy(self, dst: Tensor, src: Tensor, *, to_device: bool) -> None:
         self.called("copy")
+        self._local.internal = True
+        try:
+            self._copy(dst, src, to_device=to_device)
+        finally:
+            self._local.internal = False
+
+    def _copy(self, dst: Tensor, src: Tensor, *, to_device: bool) -> None:
         stream = self.current_stream(self.device_index)
         host = src if to_device else dst
         pageable = not self._is_pinned(host)
@@ -365,6 +656,11 @@ class SimulatedCuda:
         with self.lock:
             self._host_pending = [p for p in self._host_pending if not p[2].done()]
             self._host_pending.append((start, end, done, ticket))
+            if to_device:
+                self._to_device.append((*_span(dst), done))
+            else:
+                self._to_host = [e for e in self._to_host if not e[2].done()]
+                self._to_host.append((start, end, done))
         if pageable:
             # cudaMemcpyAsync from pageable memory: staged by the driver, the host waits for the stream.
             self.hidden_syncs["copy from pageable host memory"] += 1
@@ -492,41 +788,306 @@ class SimulatedCuda:
         start, end = _span(owner)
         with self.lock:
             self._pinned[start] = end - start
-        # Unlocked when its last tensor goes (a copy still touching it is then a hazard, and cancelled), and only then
-        # freed: the owner outlives the handed-out tensor until the unlock has returned.
+        # Given back when its last tensor goes, as torch's page-locked allocator gives a block back: once every copy
+        # that touches it has ended (torch records an event on the copy's stream for each non-blocking copy from its
+        # memory); only then unlocked and freed: the owner outlives the handed-out tensor until the unlock has returned.
         weakref.finalize(buffer.untyped_storage(), self._free_pinned, start, owner)
         return buffer
 
     def _free_pinned(self, start: int, owner: Tensor) -> None:
-        self.unpin(start, self.device_index)
-        del owner
+        with self.lock:
+            nbytes = self._pinned.get(start, 0)
+            touching = [p[2] for p in self._host_pending if not p[2].done() and p[0] < start + nbytes and start < p[1]]
+        if not touching:
+            self.unpin(start, self.device_index)
+            return
+
+        def once_the_copies_ended() -> None:
+            for done in touching:
+                done.wait()
+            self.unpin(start, self.device_index)
+            owner.untyped_storage()  # kept alive until here
+
+        threading.Thread(target=once_the_copies_ended, name="simulated-pinned-free", daemon=True).start()
+
+    def is_page_locked(self, t: Tensor) -> bool:
+        return t.device.type == "cpu" and self._is_pinned(t)
+
+    def synchronize_device(self, index: int) -> None:
+        """Every stream of the device has reached the work issued on it so far; counted in :attr:`device_syncs`."""
+        self.called("cudaDeviceSynchronize")
+        with self.lock:
+            self.device_syncs += 1
+            every = list(self._all_streams)
+        for stream in every:
+            stream.reached().wait()
 
     def get_device(self) -> int:
         return int(getattr(self._local, "device", 0))
 
     def set_device(self, index: int) -> None:
         self._local.device = int(index)
+        if self._watching:
+            self._watch_thread()  # a worker thread's set-up (thread_init): its accesses to watched buffers are seen
+        if self.kernel_latency_s is not None and not self.orders_device_work():
+            # A pipeline worker making the device current (its thread set-up) inside late_kernels: for the thread's life.
+            self.order_device_work().__enter__()
+            self._local.kernels_late = True
+
+    def _count_moves(self, spans: list[tuple[int, int]]) -> None:
+        """An operation over the device's tensors that reads a tensor moved from pageable memory: one hidden
+        synchronisation per move (counted once)."""
+        if not self._on_device(spans):
+            return
+        with self.lock:
+            used = [m for m in self._pageable_moves if any(m[0] < b and a < m[1] or m == (a, b) for a, b in spans)]
+            if not used:
+                return
+            self._pageable_moves = [m for m in self._pageable_moves if m not in used]
+            self.hidden_syncs["a copy to the device from pageable memory (.to(device))"] += len(used)
+
+    # ------------------------------------------------------------------ shared device buffers (N8)
+
+    def watch_buffer(self, t: Tensor) -> None:
+        """Record every access to ``t``'s memory (a device buffer the pipeline's threads share) from the threads that
+        run pipeline work: the calling thread inside :meth:`watching_buffers`, and every worker thread set up from now
+        on. An access from a stream that is not ordered (``wait_event``/``wait_stream``) after the latest access from
+        another stream is a recorded hazard: on CUDA the two kernels may run at once (a main thread on a non-default
+        stream and the updater thread's own)."""
+        with self.lock:
+            self._buffers[_span(t)] = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """The calling thread's operations are seen for the block, and those of every worker thread set up inside it
+        (its ``thread_init``): accesses to watched buffers, and copies to the device from pageable memory made with
+        ``.to(device)`` (see :meth:`_moved`)."""
+        before = self._watching
+        self._watching = True
+        try:
+            with _MoveWatch(self), _BufferWatch(self):
+                self._local.watching = True
+                try:
+                    yield
+                finally:
+                    self._local.watching = False
+        finally:
+            self._watching = before
+
+    def _watch_thread(self) -> None:
+        if getattr(self._local, "watching", False):
+            return
+        self._local.watching = True
+        _MoveWatch(self).__enter__()  # for the rest of the worker thread's life
+        _BufferWatch(self).__enter__()
+
+    def _device_spans(self) -> list[tuple[int, int]]:
+        """The memory of the tensors the engine claimed as this device's (the parameters), of their gradients where
+        these live on the device, and of the watched buffers."""
+        spans = list(self._buffers)
+        for ref in list(streams._claimed.values()):
+            t = ref()
+            if t is None:
+                continue
+            spans.append(_span(t))
+            grad = t.grad
+            if grad is not None and type(grad) is Tensor and grad.layout == torch.strided:
+                with contextlib.suppress(RuntimeError):  # a freed gradient's stand-in has no storage
+                    spans.append(_span(grad))
+        return spans
+
+    def _derive(self, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+        """What an operation over the device's tensors computes is the device's too (a norm, a clip coefficient):
+        moving it to the device is no copy from the host."""
+        if not outputs or not self._on_device(_spans(inputs)):
+            return
+        for t in outputs:
+            spans = _spans([t])
+            if not spans:
+                continue
+            with self.lock:
+                self._derived.add(spans[0])
+            weakref.finalize(t.untyped_storage(), self._underive, spans[0])
+
+    def _derive_created(self, t: Tensor) -> None:
+        spans = _spans([t])
+        if spans:
+            with self.lock:
+                self._derived.add(spans[0])
+            weakref.finalize(t.untyped_storage(), self._underive, spans[0])
+
+    def _underive(self, span: tuple[int, int]) -> None:
+        with self.lock:
+            self._derived.discard(span)
+
+    def _on_device(self, spans: list[tuple[int, int]]) -> bool:
+        with self.lock:
+            device = self._device_spans() + list(self._derived)
+        return any(a < d_end and d_start < b for a, b in spans for d_start, d_end in device if b > a)
+
+    def _is_device_data(self, t: Tensor) -> bool:
+        return streams.is_device_tensor(t) or self._on_device(_spans([t]))
+
+    def _read_by_host(self, t: Tensor, how: str) -> None:
+        """A device tensor read by the host (``.to("cpu")`` into ``t``, ``.item()``): on CUDA the host waits for
+        the device (a hidden synchronisation)."""
+        with self.lock:
+            self.hidden_syncs[f"a device tensor read by the host ({how})"] += 1
+            self._host_copies[id(t)] = weakref.ref(t)
+
+    def _is_host_copy(self, t: Tensor) -> bool:
+        with self.lock:
+            ref = self._host_copies.get(id(t))
+        return ref is not None and ref() is t
+
+    def _moved(self, t: Tensor, *, host_copy: bool = False) -> None:
+        """``t`` is the result of ``.to(device)`` (or ``.to(device, dtype)``) of a host tensor in pageable memory that
+        is not the device's: on CUDA, a copy to the device that blocks the host (a hidden synchronisation) when the
+        result is used by a device kernel, which :meth:`_accessed` counts (on the CPU the call is a no-op)."""
+        span = _span(t)
+        if not host_copy and self._on_device([span]):
+            return  # computed on the device: no copy
+        with self.lock:
+            if span not in self._pageable_moves:  # .to("cpu") then .to(device) of one host tensor: one copy on CUDA
+                self._pageable_moves.append(span)
+        weakref.finalize(t.untyped_storage(), self._unmove, span)
+
+    def _unmove(self, span: tuple[int, int]) -> None:
+        with self.lock:
+            if span in self._pageable_moves:
+                self._pageable_moves.remove(span)
+
+    def _accessed(self, tensors: list[Tensor]) -> None:
+        spans = _spans(tensors)
+        if self._pageable_moves:
+            self._count_moves(spans)
+        with self.lock:
+            touched = [key for key in self._buffers for start, end in spans if start < key[1] and key[0] < end]
+        if not touched:
+            return
+        override = getattr(self._local, "override", None)
+        stream = override[-1] if override else self._compute_stream()
+        with self.lock:
+            stream.tick()  # this access is new work of the stream: an event recorded from now on covers it
+            for key in set(touched):
+                last = self._buffers[key]
+                if last is not None and last[0] is not stream and stream.clock.get(last[0].id, 0) < last[1]:
+                    self.hazards.append(
+                        f"a device buffer of {key[1] - key[0]} bytes used on {stream.name} while {last[0].name}'s use "
+                        "of it may still run: no event of that stream was waited for")
+                self._buffers[key] = (stream, stream.time)
+
+    #: the PCI address the simulated device reports (a test sets it, with a made-up sysfs that places it)
+    pci_address: str | None = None
+
+    def pci_bus_id(self, index: int) -> str | None:
+        return self.pci_address
 
     # ------------------------------------------------------------------ for tests
 
-    def compute_later(self, work: Callable[[], None], delay_s: float = 0.02) -> Completion:
+    def compute_later(self, work: Callable[[], None], delay_s: float = 0.02, writes: Sequence[Tensor] = ()) -> Completion:
         """``work`` on the calling thread's current stream, after ``delay_s``: compute the host issued and the device
-        has not run yet (what a copy that did not wait for this stream would miss)."""
+        has not run yet (what a copy, or another thread, that did not wait for this stream would miss). The calling
+        thread's own torch operations on ``writes`` (inside :meth:`order_device_work`) run after it, in stream order."""
         stream = self.current_stream(self.device_index)
 
         def late() -> None:
             time.sleep(delay_s)
-            with torch.no_grad():
+            # No move of a version counter here: a kernel's moves it when the host issues it (the caller's business).
+            with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
                 work()
             with self.lock:
                 self._late_runs += 1  # a change of a copy's source from here on may be this work's
 
-        return stream.submit(late, copy=False)
+        done = stream.submit(late, copy=False)
+        with self.lock:
+            self._late += [(*_span(t), done, stream) for t in writes]
+        return done
 
     def take_hazards(self) -> list[str]:
         with self.lock:
             found, self.hazards = self.hazards, []
         return found
+
+
+class _BufferWatch(TorchDispatchMode):
+    """Every operation of the thread it is entered on: the watched device buffers it touches (SimulatedCuda._accessed)."""
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if not func.is_view:  # a view touches no memory: it is no access of the device
+            self.backend._accessed(inputs)
+        if func is torch.ops.aten._local_scalar_dense.default and _ours() and self.backend._is_device_data(inputs[0]):
+            self.backend._read_by_host(inputs[0], ".item()")
+        out = func(*args, **kwargs)
+        self.backend._derive(inputs, [t for t in tree_leaves(out) if isinstance(t, Tensor)])
+        return out
+
+
+def _caller() -> str:
+    """The module of the code that called the operation, above the modes and torch's own wrappers."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module != "torch" and not module.startswith(("torch.", "offload_adamw.testing")):
+            return str(module)
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
+def _ours() -> bool:
+    """Whether offload_adamw's production code called the operation: torch's own moves (a GradScaler's, for one) are
+    torch's, and on CUDA its state lives on the device."""
+    return _caller().startswith("offload_adamw.")
+
+
+def _target_device(args: Any, kwargs: dict[str, Any]) -> torch.device | None:
+    """The device ``Tensor.to(*args, **kwargs)`` moves to (None: the tensor's own)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # torch's parser of .to's arguments takes no copy
+    for tried in (tuple(args), tuple(args)[:-1]):
+        try:
+            return torch._C._nn._parse_to(*tried, **kwargs)[0]
+        except (TypeError, RuntimeError):
+            continue
+    return None
+
+
+class _MoveWatch(TorchFunctionMode):
+    """``Tensor.to`` with a device, of a host tensor in pageable memory that is not the device's (SimulatedCuda._moved)."""
+
+    def __init__(self, backend: SimulatedCuda) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (isinstance(out, Tensor) and kwargs.get("device") not in (None, "cpu")
+                and not any(isinstance(t, Tensor) for t in tree_leaves((args, kwargs)))
+                and not _caller().startswith("offload_adamw.kernels")):
+            # Created on a device named by a device object (a tensor's .device: a GradScaler's flag, a device buffer),
+            # not by the string "cpu" (host memory, as offload_adamw spells it) nor by a host kernel: the device's.
+            if self.backend.serves(torch.device(kwargs["device"])):
+                self.backend._derive_created(out)
+        if func is Tensor.to and args and isinstance(args[0], Tensor) and isinstance(out, Tensor) and _ours():
+            src = args[0]
+            device = _target_device(args[1:], kwargs)
+            if device is None or src.device.type != "cpu" or not self.backend.serves(device) or src.numel() == 0:
+                return out
+            if "cpu" in (args[1] if len(args) > 1 else None, kwargs.get("device")):
+                # offload_adamw spells a move to host memory "cpu": of a device tensor, a read by the host
+                if self.backend._is_device_data(src):
+                    self.backend._read_by_host(out, ".to('cpu')")
+            elif self.backend._is_host_copy(src):
+                self.backend._moved(out, host_copy=True)  # back to the device: a copy from pageable memory
+            elif not streams.is_device_tensor(src) and not self.backend._is_pinned(src):
+                self.backend._moved(out)
+        return out
 
 
 def install(seed: int, index: int = 0) -> SimulatedCuda:
@@ -536,18 +1097,20 @@ def install(seed: int, index: int = 0) -> SimulatedCuda:
     backend = SimulatedCuda(seed, index)
     streams.install(backend)
     backend.set_device(index)
+    backend.order_device_work().__enter__()  # for the life of the process, on the calling (main) thread
     return backend
 
 
 @contextlib.contextmanager
-def simulated_cuda(seed: int, index: int = 0) -> Iterator[SimulatedCuda]:
+def simulated_cuda(seed: int, index: int = 0, *, host_parameters: bool = False) -> Iterator[SimulatedCuda]:
     """Pipelines built inside this context run the stream lane on a simulated device ``index`` (the calling thread's
-    current device inside it)."""
-    backend = SimulatedCuda(seed, index)
+    current device inside it); ``host_parameters``: see :attr:`SimulatedCuda.host_parameters`."""
+    backend = SimulatedCuda(seed, index, host_parameters=host_parameters)
     before = backend.get_device()
     backend.set_device(index)
     try:
-        with streams.installed_backend(backend):
+        with streams.installed_backend(backend), backend.order_device_work():
             yield backend
     finally:
+        backend._local.orders = False
         backend.set_device(before)

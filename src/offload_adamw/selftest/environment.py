@@ -1,0 +1,217 @@
+"""The environment report of ``offload-adamw selftest``: what this machine offers the optimizer.
+
+Contract: :func:`environment` returns a JSON-ready dict and never raises for a missing piece: every figure
+that cannot be read here (no GPU, no ``/proc``, no numba) is None with, where it helps, a word on why.
+It holds the versions (torch, its CUDA build, the NVIDIA driver, numba, Python), each GPU with its memory,
+PCI bus id and NUMA node (``/sys/bus/pci/devices/<bus id>/numa_node``; -1 there means the platform does not
+say), host memory (``MemTotal`` and ``MemAvailable`` from ``/proc/meminfo``, and :func:`host_memory_for_sizing`:
+the figure a run should size itself by), the locked-memory limit (``RLIMIT_MEMLOCK``, soft and hard), the
+cores this process may run on (``os.sched_getaffinity``) and whether page-locking works (a 1 MiB pinned
+allocation, only where an accelerator is there to pin for), and the stream backend a pipeline would use
+(CUDA, or a test device such as the simulated one).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import resource
+from typing import Any
+
+import torch
+
+from offload_adamw._version import __version__
+
+__all__ = ["environment", "meminfo", "host_memory_for_sizing", "default_device", "resolve_device",
+           "PLAUSIBLE_AVAILABLE_FRACTION"]
+
+PLAUSIBLE_AVAILABLE_FRACTION = 0.25
+"""Below this share of MemTotal, MemAvailable is taken as not yet meaning what it says: a fresh VM whose balloon
+or page cache has not settled reports a small MemAvailable that grows as memory is touched (the GPU machine of this
+project starts far below its 128 GiB), so a run that trusted it would refuse what fits."""
+
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """The fields of ``/proc/meminfo`` in bytes (those given in kB), or {} where it cannot be read."""
+    found: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    found[name.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    except OSError:
+        return {}
+    return found
+
+
+def host_memory_for_sizing(info: dict[str, int]) -> tuple[int | None, str]:
+    """(bytes a run may size itself by, where that figure comes from): MemAvailable, or MemTotal where
+    MemAvailable is under :data:`PLAUSIBLE_AVAILABLE_FRACTION` of it (then the reason says so)."""
+    total, available = info.get("MemTotal"), info.get("MemAvailable")
+    if total is None:
+        return available, "MemAvailable" if available is not None else "unknown (no /proc/meminfo)"
+    if available is None:
+        return total, "MemTotal (no MemAvailable)"
+    if available < PLAUSIBLE_AVAILABLE_FRACTION * total:
+        return total, (f"MemTotal: MemAvailable is {available / total:.0%} of it, below "
+                       f"{PLAUSIBLE_AVAILABLE_FRACTION:.0%}, taken as a VM that has not settled yet")
+    return available, "MemAvailable"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_version(path: str = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA kernel module's version from /proc (no subprocess: nvidia-smi may hang on a broken driver)."""
+    try:
+        with open(path) as f:
+            first = f.readline()
+    except OSError:
+        return None
+    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
+    words = first.split("Kernel Module", 1)[-1].split()
+    return words[0] if words else None
+
+
+def _numa_node(bus_id: str, root: str = "/sys/bus/pci/devices") -> int | None:
+    """The NUMA node the kernel gives the PCI device (-1: the platform does not say), None where unreadable."""
+    try:
+        with open(f"{root}/{bus_id}/numa_node") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _bus_id_by_uuid(uuid: str, root: str = "/proc/driver/nvidia/gpus") -> str | None:
+    """The PCI bus id of the GPU whose UUID is ``uuid``, from the driver's ``/proc`` folders (named by bus id, each
+    with an ``information`` file holding ``GPU UUID: GPU-<uuid>``): where torch does not give the bus id."""
+    try:
+        folders = sorted(os.listdir(root))
+    except OSError:
+        return None
+    wanted = uuid.lower().removeprefix("gpu-")
+    for folder in folders:
+        try:
+            with open(os.path.join(root, folder, "information")) as f:
+                for line in f:
+                    if line.startswith("GPU UUID:") and line.split(":", 1)[1].strip().lower().removeprefix("gpu-") == wanted:
+                        return folder.lower()
+        except OSError:
+            continue
+    return None
+
+
+def _gpus() -> list[dict[str, Any]]:
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        domain, bus, device = (getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+        if None not in (domain, bus, device):
+            bus_id: str | None = f"{domain:04x}:{bus:02x}:{device:02x}.0"
+        else:  # a torch without the PCI fields: the driver's folders, matched by UUID
+            uuid = getattr(props, "uuid", None)
+            bus_id = _bus_id_by_uuid(str(uuid)) if uuid is not None else None
+        gpus.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory),
+                     "capability": f"{props.major}.{props.minor}", "pci_bus_id": bus_id,
+                     "numa_node": _numa_node(bus_id) if bus_id else None})
+    return gpus
+
+
+def _memlock() -> dict[str, Any]:
+    def shown(value: int) -> int | None:  # None: unlimited
+        return None if value == resource.RLIM_INFINITY else int(value)
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (OSError, ValueError, AttributeError):
+        return {"soft_bytes": None, "hard_bytes": None, "readable": False}
+    return {"soft_bytes": shown(soft), "hard_bytes": shown(hard), "readable": True,
+            "unlimited": soft == resource.RLIM_INFINITY}
+
+
+def _page_locking(device: torch.device) -> dict[str, Any]:
+    """Whether a small page-locked allocation works for ``device`` (only a CUDA device has one to try)."""
+    if device.type != "cuda":
+        return {"works": None, "why": f"no accelerator to page-lock for (device {device})"}
+    try:
+        t = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+        works = bool(t.is_pinned())
+        del t
+        return {"works": works, "why": "1 MiB pinned allocation" + ("" if works else " came back not pinned")}
+    except RuntimeError as exc:
+        return {"works": False, "why": f"1 MiB pinned allocation failed: {str(exc).splitlines()[0]}"}
+
+
+def _stream_backend() -> str:
+    from offload_adamw.accel import streams  # the backend a pipeline built now would use
+
+    backend = streams.installed()
+    if backend is not None:
+        return type(backend).__name__
+    return "cuda" if torch.cuda.is_available() else "none (the CPU as device: every copy is complete when issued)"
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """The report (module docstring) for a selftest on ``device``."""
+    info = meminfo()
+    sizing, sizing_source = host_memory_for_sizing(info)
+    try:
+        cores: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = None
+    return {
+        "device": str(device),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "driver": _driver_version(),
+        "numba": _version("numba"),
+        "offload_adamw": __version__,
+        "gpus": _gpus(),
+        "host_memory": {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable"),
+                        "sizing_bytes": sizing, "sizing_source": sizing_source},
+        "memlock": _memlock(),
+        "cores_available": cores,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "page_locking": _page_locking(device),
+        "stream_backend": _stream_backend(),
+    }
+
+
+def default_device() -> str:
+    """``cuda`` where torch sees a GPU, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(text: str) -> torch.device:
+    """The device ``text`` names, once it is clear that the selftest can run there; else ValueError saying why.
+
+    The CPU (the pipeline's CPU mode, where every placement computes on the CPU) and CUDA devices that torch
+    sees; a bare ``cuda`` is the current CUDA device.
+    """
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"not a device ({str(exc).splitlines()[0]})") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"the selftest runs on cpu or cuda devices, not {device.type}")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise ValueError(f"no CUDA device here ({why}); use --device cpu")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise ValueError(f"no such device: torch sees {count} CUDA device(s) (0..{count - 1})")
+    return torch.device("cuda", index)
