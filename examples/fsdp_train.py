@@ -1,4 +1,4 @@
-"""Train a small causal transformer with FSDP2 + OffloadAdamW, checkpointing with torch.distributed.checkpoint.
+"""Train a small causal transformer with FSDP2 + OffloadAdamW, checkpointing with offload_adamw.checkpoint (on DCP).
 
 Launch (see examples/README-fsdp.md):
 
@@ -19,9 +19,11 @@ What it shows:
   hooks, and the updates start when backward ends, the moment the global norm is known.
 * ``--timeline out.png`` draws the last step as a Gantt chart (rank 0): when each group's gradient
   was ready, copied, updated and copied back, and where backward ended.
-* Checkpoints are DCP directories (one file per rank plus metadata) holding the
-  model and the optimizer as global DTensors, so ``--resume`` works at any world
-  size, including one that differs from the one that saved.
+* Checkpoints are ``offload_adamw.checkpoint`` directories (docs/checkpoints.md, the sharded layout):
+  torch.distributed.checkpoint writes one safetensors file per rank, the model and the optimizer by
+  parameter name as global DTensors, with the RNG states of every rank; the directory is published
+  atomically and verified (a digest of every file) before anything is loaded, and nothing is unpickled.
+  ``--resume`` works at any world size, including one that differs from the one that saved.
 
 The model, data and hyperparameters are synthetic on purpose: no downloads. The
 data is a fixed random permutation to learn (token t is followed by perm[t]), so
@@ -33,25 +35,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from offload_adamw import OffloadAdamW
+from offload_adamw import OffloadAdamW, checkpoint
 
 
 @dataclass(kw_only=True)
@@ -79,7 +73,7 @@ class TrainConfig:
     bf16: bool = False
     """Compute in bfloat16 (FSDP2 MixedPrecisionPolicy); the sharded fp32 parameters and host state stay float32."""
     ckpt_dir: str = "checkpoints/fsdp_train"
-    """Directory of the DCP checkpoints (step_<N> subdirectories)."""
+    """Directory of the checkpoints (step_<N> subdirectories)."""
     save_every: int = 20
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: bool = False
@@ -157,30 +151,15 @@ def build(cfg: TrainConfig, device: torch.device, mesh) -> tuple[nn.Module, Offl
     return model, optimizer
 
 
-def latest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
-    found = [
-        (int(m.group(1)), p)
-        for p in ckpt_dir.glob("step_*")
-        if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / ".metadata").exists()
-    ]
-    return max(found) if found else None
-
-
 def save(model: nn.Module, optimizer: OffloadAdamW, ckpt_dir: Path, step: int) -> Path:
-    """A DCP checkpoint: global DTensors for the model and the optimizer, loadable at any world size."""
-    path = ckpt_dir / f"step_{step}"
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer), "step": step}
-    dcp.save(state, checkpoint_id=path)
-    return path
+    """A checkpoint of this rank's shards (every rank calls it), loadable at any world size."""
+    return checkpoint.save(ckpt_dir / f"step_{step}", model, optimizer, step=step)
 
 
 def load(model: nn.Module, optimizer: OffloadAdamW, path: Path) -> int:
-    # get_*_state_dict gives the layout to load into (this run's shards); DCP reshards what was saved.
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer), "step": 0}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    return int(state["step"])
+    """Verified first, then resharded into this run's layout by parameter name; the saved step."""
+    report = checkpoint.load(path, model, optimizer)
+    return int(report.step or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = build(cfg, device, mesh)
     ckpt_dir = Path(cfg.ckpt_dir)
     start = 0
-    if cfg.resume and (found := latest_checkpoint(ckpt_dir)) is not None:
-        start = load(model, optimizer, found[1])
+    if cfg.resume and (found := checkpoint.latest(ckpt_dir)) is not None:
+        start = load(model, optimizer, found)
         if rank == 0 and not args.json:
-            print(f"resumed from {found[1]} at step {start} (saved by any world size; this run has {world})")
+            print(f"resumed from {found} at step {start} (saved by any world size; this run has {world})")
 
     progress = range(start, cfg.steps)
     if rank == 0 and not args.json:

@@ -1,81 +1,375 @@
-"""The 2-process half of tests/test_checkpoint_fsdp.py: checkpoint.save and load of an FSDP2 model (gloo).
+"""The 2-process half of tests/test_checkpoint_fsdp.py: checkpoint.save / load / latest of FSDP2 models (gloo).
 
-Run as ``python tests/support/_checkpoint_fsdp_worker.py --out DIR``: two ranks build a model whose first layer
-stays a plain module and whose second is sharded with ``fully_shard`` (so ``1.weight`` is the first
-DTensor entry of its state), train one step with OffloadAdamW, then try ``checkpoint.save`` (with the
-optimizer, and of the model alone) and ``checkpoint.load`` of a checkpoint of the same model unsharded.
-Each rank writes ``DIR/rank{r}.json``: per attempt the error's type and message (or null), and the
-entries under its save directory afterwards.
+Run as ``python tests/support/_checkpoint_fsdp_worker.py --out DIR [--cases CASE...] [--kill STAGE]``. Each rank
+writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measured"}``, see CaseResults). Cases:
+
+* ``round_trip``: a small FSDP2 model (two units), OffloadAdamW and a scheduler train 2 steps, are saved
+  (with ``extra``), train one more; a fresh model loads the checkpoint and trains the same step: every
+  parameter bit for bit, the report, the RNG stream, ``latest`` on every rank. The checkpoint stays at
+  ``DIR/ck`` and the full parameters at the save in ``DIR/ck_expected.safetensors`` (the test loads it at world 1).
+* ``bf16_masters``: the same with bf16 parameters: the float32 masters are saved and come back bit for bit
+  (not rebuilt from bf16), and the resumed step is exact.
+* ``refusals``: a copy with one byte of rank 1's shard flipped is refused on both ranks (one rank checks
+  that file's digest, all agree) and nothing changes; a second save without ``overwrite`` is refused
+  on both ranks, with it the path is replaced; ranks given two different checkpoints are refused on both;
+  a save under a regular file is refused on both ranks, naming it; a save that DCP fails (a complex buffer)
+  is a CheckpointError on both ranks and leaves nothing.
+* ``converted``: a one-process checkpoint (layout 1) of the same model is refused by the FSDP2 model, naming
+  the converter; converted by ``checkpoint.convert`` it loads: every parameter and moment bit for bit.
+* ``reshard``: TinyCausalLM under FSDP2 trained 3 steps by OffloadAdamW(fused=True), saved with
+  ``checkpoint.save`` at ``DIR/ours``, and by torch.optim.AdamW(fused=True), saved with ``dcp.save`` of
+  ``get_state_dict`` at ``DIR/torch``; both resumed under DDP at world 2 for 3 steps: bit for bit the same.
+  (The test resumes both at world 1.)
+* ``--kill STAGE``: save ``DIR/ck`` at step 2, train a step, save again with ``overwrite=True`` and SIGKILL
+  one rank at STAGE (``shards``: rank 1 while DCP writes its shard; ``seal``: rank 0 before the manifest;
+  ``publish``: rank 0 before the rename). The test then finds the first checkpoint, whole.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _distributed_common import spawn_ranks
+from _distributed_common import LR, WEIGHT_DECAY, CaseResults, TinyCausalLM, full_params, join_gloo, spawn_ranks, train
 from offload_adamw import OffloadAdamW, checkpoint
+from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
 WORLD = 2
+CASES = ("round_trip", "bf16_masters", "refusals", "converted", "reshard")
 
 
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 4))
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
 
 
-def attempt(call) -> dict | None:
-    try:
-        call()
-    except Exception as exc:
-        return {"type": type(exc).__name__, "message": str(exc)}
-    return None
-
-
-def worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30))
-    root = Path(out) / f"rank{rank}"
-    root.mkdir(parents=True)
-    plain = build()
-    plain_optimizer = OffloadAdamW(plain.parameters(), lr=1e-2)
-    plain(torch.randn(3, 6)).square().mean().backward()
-    plain_optimizer.step()
-    unsharded = checkpoint.save(root / "unsharded", plain, plain_optimizer)
-    model = build()
-    fully_shard(model[1], mesh=init_device_mesh("cpu", (WORLD,)))
+def small(mesh, dtype=torch.float32):
+    """The small model sharded in two units, OffloadAdamW and a scheduler."""
+    model = build().to(dtype)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = OffloadAdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.9)
+
+
+def step(model, optimizer, scheduler, i: int, rank: int) -> None:
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * i + rank)).to(next(model.parameters()).dtype)
+    model(x).square().mean().backward()
     optimizer.step()
-    before = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in model.state_dict().items()}
-    result = {
-        "save": attempt(lambda: checkpoint.save(root / "sharded", model, optimizer)),
-        "save_model_only": attempt(lambda: checkpoint.save(root / "sharded-model", model, None)),
-        "load": attempt(lambda: checkpoint.load(unsharded, model, optimizer)),
-        "entries": sorted(p.name for p in root.iterdir()),
-    }
-    after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-    result["load_changed_nothing"] = all(torch.equal(after[k], before[k]) for k in before)
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+
+
+def full(model) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def case_round_trip(rank, mesh, out: Path, measured) -> list[str]:
+    bad = []
+    model, optimizer, scheduler = small(mesh)
+    for i in range(2):
+        step(model, optimizer, scheduler, i, rank)
+    path = checkpoint.save(out / "ck", model, optimizer, scheduler, extra={"epoch": 1, "tag": "a"})
+    at_save = full(model)
+    scheduler_at_save = scheduler.state_dict()
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in at_save.items()}, str(out / "ck_expected.safetensors"))
+    draw = torch.rand(4)  # this rank's stream right after the save
+    measured["files"] = sorted(os.listdir(path))
+    if checkpoint.latest(out) != path:
+        bad.append(f"latest({out}) is {checkpoint.latest(out)}, not {path}")
+    step(model, optimizer, scheduler, 2, rank)
+    expected = full(model)
+    fresh, fresh_optimizer, fresh_scheduler = small(mesh)
+    torch.manual_seed(1234 + rank)  # another stream: the load must put the saved one back
+    report = checkpoint.load(path, fresh, fresh_optimizer, fresh_scheduler)
+    if not torch.equal(torch.rand(4), draw):
+        bad.append("the RNG stream after the load is not the one after the save")
+    if (report.step, report.extra) != (2, {"epoch": 1, "tag": "a"}):
+        bad.append(f"report step/extra {report.step}, {report.extra}")
+    if not (report.optimizer_restored and report.scheduler_restored and report.rng_restored):
+        bad.append(f"report {report}")
+    if sorted(report.loaded) != sorted(at_save):
+        bad.append(f"loaded {report.loaded}")
+    if fresh_scheduler.state_dict() != scheduler_at_save:
+        bad.append(f"scheduler {fresh_scheduler.state_dict()}, saved {scheduler_at_save}")
+    step(fresh, fresh_optimizer, fresh_scheduler, 2, rank)
+    got = full(fresh)
+    bad += [f"{k} differs after resuming" for k in expected if not torch.equal(got[k], expected[k])]
+    return bad
+
+
+def masters(optimizer) -> list[torch.Tensor]:
+    out = []
+    for state in optimizer.state.values():
+        master = state["master_param"]
+        out.append(master.full_tensor() if hasattr(master, "full_tensor") else master.clone())
+    return out
+
+
+def case_bf16_masters(rank, mesh, out: Path, measured) -> list[str]:
+    """bf16 parameters: the float32 masters are saved and loaded (not rebuilt from bf16), and the resume is exact."""
+    bad = []
+    model, optimizer, scheduler = small(mesh, torch.bfloat16)
+    for i in range(2):
+        step(model, optimizer, scheduler, i, rank)
+    path = checkpoint.save(out / "ck-bf16", model, optimizer, scheduler)
+    saved_masters = masters(optimizer)
+    step(model, optimizer, scheduler, 2, rank)
+    expected = full(model)
+    fresh, fresh_optimizer, fresh_scheduler = small(mesh, torch.bfloat16)
+    checkpoint.load(path, fresh, fresh_optimizer, fresh_scheduler)
+    loaded = masters(fresh_optimizer)
+    if len(loaded) != 4 or any(m.dtype != torch.float32 for m in loaded):
+        bad.append(f"masters after the load: {[m.dtype for m in loaded]}")
+    bad += [f"master {i} differs after the load" for i, (a, b) in enumerate(zip(loaded, saved_masters, strict=True))
+            if not torch.equal(a, b)]
+    bad += [f"master {i} is its bf16 copy" for i, m in enumerate(loaded) if torch.equal(m, m.bfloat16().float())]
+    step(fresh, fresh_optimizer, fresh_scheduler, 2, rank)
+    got = full(fresh)
+    bad += [f"{k} differs after resuming" for k in expected if not torch.equal(got[k], expected[k])]
+    return bad
+
+
+def case_refusals(rank, mesh, out: Path, measured) -> list[str]:
+    bad = []
+    model, optimizer, scheduler = small(mesh)
+    step(model, optimizer, scheduler, 0, rank)
+    path = checkpoint.save(out / "ck2", model, optimizer, scheduler)
+    broken = out / "ck2-flipped"
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(path, broken)
+        shard = broken / "shard-00002-model-00001-of-00001.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0x01
+        shard.write_bytes(bytes(data))
     dist.barrier()
+    fresh, fresh_optimizer, fresh_scheduler = small(mesh)
+    before = full(fresh)
+    try:
+        checkpoint.load(broken, fresh, fresh_optimizer, fresh_scheduler)
+        bad.append("a flipped byte was loaded")
+    except CheckpointCorrupt as exc:
+        measured["flipped"] = str(exc)
+        if "shard-00002" not in str(exc) or "sha256" not in str(exc):
+            bad.append(f"the refusal does not name the file: {exc}")
+    after = full(fresh)
+    bad += [f"{k} changed by a refused load" for k in before if not torch.equal(before[k], after[k])]
+    try:
+        checkpoint.save(path, model, optimizer, scheduler)
+        bad.append("a save onto an existing checkpoint without overwrite was accepted")
+    except CheckpointError as exc:
+        measured["exists"] = str(exc)
+    # A tensor safetensors cannot hold (complex): DCP's save fails on the rank that writes it and raises on all;
+    # every rank gets a CheckpointError and nothing is published, no temporary is left.
+    odd, odd_optimizer, odd_scheduler = small(mesh)
+    odd.register_buffer("z", torch.zeros(2, dtype=torch.complex64))
+    try:
+        checkpoint.save(out / "ck-complex", odd, odd_optimizer, odd_scheduler)
+        bad.append("a complex buffer was saved")
+    except CheckpointError as exc:
+        measured["complex"] = str(exc)[:300]
+    dist.barrier()
+    if rank == 0 and any(p.name.startswith((".ck-complex", "ck-complex")) for p in out.iterdir()):
+        bad.append(f"a failed save left {sorted(p.name for p in out.iterdir())}")
+    blocker = out / "a-file"
+    if rank == 0:
+        blocker.write_text("not a directory")
+    dist.barrier()
+    try:
+        checkpoint.save(blocker / "ck", model, optimizer, scheduler)
+        bad.append("a save under a file was accepted")
+    except CheckpointError as exc:
+        measured["under_a_file"] = str(exc)
+        if "a-file is a file, not a directory" not in str(exc):
+            bad.append(f"the refusal does not name the file in the way: {exc}")
+    step(model, optimizer, scheduler, 1, rank)
+    older = out / "ck2-older"
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(path, older)
+    dist.barrier()
+    checkpoint.save(path, model, optimizer, scheduler, overwrite=True)
+    # The ranks reading two different checkpoints (two paths here; a save replacing the checkpoint between
+    # the ranks' opening it, in life) would mix them: refused on both ranks, nothing changed.
+    fresh, fresh_optimizer, fresh_scheduler = small(mesh)
+    before = full(fresh)
+    try:
+        checkpoint.load(path if rank == 0 else older, fresh, fresh_optimizer, fresh_scheduler)
+        bad.append("ranks reading two different checkpoints were not refused")
+    except CheckpointError as exc:
+        measured["two_checkpoints"] = str(exc)
+    after = full(fresh)
+    bad += [f"{k} changed by a load refused for two checkpoints" for k in before if not torch.equal(before[k], after[k])]
+    if checkpoint.verify(path)["step"] != 2:
+        bad.append("overwrite=True did not replace the checkpoint")
+    dist.barrier()
+    if rank == 0 and any(p.name.startswith(".") for p in out.iterdir()):
+        bad.append(f"hidden leftovers: {sorted(p.name for p in out.iterdir())}")
+    return bad
+
+
+def case_converted(rank, mesh, out: Path, measured) -> list[str]:
+    """A one-process checkpoint (layout 1) converted (checkpoint.convert) loads into the FSDP2 model: every
+    parameter and moment bit for bit what the one process had."""
+    from safetensors.torch import load_file
+
+    from offload_adamw.checkpoint.convert import convert
+
+    if rank == 0:
+        plain = build()
+        plain_optimizer = OffloadAdamW(plain.parameters(), lr=1e-2)
+        plain_scheduler = torch.optim.lr_scheduler.StepLR(plain_optimizer, 1, gamma=0.9)
+        for i in range(2):
+            step(plain, plain_optimizer, plain_scheduler, i, 0)
+        convert(checkpoint.save(out / "legacy", plain, plain_optimizer, plain_scheduler), out / "converted")
+        expected = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+        names = dict(plain.named_parameters())
+        expected |= {f"{n}::exp_avg": plain_optimizer.state[p]["exp_avg"] for n, p in names.items()}
+        save_file(expected, str(out / "converted_expected.safetensors"))
+    dist.barrier()
+    expected = load_file(out / "converted_expected.safetensors")
+    model, optimizer, scheduler = small(mesh)
+    bad = []
+    before = full(model)
+    try:  # the original itself: refused, naming the first DTensor and the command that converts it
+        checkpoint.load(out / "legacy", model, optimizer, scheduler)
+        bad.append("a one-process checkpoint was loaded into the FSDP2 model")
+    except CheckpointError as exc:
+        if "offload_adamw.checkpoint.convert" not in str(exc) or "'0.weight'" not in str(exc):
+            bad.append(f"the refusal does not say what to do: {exc}")
+    after = full(model)
+    bad += [f"{k} changed by a refused load" for k in before if not torch.equal(before[k], after[k])]
+    report = checkpoint.load(out / "converted", model, optimizer, scheduler)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    got = full(model)
+    states = get_optimizer_state_dict(model, optimizer)["state"]  # by name, as global DTensors
+    for name, state in states.items():
+        moment = state["exp_avg"]
+        got[f"{name}::exp_avg"] = moment.full_tensor() if hasattr(moment, "full_tensor") else moment
+    bad += [] if report.step == 2 else [f"step {report.step}"]
+    return bad + [f"{k} differs" for k in expected if not torch.equal(got[k], expected[k])]
+
+
+def case_reshard(rank, mesh, out: Path, measured) -> list[str]:
+    """FSDP2 at world 2 -> DDP at world 2: our save/load equals torch's own DCP resume, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def sharded(seed):
+        model = TinyCausalLM(seed)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    ours = sharded(0)
+    ours_opt = OffloadAdamW(ours.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    train(ours, ours_opt, range(3), rank)
+    checkpoint.save(out / "ours", ours, ours_opt)
+    theirs = sharded(0)
+    theirs_opt = torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    train(theirs, theirs_opt, range(3), rank)
+    model_sd, optim_sd = get_state_dict(theirs, theirs_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out / "torch")
+
+    a = DDP(TinyCausalLM(5))
+    a_opt = OffloadAdamW(a.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    report = checkpoint.load(out / "ours", a, a_opt)
+    b = DDP(TinyCausalLM(5))
+    b_opt = torch.optim.AdamW(b.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    model_sd, optim_sd = get_state_dict(b, b_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=out / "torch")
+    set_state_dict(b, b_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    bad = []
+    if report.step != 3:
+        bad.append(f"step {report.step}")
+    loaded_a, loaded_b = full_params(a), full_params(b)
+    bad += [f"{k} differs right after the load" for k in loaded_b if not torch.equal(loaded_a[k], loaded_b[k])]
+    train(a, a_opt, range(3, 6), rank)
+    train(b, b_opt, range(3, 6), rank)
+    got, want = full_params(a), full_params(b)
+    gaps = {k: (got[k] - want[k]).abs().max().item() for k in want}
+    measured["max_gap"] = max(gaps.values())
+    bad += [f"{k} differs from torch's resumed run (max {gaps[k]})" for k in want if not torch.equal(got[k], want[k])]
+    return bad
+
+
+def kill_at(stage: str, rank: int) -> None:
+    """Arrange for this rank to be SIGKILLed at ``stage`` of the next save."""
+    from offload_adamw.checkpoint import publication
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if stage == "shards" and rank == 1:
+        from offload_adamw.checkpoint import sharded
+
+        original = sharded._write_shard
+
+        def write_then_die(*args, **kwargs):
+            original(*args, **kwargs)  # this rank's shard is on disk, the others' may not be yet
+            die()
+
+        sharded._write_shard = write_then_die  # type: ignore[assignment]
+    elif stage == "seal" and rank == 0:
+        publication.seal = die  # type: ignore[assignment]
+    elif stage == "publish" and rank == 0:
+        publication.publish = die  # type: ignore[assignment]
+
+
+def killed_save(rank, mesh, out: Path, stage: str) -> None:
+    model, optimizer, scheduler = small(mesh)
+    for i in range(2):
+        step(model, optimizer, scheduler, i, rank)
+    checkpoint.save(out / "ck", model, optimizer, scheduler)
+    at_save = full(model)  # collective: every rank gathers
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in at_save.items()}, str(out / "ck_expected.safetensors"))
+    step(model, optimizer, scheduler, 2, rank)
+    kill_at(stage, rank)
+    checkpoint.save(out / "ck", model, optimizer, scheduler, overwrite=True)
+    (out / f"rank{rank}-survived").write_text("the killed save returned")
+
+
+def worker(rank: int, port: int, out: str, cases: list[str], kill: str | None) -> None:
+    join_gloo(rank, port, WORLD, timeout_s=30)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    root = Path(out)
+    if kill:
+        killed_save(rank, mesh, root, kill)
+        return
+    results = CaseResults(root / f"rank{rank}.json", cases)
+    checks = {"round_trip": case_round_trip, "bf16_masters": case_bf16_masters, "refusals": case_refusals,
+              "converted": case_converted, "reshard": case_reshard}
+    for name in cases:
+        results.judge(name, checks[name], rank, mesh, root)
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    spawn_ranks(worker, parser.parse_args().out, world=WORLD)
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--kill", choices=("shards", "seal", "publish"), default=None)
+    args = parser.parse_args()
+    spawn_ranks(worker, args.out, args.cases, args.kill, world=WORLD)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """N processes that save to the same paths with ``overwrite=False``, for tests/test_checkpoint_concurrent_saves.py.
 
-    python _concurrent_save_worker.py ROOT N_WORKERS N_PATHS [widen]
+    python _concurrent_save_worker.py ROOT N_WORKERS N_PATHS [widen] [sharded]
 
 Imports torch once, then forks N_WORKERS processes (real processes, each with its own descriptors and
 PID, as saves from separate training jobs are). Worker I saves, for each path ``ROOT/c-K`` (K = 0 ..
@@ -10,7 +10,8 @@ it publishes (at ``publication.publish``, after every check a save makes before 
 have reached that point for that path: the window between "nothing is there" and "publish" is then open
 in every worker at once, every time. Prints one JSON list: per worker, per path, "ok" or the error's
 type and message. ``OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE=0`` in the environment turns renameat2 off (the
-portable fallback).
+portable fallback). With ``sharded``, each worker's model is under ``fully_shard`` on a 1-rank gloo group of
+its own, so that its saves write the sharded layout (DCP).
 """
 
 from __future__ import annotations
@@ -47,8 +48,33 @@ def widen(root: Path, index: int, workers: int) -> None:
     publication.publish = publish
 
 
-def worker(root: Path, index: int, workers: int, paths: int, widened: bool) -> list[str]:
-    model, optimizer = build()
+def sharded_build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """build()'s model under fully_shard on a 1-rank gloo group of this process (a free port of its own)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from offload_adamw import OffloadAdamW
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = OffloadAdamW(model.parameters(), lr=1e-3, pin_memory=False)
+    model(torch.ones(1, WIDTH)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def worker(root: Path, index: int, workers: int, paths: int, widened: bool, sharded: bool = False) -> list[str]:
+    model, optimizer = sharded_build() if sharded else build()
     value = index + 1
     fill(model, optimizer, value)
     if widened:
@@ -64,7 +90,7 @@ def worker(root: Path, index: int, workers: int, paths: int, widened: bool) -> l
     return outcomes
 
 
-def main(root: Path, workers: int, paths: int, widened: bool) -> int:
+def main(root: Path, workers: int, paths: int, widened: bool, sharded: bool = False) -> int:
     torch.set_num_threads(1)  # before the forks: no thread pool to inherit half-started
     results = root / "results"
     results.mkdir()
@@ -74,7 +100,7 @@ def main(root: Path, workers: int, paths: int, widened: bool) -> int:
         if pid == 0:
             code = 1
             try:
-                outcomes = worker(root, index, workers, paths, widened)
+                outcomes = worker(root, index, workers, paths, widened, sharded)
                 (results / f"{index}.json").write_text(json.dumps(outcomes))
                 code = 0
             finally:
@@ -89,4 +115,4 @@ def main(root: Path, workers: int, paths: int, widened: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), len(sys.argv) > 4 and sys.argv[4] == "widen"))
+    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), "widen" in sys.argv[4:], "sharded" in sys.argv[4:]))

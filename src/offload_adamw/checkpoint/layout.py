@@ -6,6 +6,7 @@ Shared by the codec, the atomic publication and the store; imports nothing of th
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 FORMAT = "offload-adamw-checkpoint"
@@ -18,7 +19,24 @@ MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMIT"
 DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, AUX_FILE, META_FILE)
 CHECKPOINT_FILES = frozenset({*DATA_FILES, MANIFEST_FILE, COMMIT_FILE})
-"""Every file a save writes into a checkpoint directory, and nothing else."""
+"""Every file a save of the one-process layout (version 1) wrote into a checkpoint directory, and nothing else."""
+
+SHARDED_VERSION = 2
+"""The layout built on torch.distributed.checkpoint: every rank's shards as safetensors, the rest as JSON."""
+SHARD_FILE = re.compile(r"shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors")
+"""A rank's tensors as DCP's safetensors writer names them (its rank + 1 first), offsets in the header."""
+RANK_FILE = re.compile(r"rank-[0-9]{5}\.(json|safetensors)")
+"""A rank's own state (its RNG states): JSON and the tensors it refers to."""
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    """(the JSON, the safetensors file) of ``rank``'s own state."""
+    return f"rank-{rank:05d}.json", f"rank-{rank:05d}.safetensors"
+
+
+def written_by_a_save(name: str) -> bool:
+    """Whether a save (of either layout) writes a file of this name into a checkpoint directory."""
+    return name in CHECKPOINT_FILES or SHARD_FILE.fullmatch(name) is not None or RANK_FILE.fullmatch(name) is not None
 
 
 def dumps(obj: Any) -> bytes:

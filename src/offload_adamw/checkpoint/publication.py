@@ -46,7 +46,7 @@ from typing import Any, cast
 
 from offload_adamw._output import file_kind
 from offload_adamw.checkpoint.errors import CheckpointCorrupt
-from offload_adamw.checkpoint.layout import CHECKPOINT_FILES, COMMIT_FILE, FORMAT, MANIFEST_FILE, VERSION, dumps, is_count
+from offload_adamw.checkpoint.layout import COMMIT_FILE, FORMAT, MANIFEST_FILE, VERSION, dumps, is_count, written_by_a_save
 
 ENV_EXCHANGE = "OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE"
 TMP_TAG = ".tmp-"
@@ -217,15 +217,15 @@ def _ours_and_abandoned(entry: Path, writer: str, pid: int) -> bool:
     if writer != owner() or pid == os.getpid() or _pid_alive(pid):
         return False
 
-    def written_by_a_save(name: str) -> bool:
+    def ours(name: str) -> bool:
         # safetensors writes each file through a temporary beside it (".tmp" and 6 characters, Rust's tempfile),
         # which a kill during that write leaves behind.
-        return name in CHECKPOINT_FILES or _SAFETENSORS_TEMPORARY.fullmatch(name) is not None
+        return written_by_a_save(name) or _SAFETENSORS_TEMPORARY.fullmatch(name) is not None
 
     try:
         if entry.is_symlink() or not entry.is_dir():
             return False
-        if not all(written_by_a_save(child.name) and child.is_file() and not child.is_symlink() for child in entry.iterdir()):
+        if not all(ours(child.name) and child.is_file() and not child.is_symlink() for child in entry.iterdir()):
             return False  # something a save never writes: not ours to delete
     except OSError:
         return False
@@ -359,6 +359,25 @@ class Snapshot:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
+    def open_more(self, names: Iterable[str]) -> None:
+        """Open further files of the same directory (through its descriptor: the directory opened, not ``root``)."""
+        for name in names:
+            if name in self._fds or name in self.missing or name in self.irregular:
+                continue
+            try:
+                fd = self._open(name)
+            except NotRegularFile as exc:
+                self.irregular[name] = exc.kind
+                continue
+            if fd is None:
+                self.missing.append(name)
+            else:
+                self._fds[name] = fd
+
+    def listing(self) -> list[str]:
+        """The names in the directory opened (not in whatever ``root`` names now)."""
+        return sorted(os.listdir(self._dir_fd))
+
     def replaced(self) -> bool:
         """Whether ``root`` names another directory now (or nothing): a save replaced it while it was opened."""
         try:
@@ -408,32 +427,72 @@ class Snapshot:
 # ----------------------------------------------------------------- the seal
 
 
-def seal(directory: Path, files: Sequence[str]) -> None:
-    """Write the manifest (size and sha256 of each of ``files``), then the commit marker that vouches for it."""
+def digest(path: Path) -> dict[str, Any]:
+    """A manifest entry: the size and sha256 of the file ``path``."""
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def seal(directory: Path, files: Sequence[str], *, version: int = VERSION, digests: dict[str, Any] | None = None) -> None:
+    """Write the manifest (size and sha256 of each of ``files``), then the commit marker that vouches for it.
+
+    ``digests`` holds entries already computed (by the rank that wrote the file), the rest are computed here.
+    """
+    known = digests or {}
     manifest = {
         "format": FORMAT,
-        "version": VERSION,
-        "files": {
-            name: {"bytes": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)} for name in files
-        },
+        "version": version,
+        "files": {name: known[name] if name in known else digest(directory / name) for name in files},
     }
     manifest_bytes = dumps(manifest)
     write_bytes(directory / MANIFEST_FILE, manifest_bytes)
     write_bytes(directory / COMMIT_FILE, dumps({"format": FORMAT, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}))
 
 
-def check_seal(snapshot: Snapshot, files: Sequence[str]) -> None:
+def check_seal(snapshot: Snapshot, files: Sequence[str], *, version: int = VERSION) -> None:
     """The commit marker, the manifest it vouches for, and the size and sha256 of each of ``files``.
 
     :class:`CheckpointCorrupt` naming what is damaged (every damaged file at once).
     """
+    root = snapshot.root
+    _refuse_irregular(snapshot)
+    manifest = _manifest(snapshot, _manifest_sha256(snapshot), files, version=version)
+    damaged = _damaged(snapshot, manifest, files)
+    if damaged:
+        raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(damaged))
+
+
+def manifest_version(snapshot: Snapshot) -> Any:
+    """The version the manifest of ``snapshot`` declares (None where there is no readable one): which layout to read."""
+    if not snapshot.has(MANIFEST_FILE):
+        return None
+    try:
+        return json.loads(snapshot.read(MANIFEST_FILE)).get("version")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+
+
+def manifest_files(snapshot: Snapshot, *, version: int) -> dict[str, Any]:
+    """The manifest's file entries (name -> size and sha256), after its sha256 was checked against the commit marker."""
+    _refuse_irregular(snapshot)
+    return cast(dict[str, Any], _manifest(snapshot, _manifest_sha256(snapshot), (), version=version)["files"])
+
+
+def check_files(snapshot: Snapshot, entries: dict[str, Any], names: Sequence[str]) -> list[str]:
+    """What is damaged among ``names`` (each compared with its manifest entry in ``entries``), one sentence each."""
+    _refuse_irregular(snapshot)
+    return _damaged(snapshot, {"files": entries}, names)
+
+
+def _refuse_irregular(snapshot: Snapshot) -> None:
     root = snapshot.root
     if snapshot.irregular:
         # named first: a FIFO, device, directory or link where a file belongs was put there, never written by a save
         raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(
             f"{name} is {kind}, not a regular file (a save writes only regular files; it was not opened)"
             for name, kind in snapshot.irregular.items()))
-    manifest = _manifest(snapshot, _manifest_sha256(snapshot), files)
+
+
+def _damaged(snapshot: Snapshot, manifest: dict[str, Any], files: Sequence[str]) -> list[str]:
     damaged = []
     for name in files:
         entry = manifest["files"].get(name)
@@ -445,8 +504,7 @@ def check_seal(snapshot: Snapshot, files: Sequence[str]) -> None:
             damaged.append(f"{name}: {snapshot.size(name)} bytes, the manifest says {entry['bytes']} (truncated or overwritten)")
         elif snapshot.sha256(name) != entry["sha256"]:
             damaged.append(f"{name}: sha256 mismatch (the file changed after it was written)")
-    if damaged:
-        raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(damaged))
+    return damaged
 
 
 def _manifest_sha256(snapshot: Snapshot) -> str:
@@ -462,7 +520,7 @@ def _manifest_sha256(snapshot: Snapshot) -> str:
         raise CheckpointCorrupt(f"{commit}: unreadable commit marker ({exc})") from exc
 
 
-def _manifest(snapshot: Snapshot, expected_sha256: str, files: Sequence[str]) -> dict[str, Any]:
+def _manifest(snapshot: Snapshot, expected_sha256: str, files: Sequence[str], *, version: int = VERSION) -> dict[str, Any]:
     """The manifest, matching the commit marker, well formed, of this format and version."""
     root, manifest_path = snapshot.root, snapshot.root / MANIFEST_FILE
     if not snapshot.has(MANIFEST_FILE):
@@ -473,7 +531,7 @@ def _manifest(snapshot: Snapshot, expected_sha256: str, files: Sequence[str]) ->
         raise CheckpointCorrupt(f"{manifest_path}: sha256 {found} does not match the commit marker ({expected_sha256})")
     try:
         manifest = json.loads(data)
-        for name in files:
+        for name in files or manifest["files"]:
             entry = manifest["files"].get(name)
             if entry is not None and not (
                 isinstance(entry, dict) and is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
@@ -481,9 +539,9 @@ def _manifest(snapshot: Snapshot, expected_sha256: str, files: Sequence[str]) ->
                 raise ValueError(f"the entry of {name} is not {{'bytes': int, 'sha256': str}}")
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
         raise CheckpointCorrupt(f"{manifest_path}: malformed manifest ({exc!r})") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") != version:
         raise CheckpointCorrupt(
             f"{root}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
-            f"expected {FORMAT!r} version {VERSION}"
+            f"expected {FORMAT!r} version {version}"
         )
     return cast(dict[str, Any], manifest)

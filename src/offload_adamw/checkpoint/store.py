@@ -49,9 +49,12 @@ Contract:
   loads what matches, leaves the rest as it is, and returns the
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
   ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
-* A model or optimizer holding DTensors (FSDP2, tensor parallelism: each rank has a shard) is
-  refused by ``save`` and ``load`` before anything is written or changed, naming the first one and
-  torch.distributed.checkpoint (DCP), which saves and loads shards.
+* A model or optimizer holding DTensors (FSDP2, tensor parallelism: each rank has a shard) is saved
+  by ``save`` into layout 2 (:mod:`~offload_adamw.checkpoint.sharded`, on torch.distributed.checkpoint;
+  every rank calls ``save``). ``load``, ``verify``, ``latest`` and ``resolve`` read either layout by
+  the version its manifest declares; ``load`` of layout 2 is collective where a process group runs and
+  reshards into any layout. A layout-1 checkpoint is not loaded into a DTensor model (refused, naming
+  the first DTensor, before anything changes).
 
 ``load`` runs in named stages: read (:func:`_read`: the files of one directory, opened once, behind
 a verified seal, so that a load racing a save that replaces the checkpoint reads the old one or the
@@ -61,7 +64,8 @@ optimizer and scheduler, by name), commit (:func:`_commit`) and roll back (:func
 was committed before a refusal). ``save`` gathers everything (:func:`_gather`) before it writes and
 publishes (:func:`_write_and_publish`).
 
-The pieces: :mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
+The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2),
+:mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
 :mod:`~offload_adamw.checkpoint.publication` (fsync, exchange, locks, clean-up; no torch),
 :mod:`~offload_adamw.checkpoint.layout` (file names) and :mod:`~offload_adamw.checkpoint.errors`.
 """
@@ -84,7 +88,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw._output import file_kind
-from offload_adamw.checkpoint import codec, publication
+from offload_adamw.checkpoint import codec, publication, sharded
 from offload_adamw.checkpoint.codec import check_meta, decode, encode, malformed, part
 from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
 from offload_adamw.checkpoint.layout import (
@@ -97,9 +101,11 @@ from offload_adamw.checkpoint.layout import (
     META_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
+    SHARDED_VERSION,
     VERSION,
     dumps,
     is_count,
+    written_by_a_save,
 )
 from offload_adamw.checkpoint.publication import ENV_EXCHANGE, TEMPORARY, TMP_TAG
 from offload_adamw.contract.rules import MASTER_KEY
@@ -163,6 +169,8 @@ def verify(path: PathLike) -> dict[str, Any]:
     Raises :class:`CheckpointCorrupt` naming every damaged file.
     """
     with _open(Path(path), follow=False) as snapshot:
+        if publication.manifest_version(snapshot) == SHARDED_VERSION:
+            return sharded.verified_meta(snapshot)
         return _verified_meta(snapshot)
 
 
@@ -185,7 +193,12 @@ def _open(requested: Path, *, follow: bool) -> publication.Snapshot:
             if attempts_left and follow and resolve(requested) is not None:
                 continue  # a kept previous checkpoint, deleted once the new one was complete
             raise CheckpointError(f"{root}: no checkpoint directory there") from None
-        if snapshot.missing and attempts_left and snapshot.replaced():
+        missing = snapshot.missing
+        if publication.manifest_version(snapshot) == SHARDED_VERSION:
+            # layout 2 names its files in the manifest: opened now too, so that a save replacing the
+            # directory from here on changes nothing of what is read (as for layout 1's fixed names)
+            missing = sharded.open_listed(snapshot)
+        if missing and attempts_left and snapshot.replaced():
             snapshot.close()
             continue
         return snapshot
@@ -339,7 +352,13 @@ def save(
     written.
     """
     final = Path(path).absolute()
-    _refuse_sharded(f"cannot save checkpoint {final}", model, optimizer, "nothing was written")
+    if _first_dtensor(model, optimizer) is not None:
+        def check() -> None:
+            _check_parents(final)
+            _check_target(final, overwrite)
+
+        return sharded.save(final, model, optimizer, scheduler, extra, step=step, overwrite=overwrite, rng=rng,
+                            check=check)
     _check_parents(final)
     _check_target(final, overwrite)
     _check_optimizer_can_save(final, optimizer)
@@ -357,23 +376,28 @@ def save(
     return final
 
 
-def _refuse_sharded(what: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, outcome: str) -> None:
-    """CheckpointError naming the first DTensor of the model's state or the optimizer's parameters, and DCP.
-
-    A checkpoint here holds whole tensors of one process; a DTensor is one rank's shard of a tensor
-    (FSDP2, tensor parallelism), which torch.distributed.checkpoint saves and loads, resharding too.
-    """
+def _first_dtensor(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
+    """The first DTensor of the model's state or the optimizer's parameters, in words; None where there is none."""
     culprit = next((f"model state {name!r}" for name, value in model.state_dict(keep_vars=True).items()
                     if is_dtensor(value)), None)
     if culprit is None and optimizer is not None:
         culprit = next((f"parameter {index} of optimizer group {gi}" for gi, group in enumerate(optimizer.param_groups)
                         for index, p in enumerate(group["params"]) if is_dtensor(p)), None)
+    return culprit
+
+
+def _refuse_sharded(what: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, outcome: str) -> None:
+    """CheckpointError naming the first DTensor where a one-process (layout 1) checkpoint is to be loaded into it.
+
+    Layout 1 holds whole tensors of one process; a DTensor is one rank's shard of a tensor (FSDP2, tensor
+    parallelism). Layout 2 (:mod:`~offload_adamw.checkpoint.sharded`, what ``save`` writes for such a model) reshards.
+    """
+    culprit = _first_dtensor(model, optimizer)
     if culprit is not None:
         raise CheckpointError(
-            f"{what}: {culprit} is a DTensor (a shard of an FSDP2 or tensor-parallel model), and "
-            "offload_adamw.checkpoint holds whole tensors of one process. Save and load a sharded model with "
-            "torch.distributed.checkpoint (DCP): dcp.save / dcp.load of get_model_state_dict(model) and "
-            f"get_optimizer_state_dict(model, optimizer), which OffloadAdamW supports; {outcome}"
+            f"{what}: {culprit} is a DTensor (a shard of an FSDP2 or tensor-parallel model), and this checkpoint "
+            "(layout 1, one process) holds whole tensors of one process. Convert it to the sharded layout first: "
+            f"python -m offload_adamw.checkpoint.convert SRC DST; {outcome}"
         )
 
 
@@ -401,7 +425,7 @@ def _check_target(final: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{final} exists; pass overwrite=True to replace it atomically")
     if final.exists():
         # overwrite=True replaces (and then deletes) only what a save could have written there.
-        if not final.is_dir() or not {entry.name for entry in final.iterdir()} <= CHECKPOINT_FILES:
+        if not final.is_dir() or not all(written_by_a_save(entry.name) for entry in final.iterdir()):
             raise CheckpointError(f"{final} is not a checkpoint directory; refusing to replace it")
 
 
@@ -606,8 +630,12 @@ def load(
     interrupted, the previous checkpoint it kept is loaded (:func:`resolve`);
     ``report.path`` says which directory was read.
     """
-    _refuse_sharded(f"cannot load checkpoint {path}", model, optimizer, "nothing was changed")
-    saved = _read(Path(path))
+    with _open(Path(path), follow=True) as snapshot:
+        if publication.manifest_version(snapshot) == SHARDED_VERSION:
+            collective = _first_dtensor(model, optimizer) is not None
+            return sharded.load(snapshot, model, optimizer, scheduler, strict, rng=rng, collective=collective)
+        _refuse_sharded(f"cannot load checkpoint {path}", model, optimizer, "nothing was changed")
+        saved = _read_snapshot(snapshot)
     extra, rng_state = _verify(saved, rng=rng)
     report = LoadReport(path=str(saved.root), step=saved.meta["step"], extra=extra)
     plan = _validate(saved, report, model, optimizer, scheduler, rng_state)
@@ -623,17 +651,16 @@ def load(
 # --- read: the files of one checkpoint, behind a verified seal
 
 
-def _read(requested: Path) -> _Saved:
-    """The checkpoint ``requested`` stands for, read through one :class:`~.publication.Snapshot`: what the
-    seal vouches for is what is parsed, whatever a concurrent save renames or deletes meanwhile."""
-    with _open(requested, follow=True) as snapshot:
-        return _Saved(
-            root=snapshot.root,
-            meta=_verified_meta(snapshot),
-            model=codec.read_tensors(snapshot, MODEL_FILE),
-            optimizer=codec.read_tensors(snapshot, OPTIMIZER_FILE),
-            aux=codec.read_tensors(snapshot, AUX_FILE),
-        )
+def _read_snapshot(snapshot: publication.Snapshot) -> _Saved:
+    """The layout-1 checkpoint of a snapshot opened once (:func:`_open`): what the seal vouches for is what is
+    parsed, whatever a concurrent save renames or deletes meanwhile."""
+    return _Saved(
+        root=snapshot.root,
+        meta=_verified_meta(snapshot),
+        model=codec.read_tensors(snapshot, MODEL_FILE),
+        optimizer=codec.read_tensors(snapshot, OPTIMIZER_FILE),
+        aux=codec.read_tensors(snapshot, AUX_FILE),
+    )
 
 
 # --- verify: the checkpoint agrees with itself

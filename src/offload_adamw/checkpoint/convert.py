@@ -1,0 +1,157 @@
+"""One command from a one-process checkpoint (layout 1) to the sharded layout (layout 2, DCP), loadable into FSDP2.
+
+    python -m offload_adamw.checkpoint.convert SRC DST
+
+Contract:
+
+* :func:`convert` reads ``SRC`` as ``load`` does (the seal and every checksum first, safetensors and JSON
+  only) and writes ``DST`` as a sharded checkpoint of world size 1, published atomically (created only if
+  nothing is there). ``load`` of ``DST`` then reshards it into any layout (FSDP2 at any world size, DDP,
+  one process) and gives what ``load`` of ``SRC`` gives: the same parameters, optimizer state, parameter
+  groups, scheduler state, step, ``extra`` and RNG states.
+* What layout 1 stores as a model entry for a low-precision parameter is its float32 master: it becomes the
+  optimizer's ``master_param`` and the parameter its model-dtype value (round to nearest, as ``load`` of
+  layout 1 writes it). A tied weight's aliases name the same tensor.
+* ``SRC`` is not changed; nothing is written where ``DST`` exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from offload_adamw.checkpoint import codec, publication, store
+from offload_adamw.checkpoint.codec import decode, encode
+from offload_adamw.checkpoint.errors import CheckpointError
+from offload_adamw.checkpoint.layout import FORMAT, META_FILE, SHARDED_VERSION, VERSION, dumps, rank_files
+from offload_adamw.checkpoint.publication import TMP_TAG
+from offload_adamw.contract.rules import MASTER_KEY
+
+__all__ = ["convert", "main"]
+
+_SHARD = "shard-00001-model-00001-of-00001.safetensors"
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Write the layout-2 checkpoint ``dst`` holding what the layout-1 checkpoint ``src`` holds; return ``dst``."""
+    final = Path(dst).absolute()
+    with store._open(Path(src), follow=True) as snapshot:
+        if publication.manifest_version(snapshot) != VERSION:
+            raise CheckpointError(f"{snapshot.root} is not a one-process (layout {VERSION}) checkpoint")
+        saved = store._read_snapshot(snapshot)
+    extra, rng_state = store._verify(saved, rng=True)
+    meta = saved.meta
+    state = {"model": _model(saved)}
+    if meta["optimizer"] is not None:
+        state["optimizer"] = _optimizer(saved)
+    tensors: dict[str, Tensor] = {}
+    encoded = encode(state, tensors, "state")
+    own: dict[str, Tensor] = {}
+    scheduler = meta["scheduler"]
+    own_meta = {
+        "rank": 0,
+        "rng": None if rng_state is None else encode(rng_state, own, "rng"),
+        "scheduler": None if scheduler is None else {
+            "class": scheduler["class"],
+            "state": encode(decode(scheduler["state"], saved.aux, f"{saved.meta_file}: scheduler"), own, "scheduler"),
+        },
+        "extra": encode(extra, own, "extra"),
+    }
+    layout = {
+        "format": FORMAT,
+        "version": SHARDED_VERSION,
+        "layout": "torch.distributed.checkpoint",
+        "world_size": 1,
+        "step": meta["step"],
+        "torch": torch.__version__,
+        "state": encoded,
+        "tensors": {key: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                    for key, t in tensors.items()},
+        "converted_from": str(saved.root),
+    }
+    store._check_parents(final)
+    if os.path.lexists(final):
+        raise CheckpointError(f"{final} exists; nothing was written")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = publication.temporary_name(final, TMP_TAG)
+    lock = None
+    try:
+        tmp.mkdir()
+        lock = publication.lock(tmp)
+        offsets = {key: {"saved_offsets": [0] * t.dim()} for key, t in tensors.items()}
+        save_file(codec._host_tensors(tensors), str(tmp / _SHARD),
+                  metadata={"DCP_SHARDING_INFO": json.dumps(offsets), "DCP_VERSION": "1.0", "format": "pt"})
+        publication.fsync_path(tmp / _SHARD)
+        meta_name, tensors_name = rank_files(0)
+        codec.write_tensors(tmp / tensors_name, own)
+        publication.write_bytes(tmp / meta_name, dumps(own_meta))
+        publication.write_bytes(tmp / META_FILE, dumps(layout))
+        publication.seal(tmp, sorted(os.listdir(tmp)), version=SHARDED_VERSION)
+        publication.fsync_path(tmp, directory=True)
+        try:
+            publication.create(tmp, final)
+        except FileExistsError:
+            raise CheckpointError(f"{final} exists (created meanwhile); nothing was written there") from None
+        publication.fsync_path(final.parent, directory=True)
+    except BaseException:
+        publication.unlock(lock)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publication.unlock(lock)
+    return final
+
+
+def _model(saved: Any) -> dict[str, Tensor]:
+    """Model entries by name in the model's own dtype; a tied alias names its canonical tensor."""
+    out: dict[str, Tensor] = {}
+    for name, info in saved.meta["model"].items():
+        out[name] = saved.model[name].to(getattr(torch, info["dtype"]))  # the master rounded as load() rounds it
+    for alias, name in saved.meta["aliases"].items():
+        out[alias] = out[name]
+    return out
+
+
+def _optimizer(saved: Any) -> dict[str, Any]:
+    """The optimizer's state as DCP's get_optimizer_state_dict lays it out: states and groups by parameter name."""
+    meta = saved.meta
+    where = f"{saved.meta_file}: optimizer"
+    states: dict[str, Any] = {}
+    for name, entry in meta["optimizer"]["states"].items():
+        state = dict(decode(entry, saved.optimizer, f"{where}/states/{codec.part(name)}"))
+        info = meta["model"].get(name)
+        if info is not None and info.get("stored_dtype", info["dtype"]) != info["dtype"]:
+            state[MASTER_KEY] = saved.model[name]  # the float32 master, which layout 1 stored as the model entry
+        states[name] = state
+    groups = []
+    for gi, group in enumerate(meta["optimizer"]["groups"]):
+        hyper = decode(group["hyper"], saved.aux, f"{where}/groups/{gi}/hyper")
+        groups.append({**hyper, "params": list(group["param_names"])})
+    return {"state": states, "param_groups": groups}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m offload_adamw.checkpoint.convert",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("src", help="a one-process checkpoint directory (layout 1)")
+    parser.add_argument("dst", help="where to write the sharded checkpoint (must not exist)")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.src, args.dst)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

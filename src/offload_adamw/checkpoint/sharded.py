@@ -1,0 +1,714 @@
+"""Checkpoints of sharded models (FSDP2, any DTensor) on torch.distributed.checkpoint: layout version 2.
+
+Contract:
+
+* :func:`save` is collective: every rank of the default process group calls it with its own shards. The
+  model and the optimizer are taken by parameter name through DCP's ``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` (OffloadAdamW's float32 masters and moments included), their tensors
+  written by ``dcp.save`` in the files of DCP's safetensors writer (``HuggingFaceStorageWriter``,
+  ``save_distributed=True``: one ``shard-*.safetensors`` per rank, each shard's offsets in its header),
+  streamed tensor by tensor (:func:`_writer`: DCP's own builds each file in memory first).
+  Everything else is JSON: ``meta.json`` (rank 0: the nested state with references to the tensors, each
+  tensor's global shape and dtype, the step, the world size) and per rank ``rank-NNNNN.json`` /
+  ``.safetensors`` (that rank's RNG states of every device; rank 0's also the scheduler and ``extra``).
+* Crash safety is the one-process layout's: rank 0 creates the hidden, locked sibling
+  ``.NAME.tmp-OWNER-PID-TOKEN`` and tells every rank its name; every file is fsynced by its writer;
+  every rank sends the size and sha256 of its files to rank 0, which writes ``meta.json``, the manifest
+  (every file), the commit marker, fsyncs the directory and publishes it with one atomic rename (or
+  exchange), after which every rank returns. A save killed at any point leaves the previous checkpoint
+  as it was and the new one absent (a hidden temporary that a later save deletes).
+* :func:`load` never unpickles: DCP's own ``.metadata`` (a pickle) is never written nor read. The
+  tensors' layout is rebuilt from the safetensors headers (JSON) of the files the manifest lists, read
+  through the descriptors opened once (:class:`~offload_adamw.checkpoint.publication.Snapshot`). Any
+  file in the directory that the manifest does not list (a ``.metadata`` pickle put there, say) is
+  refused by name without being opened. Before anything changes every file is checked against the
+  manifest (each rank checks its share, all ranks agree), and every tensor is matched by name, global
+  shape and dtype against this run's state: a flipped byte is :class:`CheckpointCorrupt`, a mismatch
+  :class:`CheckpointMismatch` naming each culprit, on every rank, with nothing changed. ``strict=False``
+  is refused here (a partial load of shards is not offered).
+* Resharding is DCP's: the shards are read into whatever this run's layout is (FSDP2 at another world
+  size, DDP, one plain process), and what is loaded is bit for bit what was saved. A load is collective
+  (every rank calls it; the digests are checked in shares) where the model holds DTensors; otherwise
+  (one process, each DDP rank) a process loads alone, reading everything it needs, with no collective;
+  rank *r* restores rank *r*'s RNG states either way.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from offload_adamw.checkpoint import codec, publication
+from offload_adamw.checkpoint.codec import decode, encode, malformed
+from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
+from offload_adamw.checkpoint.layout import (
+    COMMIT_FILE,
+    FORMAT,
+    MANIFEST_FILE,
+    META_FILE,
+    SHARD_FILE,
+    SHARDED_VERSION,
+    dumps,
+    is_count,
+    rank_files,
+    written_by_a_save,
+)
+from offload_adamw.checkpoint.publication import TMP_TAG
+
+_STATE = "state"
+_MODEL = f"{_STATE}/model/"
+_OPTIMIZER = f"{_STATE}/optimizer/"
+
+
+# ------------------------------------------------------------------ ranks
+
+
+_LOCAL: contextvars.ContextVar[bool] = contextvars.ContextVar("offload_adamw_checkpoint_local", default=False)
+"""Set while a load runs in this process alone (a model without DTensors: one process, or one DDP rank)."""
+
+
+def _process_rank() -> int:
+    """This process's rank in the default group (0 without one): whose RNG states it restores."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the ranks taking part: every rank of the default group, or this process alone."""
+    if not _LOCAL.get() and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (just ``[value]`` without a process group)."""
+    _, world = _world()
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _agree(error: str | None, kind: type[CheckpointError] = CheckpointError) -> None:
+    """Raise ``kind`` on every rank where any rank found an error: no rank goes on alone (it would hang)."""
+    errors = [f"rank {r}: {e}" for r, e in enumerate(_all(error)) if e is not None]
+    if errors:
+        raise kind("; ".join(errors))
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+# ------------------------------------------------------------------- state
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The model's and the optimizer's state by parameter name (DTensors stay shards), as DCP gives it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def _tensor_info(t: Tensor) -> dict[str, Any]:
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}  # a DTensor's shape is global
+
+
+def _largest_step(optimizer_state: dict[str, Any] | None) -> int:
+    if not optimizer_state:
+        return 0
+    steps = [s.get("step") for s in optimizer_state.get("state", {}).values() if isinstance(s, dict)]
+    return max((int(s.item() if isinstance(s, Tensor) else s) for s in steps if isinstance(s, (Tensor, int, float))),
+               default=0)
+
+
+def _rng_states(tensors: dict[str, Tensor]) -> dict[str, Any]:
+    from offload_adamw.checkpoint import store
+
+    return store._rng_states(tensors)
+
+
+# -------------------------------------------------------------------- save
+
+
+def save(
+    final: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    extra: Any,
+    *,
+    step: int | None,
+    overwrite: bool,
+    rng: bool,
+    check: Any,
+) -> Path:
+    """Collective save of layout 2 (see the module contract); ``check()`` runs on rank 0 before anything is written."""
+    rank, world = _world()
+    tmp: Path | None = None
+    lock = None
+    error = None
+    if rank == 0:
+        try:
+            check()
+            final.parent.mkdir(parents=True, exist_ok=True)
+            publication.remove_stale(final.parent)
+            tmp = publication.temporary_name(final, TMP_TAG)
+            tmp.mkdir()
+            lock = publication.lock(tmp)
+        except Exception as exc:
+            error = _describe(exc)
+    shared = _all([error, None if tmp is None else str(tmp)])[0]
+    if shared[0] is not None:
+        raise CheckpointError(shared[0])
+    tmp = Path(shared[1])
+    try:
+        previous = _write(final, tmp, rank, world, model, optimizer, scheduler, extra, step=step, overwrite=overwrite,
+                          rng=rng)
+    except BaseException:
+        if rank == 0:
+            publication.unlock(lock)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        publication.unlock(lock)
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def _write(
+    final: Path, tmp: Path, rank: int, world: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    scheduler: Any, extra: Any, *, step: int | None, overwrite: bool, rng: bool,
+) -> Path | None:
+    import torch.distributed.checkpoint as dcp
+
+    # Gather (every rank): an unsaveable object fails here, on every rank, before a shard is written.
+    error = None
+    try:
+        state = _state(model, optimizer)
+        tensors: dict[str, Tensor] = {}
+        encoded = encode(state, tensors, _STATE)
+        own: dict[str, Tensor] = {}
+        own_meta: dict[str, Any] = {"rank": rank, "rng": _rng_states(own) if rng else None}
+        if rank == 0:
+            own_meta["scheduler"] = None if scheduler is None else {
+                "class": type(scheduler).__name__, "state": encode(scheduler.state_dict(), own, "scheduler")}
+            own_meta["extra"] = encode(extra, own, "extra")
+    except Exception as exc:
+        error = f"cannot save checkpoint {final}: {_describe(exc)}; nothing was published"
+    _agree(error)
+    # The shards: one safetensors file per rank, streamed and fsynced by _write_shard.
+    try:
+        dcp.save(tensors, storage_writer=_writer(tmp), no_dist=world == 1)
+    except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
+        raise CheckpointError(f"could not write checkpoint {final}: {exc}; nothing was published and any previous "
+                              "checkpoint there is intact") from exc
+    # This rank's own state, and the digests of what this rank wrote (so no rank hashes another's files).
+    digests: dict[str, Any] = {}
+    error = None
+    try:
+        meta_name, tensors_name = rank_files(rank)
+        codec.write_tensors(tmp / tensors_name, own)
+        publication.write_bytes(tmp / meta_name, dumps(own_meta))
+        shard = f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"  # DCP's name for this rank's file
+        for name in (meta_name, tensors_name, shard):
+            if (tmp / name).exists():
+                digests[name] = publication.digest(tmp / name)
+    except Exception as exc:
+        error = f"could not write checkpoint {final}: {_describe(exc)}; nothing was published"
+    everyone = _all([error, digests])
+    _agree(error)
+    previous = None
+    error = None
+    if rank == 0:
+        try:
+            merged = {name: entry for _, part in everyone for name, entry in part.items()}
+            meta = {
+                "format": FORMAT,
+                "version": SHARDED_VERSION,
+                "layout": "torch.distributed.checkpoint",
+                "world_size": world,
+                "step": int(_largest_step(state.get("optimizer")) if step is None else step),
+                "torch": torch.__version__,
+                "state": encoded,
+                "tensors": {key: _tensor_info(t) for key, t in tensors.items()},
+            }
+            publication.write_bytes(tmp / META_FILE, dumps(meta))
+            files = sorted(name for name in os.listdir(tmp))
+            unknown = [name for name in files if name not in merged and name != META_FILE]
+            if unknown:  # a file some rank wrote without reporting it: not sealed, so refuse to publish
+                raise CheckpointError(f"unexpected files in the temporary: {unknown}")
+            publication.seal(tmp, files, version=SHARDED_VERSION, digests=merged)
+            publication.fsync_path(tmp, directory=True)
+            try:
+                previous = publication.publish(tmp, final, replace=overwrite)
+            except FileExistsError:
+                raise CheckpointError(
+                    f"{final} exists (it was created while this save was writing, by another save or process); "
+                    "pass overwrite=True to replace it atomically. This save published nothing; what is there is unchanged"
+                ) from None
+            publication.fsync_path(final.parent, directory=True)
+        except Exception as exc:
+            error = _describe(exc) if isinstance(exc, CheckpointError) else (
+                f"could not write checkpoint {final}: {_describe(exc)}; nothing was published and any previous "
+                "checkpoint there is intact")
+    # Every rank returns after the publication (or raises with rank 0), so that each sees the same checkpoints.
+    _agree(error)
+    return previous
+
+
+def _writer(tmp: Path) -> Any:
+    """DCP's safetensors writer (one file per rank, each shard's offsets in its header), streaming.
+
+    DCP's own builds the whole file in memory (``safetensors.torch.save`` returns its bytes): one more
+    copy of the rank's whole state on the host. This one writes the same file (the header first, from the
+    plan's shapes and dtypes, then each tensor's bytes from where it lives): the host holds at most one
+    tensor's contiguous CPU copy beyond the state (none for a contiguous host tensor).
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class StreamingWriter(HuggingFaceStorageWriter):
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            results: list[Any] = []
+            if plan.items:
+                name = f"shard-{plan.storage_data['shard_index']:05d}-model-00001-of-00001.safetensors"
+                results = _write_shard(tmp / name, name, plan.items, planner, _StorageInfo, WriteResult)
+            done: Future = Future()
+            done.set_result(results)
+            return done
+
+    return StreamingWriter(str(tmp), save_distributed=True)
+
+
+_TO_SAFETENSORS = {v: k for k, v in {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                                     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                                     "BOOL": "bool"}.items()}
+
+
+def _write_shard(path: Path, name: str, items: list[Any], planner: Any, storage_info: Any, write_result: Any) -> list[Any]:
+    """One rank's safetensors file, streamed tensor by tensor, fsynced; DCP's WriteResults for its items."""
+    header: dict[str, Any] = {}
+    offsets: dict[str, Any] = {}
+    begin = 0
+    layout = []
+    for item in items:
+        props, chunk = item.tensor_data.properties, item.tensor_data.chunk
+        dtype = str(props.dtype).removeprefix("torch.")
+        if dtype not in _TO_SAFETENSORS:
+            raise CheckpointError(f"cannot save {item.index.fqn!r}: a {dtype} tensor has no safetensors dtype")
+        length = torch.Size(chunk.sizes).numel() * props.dtype.itemsize
+        header[item.index.fqn] = {"dtype": _TO_SAFETENSORS[dtype], "shape": list(chunk.sizes),
+                                  "data_offsets": [begin, begin + length]}
+        offsets[item.index.fqn] = {"saved_offsets": list(chunk.offsets)}
+        layout.append((item, begin, length))
+        begin += length
+    header["__metadata__"] = {"DCP_SHARDING_INFO": json.dumps(offsets), "DCP_VERSION": "1.0", "format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned, as safetensors writes it
+    results = []
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        start = f.tell()
+        for item, at, length in layout:
+            tensor = planner.resolve_data(item).detach().to("cpu").contiguous()
+            if tensor.numel() * tensor.element_size() != length:  # the plan and the data disagree: a DCP bug
+                raise CheckpointError(f"cannot save {item.index.fqn!r}: {tensor.shape} is not the planned chunk")
+            if length:
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            results.append(write_result(index=item.index, size_in_bytes=length,
+                                        storage_data=storage_info(relative_path=name, offset=start + at, length=length)))
+        f.flush()
+        os.fsync(f.fileno())
+    return results
+
+
+# -------------------------------------------------------------------- read
+
+
+def _reader(snapshot: publication.Snapshot, shards: list[str]) -> Any:
+    """DCP's safetensors reader over the shard files of ``snapshot``, its layout from their headers (JSON)."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    class SnapshotReader(HuggingFaceStorageReader):
+        """Reads the files the manifest lists, each through the snapshot's descriptor; no ``.metadata``, no pickle."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return _layout(snapshot, shards)
+
+    return SnapshotReader(str(snapshot.root))
+
+
+def _layout(snapshot: publication.Snapshot, shards: list[str]) -> Any:
+    """DCP's Metadata rebuilt from plain data: each shard's tensors, shapes and dtypes from its safetensors header,
+    their offsets in the whole tensor from the JSON that DCP's safetensors writer puts in that header."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    tensors: dict[str, TensorStorageMetadata] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for name in shards:
+        where = snapshot.reopenable(name) or str(snapshot.root / name)
+        try:
+            with safe_open(where, framework="pt") as f:
+                offsets_of = json.loads((f.metadata() or {}).get("DCP_SHARDING_INFO", "{}"))
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    shape = list(piece.get_shape())
+                    offsets = list(offsets_of.get(key, {}).get("saved_offsets", [0] * len(shape)))
+                    dtype = getattr(torch, _SAFETENSORS_DTYPES[piece.get_dtype()])
+                    end = [o + n for o, n in zip(offsets, shape, strict=True)]
+                    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
+                    entry = tensors.get(key)
+                    if entry is None:
+                        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(end), [chunk])
+                    else:
+                        entry.chunks.append(chunk)
+                        entry.size = torch.Size(max(a, b) for a, b in zip(entry.size, end, strict=True))
+                    storage[MetadataIndex(fqn=key, offset=torch.Size(offsets))] = _HFStorageInfo(
+                        relative_path=where, shape=torch.Size(shape), dtype=dtype)
+        except Exception as exc:  # the digests passed: a writer bug or a forged file
+            raise CheckpointCorrupt(
+                f"{snapshot.root / name}: not a readable safetensors shard ({type(exc).__name__}: {exc})") from exc
+    return Metadata(state_dict_metadata=dict(tensors), storage_data=storage, storage_meta=StorageMeta())
+
+
+#: safetensors' dtype names -> torch's
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def open_listed(snapshot: publication.Snapshot) -> list[str]:
+    """Open every file the manifest of ``snapshot`` lists (not yet checked: :func:`verified_meta` does); the names
+    that were missing. An unreadable manifest opens nothing here; the check refuses it."""
+    try:
+        files = json.loads(snapshot.read(MANIFEST_FILE))["files"]
+        # only names a save writes: a forged manifest must not open "../x" or "/etc/passwd" through the directory
+        names = [name for name in files if isinstance(name, str) and written_by_a_save(name)] if isinstance(
+            files, dict) else []
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return []
+    snapshot.open_more(names)
+    return [name for name in names if name in snapshot.missing]
+
+
+def verified_meta(snapshot: publication.Snapshot, *, share: bool = False) -> dict[str, Any]:
+    """The checked metadata of a layout-2 snapshot, every file checked against the manifest first.
+
+    With ``share`` (a load on several ranks) each rank checks its share of the files and all agree.
+    """
+    root = snapshot.root
+    if share:
+        rank, world = _world()
+    else:
+        rank, world = 0, 1
+    error = None
+    entries: dict[str, Any] = {}
+    try:
+        entries = publication.manifest_files(snapshot, version=SHARDED_VERSION)
+        stray = [n for n in snapshot.listing() if n not in entries and n not in (MANIFEST_FILE, COMMIT_FILE)]
+        if stray:
+            raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(
+                f"{n} is not in the manifest (a save never writes it; it was not opened)" for n in stray))
+        foreign = [name for name in entries if not written_by_a_save(name)]
+        if foreign:
+            raise CheckpointCorrupt(f"refusing to load {root}: the manifest lists {foreign}, which no save writes "
+                                    "(malformed manifest; nothing was opened)")
+        names = sorted(entries)
+        snapshot.open_more(names)
+        damaged = publication.check_files(snapshot, entries, names[rank::world])
+        if damaged:
+            raise CheckpointCorrupt(f"refusing to load {root}: " + "; ".join(damaged))
+    except CheckpointError as exc:
+        error = str(exc)
+    if share:
+        _agree(error, CheckpointCorrupt)
+    elif error is not None:
+        raise CheckpointCorrupt(error)
+    return _parse_meta(root / META_FILE, snapshot.read(META_FILE), entries)
+
+
+def _parse_meta(file: Path, data: bytes, entries: dict[str, Any]) -> dict[str, Any]:
+    try:
+        meta = json.loads(data)
+    except RecursionError:
+        raise CheckpointCorrupt(f"{file}: nested too deeply to read (malformed metadata)") from None
+    except ValueError as exc:
+        raise CheckpointCorrupt(f"{file}: not JSON ({exc})") from exc
+
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise CheckpointCorrupt(f"{file}: {key} {what} (malformed metadata)")
+
+    need(isinstance(meta, dict), "the top level", "must be an object")
+    need(meta.get("format") == FORMAT and meta.get("version") == SHARDED_VERSION, "'format'/'version'",
+         f"must be {FORMAT!r} / {SHARDED_VERSION}")
+    need(is_count(meta.get("step")), "'step'", "must be a non-negative integer")
+    need(is_count(meta.get("world_size")) and meta["world_size"] > 0, "'world_size'", "must be a positive integer")
+    need(isinstance(meta.get("state"), dict), "'state'", "must be an object")
+    tensors = meta.get("tensors")
+    need(isinstance(tensors, dict), "'tensors'", "must be an object")
+    for key, info in tensors.items():
+        ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and all(is_count(d) for d in info["shape"])
+        need(ok and codec.is_dtype_name(info.get("dtype")), f"tensors[{key!r}]", "must be {'shape': sizes, 'dtype': name}")
+    for r in range(meta["world_size"]):
+        for name in rank_files(r):
+            need(name in entries, f"the file {name}", "is not in the manifest")
+    return meta
+
+
+def _read_rank(snapshot: publication.Snapshot, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s own state, decoded (its RNG states; rank 0's scheduler and ``extra``)."""
+    meta_name, tensors_name = rank_files(rank)
+    file = snapshot.root / meta_name
+    try:
+        own = json.loads(snapshot.read(meta_name))
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{file}: not JSON ({exc})") from exc
+    if not isinstance(own, dict):
+        raise malformed(str(file), "must be an object")
+    tensors = codec.read_tensors(snapshot, tensors_name)
+    return {key: decode(value, tensors, f"{file}: {key}") for key, value in own.items()}
+
+
+# -------------------------------------------------------------------- load
+
+
+def load(
+    snapshot: publication.Snapshot,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    strict: bool,
+    *,
+    rng: bool,
+    collective: bool,
+) -> LoadReport:
+    """A load of a layout-2 snapshot into this run's layout (see the module contract): collective (every rank
+    of the default group calls it) where the model holds DTensors, else by this process alone."""
+    token = _LOCAL.set(not collective)
+    try:
+        return _load(snapshot, model, optimizer, scheduler, strict, rng=rng)
+    finally:
+        _LOCAL.reset(token)
+
+
+def _load(
+    snapshot: publication.Snapshot,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    strict: bool,
+    *,
+    rng: bool,
+) -> LoadReport:
+    from offload_adamw.checkpoint import store
+
+    rank, world = _world()
+    own = _process_rank()
+    meta = verified_meta(snapshot, share=True)
+    root = snapshot.root
+    # Every rank must read the same checkpoint: ranks given two paths, or a save replacing the checkpoint
+    # between the ranks' opening it, would mix two checkpoints (each rank's digests would pass).
+    manifests = _all(hashlib.sha256(snapshot.read(MANIFEST_FILE)).hexdigest())
+    if len(set(manifests)) > 1:
+        raise CheckpointError(
+            f"cannot load checkpoint {root}: the ranks opened different checkpoints (manifest sha256 by rank: "
+            f"{[m[:12] for m in manifests]}): another path on some rank, or a save replaced it meanwhile; "
+            "nothing was changed")
+    error: str | None = None
+    report = LoadReport(path=str(root), step=meta["step"])
+    try:
+        mine = _read_rank(snapshot, own) if own < meta["world_size"] else None
+        zero = mine if own == 0 else _read_rank(snapshot, 0)
+        report.extra = zero.get("extra") if zero is not None else None
+        rng_state = mine.get("rng") if (rng and mine is not None) else None
+        if rng and mine is None:
+            report.rng_skipped["rank"] = (
+                f"the checkpoint holds the RNG states of {meta['world_size']} rank(s); rank {own} has none to restore")
+        if rng_state is not None:
+            store._check_rng(rng_state, root / rank_files(own)[0])
+    except CheckpointError as exc:
+        error = str(exc)
+    _agree(error, CheckpointCorrupt)
+    # DCP's get_optimizer_state_dict allocates the state of parameters that have none (a zero-lr step): taken
+    # back on a refusal, so that a refused load leaves the optimizer as it found it.
+    stateless = [] if optimizer is None else [
+        p for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
+    try:
+        templates: dict[str, Tensor] = {}
+        wanted: list[str] = []
+        try:
+            state = _state(model, optimizer)
+        except Exception as exc:  # OffloadAdamW between a backward that updated and step(): its state_dict refuses
+            report.problems.append(f"the model or the optimizer refuses to give its state now ({type(exc).__name__}: "
+                                   f"{exc})")
+        else:  # every rank reaches the agreement below, whatever it found
+            encode(state, templates, _STATE)
+            wanted = _match(meta, templates, report, optimizer is not None, scheduler, zero)
+            if optimizer is not None and "optimizer" in meta["state"]:
+                _match_groups(meta["state"]["optimizer"], state["optimizer"], report)
+        elsewhere = [f"rank {r}: {len(found)} problem(s)" for r, found in enumerate(_all(report.problems))
+                     if found and r != rank]
+        if report.problems or elsewhere:
+            report.problems.extend(elsewhere)
+            if strict:
+                raise CheckpointMismatch(report)
+            raise CheckpointError(
+                f"cannot load checkpoint {root} with strict=False: a sharded checkpoint is loaded whole or not at all "
+                f"({len(report.problems)} problem(s): {'; '.join(report.problems)}); nothing was changed")
+        import torch.distributed.checkpoint as dcp
+
+        # Read into copies: the model and the optimizer change only once everything was read.
+        loaded = {key: templates[key].detach().clone() for key in wanted}
+        shards = sorted(n for n in publication.manifest_files(snapshot, version=SHARDED_VERSION)
+                        if SHARD_FILE.fullmatch(n))
+        try:
+            dcp.load(loaded, storage_reader=_reader(snapshot, shards), no_dist=world == 1)
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
+            # (CheckpointException is a BaseException)
+            raise CheckpointCorrupt(f"cannot read the shards of {root}: nothing was changed; {exc}") from exc
+        saved = decode(meta["state"], loaded, f"{root / META_FILE}: state")
+        _commit(saved, report, model, optimizer, scheduler, zero, rng_state)
+    except BaseException:
+        for p in stateless:
+            if optimizer is not None:
+                optimizer.state.pop(p, None)
+        raise
+    return report
+
+
+def _match(
+    meta: dict[str, Any], templates: dict[str, Tensor], report: LoadReport, with_optimizer: bool, scheduler: Any,
+    zero: dict[str, Any] | None,
+) -> list[str]:
+    """The tensor keys to read; every mismatch by name into ``report`` (changes nothing)."""
+    saved = meta["tensors"]
+    wanted = []
+    for key, target in templates.items():
+        if not with_optimizer and key.startswith(_OPTIMIZER):
+            continue
+        name = key.removeprefix(_MODEL) if key.startswith(_MODEL) else key.removeprefix(_OPTIMIZER)
+        info = saved.get(key)
+        if info is None:
+            if key.startswith(_MODEL):
+                report.missing.append(name)
+            report.problems.append(f"missing {name!r}: in the {'model' if key.startswith(_MODEL) else 'optimizer'}, "
+                                   "not in the checkpoint")
+            continue
+        own = _tensor_info(target)
+        if target.is_meta:
+            report.problems.append(
+                f"meta device {name!r}: the model's tensor holds no storage, nothing can be loaded into it; "
+                "materialize the model first (module.to_empty(device=...))")
+        elif info["shape"] != own["shape"]:
+            report.wrong_shape[name] = (tuple(info["shape"]), tuple(own["shape"]))
+            report.problems.append(f"wrong shape {name!r}: {tuple(info['shape'])} in the checkpoint, "
+                                   f"{tuple(own['shape'])} here")
+        elif info["dtype"] != own["dtype"]:
+            report.wrong_dtype[name] = (info["dtype"], own["dtype"])
+            report.problems.append(f"wrong dtype {name!r}: {info['dtype']} in the checkpoint, {own['dtype']} here")
+        else:
+            wanted.append(key)
+    for key in saved:
+        if key not in templates and (with_optimizer or not key.startswith(_OPTIMIZER)):
+            name = key.removeprefix(_MODEL) if key.startswith(_MODEL) else key.removeprefix(_OPTIMIZER)
+            if key.startswith(_MODEL):
+                report.unexpected.append(name)
+            report.problems.append(f"unexpected {name!r}: in the checkpoint, not here")
+    if with_optimizer and "optimizer" not in meta["state"]:
+        report.problems.append("the checkpoint has no optimizer state (it was saved with optimizer=None)")
+    if scheduler is not None:
+        saved_sched = None if zero is None else zero.get("scheduler")
+        if saved_sched is None:
+            report.problems.append("the checkpoint has no scheduler state (it was saved with scheduler=None)")
+        elif saved_sched.get("class") != type(scheduler).__name__:
+            report.problems.append(
+                f"scheduler: the checkpoint holds a {saved_sched.get('class')}, this is a {type(scheduler).__name__}")
+    return wanted
+
+
+def _groups_of(optimizer_state: Any) -> dict[str, int]:
+    """parameter name -> index of its group, in an optimizer state as DCP gives it (groups list names)."""
+    groups = optimizer_state.get("param_groups") if isinstance(optimizer_state, dict) else None
+    if not isinstance(groups, list):
+        return {}
+    return {name: gi for gi, group in enumerate(groups) if isinstance(group, dict)
+            for name in group.get("params", []) if isinstance(name, str)}
+
+
+def _match_groups(saved: Any, here: dict[str, Any], report: LoadReport) -> None:
+    """Every parameter optimized in the same group on both sides, else a problem naming it: DCP would load the
+    saved groups' hyperparameters onto whatever parameters they list, silently regrouping them."""
+    saved_of, here_of = _groups_of(saved), _groups_of(here)
+    saved_count = len(saved.get("param_groups", [])) if isinstance(saved, dict) else 0
+    here_count = len(here.get("param_groups", []))
+    if saved_count != here_count:
+        report.problems.append(f"the checkpoint has {saved_count} parameter group(s), the optimizer has {here_count}")
+    for name, gi in here_of.items():
+        if saved_of.get(name) != gi:
+            report.group_mismatch.append(name)
+            where = "not optimized" if name not in saved_of else f"in group {saved_of[name]}"
+            report.problems.append(f"group mismatch {name!r}: {where} in the checkpoint, group {gi} here")
+    for name, gi in saved_of.items():
+        if name not in here_of:
+            report.group_mismatch.append(name)
+            report.problems.append(f"group mismatch {name!r}: optimized in group {gi} of the checkpoint, not here")
+
+
+def _commit(
+    saved: dict[str, Any], report: LoadReport, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    scheduler: Any, zero: dict[str, Any] | None, rng_state: Any,
+) -> None:
+    """Scheduler, optimizer, model, RNG, in this order (as the one-process layout); a refusal rolls back."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from offload_adamw.checkpoint import store
+
+    scheduler_before = None
+    error = None
+    try:
+        if scheduler is not None and zero is not None:
+            scheduler_before = copy.deepcopy(scheduler.state_dict())
+            scheduler.load_state_dict(zero["scheduler"]["state"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, saved["optimizer"])
+            report.optimizer_restored = True
+    except Exception as exc:
+        if scheduler_before is not None:
+            scheduler.load_state_dict(scheduler_before)
+        report.problems.append(f"{type(exc).__name__}: {exc}")
+        error = str(exc)
+    report.scheduler_restored = scheduler is not None and error is None
+    if error is not None:
+        raise CheckpointMismatch(report)
+    set_model_state_dict(model, saved["model"])
+    report.loaded = sorted(saved["model"])
+    if rng_state is not None:
+        store._restore_rng(rng_state, report)
