@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload_adamw import OffloadAdamW
 from offload_adamw.cli.main import main
 from offload_adamw.selftest import environment, parity
 from offload_adamw.selftest.bench import LLAMA_ROWS
@@ -41,6 +42,7 @@ def test_exact_rows_exit_0_with_a_verdict_and_a_json_document(capsys, tmp_path) 
     assert set(document) >= {"environment", "parity", "bench", "verdict"}
     env = document["environment"]
     assert env["device"] == "cpu" and env["torch"] == torch.__version__ and env["cores_available"] >= 1
+    assert env["host_update"]["threads"] == OffloadAdamW([torch.nn.Parameter(torch.ones(1))]).host_threads
     assert env["host_memory"]["total_bytes"] > 0 and env["memlock"]["readable"]
     rows = {r["row"]: r for r in document["parity"]["rows"]}
     assert set(rows) == {"host/freed/step/clip", "host/freed/backward/clip", "mix/kept/step/noclip",

@@ -162,6 +162,7 @@ def _environment_table(env: dict[str, Any]) -> str:
             ["locked-memory limit", locked],
             ["cores", f"{env['cores_available']} available to this process of {env['cpu_count']}, "
                       f"torch uses {env['torch_threads']} threads"],
+            ["host update", env["host_update"]["describe"]],
             ["page-locking", {True: "works", False: "FAILS", None: "-"}[pinned["works"]] + f" ({pinned['why']})"],
             ["stream backend", env["stream_backend"]]]
     for gpu in env["gpus"]:

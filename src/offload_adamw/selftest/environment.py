@@ -6,7 +6,8 @@ It holds the versions (torch, its CUDA build, the NVIDIA driver, numba, Python),
 PCI bus id and NUMA node (``/sys/bus/pci/devices/<bus id>/numa_node``; -1 there means the platform does not
 say), host memory (``MemTotal`` and ``MemAvailable`` from ``/proc/meminfo``, and :func:`host_memory_for_sizing`:
 the figure a run should size itself by), the locked-memory limit (``RLIMIT_MEMLOCK``, soft and hard), the
-cores this process may run on (``os.sched_getaffinity``) and whether page-locking works (a 1 MiB pinned
+cores this process may run on (``os.sched_getaffinity``), the host update's threads and NUMA node as the optimizer
+would choose them (``host_update``: distributed/node.py), and whether page-locking works (a 1 MiB pinned
 allocation, only where an accelerator is there to pin for), and the stream backend a pipeline would use
 (CUDA, or a test device such as the simulated one).
 """
@@ -151,6 +152,19 @@ def _page_locking(device: torch.device) -> dict[str, Any]:
         return {"works": False, "why": f"1 MiB pinned allocation failed: {str(exc).splitlines()[0]}"}
 
 
+def _host_update(device: torch.device) -> dict[str, Any]:
+    """The host update's threads and NUMA node, as an optimizer over parameters on ``device`` would choose them
+    (distributed/node.py; without a gather: a selftest is one process)."""
+    from offload_adamw.accel import streams
+    from offload_adamw.distributed import node
+
+    numa = node.numa_placement(pci_bus_id=streams.pci_bus_id(device))
+    share = node.node_share(gather=False, numa=numa)
+    return {"threads": share.threads, "cores": share.cores, "shared": share.shared, "ranks_on_node": share.ranks,
+            "ranks_source": share.ranks_source, "numa_node": None if numa is None else numa.node,
+            "numa_source": None if numa is None else numa.source, "describe": share.describe()}
+
+
 def _stream_backend() -> str:
     from offload_adamw.accel import streams  # the backend a pipeline built now would use
 
@@ -183,6 +197,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cores_available": cores,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "host_update": _host_update(device),
         "page_locking": _page_locking(device),
         "stream_backend": _stream_backend(),
     }
