@@ -219,3 +219,16 @@ def test_the_non_finite_decision_of_updates_during_backward_reads_one_flag_per_s
     NaN over every gradient) from the device per step, and nothing else is read or sent."""
     syncs = _steady_syncs(simulated_device, placement, "uib", 0.05, nonfinite="skip")
     assert syncs == Counter({"a device tensor read by the host (.item())": 2}), dict(syncs)
+
+
+def test_the_ranks_flag_lives_on_the_ranks_own_device_not_the_threads_current_one():
+    """N9, distributed/dtensor.py: any_rank's flag for an NCCL collective was made on ``"cuda"``, the calling thread's
+    current device: 0 on a thread that never set one, so rank k created a context on GPU 0 (and handed NCCL a tensor
+    of another GPU than its communicator's). It now lives on the rank's own device, its parameters' or gradients'.
+    (The collective itself needs NCCL and GPUs; the choice of device is a pure function, tested here.)"""
+    from offload_adamw.distributed.dtensor import flag_device
+
+    assert flag_device("cuda", torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert flag_device("cuda", torch.device("cpu")) == torch.device("cuda")  # no CUDA device known: as before
+    assert flag_device("cuda", None) == torch.device("cuda")
+    assert flag_device("cpu", torch.device("cuda", 3)) == torch.device("cpu")  # a gloo mesh: the host

@@ -209,7 +209,8 @@ class Gate:
             # waits in that policy's all-reduce.
             mesh = summed.device_mesh
             groups = [mesh.get_group(dim) for dim in range(mesh.ndim)] if plain else []
-        return any_rank(found, (), groups)
+        counts = plain or [local_tensor(c) for c in sharded]
+        return any_rank(found, (), groups, device=counts[0].device if counts else None)
 
     # ------------------------------------------------------------------ at step
 

@@ -193,25 +193,39 @@ def _meshes(params: Iterable[Tensor]) -> list[DeviceMesh]:
     return meshes
 
 
-def any_rank(flag: bool, params: Iterable[Tensor], groups: Iterable[Any] = ()) -> bool:
+def flag_device(device_type: str, home: torch.device | None) -> torch.device:
+    """Where the flag of :func:`any_rank` lives for a collective over ``device_type`` (``"cuda"`` for NCCL): the
+    rank's own device ``home`` (its parameters' or gradients') where it is of that type. Not the calling thread's
+    current device, which on a thread that never set one is 0: on rank k that would create a context on GPU 0 and
+    hand NCCL a tensor of another GPU than its communicator's."""
+    if home is not None and home.type == device_type:
+        return home
+    return torch.device(device_type)  # no device of that type known: the current one, as before
+
+
+def any_rank(flag: bool, params: Iterable[Tensor], groups: Iterable[Any] = (), device: torch.device | None = None) -> bool:
     """``flag`` OR-reduced over every rank of the meshes of the DTensor ``params`` and of the process ``groups``
-    (``flag`` when there are none).
+    (``flag`` when there are none), the flag on ``device`` (else the first of ``params``' local devices that is not
+    the host's) where the collective runs on a device (:func:`flag_device`).
 
     Each rank sees only its shards' gradients (and, beside a DDP model, its own gradients of the parameters
     outside it); a decision such as skipping the step for a non-finite gradient must be the same on every rank.
     """
+    params = list(params)
     meshes = _meshes(params)
     groups = list(groups)
     if not meshes and not groups:
         return flag
+    home = device if device is not None else next(
+        (d for d in (local_tensor(p).device for p in params) if d.type not in ("cpu", "meta")), None)
     result = flag
     for group in groups:
-        device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
-        local = torch.tensor([1.0 if result else 0.0], device=device)
+        where = flag_device("cuda", home) if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
+        local = torch.tensor([1.0 if result else 0.0], device=where)
         torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=group)
         result = bool(local.item() > 0)
     for mesh in meshes:
-        local = torch.tensor([1.0 if result else 0.0], device=mesh.device_type)
+        local = torch.tensor([1.0 if result else 0.0], device=flag_device(mesh.device_type, home))
         for dim in range(mesh.ndim):
             torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))
         result = bool(local.item() > 0)
