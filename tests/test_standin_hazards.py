@@ -232,3 +232,34 @@ def test_the_ranks_flag_lives_on_the_ranks_own_device_not_the_threads_current_on
     assert flag_device("cuda", torch.device("cpu")) == torch.device("cuda")  # no CUDA device known: as before
     assert flag_device("cuda", None) == torch.device("cuda")
     assert flag_device("cpu", torch.device("cuda", 3)) == torch.device("cpu")  # a gloo mesh: the host
+
+
+@pytest.mark.parametrize("placement", ["stream", "device"])
+def test_clipped_device_gradients_are_multiplied_by_the_devices_own_coefficient(placement, simulated_device) -> None:
+    """N5, clipping during backward: a streamed or resident group's gradient is multiplied by the coefficient the gate
+    computed on the device, not by ``coefficient.to(device)`` of its host copy (from pageable memory: on CUDA a copy
+    that blocks the host, once per parameter). The simulated device cannot see that copy (on the CPU the host copy
+    and the device tensor are one, and the gate reads it in autograd's final callback, where no function mode runs),
+    so this holds what the pipeline asks of the gate: every coefficient it took for a device gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+    opt = OffloadAdamW([{"params": list(model.parameters()), "update_on": placement}], lr=1e-3, max_grad_norm=0.05,
+                       stream_chunk_bytes=1 << 20, bucket_bytes=1, offload_gradients=True, update_in_backward=True)
+    gate = opt._pipeline.gate
+    taken: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    coefficient_on = gate.coefficient_on
+
+    def recorded(device: torch.device) -> torch.Tensor | None:
+        out = coefficient_on(device)
+        taken.append((out, None if gate._on_device is None else gate._on_device[1]))
+        return out
+
+    opt._pipeline.placements._components[placement]._coefficient = recorded  # what the placement asks the gate
+    x = torch.randn(16, 32)
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    used = [(out, own) for out, own in taken if out is not None]
+    assert used, "no gradient was clipped during backward"
+    assert all(out is own for out, own in used), "a device gradient was clipped by a copy of the host coefficient"

@@ -95,6 +95,12 @@ SCALE = HAZARDS + "test_the_loss_scale_reaches_the_device_without_a_hidden_synch
 
 #: issue 41's hazards N4, N5, N7, N8, N9: each fix removed, and the test of tests/test_standin_hazards.py that catches it
 HAZARDS_N: dict[str, tuple[str, str, str, list[str]]] = {
+    "N5: a device gradient clipped by a copy of the host coefficient (a blocking copy per parameter on CUDA)": (
+        f"{ACCEL}/gate.py", "            return self._on_device[1]\n", "            return host.to(device)\n",
+        [HAZARDS + "test_clipped_device_gradients_are_multiplied_by_the_devices_own_coefficient[stream]"]),
+    "N9: the ranks' decision flag on the calling thread's current device": (
+        "offload_adamw/distributed/dtensor.py", "        return home\n", "        return torch.device(device_type)\n",
+        [HAZARDS + "test_the_ranks_flag_lives_on_the_ranks_own_device_not_the_threads_current_one"]),
     "N4: the gate reads a CPU-offloaded gradient's norm before FSDP2's copy into it has landed": (
         f"{ACCEL}/gate.py", "        self._engine.host_gradient_landed(local_tensor(grad))", "        pass",
         [HAZARDS + "test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_with_no_device_wide_sync"]),

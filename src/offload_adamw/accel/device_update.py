@@ -38,7 +38,7 @@ class DeviceUpdate:
     """The resident placement of a bucket's ``update_on="device"`` groups (see the module contract)."""
 
     def __init__(self, optimizer: object, slots: SlotTable, engine: TransferEngine,
-                 coefficient: Callable[[], Tensor | None], *, chunk_bytes: int,
+                 coefficient: Callable[[torch.device], Tensor | None], *, chunk_bytes: int,
                  used: Callable[[Slot, Tensor], None]) -> None:
         self._optimizer = optimizer
         self._used = used  # the residency learns the update read the gradient (accel/device_grads.py)
@@ -70,7 +70,7 @@ class DeviceUpdate:
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
             gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None) -> Sent:
         sent: Sent = []
-        for _, hp, by_device in gather(self._optimizer, self._slots, params, where, gradient, self._coefficient(),
+        for _, hp, by_device in gather(self._optimizer, self._slots, params, where, gradient, self._coefficient,
                                        self._used):
             for device, work in by_device.items():
                 send = self._sender(device)

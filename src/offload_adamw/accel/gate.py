@@ -84,6 +84,7 @@ class Gate:
         self._callback_queued = False
         self.coefficient: Tensor | None = None
         """The host clip coefficient every gradient of the step is multiplied by, when it is the step's."""
+        self._on_device: tuple[Tensor, Tensor] | None = None  # (the host coefficient, the device tensor it was read from)
         self._stale = False
         self._partial = False
         self._max_norm: float | None = None
@@ -176,8 +177,21 @@ class Gate:
             self._params = frozenset(p for p in order if p in self._norms)
             self._optimizer.last_grad_norm = total
             self.coefficient = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
+            self._on_device = (self.coefficient, coef.detach())
         self.taken = True
         self.on_open()
+
+    def coefficient_on(self, device: torch.device) -> Tensor | None:
+        """The step's clip coefficient on ``device`` (None when there is none): on the device the norms were taken on,
+        the tensor the host coefficient was read from, so that the gradients of streamed and resident groups are
+        multiplied with no copy from the host (from pageable memory, a copy per gradient that blocks the host);
+        elsewhere a copy of the host coefficient (the same value)."""
+        host = self.coefficient
+        if host is None:
+            return None
+        if self._on_device is not None and self._on_device[0] is host and self._on_device[1].device == device:
+            return self._on_device[1]
+        return host.to(device)
 
     def _order(self) -> list[Tensor]:
         """The parameters in the order torch's clipping of the model stacks their norms (optim/clip_order.py)."""

@@ -174,9 +174,9 @@ class GradientPipeline:
         chunk = config.stream_chunk_bytes // 4096 * 4096
         self.placements = Placements(opt, self.slots, {
             "host": HostUpdate(opt, self.slots, self.engine, self.recorder, coefficient),
-            "stream": StreamUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk,
+            "stream": StreamUpdate(opt, self.slots, self.engine, self.gate.coefficient_on, chunk_bytes=chunk,
                                    buffers=config.stream_buffers, used=used),
-            "device": DeviceUpdate(opt, self.slots, self.engine, coefficient, chunk_bytes=chunk, used=used),
+            "device": DeviceUpdate(opt, self.slots, self.engine, self.gate.coefficient_on, chunk_bytes=chunk, used=used),
         })
         intact = lambda slot: self.residency.intact(slot)  # noqa: E731, PLW0108 - the residency is built below
         self.schedule: AtStep | DuringBackward = (

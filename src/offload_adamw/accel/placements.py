@@ -136,7 +136,7 @@ class TensorWork:
 
 
 def gather(optimizer: Any, slots: SlotTable, params: list[Tensor], where: dict[Tensor, tuple[int, int]],
-           gradient: Callable[[Slot], Tensor | None], coefficient: Tensor | None,
+           gradient: Callable[[Slot], Tensor | None], coefficient: Callable[[torch.device], Tensor | None],
            used: Callable[[Slot, Tensor], None] = lambda slot, grad: None,
            ) -> list[tuple[int, StepHyper, dict[torch.device, list[TensorWork]]]]:
     """Per group (in order of first appearance): its index, hyperparameters and work by update device."""
@@ -145,8 +145,9 @@ def gather(optimizer: Any, slots: SlotTable, params: list[Tensor], where: dict[T
         slot = slots[p]
         grad = gradient(slot)
         if grad is not None:
-            if coefficient is not None:
-                grad.mul_(coefficient.to(grad.device))  # what clip_grads_with_norm_ does to p.grad
+            coef = coefficient(grad.device)  # the gate's, on the gradient's device (Gate.coefficient_on)
+            if coef is not None:
+                grad.mul_(coef)  # what clip_grads_with_norm_ does to p.grad
             by_group.setdefault(where[p][0], []).append((slot, grad))
     out = []
     for gi, members in by_group.items():

@@ -65,7 +65,7 @@ class StreamUpdate:
     """The streamed placement of a bucket's ``update_on="stream"`` groups (see the module contract)."""
 
     def __init__(self, optimizer: object, slots: SlotTable, engine: TransferEngine,
-                 coefficient: Callable[[], Tensor | None], *, chunk_bytes: int, buffers: int,
+                 coefficient: Callable[[torch.device], Tensor | None], *, chunk_bytes: int, buffers: int,
                  used: Callable[[Slot, Tensor], None]) -> None:
         self._optimizer = optimizer
         self._used = used  # the residency learns the update read the gradient (accel/device_grads.py)
@@ -97,7 +97,7 @@ class StreamUpdate:
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
             gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None) -> Sent:
         sent: Sent = []
-        for _, hp, by_device in gather(self._optimizer, self._slots, params, where, gradient, self._coefficient(),
+        for _, hp, by_device in gather(self._optimizer, self._slots, params, where, gradient, self._coefficient,
                                        self._used):
             for device, work in by_device.items():
                 send = self._sender(device)
