@@ -130,6 +130,24 @@ def test_the_compute_stream_waits_for_a_send_before_reading_it(sim) -> None:
     assert sim.take_hazards() == []
 
 
+def test_a_copy_back_into_host_memory_a_send_still_reads_writes_it_only_when_its_stream_runs_it(sim) -> None:
+    """The streamed ring's order: a chunk of host state is sent, the compute stream waits for it and updates it, and the
+    copy back into the same host memory (ordered after that update) is issued at once, the send still in flight. On
+    CUDA the copy back writes the host memory only when its stream runs it, after the send has read it: no hazard, and
+    the host holds the updated chunk."""
+    engine = _engine(sim)
+    with sim.slow_copies(0.005):  # the send is still in flight when the copy back is issued
+        for i in range(3):
+            host = _host(sim, 512).fill_(float(i))
+            device_tensor = torch.zeros(512)
+            sent = engine.send_to_device(DEV, [(device_tensor, host)])
+            engine.compute_waits(DEV, sent)  # the device waits, not the host (the test's thread defers its waits)
+            sim.compute_later(lambda t=device_tensor: t.add_(1.0), delay_s=0.001, writes=[device_tensor])
+            engine.copy_all_to_host(DEV, [(device_tensor, host)]).wait()
+            assert torch.equal(host, torch.full((512,), float(i + 1))), "the copy back wrote the host before the send read it"
+    assert sim.take_hazards() == []
+
+
 def test_a_mark_completes_after_the_compute_issued_before_it(sim) -> None:
     """mark's event record on the current stream: waiting for it is waiting for that compute."""
     engine = _engine(sim)

@@ -8,8 +8,10 @@ on a GPU, and the backend turns each of CUDA's hazards into wrong bits or a reco
 
 1. **Late, in-order completion.** Each stream is a worker thread that runs its queue in order; each copy lands
    after a seeded random delay. A copy's destination holds poison (NaN in every floating dtype, -1 otherwise)
-   from its issue until it lands. ``wait_stream`` and ``wait_event`` make a stream's worker wait; an event is
-   complete when its stream has reached it; an event never recorded is complete (as on CUDA).
+   from its issue until it lands; a copy to the host memory an earlier send still reads poisons it only when its
+   stream runs it (on CUDA a copy writes nothing before then). ``wait_stream`` and ``wait_event`` make a stream's
+   worker wait; an event is complete when its stream has reached it; an event never recorded is complete (as on
+   CUDA).
 2. **Stream-ordered reuse of device memory.** A device tensor whose memory is freed while a copy on another
    stream still has to read it is reused at once (the copy reads garbage: its destination stays poisoned, and a
    hazard is recorded) unless ``record_stream`` named that stream.
@@ -419,6 +421,7 @@ class SimulatedCuda:
         self._host_copies: dict[int, weakref.ref[Tensor]] = {}  # device tensors read to the host, by id (N5)
         self._to_device: list[tuple[int, int, Completion]] = []  # device memory pending copies write: (start, end, done)
         self._to_host: list[tuple[int, int, Completion]] = []  # host memory pending copies write
+        self._from_host: list[tuple[int, int, Completion]] = []  # host memory pending copies to the device read
         self._late: list[tuple[int, int, Completion, _Stream]] = []  # memory late work writes (compute_later, queued ops)
         self.copy_latency_s = 0.0
         """Added to every copy's delay (:meth:`slow_copies`)."""
@@ -662,6 +665,8 @@ class SimulatedCuda:
             self._host_pending.append((start, end, done, ticket))
             if to_device:
                 self._to_device.append((*_span(dst), done))
+                self._from_host = [e for e in self._from_host if not e[2].done()]
+                self._from_host.append((start, end, done))
             else:
                 self._to_host = [e for e in self._to_host if not e[2].done()]
                 self._to_host.append((start, end, done))
@@ -705,7 +710,20 @@ class SimulatedCuda:
         read = self._watch(storage, stream)
         storage_ref = weakref.ref(storage)
         del storage, src
-        _poison(dst)
+        if self._still_sent(dst):
+            # An earlier copy to the device still reads this host memory (the streamed ring sends a chunk of host state,
+            # updates it, and issues its copy back at once, the send still in flight). On CUDA a copy writes its
+            # destination only when its stream runs it, after what the stream waits for: here the update, which waited
+            # for the send. So the poison goes in when this stream reaches the copy, not at issue; a stream not ordered
+            # after the send poisons the memory under it, and the send records the hazard.
+            def start() -> None:
+                with torch.no_grad(), ticket.lock:
+                    if not ticket.cancelled:
+                        _poison(dst)
+
+            stream.submit(start, copy=False)
+        else:
+            _poison(dst)  # from issue: a host read that did not wait for the copy reads poison
 
         def view() -> Tensor | None:
             alive = storage_ref()
@@ -734,6 +752,13 @@ class SimulatedCuda:
 
         read.done = done = stream.submit(land, copy=True)
         return done
+
+    def _still_sent(self, t: Tensor) -> bool:
+        """Whether a pending copy to the device still reads host memory of ``t``."""
+        span = _span(t)
+        with self.lock:
+            self._from_host = [e for e in self._from_host if not e[2].done()]
+            return bool(_overlaps([span], self._from_host))
 
     def _watch(self, storage: Any, stream: _Stream) -> _Read:
         read = _Read(stream)
