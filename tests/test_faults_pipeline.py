@@ -245,7 +245,7 @@ DEVICE_PATHS = {"kept": {"transfer_pipeline": True}, "freed": {"offload_gradient
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("edit", DEVICE_EDITS)
 def test_an_edit_of_a_device_parameter_is_what_the_next_update_starts_from(edit, dtype, path, simulated_device) -> None:
-    """On the stand-in device every parameter is a device parameter with a host master: an edit between steps is read
+    """On the simulated device every parameter is a device parameter with a host master: an edit between steps is read
     back and the master follows it element by element, as on the host (tests/test_faults_misuse.py's rule)."""
     model = misuse.linear_model(misuse.DTYPES[dtype])
     opt = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **DEVICE_PATHS[path])
@@ -281,14 +281,14 @@ def _host_gradient(opt: OffloadAdamW, p: torch.Tensor) -> torch.Tensor:
 PIPELINE_MODES = {"kept": {"transfer_pipeline": True}, "freed": {"offload_gradients": True}}
 
 
-@pytest.mark.parametrize("device", ["cpu", "standin"])
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
 @pytest.mark.parametrize("mode", PIPELINE_MODES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["conv-channels-last", "transposed-view"])
 def test_non_contiguous_parameters_on_the_pipeline_step_as_the_plain_step(layout, dtype, mode, device, request) -> None:
     """The pipeline's host buffers are laid out like the parameter: the same bits as the plain step (itself held to
     torch's fused AdamW on the same layouts by tests/test_faults_misuse.py), a gradient set by hand contiguous too."""
-    if device == "standin":
+    if device == "simulated":
         request.getfixturevalue("simulated_device")
     params = misuse.LAYOUTS[layout](misuse.DTYPES[dtype])
     ref_params = misuse.dense_copies(params)
@@ -306,9 +306,9 @@ def test_non_contiguous_parameters_on_the_pipeline_step_as_the_plain_step(layout
             assert slot.host_grad.stride() == torch.empty_like(p).stride(), "the host buffer is laid out like the parameter"
 
 
-@pytest.mark.parametrize("device", ["cpu", "standin"])
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
 def test_a_channels_last_convnet_with_updates_during_backward_equals_torch_fused(device, request) -> None:
-    if device == "standin":
+    if device == "simulated":
         request.getfixturevalue("simulated_device")
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)

@@ -80,7 +80,7 @@ def test_fsdp2_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(resu
         assert case["measured"]["skipped_steps"] == 1
 
 
-@pytest.mark.slow  # the simulated device's run (tests/test_standin_suites.py) is the quick one: the device fingerprint
+@pytest.mark.slow  # the simulated device's run (tests/test_simulated_suites.py) is the quick one: the device fingerprint
 def test_fsdp2_an_edit_through_p_data_between_backward_and_step_is_refused_on_every_rank(results) -> None:
     """A clamp and an in-place copy of a sharded parameter's .data after its update ran during backward: step() refuses
     them by name on both ranks (the local shard's mark)."""

@@ -15,8 +15,8 @@ groups, the ring over tensors of many chunks with 2 and 3 buffers, updates durin
 on device index 1. Each row has its own seed. The last tests make compute late where it is on a GPU: a gradient that
 lands late on the backward thread's stream (a hook poisons it and restores it there), and the updater thread's kernels
 queued late on its own stream (``late_kernels``), so that an update during backward must wait for the stream that
-produced its gradient, and the next forward for the stream that wrote the parameters. tests/test_standin_mutations.py
-shows that removing any one wait of the pipeline or of the lane fails one of these or a test of tests/test_standin.py.
+produced its gradient, and the next forward for the stream that wrote the parameters. tests/test_simulated_mutations.py
+shows that removing any one wait of the pipeline or of the lane fails one of these or a test of tests/test_simulated_lane.py.
 """
 
 from __future__ import annotations

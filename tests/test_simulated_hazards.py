@@ -2,7 +2,7 @@
 
 Each test failed before its fix: it turns the hazard into wrong bits or a count or record of the simulated device
 that a GPU would pay for silently (a poisoned read, a device-wide synchronisation, a context on device 0, a hidden
-synchronisation). tests/test_standin_mutations.py (``HAZARDS_N``) removes each fix again and names the test here that
+synchronisation). tests/test_simulated_mutations.py (``HAZARDS_N``) removes each fix again and names the test here that
 catches it. The device index is 1 throughout: a call from a thread whose current device is 0 is a stray context.
 """
 

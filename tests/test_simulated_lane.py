@@ -4,8 +4,8 @@ The lane is the one a GPU runs: here it runs over the simulated backend, whose c
 buffers and which records CUDA's hazards. Each test below holds one promise of the lane's contract to what the
 simulated device does, so that removing any ``wait_stream``, ``wait_event``, ``record_stream``, event record,
 the worker threads' device set-up or the synchronisation before unlocking host memory gives wrong bits or a
-recorded hazard (tests/test_standin_mutations.py removes each one). The device index is 1 throughout: a call from
-a thread whose current device is 0 is a stray context. tests/test_standin_suites.py runs the pipeline's bitwise
+recorded hazard (tests/test_simulated_mutations.py removes each one). The device index is 1 throughout: a call from
+a thread whose current device is 0 is a stray context. tests/test_simulated_suites.py runs the pipeline's bitwise
 suites on the same device.
 """
 

@@ -1,10 +1,10 @@
 """Proof that the simulated CUDA device bites: delete one wait of the pipeline or of its lane, and a named test fails.
 
 Each mutation removes one wait, record or event (or moves a host read before its wait) in a copy of the sources;
-the named tests (tests/test_standin.py, tests/test_standin_suites.py, and a few others) then run on that copy in a
+the named tests (tests/test_simulated_lane.py, tests/test_simulated_suites.py, and a few others) then run on that copy in a
 subprocess and must fail with a test failure, not a collection error, while the same tests pass on the unmutated
 copy. Marked slow: each mutation is a fresh interpreter (about half a minute); run with
-``pytest -m slow tests/test_standin_mutations.py``.
+``pytest -m slow tests/test_simulated_mutations.py``.
 
 NOT_CAUGHT lists the waits no test catches, each with its reason; it is empty, and a quick test keeps it so. Every
 wait it used to list is caught now that the simulated device's host runs ahead of its compute streams (a compute
@@ -26,18 +26,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ACCEL = "offload_adamw/accel"
 
-PARITY_FREED = "tests/test_standin_suites.py::test_parity_table_on_the_simulated_device[fp32-acc4-freed-clip-scaler_none-seed12]"
-PARITY_KEPT = "tests/test_standin_suites.py::test_parity_table_on_the_simulated_device[fp32-acc1-kept-noclip-scaler_none-seed11]"
-UIB = "tests/test_standin_suites.py::test_updates_during_backward_on_the_simulated_device[acc1-noclip-seed21]"
-SCALER = "tests/test_standin_suites.py::test_loss_scaling_and_torch_clipping_on_the_simulated_device"
-RING = "tests/test_standin_suites.py::test_the_ring_on_the_simulated_device[buffers2-seed91]"
-PLACED = ("tests/test_standin_suites.py::test_placements_on_the_simulated_device"
+PARITY = "tests/test_simulated_suites.py::test_parity_table_on_the_simulated_device"
+PARITY_FREED = f"{PARITY}[fp32-acc4-freed-clip-scaler_none-seed12]"
+PARITY_KEPT = f"{PARITY}[fp32-acc1-kept-noclip-scaler_none-seed11]"
+UIB = "tests/test_simulated_suites.py::test_updates_during_backward_on_the_simulated_device[acc1-noclip-seed21]"
+SCALER = "tests/test_simulated_suites.py::test_loss_scaling_and_torch_clipping_on_the_simulated_device"
+RING = "tests/test_simulated_suites.py::test_the_ring_on_the_simulated_device[buffers2-seed91]"
+PLACED = ("tests/test_simulated_suites.py::test_placements_on_the_simulated_device"
           "[stream+device-fp32-acc4-freed-clip-scaler_none-seed81]")
 
-LANE_TESTS = "tests/test_standin.py::"
-SUITES = "tests/test_standin_suites.py::"
+LANE_TESTS = "tests/test_simulated_lane.py::"
+SUITES = "tests/test_simulated_suites.py::"
 TRANSFER = f"{ACCEL}/transfer.py"
-DDP_SUITE = "tests/test_standin_suites.py::test_distributed_suites_on_the_simulated_device[ddp]"
+DDP_SUITE = "tests/test_simulated_suites.py::test_distributed_suites_on_the_simulated_device[ddp]"
 
 #: the stream lane's waits, records and events, one mutation each: name -> as MUTATIONS
 LANE: dict[str, tuple[str, str, str, list[str]]] = {
@@ -89,11 +90,11 @@ LANE: dict[str, tuple[str, str, str, list[str]]] = {
         [LANE_TESTS + "test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it"]),
 }
 
-HAZARDS = "tests/test_standin_hazards.py::"
+HAZARDS = "tests/test_simulated_hazards.py::"
 STEADY = HAZARDS + "test_the_steady_state_step_issues_no_hidden_synchronisation"
 SCALE = HAZARDS + "test_the_loss_scale_reaches_the_device_without_a_hidden_synchronisation"
 
-#: issue 41's hazards N4, N5, N7, N8, N9: each fix removed, and the test of tests/test_standin_hazards.py that catches it
+#: issue 41's hazards N4, N5, N7, N8, N9: each fix removed, and the test of tests/test_simulated_hazards.py that catches it
 HAZARDS_N: dict[str, tuple[str, str, str, list[str]]] = {
     "N5: a device gradient clipped by a copy of the host coefficient (a blocking copy per parameter on CUDA)": (
         f"{ACCEL}/gate.py", "            return self._on_device[1]\n", "            return host.to(device)\n",
@@ -228,7 +229,7 @@ def test_the_unmutated_pipeline_passes_every_test_the_mutations_use(tmp_path) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MUTATIONS))
-def test_removing_a_wait_fails_a_standin_suite(name: str, tmp_path) -> None:
+def test_removing_a_wait_fails_a_simulated_device_suite(name: str, tmp_path) -> None:
     module, old, new, tests = MUTATIONS[name]
     src = _copy(tmp_path)
     path = src / module
