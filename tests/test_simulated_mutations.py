@@ -113,14 +113,11 @@ HAZARDS_N: dict[str, tuple[str, str, str, list[str]]] = {
         "                 else self._offload_index if self._offload_index is not None else backend.get_device())\n",
         "        index = backend.get_device()\n",
         [HAZARDS + "test_the_wait_for_a_cpu_offloaded_gradient_runs_on_the_pipelines_device_from_any_thread"]),
-    "N8: a use of the resident widening buffer does not wait for the previous use's event": (
-        f"{ACCEL}/device_update.py",
-        "            self._engine.current_stream_waits(device, released)  # another thread's stream may still read the buffer\n",
-        "            pass\n",
-        [HAZARDS + "test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_main_thread"]),
-    "N8: no event is recorded after a use of the resident widening buffer": (
-        f"{ACCEL}/device_update.py", "        self._released[device] = self._engine.mark(device)\n", "",
-        [HAZARDS + "test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_main_thread"]),
+    "N8: backward's end does not wait for the early updates' kernels (the resident widening buffer's order)": (
+        f"{ACCEL}/schedule.py", "                self._engine.compute_waits(device, done)\n", "                pass\n",
+        [HAZARDS + "test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_main_thread",
+         "tests/test_update_in_backward_changes.py::test_an_edit_of_an_accelerator_parameter_between_backward_and_step"
+         "_is_refused_every_time[p.data clamp-device]"]),
     "N5: the step counts go to the device from pageable memory (.to(device))": (
         "offload_adamw/kernels/fused_device.py",
         "(stacked.to(device) if to_device is None else to_device(stacked))", "stacked.to(device)",

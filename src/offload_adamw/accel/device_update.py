@@ -47,9 +47,11 @@ class DeviceUpdate:
         self._coefficient = coefficient
         self._chunk_bytes = chunk_bytes // CHUNK_ALIGN * CHUNK_ALIGN
         self._buffers: dict[torch.device, Tensor] = {}
-        # The latest use of each widening buffer, as an event on the stream that used it: the updater thread's stream
-        # (updates during backward) and the main thread's (step()) are not the same stream.
-        self._released: dict[torch.device, Completion] = {}
+        # A widening buffer is used by the updater thread's stream (updates during backward) and by the main thread's
+        # (step()): each use is ordered after the other's by waits stated elsewhere, once: the main stream waits at
+        # backward's end for every early update's kernels (DuringBackward._settle, before their parameters'
+        # fingerprints), and an early update's stream waits for the stream that produced its gradient, which is the
+        # main stream after its step() (DeviceGradients.landed). tests/test_simulated_hazards.py holds it (N8).
 
     def reserve(self, slots: Sequence[Slot]) -> None:
         """A gradient buffer on each device these slots' updates run on, checked against the device's memory first."""
@@ -92,9 +94,6 @@ class DeviceUpdate:
     def _widened(self, work: list[TensorWork], counts: list[Tensor], hp: StepHyper, scale: Tensor | None,
                  dtype: torch.dtype, device: torch.device) -> None:
         buffer = self._buffers[device].view(dtype)
-        released = self._released.pop(device, None)
-        if released is not None:
-            self._engine.current_stream_waits(device, released)  # another thread's stream may still read the buffer
         cap = buffer.numel() // CHUNK_ALIGN * CHUNK_ALIGN
         for pieces in chunk_plan([w.numel for w in work], cap):
             sliced = [[f[p.start:p.end] for f in work[p.index].state_flats] for p in pieces]
@@ -106,14 +105,12 @@ class DeviceUpdate:
                 take_edits=[w.take_edits for w in items], grad_scale=scale,
                 widened=[buffer[p.offset:p.offset + p.end - p.start] for p in pieces],
             )
-        self._released[device] = self._engine.mark(device)
 
     def settle(self) -> None:
         return None  # nothing is copied: the next forward waits on the device for the parameters written
 
     def close(self) -> None:
         self._buffers.clear()
-        self._released.clear()
 
 
 def _fused(work: list[TensorWork], counts: list[Tensor], hp: StepHyper, scale: Tensor | None) -> None:

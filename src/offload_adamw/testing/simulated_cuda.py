@@ -443,11 +443,14 @@ class SimulatedCuda:
 
     def orders_device_work(self) -> bool:
         """Whether the calling thread runs its torch operations in its compute stream's order (:class:`_DeviceOrder`):
-        its compute stream's waits are then the device's, not the host's. Not where the mode is not in force, though the
-        thread entered it: torch runs autograd's hooks and final callbacks without function modes, so there a wait
-        deferred to the device would order nothing the thread does next; it blocks the host instead (conservative)."""
+        its compute stream's waits are then the device's, not the host's. Not inside a backward where the mode is not
+        in force, though the thread entered it: torch runs autograd's hooks and final callbacks without function modes,
+        so there a wait deferred to the device would order nothing the thread does next; it blocks the host instead
+        (conservative)."""
         if not getattr(self._local, "orders", False):
             return False
+        if torch._C._current_graph_task_id() < 0:  # not in a backward: the mode orders what follows
+            return True
         return any(isinstance(mode, _DeviceOrder) for mode in torch.overrides._get_current_function_mode_stack())
 
     def order_device_work(self) -> TorchFunctionMode:
