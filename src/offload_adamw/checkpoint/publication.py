@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from offload_adamw._output import file_kind
-from offload_adamw.checkpoint.errors import CheckpointCorrupt
+from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from offload_adamw.checkpoint.layout import COMMIT_FILE, FORMAT, MANIFEST_FILE, VERSION, dumps, is_count, written_by_a_save
 
 ENV_EXCHANGE = "OFFLOAD_ADAMW_CHECKPOINT_EXCHANGE"
@@ -339,16 +339,7 @@ class Snapshot:
         self.missing: list[str] = []
         self.irregular: dict[str, str] = {}
         """name -> what is there instead of a regular file (never opened): :func:`check_seal` refuses it."""
-        for name in names:
-            try:
-                fd = self._open(name)
-            except NotRegularFile as exc:
-                self.irregular[name] = exc.kind
-                continue
-            if fd is None:
-                self.missing.append(name)
-            else:
-                self._fds[name] = fd
+        self.open_more(names)
 
     def _open(self, name: str) -> int | None:
         """A descriptor of the regular file ``name`` in the directory opened, or None where nothing is there."""
@@ -545,3 +536,19 @@ def _manifest(snapshot: Snapshot, expected_sha256: str, files: Sequence[str], *,
             f"expected {FORMAT!r} version {version}"
         )
     return cast(dict[str, Any], manifest)
+
+
+def seal_and_publish(tmp: Path, final: Path, files: Sequence[str], *, replace: bool, version: int = VERSION,
+                     digests: dict[str, Any] | None = None) -> Path | None:
+    """Seal the finished ``tmp`` (:func:`seal`), make it durable and publish it at ``final`` (:func:`publish`); return
+    the directory that now holds the old one. Without ``replace``, a ``final`` that another save or process created
+    after the caller looked is a :class:`CheckpointError`, and nothing is published."""
+    seal(tmp, files, version=version, digests=digests)
+    fsync_path(tmp, directory=True)
+    try:
+        return publish(tmp, final, replace=replace)
+    except FileExistsError:
+        raise CheckpointError(
+            f"{final} exists (it was created while this save was writing, by another save or process); "
+            "pass overwrite=True to replace it atomically. This save published nothing; what is there is unchanged"
+        ) from None

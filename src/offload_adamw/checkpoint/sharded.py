@@ -252,15 +252,8 @@ def _write(
             unknown = [name for name in files if name not in merged and name != META_FILE]
             if unknown:  # a file some rank wrote without reporting it: not sealed, so refuse to publish
                 raise CheckpointError(f"unexpected files in the temporary: {unknown}")
-            publication.seal(tmp, files, version=SHARDED_VERSION, digests=merged)
-            publication.fsync_path(tmp, directory=True)
-            try:
-                previous = publication.publish(tmp, final, replace=overwrite)
-            except FileExistsError:
-                raise CheckpointError(
-                    f"{final} exists (it was created while this save was writing, by another save or process); "
-                    "pass overwrite=True to replace it atomically. This save published nothing; what is there is unchanged"
-                ) from None
+            previous = publication.seal_and_publish(tmp, final, files, replace=overwrite, version=SHARDED_VERSION,
+                                                    digests=merged)
             publication.fsync_path(final.parent, directory=True)
         except Exception as exc:
             error = _describe(exc) if isinstance(exc, CheckpointError) else (

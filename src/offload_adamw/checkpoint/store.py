@@ -544,16 +544,8 @@ def _write_and_publish(final: Path, contents: _Contents, overwrite: bool) -> Pat
         codec.write_tensors(tmp / OPTIMIZER_FILE, contents.optimizer)
         codec.write_tensors(tmp / AUX_FILE, contents.aux)
         publication.write_bytes(tmp / META_FILE, contents.meta)
-        publication.seal(tmp, DATA_FILES)
-        publication.fsync_path(tmp, directory=True)
-        try:
-            previous = publication.publish(tmp, final, replace=overwrite)
-        except FileExistsError:
-            # only without overwrite: another save (or anyone) created ``final`` after _check_target looked
-            raise CheckpointError(
-                f"{final} exists (it was created while this save was writing, by another save or process); "
-                "pass overwrite=True to replace it atomically. This save published nothing; what is there is unchanged"
-            ) from None
+        # without overwrite, a ``final`` another save (or anyone) created after _check_target looked is refused
+        previous = publication.seal_and_publish(tmp, final, DATA_FILES, replace=overwrite)
     except Exception as exc:
         publication.unlock(lock)
         shutil.rmtree(tmp, ignore_errors=True)
