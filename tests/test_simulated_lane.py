@@ -247,14 +247,21 @@ def test_worker_threads_make_the_pipelines_device_current(sim) -> None:
 def test_page_locked_memory_is_unlocked_only_after_the_copies_that_touch_it(sim) -> None:
     """The arena's synchronisation before it unlocks its pages (accel/host_memory.py)."""
     engine = _engine(sim)
-    for _ in range(5):
-        arena = HostArena([("a", torch.Size([4096]), torch.float32, None), ("b", torch.Size([4096]), torch.bfloat16, None)],
-                          pin=True, label="test", locker=engine.page_locker(DEV))
-        assert arena.pinned_bytes == 4096 * 6 and arena.rounded_bytes == 0, "exactly sized, page-locked"
-        engine.copy_to_host(torch.ones(4096), arena.views["a"])
-        engine.send_to_device(DEV, [(torch.zeros(4096), arena.views["b"])])
-        del arena
-        gc.collect()
+    # Slow copies: each is surely still in flight when its arena goes, so a missing wait is a hazard every run. One
+    # direction per arena: a wait for the other direction's stream, as slow, would otherwise cover the missing one.
+    with sim.slow_copies(0.02):
+        for direction in ("to the host", "to the device"):
+            arena = HostArena([("a", torch.Size([4096]), torch.float32, None),
+                               ("b", torch.Size([4096]), torch.bfloat16, None)],
+                              pin=True, label="test", locker=engine.page_locker(DEV))
+            assert arena.pinned_bytes == 4096 * 6 and arena.rounded_bytes == 0, "exactly sized, page-locked"
+            if direction == "to the host":
+                engine.copy_to_host(torch.ones(4096), arena.views["a"])
+            else:
+                engine.send_to_device(DEV, [(torch.zeros(4096), arena.views["b"])])
+            del arena
+            gc.collect()
+            assert sim.take_hazards() == [], f"unlocked while a copy {direction} was in flight"
     assert sim.take_hazards() == [] and not sim.hidden_syncs
 
 
