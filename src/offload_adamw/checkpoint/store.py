@@ -352,28 +352,13 @@ def save(
     written.
     """
     final = Path(path).absolute()
-    if _first_dtensor(model, optimizer) is not None:
-        def check() -> None:
-            _check_parents(final)
-            _check_target(final, overwrite)
 
-        return sharded.save(final, model, optimizer, scheduler, extra, step=step, overwrite=overwrite, rng=rng,
-                            check=check)
-    _check_parents(final)
-    _check_target(final, overwrite)
-    _check_optimizer_can_save(final, optimizer)
-    contents = _gather(model, optimizer, scheduler, extra, step=step, rng=rng)
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # no permission, or a file put in the way since _check_parents
-        raise CheckpointError(f"cannot save checkpoint {final}: cannot create {final.parent} ({exc}); "
-                              "nothing was written") from exc
-    publication.remove_stale(final.parent)
-    previous = _write_and_publish(final, contents, overwrite)
-    publication.fsync_path(final.parent, directory=True)  # make the rename itself durable
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
-    return final
+    def check() -> None:
+        _check_parents(final)
+        _check_target(final, overwrite)
+        _check_optimizer_can_save(final, optimizer)
+
+    return sharded.save(final, model, optimizer, scheduler, extra, step=step, overwrite=overwrite, rng=rng, check=check)
 
 
 def _first_dtensor(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
