@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _fault_worker import Net, build, train
+from _layout1_writer import save_layout1
 from _parity import assert_same_snapshot
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, codec, publication
@@ -58,10 +59,11 @@ def recommit(path: Path, meta: dict | None = None, meta_bytes: bytes | None = No
 
 @pytest.fixture
 def saved(tmp_path):
+    """A checkpoint of the old one-process layout (version 1), which ``load`` still reads: its reader's checks of
+    meta.json and of the stored tensors are what these tests edit past the seal."""
     model, optimizer, scheduler = build()
     train(model, optimizer, scheduler, 2)
-    path = checkpoint.save(tmp_path / "root" / "b", model, optimizer, scheduler, extra={"epoch": 1, "t": torch.ones(2)})
-    return path
+    return save_layout1(tmp_path / "root" / "b", model, optimizer, scheduler, extra={"epoch": 1, "t": torch.ones(2)})
 
 
 def _meta(path: Path) -> dict:

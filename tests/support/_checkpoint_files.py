@@ -67,3 +67,9 @@ def reseal(path: Path) -> None:
 def data_files(path: Path) -> dict[str, bytes]:
     """Every file of the checkpoint, by name, with its bytes."""
     return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir())}
+
+
+SHARD = "shard-00001-model-00001-of-00001.safetensors"
+"""The one shard file of a one-process save (DCP's name: rank 0 + 1)."""
+ONE_PROCESS_FILES = [SHARD, *rank_files(0), META_FILE, MANIFEST_FILE, COMMIT_FILE]
+"""Every file a one-process save writes, the seal last."""

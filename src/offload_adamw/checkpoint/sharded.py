@@ -41,7 +41,9 @@ import copy
 import hashlib
 import json
 import os
+import random
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,9 +172,18 @@ def _largest_step(optimizer_state: dict[str, Any] | None) -> int:
 
 
 def _rng_states(tensors: dict[str, Tensor]) -> dict[str, Any]:
-    from offload_adamw.checkpoint import store
-
-    return store._rng_states(tensors)
+    """This process's RNG states (torch, Python, numpy where imported, every CUDA device where CUDA is initialised);
+    their tensors into ``tensors``."""
+    states: dict[str, Any] = {
+        "torch": encode(torch.get_rng_state(), tensors, "rng/torch"),
+        "python": encode(random.getstate(), tensors, "rng/python"),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = encode(torch.cuda.get_rng_state_all(), tensors, "rng/cuda")
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = encode(numpy.random.get_state(), tensors, "rng/numpy")
+    return states
 
 
 # -------------------------------------------------------------------- save
