@@ -131,14 +131,14 @@ def test_a_checkpoint_replaced_after_it_was_opened_is_read_as_it_was(tmp_path, m
     path = tmp_path / "c"
     writer_model, writer_opt = build()
     _save(path, writer_model, writer_opt, 1)
-    check_seal = publication.check_seal
+    check_files = publication.check_files
 
-    def replace_first(snapshot, files):
-        monkeypatch.setattr(publication, "check_seal", check_seal)
+    def replace_first(snapshot, entries, names):
+        monkeypatch.setattr(publication, "check_files", check_files)
         _save(path, writer_model, writer_opt, 2)
-        return check_seal(snapshot, files)
+        return check_files(snapshot, entries, names)
 
-    monkeypatch.setattr(publication, "check_seal", replace_first)
+    monkeypatch.setattr(publication, "check_files", replace_first)
     model, optimizer = build()
     report = checkpoint.load(path, model, optimizer)
     assert values_of(report, model, optimizer) == {1.0}
