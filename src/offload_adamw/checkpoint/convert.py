@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,16 +94,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         codec.write_tensors(tmp / tensors_name, own)
         publication.write_bytes(tmp / meta_name, dumps(own_meta))
         publication.write_bytes(tmp / META_FILE, dumps(layout))
-        publication.seal(tmp, sorted(os.listdir(tmp)), version=SHARDED_VERSION)
-        publication.fsync_path(tmp, directory=True)
-        try:
-            publication.create(tmp, final)
-        except FileExistsError:
-            raise CheckpointError(f"{final} exists (created meanwhile); nothing was written there") from None
+        # created only if nothing is there by then (a DST made meanwhile is refused, nothing published)
+        publication.seal_and_publish(tmp, final, sorted(os.listdir(tmp)), replace=False, version=SHARDED_VERSION)
         publication.fsync_path(final.parent, directory=True)
     except BaseException:
-        publication.unlock(lock)
-        shutil.rmtree(tmp, ignore_errors=True)
+        publication.discard(tmp, lock)
         raise
     publication.unlock(lock)
     return final

@@ -1,8 +1,12 @@
-"""Checkpoints of sharded models (FSDP2, any DTensor) on torch.distributed.checkpoint: layout version 2.
+"""Checkpoints on torch.distributed.checkpoint, layout version 2: what ``checkpoint.save`` writes for every run
+(one process, DDP, FSDP2 or any DTensor model).
 
 Contract:
 
-* :func:`save` is collective: every rank of the default process group calls it with its own shards. The
+* :func:`save` is collective where a default process group runs: every rank calls it with its own state (DDP:
+  DCP's planner writes each replicated tensor once; FSDP2: each rank its shards); without one it is this
+  process's alone. Tied model entries (one tensor under several names) are stored once, under the first
+  name, the others listed as ``aliases`` in ``meta.json``. The
   model and the optimizer are taken by parameter name through DCP's ``get_model_state_dict`` /
   ``get_optimizer_state_dict`` (OffloadAdamW's float32 masters and moments included), their tensors
   written by ``dcp.save`` in the files of DCP's safetensors writer (``HuggingFaceStorageWriter``,
@@ -11,7 +15,7 @@ Contract:
   Everything else is JSON: ``meta.json`` (rank 0: the nested state with references to the tensors, each
   tensor's global shape and dtype, the step, the world size) and per rank ``rank-NNNNN.json`` /
   ``.safetensors`` (that rank's RNG states of every device; rank 0's also the scheduler and ``extra``).
-* Crash safety is the one-process layout's: rank 0 creates the hidden, locked sibling
+* Crash safety: rank 0 (the process itself, alone) creates the hidden, locked sibling
   ``.NAME.tmp-OWNER-PID-TOKEN`` and tells every rank its name; every file is fsynced by its writer;
   every rank sends the size and sha256 of its files to rank 0, which writes ``meta.json``, the manifest
   (every file), the commit marker, fsyncs the directory and publishes it with one atomic rename (or
@@ -25,7 +29,10 @@ Contract:
   manifest (each rank checks its share, all ranks agree), and every tensor is matched by name, global
   shape and dtype against this run's state: a flipped byte is :class:`CheckpointCorrupt`, a mismatch
   :class:`CheckpointMismatch` naming each culprit, on every rank, with nothing changed. ``strict=False``
-  is refused here (a partial load of shards is not offered).
+  loads what matches (:func:`_plan`: a model entry by name, shape and dtype; a parameter's optimizer state
+  only where its model entry, its group, the group count and every state key match; a loaded parameter
+  whose state is not loaded gets the saved master with it) and reports the rest; ranks that found
+  different problems are refused.
 * Resharding is DCP's: the shards are read into whatever this run's layout is (FSDP2 at another world
   size, DDP, one plain process), and what is loaded is bit for bit what was saved. A load is collective
   (every rank calls it; the digests are checked in shares) where the model holds DTensors; otherwise
@@ -225,8 +232,7 @@ def save(
                           rng=rng)
     except BaseException:
         if rank == 0:
-            publication.unlock(lock)
-            shutil.rmtree(tmp, ignore_errors=True)
+            publication.discard(tmp, lock)
         raise
     if rank == 0:
         publication.unlock(lock)

@@ -1,21 +1,24 @@
-"""Crash-safe, name-keyed training checkpoints: safetensors and JSON, never pickle.
+"""Crash-safe, name-keyed training checkpoints: safetensors and JSON, never pickle; one format for one
+process, DDP and FSDP2.
 
 Contract:
 
-* ``save(path, model, optimizer, scheduler=None, extra=None)`` writes a
-  checkpoint *directory*::
+* ``save(path, model, optimizer, scheduler=None, extra=None)`` writes a checkpoint *directory* of
+  layout 2 (:mod:`~offload_adamw.checkpoint.sharded`, on torch.distributed.checkpoint) for every run::
 
-      model.safetensors      the model's state by fully qualified name; a parameter
-                             the optimizer keeps a master for is stored as that
-                             float32 master (the source of truth), not its bf16 copy
-      optimizer.safetensors  per-parameter optimizer state, keyed "<name>::<key>"
-      aux.safetensors        every other tensor (RNG states, tensor hyperparameters,
-                             scheduler and ``extra`` tensors)
-      meta.json              the rest: parameter groups by name, hyperparameters,
-                             scheduler state, step, RNG states, dtypes, ``extra``
+      shard-NNNNN-model-00001-of-00001.safetensors
+                             per rank with tensors to write: the model's state and the optimizer's
+                             per-parameter state (float32 masters of low-precision parameters
+                             included) by parameter name, as DCP's get_model_state_dict /
+                             get_optimizer_state_dict give them; a tied weight once
+      rank-NNNNN.json/.safetensors
+                             per rank: its RNG states; rank 0's also the scheduler and ``extra``
+      meta.json              the nested state with tensor references, shapes, dtypes, aliases, step
       manifest.json          size and sha256 of each file above
       COMMIT                 written last: the sha256 of manifest.json
 
+  Where a default process group runs, ``save`` is collective as ``dcp.save`` is: every rank calls it
+  (DDP: each replicated tensor is written once; FSDP2: each rank its shards).
   It is built in a hidden sibling directory ``.NAME.tmp-OWNER-PID-TOKEN``
   (OWNER: this machine, boot and PID namespace, hashed), locked while it is
   written; every file and the directory are fsynced, then it is renamed onto
@@ -48,23 +51,21 @@ Contract:
   checked before the first of them is committed). ``strict=False``
   loads what matches, leaves the rest as it is, and returns the
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
-  ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
-* A model or optimizer holding DTensors (FSDP2, tensor parallelism: each rank has a shard) is saved
-  by ``save`` into layout 2 (:mod:`~offload_adamw.checkpoint.sharded`, on torch.distributed.checkpoint;
-  every rank calls ``save``). ``load``, ``verify``, ``latest`` and ``resolve`` read either layout by
-  the version its manifest declares; ``load`` of layout 2 is collective where a process group runs and
-  reshards into any layout. A layout-1 checkpoint is not loaded into a DTensor model (refused, naming
-  the first DTensor, before anything changes).
+  ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched). A load is collective where
+  the model holds DTensors, else each process (each DDP rank) loads alone; it reshards into any layout.
+* Layout 1 (``model.safetensors``, ``optimizer.safetensors``, ``aux.safetensors``, ``meta.json``:
+  what earlier versions wrote in one process) is read, never written: ``load``, ``verify``, ``latest``
+  and ``resolve`` read either layout by the version its manifest declares. A layout-1 checkpoint is not
+  loaded into a DTensor model (refused, naming the first DTensor and the converter, before anything
+  changes).
 
-``load`` runs in named stages: read (:func:`_read`: the files of one directory, opened once, behind
-a verified seal, so that a load racing a save that replaces the checkpoint reads the old one or the
-new one, whole), verify
-(:func:`_verify`: the checkpoint agrees with itself), validate (:func:`_validate`: it fits the model,
-optimizer and scheduler, by name), commit (:func:`_commit`) and roll back (:func:`_roll_back`: what
-was committed before a refusal). ``save`` gathers everything (:func:`_gather`) before it writes and
-publishes (:func:`_write_and_publish`).
+``load`` of layout 1 runs in named stages: read (:func:`_read_snapshot`: the files of one directory, opened
+once, behind a verified seal, so that a load racing a save that replaces the checkpoint reads the old one or
+the new one, whole), verify (:func:`_verify`: the checkpoint agrees with itself), validate
+(:func:`_validate`: it fits the model, optimizer and scheduler, by name), commit (:func:`_commit`) and roll
+back (:func:`_roll_back`: what was committed before a refusal).
 
-The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2),
+The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2: every save, its load),
 :mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
 :mod:`~offload_adamw.checkpoint.publication` (fsync, exchange, locks, clean-up; no torch),
 :mod:`~offload_adamw.checkpoint.layout` (file names) and :mod:`~offload_adamw.checkpoint.errors`.
@@ -323,7 +324,7 @@ def save(
     where the optimizer refuses its own ``state_dict()`` (OffloadAdamW with
     ``update_in_backward=True`` between a backward that already updated
     parameters and ``step()``) is refused with its message before anything is
-    written.
+    written. Under a process group every rank calls ``save`` (see the module contract).
     """
     final = Path(path).absolute()
 
