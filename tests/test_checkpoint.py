@@ -15,9 +15,11 @@ import random
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import _checkpoint_files as files
 from _fault_worker import Net, build, groups, train
+from _layout1_writer import save_layout1
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
 from offload_adamw.checkpoint import CheckpointError, CheckpointMismatch
 from offload_adamw.checkpoint.layout import rank_files
@@ -81,7 +83,7 @@ def test_low_precision_parameters_are_saved_with_their_float32_masters(tmp_path)
     model, optimizer, scheduler = build()
     train(model, optimizer, scheduler, 2)
     path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
-    stored = files.model_entries(path)
+    entries, moments = stored(path)
     assert model.out.weight.dtype == torch.bfloat16
     for name, p in model.named_parameters():
         assert same_bits(stored[name], p.detach()), name
@@ -315,15 +317,27 @@ def _target(net_options: dict, layout: str):
     return model, optimizer, scheduler
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+@pytest.fixture(scope="module", params=["current", "layout1"])
+def sources(request, tmp_path_factory):
+    """The sources as ``save`` writes them, and as the old one-process writer wrote them (loaded in place)."""
     root = tmp_path_factory.mktemp("sources")
+    write = checkpoint.save if request.param == "current" else save_layout1
     out = {}
     for extra in (False, True):
         model, optimizer, scheduler = build(extra=extra)
         train(model, optimizer, scheduler, 2)
-        out[extra] = checkpoint.save(root / f"extra-{extra}", model, optimizer, scheduler)
+        out[extra] = write(root / f"extra-{extra}", model, optimizer, scheduler)
     return out
+
+
+def stored(path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(model entries, exp_avg) by name as the checkpoint stores them (layout 1: a bf16 entry as its master)."""
+    if checkpoint.verify(path)["version"] == 1:
+        moments = load_file(str(path / checkpoint.OPTIMIZER_FILE))
+        return load_file(str(path / checkpoint.MODEL_FILE)), {
+            k.removesuffix("::exp_avg"): v for k, v in moments.items() if k.endswith("::exp_avg")}
+    entries = files.model_entries(path)
+    return entries, {name: files.optimizer_entry(path, name, "exp_avg") for name in entries}
 
 
 def _culprits(expected: dict) -> list[str]:
@@ -355,20 +369,20 @@ def test_non_strict_loads_what_matches_and_keeps_the_rest(sources, case):
     before = snapshot(model, optimizer, scheduler)
     report = checkpoint.load(path, model, optimizer, scheduler, strict=False)
     assert not report.ok and sorted(report.missing) == sorted(expected.get("missing", []))
-    stored = files.model_entries(path)
+    entries, moments = stored(path)
     # A parameter in another group still gets its model value; only its optimizer state stays.
     bad = set(_culprits({k: v for k, v in expected.items() if k != "group_mismatch"}))
-    assert set(report.loaded) == set(stored) - bad - set(report.unexpected)
+    assert set(report.loaded) == set(entries) - bad - set(report.unexpected)
     for name, value in model.state_dict().items():
         if name in report.loaded:
-            assert same_bits(value, stored[name].to(value.dtype)), name  # bf16 = round-to-nearest of the master
+            assert same_bits(value, entries[name].to(value.dtype)), name  # bf16 = round-to-nearest of the master
         else:
             assert same_bits(value, before[f"model/{name}"]), name
     loaded_groups = layout != "single"
     for name, p in model.named_parameters():
         state = optimizer.state[p]
         if name in report.loaded and name not in report.group_mismatch and loaded_groups:
-            assert same_bits(state["exp_avg"], files.optimizer_entry(path, name, "exp_avg")), name
+            assert same_bits(state["exp_avg"], moments[name]), name
         else:
             assert same_bits(state["exp_avg"], before[f"opt/{name}/exp_avg"]), name
         assert same_bits(optimizer.master_param(p).to(p.dtype), p.detach()), name  # model and master agree

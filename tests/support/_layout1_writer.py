@@ -33,10 +33,28 @@ from offload_adamw.checkpoint.layout import (
 )
 from offload_adamw.checkpoint.publication import TMP_TAG
 from offload_adamw.checkpoint.sharded import _rng_states
-from offload_adamw.checkpoint.store import _model_entries
 from offload_adamw.contract.rules import MASTER_KEY
 
 _KEY_SEP = "::"
+
+
+def _model_entries(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, str], dict[str, Tensor]]:
+    """(canonical name -> tensor, alias -> canonical name, every name -> tensor) of the model's state."""
+    everything = model.state_dict(keep_vars=True)
+    canonical: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, value in everything.items():
+        if not isinstance(value, Tensor):
+            raise CheckpointError(
+                f"model state {name!r} is a {type(value).__name__}, not a tensor; it cannot be saved without pickling"
+            )
+        if id(value) in first_name:
+            aliases[name] = first_name[id(value)]  # a tied weight: stored once
+            continue
+        first_name[id(value)] = name
+        canonical[name] = value
+    return canonical, aliases, everything
 
 
 def save_layout1(

@@ -52,7 +52,7 @@ import random
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -579,7 +579,6 @@ def _load(
     *,
     rng: bool,
 ) -> LoadReport:
-    from offload_adamw.checkpoint import store
 
     rank, world = _world()
     own = _process_rank()
@@ -594,17 +593,71 @@ def _load(
             f"{[m[:12] for m in manifests]}): another path on some rank, or a save replaced it meanwhile; "
             "nothing was changed")
     error: str | None = None
-    report = LoadReport(path=str(root), step=meta["step"])
+    mine: dict[str, Any] | None = None
+    zero: dict[str, Any] | None = None
     try:
         mine = _read_rank(snapshot, own) if own < meta["world_size"] else None
         zero = mine if own == 0 else _read_rank(snapshot, 0)
+    except CheckpointError as exc:
+        error = str(exc)
+    _agree(error, CheckpointCorrupt)
+    shards = sorted(n for n in publication.manifest_files(snapshot, version=SHARDED_VERSION) if SHARD_FILE.fullmatch(n))
+
+    def read(loaded: dict[str, Tensor]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            with _alone(world):
+                dcp.load(loaded, storage_reader=_reader(snapshot, shards), no_dist=world == 1)
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
+            # (CheckpointException is a BaseException)
+            raise CheckpointCorrupt(f"cannot read the shards of {root}: nothing was changed; {exc}") from exc
+
+    return load_state(root, meta, zero, mine, read, model, optimizer, scheduler, strict, rng=rng,
+                      own_file=root / rank_files(own)[0])
+
+
+def load_in_memory(
+    root: Path, meta: dict[str, Any], own: dict[str, Any], tensors: dict[str, Tensor], model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None, scheduler: Any, strict: bool, *, rng: bool, own_file: Path,
+) -> LoadReport:
+    """:func:`load_state` of a checkpoint already read and checked (layout 1, by the store), by this process
+    alone; ``own`` is every process's own state (layout 1 holds one)."""
+
+    def read(loaded: dict[str, Tensor]) -> None:
+        for key, copy_ in loaded.items():
+            copy_.copy_(tensors[key])
+
+    token = _LOCAL.set(True)
+    try:
+        return load_state(root, meta, own, own, read, model, optimizer, scheduler, strict, rng=rng, own_file=own_file)
+    finally:
+        _LOCAL.reset(token)
+
+
+def load_state(
+    root: Path, meta: dict[str, Any], zero: dict[str, Any] | None, mine: dict[str, Any] | None,
+    read: Callable[[dict[str, Tensor]], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    scheduler: Any, strict: bool, *, rng: bool, own_file: Path,
+) -> LoadReport:
+    """The load of a checked checkpoint, whatever stores its tensors: ``meta`` (its step, world size, nested
+    state with tensor references, each tensor's shape and dtype, aliases), rank 0's and this rank's own state
+    (decoded: RNG, scheduler, ``extra``), and ``read``, which fills copies of the planned tensors by key. Plan,
+    read, commit (see the module contract); nothing changes before everything was read and checked."""
+    from offload_adamw.checkpoint import store
+
+    rank, _ = _world()
+    own = _process_rank()
+    error: str | None = None
+    report = LoadReport(path=str(root), step=meta["step"])
+    try:
         report.extra = zero.get("extra") if zero is not None else None
         rng_state = mine.get("rng") if (rng and mine is not None) else None
         if rng and mine is None:
             report.rng_skipped["rank"] = (
                 f"the checkpoint holds the RNG states of {meta['world_size']} rank(s); rank {own} has none to restore")
         if rng_state is not None:
-            store._check_rng(rng_state, root / rank_files(own)[0])
+            store._check_rng(rng_state, own_file)
     except CheckpointError as exc:
         error = str(exc)
     _agree(error, CheckpointCorrupt)
@@ -633,18 +686,9 @@ def _load(
             if strict or plan is None or disagree:
                 raise CheckpointMismatch(report)
         assert plan is not None  # no problem found, so the state was taken
-        import torch.distributed.checkpoint as dcp
-
         # Read into copies: the model and the optimizer change only once everything was read.
         loaded = {key: templates[key].detach().clone() for key in plan.wanted}
-        shards = sorted(n for n in publication.manifest_files(snapshot, version=SHARDED_VERSION)
-                        if SHARD_FILE.fullmatch(n))
-        try:
-            with _alone(world):
-                dcp.load(loaded, storage_reader=_reader(snapshot, shards), no_dist=world == 1)
-        except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
-            # (CheckpointException is a BaseException)
-            raise CheckpointCorrupt(f"cannot read the shards of {root}: nothing was changed; {exc}") from exc
+        read(loaded)
         # What was not read (strict=False: mismatched entries) decodes to an empty placeholder that nothing takes.
         unread = {key: torch.empty(0) for key in meta["tensors"] if key not in loaded}
         saved = decode(meta["state"], {**unread, **loaded}, f"{root / META_FILE}: state")
@@ -826,8 +870,9 @@ def _match_scheduler(zero: dict[str, Any] | None, report: LoadReport, scheduler:
         report.problems.append(f"scheduler: the checkpoint holds a {found}, this is a {type(scheduler).__name__}")
         return None
     state = saved.get("state")
-    own_keys = set(scheduler.state_dict())
-    saved_keys = set(state) if isinstance(state, dict) else set()
+    if not isinstance(state, dict):  # every rank reads rank 0's state: all refuse alike
+        raise malformed(f"{rank_files(0)[0]}: scheduler/state", f"must be an object, got {type(state).__name__}")
+    own_keys, saved_keys = set(scheduler.state_dict()), set(state)
     if own_keys != saved_keys:
         report.problems.append(
             f"scheduler {type(scheduler).__name__}: keys {sorted(saved_keys - own_keys)} only in the checkpoint, "
@@ -900,10 +945,16 @@ def _commit(
 
     scheduler_before = None
     error = None
-    try:
-        if plan.scheduler_state is not None:
-            scheduler_before = copy.deepcopy(scheduler.state_dict())
+    if plan.scheduler_state is not None:
+        scheduler_before = copy.deepcopy(scheduler.state_dict())
+        try:
             scheduler.load_state_dict(plan.scheduler_state)
+        except Exception as exc:  # a scheduler may fail half-way through its own load: put back as it was
+            scheduler.load_state_dict(scheduler_before)
+            report.problems.append(f"scheduler {type(scheduler).__name__} refused its state: {type(exc).__name__}: "
+                                   f"{exc}")
+            raise CheckpointMismatch(report) from exc
+    try:
         if optimizer is not None and "optimizer" in saved:
             set_optimizer_state_dict(model, optimizer, _optimizer_state(saved, own["optimizer"], plan,
                                                                             optimizer.param_groups))

@@ -73,7 +73,6 @@ The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2: every save, its 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
@@ -89,7 +88,7 @@ from torch import Tensor
 
 from offload_adamw._output import file_kind
 from offload_adamw.checkpoint import codec, publication, sharded
-from offload_adamw.checkpoint.codec import check_meta, decode, malformed, part
+from offload_adamw.checkpoint.codec import check_meta, decode, malformed
 from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
 from offload_adamw.checkpoint.layout import (
     AUX_FILE,
@@ -106,7 +105,6 @@ from offload_adamw.checkpoint.layout import (
     written_by_a_save,
 )
 from offload_adamw.checkpoint.publication import ENV_EXCHANGE, TEMPORARY
-from offload_adamw.contract.rules import MASTER_KEY
 from offload_adamw.distributed.dtensor import is_dtensor
 
 __all__ = [
@@ -130,7 +128,6 @@ __all__ = [
     "verify",
 ]
 
-_KEY_SEP = "::"
 
 PathLike: TypeAlias = str | os.PathLike
 
@@ -282,25 +279,6 @@ def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
 # ------------------------------------------------------------------- save
 
 
-def _model_entries(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, str], dict[str, Tensor]]:
-    """(canonical name -> tensor, alias -> canonical name, every name -> tensor) of the model's state."""
-    everything = model.state_dict(keep_vars=True)
-    canonical: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    first_name: dict[int, str] = {}
-    for name, value in everything.items():
-        if not isinstance(value, Tensor):
-            raise CheckpointError(
-                f"model state {name!r} is a {type(value).__name__}, not a tensor; it cannot be saved without pickling"
-            )
-        if id(value) in first_name:
-            aliases[name] = first_name[id(value)]  # a tied weight: stored once
-            continue
-        first_name[id(value)] = name
-        canonical[name] = value
-    return canonical, aliases, everything
-
-
 def save(
     path: PathLike,
     model: torch.nn.Module,
@@ -421,21 +399,6 @@ class _Saved:
         return self.root / META_FILE
 
 
-@dataclass
-class _Plan:
-    """What the validate stage decided: the report so far and what the commit stage writes."""
-
-    report: LoadReport
-    matched: dict[str, Tensor]
-    """Model tensors that receive their saved value, by name."""
-    name_of: dict[int, str]
-    """id of each canonical model tensor -> its name."""
-    loadable: set[str]
-    """Parameters whose optimizer state is taken from the checkpoint."""
-    scheduler_state: dict[str, Any] | None
-    rng_state: Any
-
-
 def load(
     path: PathLike,
     model: torch.nn.Module,
@@ -470,15 +433,12 @@ def load(
         _refuse_sharded(f"cannot load checkpoint {path}", model, optimizer, "nothing was changed")
         saved = _read_snapshot(snapshot)
     extra, rng_state = _verify(saved, rng=rng)
-    report = LoadReport(path=str(saved.root), step=saved.meta["step"], extra=extra)
-    plan = _validate(saved, report, model, optimizer, scheduler, rng_state)
-    if report.problems and strict:
-        raise CheckpointMismatch(report)
-    optimizer_state_dict = None
-    if optimizer is not None and saved.meta["optimizer"] is not None:
-        optimizer_state_dict = _optimizer_state_dict(optimizer, saved, plan)
-    _commit(saved, plan, optimizer, scheduler, optimizer_state_dict)
-    return report
+    from offload_adamw.checkpoint.convert import as_layout2
+
+    # One matching and commit for both layouts: layout 1 is laid out as layout 2 in memory and loaded by it.
+    meta, tensors, own = as_layout2(saved, extra, rng_state)
+    return sharded.load_in_memory(saved.root, meta, own, tensors, model, optimizer, scheduler, strict, rng=rng,
+                                  own_file=saved.meta_file)
 
 
 # --- read: the files of one checkpoint, behind a verified seal
@@ -570,248 +530,7 @@ def _check_cuda_states(states: Any, file: Path) -> None:
             raise malformed(where, f"must be 16 bytes (the seed and the Philox offset), got {state.numel()} bytes")
 
 
-# --- validate: the checkpoint fits this model, optimizer and scheduler, by name
-
-
-def _validate(
-    saved: _Saved,
-    report: LoadReport,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    rng_state: Any,
-) -> _Plan:
-    """Every problem into ``report``; what may be committed into the plan. Changes nothing."""
-    canonical, _, everything = _model_entries(model)
-    matched = _match_model(saved, report, canonical, everything)
-    name_of = {id(t): name for name, t in canonical.items()}
-    loadable: set[str] = set()
-    if optimizer is not None:
-        loadable = _match_groups(saved, report, optimizer, name_of, matched, everything)
-    scheduler_state = None if scheduler is None else _match_scheduler(saved, report, scheduler)
-    return _Plan(report, matched, name_of, loadable, scheduler_state, rng_state)
-
-
-def _match_model(
-    saved: _Saved, report: LoadReport, canonical: dict[str, Tensor], everything: dict[str, Tensor]
-) -> dict[str, Tensor]:
-    """The model tensors that can take their saved entry, by name; a problem for every other entry."""
-    matched: dict[str, Tensor] = {}
-    present: set[int] = set()
-    for name, info in saved.meta["model"].items():
-        target = everything.get(name)
-        if target is None:
-            report.unexpected.append(name)
-            report.problems.append(f"unexpected {name!r}: in the checkpoint, not in the model")
-            continue
-        present.add(id(target))
-        if _entry_fits(name, info, saved.model[name], target, report):
-            matched[name] = target
-    for name, target in canonical.items():
-        if id(target) not in present:
-            report.missing.append(name)
-            report.problems.append(f"missing {name!r}: in the model, not in the checkpoint")
-    return matched
-
-
-def _entry_fits(name: str, info: dict[str, Any], stored: Tensor, target: Tensor, report: LoadReport) -> bool:
-    """Whether ``target`` can take the saved entry ``name``; else its problem goes into ``report``."""
-    problems = report.problems
-    if target.is_meta:
-        problems.append(
-            f"meta device {name!r}: the model's tensor holds no storage, nothing can be loaded into it; "
-            "materialize the model first (module.to_empty(device=...))"
-        )
-        return False
-    if target.is_inference() or torch._debug_has_internal_overlap(target) == 1:
-        # copy_ would raise half-way through the commit: refuse before anything changes
-        problems.append(f"unwritable {name!r}: an inference-mode tensor or one whose elements share memory (expand)")
-        return False
-    saved_shape = tuple(stored.shape)  # the tensor's own shape, not the one meta.json declares
-    if saved_shape != tuple(target.shape):
-        report.wrong_shape[name] = (saved_shape, tuple(target.shape))
-        problems.append(f"wrong shape {name!r}: {saved_shape} in the checkpoint, {tuple(target.shape)} in the model")
-        return False
-    own_dtype = str(target.dtype).removeprefix("torch.")
-    if info["dtype"] != own_dtype:
-        report.wrong_dtype[name] = (info["dtype"], own_dtype)
-        problems.append(f"wrong dtype {name!r}: {info['dtype']} in the checkpoint, {own_dtype} in the model")
-        return False
-    return True
-
-
-def _match_groups(
-    saved: _Saved,
-    report: LoadReport,
-    optimizer: torch.optim.Optimizer,
-    name_of: dict[int, str],
-    matched: dict[str, Tensor],
-    everything: dict[str, Tensor],
-) -> set[str]:
-    """The parameters whose saved optimizer state can be loaded: same name, same group, same group count."""
-    saved_opt = saved.meta["optimizer"]
-    if saved_opt is None:
-        report.problems.append("the checkpoint has no optimizer state (it was saved with optimizer=None)")
-        return set()
-    saved_groups = saved_opt["groups"]
-    saved_group_of = {n: gi for gi, g in enumerate(saved_groups) for n in g["param_names"]}
-    same_count = len(saved_groups) == len(optimizer.param_groups)
-    if not same_count:
-        report.problems.append(
-            f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer has {len(optimizer.param_groups)}"
-        )
-    loadable: set[str] = set()
-    optimized_here: set[str] = set()
-    for gi, group in enumerate(optimizer.param_groups):
-        for index, p in enumerate(group["params"]):
-            name = name_of.get(id(p))
-            if name is None:
-                report.problems.append(
-                    f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in model.state_dict()"
-                )
-                continue
-            optimized_here.add(name)
-            if name in matched and _same_group(name, gi, saved_group_of.get(name), report) and same_count:
-                loadable.add(name)
-    for name, saved_gi in saved_group_of.items():
-        if name not in optimized_here and name in everything:
-            report.group_mismatch.append(name)
-            report.problems.append(
-                f"group mismatch {name!r}: optimized in group {saved_gi} of the checkpoint, not by this optimizer"
-            )
-    return loadable
-
-
-def _same_group(name: str, gi: int, saved_gi: int | None, report: LoadReport) -> bool:
-    """Whether ``name`` is optimized in group ``gi`` on both sides; else the mismatch goes into ``report``."""
-    if saved_gi is None:
-        report.group_mismatch.append(name)
-        report.problems.append(f"group mismatch {name!r}: optimized in group {gi} here, not optimized in the checkpoint")
-        return False
-    if saved_gi != gi:
-        report.group_mismatch.append(name)
-        report.problems.append(f"group mismatch {name!r}: in group {saved_gi} of the checkpoint, group {gi} here")
-        return False
-    return True
-
-
-def _match_scheduler(saved: _Saved, report: LoadReport, scheduler: Any) -> dict[str, Any] | None:
-    """The saved scheduler state where it is this scheduler's class with the same keys; else a problem and None."""
-    saved_sched = saved.meta["scheduler"]
-    if saved_sched is None:
-        report.problems.append("the checkpoint has no scheduler state (it was saved with scheduler=None)")
-        return None
-    if saved_sched["class"] != type(scheduler).__name__:
-        report.problems.append(f"scheduler: the checkpoint holds a {saved_sched['class']}, this is a {type(scheduler).__name__}")
-        return None
-    where = f"{saved.meta_file}: scheduler/state"
-    state = decode(saved_sched["state"], saved.aux, where)
-    if not isinstance(state, dict):
-        raise malformed(where, f"must be an object, got {type(state).__name__}")
-    own_keys, saved_keys = set(scheduler.state_dict()), set(state)
-    if own_keys != saved_keys:
-        report.problems.append(
-            f"scheduler {type(scheduler).__name__}: keys {sorted(saved_keys - own_keys)} only in the checkpoint, "
-            f"{sorted(own_keys - saved_keys)} only here"
-        )
-        return None
-    return state
-
-
-def _optimizer_state_dict(optimizer: torch.optim.Optimizer, saved: _Saved, plan: _Plan) -> dict[str, Any]:
-    """A state_dict laid out in the optimizer's own current order, filled by name from the checkpoint.
-
-    Parameters that do not match (strict=False only) keep their current state.
-    Where a parameter's model value is loaded, its master is that value, so
-    that model and optimizer agree.
-    """
-    saved_opt = saved.meta["optimizer"]
-    saved_groups = saved_opt["groups"]
-    same_count = len(saved_groups) == len(optimizer.param_groups)
-    with_masters = hasattr(optimizer, "master_param")
-    groups, state = [], {}
-    pid = 0
-    for gi, group in enumerate(optimizer.param_groups):
-        if same_count:
-            hyper = decode(saved_groups[gi]["hyper"], saved.aux, f"{saved.meta_file}: optimizer/groups/{gi}/hyper")
-        else:
-            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        ids = []
-        for p in group["params"]:
-            name = plan.name_of.get(id(p))
-            if name in plan.loadable:
-                entry = _saved_state(saved, name)
-            else:
-                own = optimizer.state.get(p)
-                entry = dict(own) if own else None
-            if entry is not None:
-                if with_masters and name in plan.matched:
-                    entry[MASTER_KEY] = saved.model[name]
-                state[pid] = entry
-            ids.append(pid)
-            pid += 1
-        out = dict(hyper)
-        out["params"] = ids
-        if "param_names" in group:
-            out["param_names"] = list(group["param_names"])
-        groups.append(out)
-    return {"state": state, "param_groups": groups}
-
-
-def _saved_state(saved: _Saved, name: str) -> dict[str, Any] | None:
-    entry = saved.meta["optimizer"]["states"].get(name)
-    if entry is None:
-        return None
-    return dict(decode(entry, saved.optimizer, f"{saved.meta_file}: optimizer/states/{part(name)}"))
-
-
-# --- commit, and roll back what was committed before a refusal
-
-
-def _commit(
-    saved: _Saved,
-    plan: _Plan,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    optimizer_state_dict: dict[str, Any] | None,
-) -> None:
-    """Scheduler, optimizer, model, RNG, in this order.
-
-    Only the scheduler's and the optimizer's own load_state_dict can still refuse: the scheduler goes
-    first and is put back if the optimizer refuses (which changes nothing of its own); model copies
-    and RNG states were checked before.
-    """
-    report = plan.report
-    scheduler_before = None
-    if plan.scheduler_state is not None:
-        scheduler_before = copy.deepcopy(scheduler.state_dict())
-        try:
-            scheduler.load_state_dict(plan.scheduler_state)
-        except Exception as exc:
-            _roll_back(scheduler, scheduler_before)
-            report.problems.append(f"scheduler {type(scheduler).__name__} refused its state: {type(exc).__name__}: {exc}")
-            raise CheckpointMismatch(report) from exc
-    if optimizer is not None and optimizer_state_dict is not None:  # the second implies the first
-        try:
-            optimizer.load_state_dict(optimizer_state_dict)
-        except Exception as exc:  # StateDictMismatch, or torch's own checks
-            _roll_back(scheduler, scheduler_before)
-            report.problems.extend(getattr(exc, "problems", [f"{type(exc).__name__}: {exc}"]))
-            raise CheckpointMismatch(report) from exc
-        report.optimizer_restored = True
-    report.scheduler_restored = plan.scheduler_state is not None
-    with torch.no_grad():
-        for name, target in plan.matched.items():
-            target.copy_(saved.model[name])  # a bf16 parameter gets round-to-nearest of its master
-    report.loaded = sorted(plan.matched)
-    if plan.rng_state is not None:
-        _restore_rng(plan.rng_state, report)
-
-
-def _roll_back(scheduler: Any, scheduler_before: dict[str, Any] | None) -> None:
-    """Put back what the commit changed before a refusal: the scheduler's state (the only part committed first)."""
-    if scheduler_before is not None:
-        scheduler.load_state_dict(scheduler_before)
+# --- RNG states: restored last (layout 2's commit calls these)
 
 
 def _restore_rng(states: dict[str, Any], report: LoadReport) -> None:
