@@ -59,11 +59,12 @@ Contract:
   loaded into a DTensor model (refused, naming the first DTensor and the converter, before anything
   changes).
 
-``load`` of layout 1 runs in named stages: read (:func:`_read_snapshot`: the files of one directory, opened
-once, behind a verified seal, so that a load racing a save that replaces the checkpoint reads the old one or
-the new one, whole), verify (:func:`_verify`: the checkpoint agrees with itself), validate
-(:func:`_validate`: it fits the model, optimizer and scheduler, by name), commit (:func:`_commit`) and roll
-back (:func:`_roll_back`: what was committed before a refusal).
+``load`` of layout 1 reads (:func:`_read_snapshot`: the files of one directory, opened once, behind a
+verified seal, so that a load racing a save that replaces the checkpoint reads the old one or the new one,
+whole) and verifies (:func:`_verify`: the checkpoint agrees with itself: stored tensors as declared, RNG
+states restorable, ``extra`` decodable); then it is laid out as layout 2 in memory
+(:func:`~offload_adamw.checkpoint.convert.as_layout2`) and matched and committed by layout 2's rules
+(:func:`~offload_adamw.checkpoint.sharded.load_in_memory`): one set of rules for both layouts.
 
 The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2: every save, its load),
 :mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
