@@ -7,6 +7,9 @@ writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measure
   (with ``extra``), train one more; a fresh model loads the checkpoint and trains the same step: every
   parameter bit for bit, the report, the RNG stream, ``latest`` on every rank. The checkpoint stays at
   ``DIR/ck`` and the full parameters at the save in ``DIR/ck_expected.safetensors`` (the test loads it at world 1).
+* ``partial``: ``DIR/ck`` (``round_trip``'s) loaded with ``strict=False`` into an FSDP2 model with one layer
+  more: the report names that layer's entries as missing, every other entry and its moments are loaded bit
+  for bit, that layer's parameters and moments are as they were.
 * ``bf16_masters``: the same with bf16 parameters: the float32 masters are saved and come back bit for bit
   (not rebuilt from bf16), and the resumed step is exact.
 * ``refusals``: a copy with one byte of rank 1's shard flipped is refused on both ranks (one rank checks
@@ -51,7 +54,7 @@ from offload_adamw import OffloadAdamW, checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
 WORLD = 2
-CASES = ("round_trip", "bf16_masters", "refusals", "converted", "ddp", "reshard")
+CASES = ("round_trip", "partial", "bf16_masters", "refusals", "converted", "ddp", "reshard")
 
 
 def build() -> torch.nn.Module:
@@ -112,6 +115,32 @@ def case_round_trip(rank, mesh, out: Path, measured) -> list[str]:
     step(fresh, fresh_optimizer, fresh_scheduler, 2, rank)
     got = full(fresh)
     bad += [f"{k} differs after resuming" for k in expected if not torch.equal(got[k], expected[k])]
+    return bad
+
+
+def case_partial(rank, mesh, out: Path, measured) -> list[str]:
+    from safetensors.torch import load_file
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*build(), torch.nn.Linear(4, 4))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = OffloadAdamW(model.parameters(), lr=1e-2)
+    step(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1), 7, rank)  # states of its own
+    before = full(model)
+    names = dict(model.named_parameters())
+    moment = {n: optimizer.state[p]["exp_avg"].clone() for n, p in names.items()}  # this rank's shard
+    report = checkpoint.load(out / "ck", model, optimizer, strict=False)
+    expected = load_file(out / "ck_expected.safetensors")
+    got = full(model)
+    bad = []
+    if sorted(report.missing) != ["3.bias", "3.weight"] or sorted(report.loaded) != sorted(expected):
+        bad.append(f"report: missing {report.missing}, loaded {report.loaded}")
+    bad += [f"{k} not loaded" for k in expected if not torch.equal(got[k], expected[k])]
+    bad += [f"{k} changed" for k in ("3.weight", "3.bias") if not torch.equal(got[k], before[k])]
+    after = {n: optimizer.state[p]["exp_avg"] for n, p in names.items()}
+    bad += [f"{n} moments changed" for n in ("3.weight", "3.bias") if not torch.equal(after[n], moment[n])]
+    bad += [f"{n} moments not loaded" for n in expected if torch.equal(after[n], moment[n])]
     return bad
 
 
@@ -412,7 +441,7 @@ def worker(rank: int, port: int, out: str, cases: list[str], kill: str | None) -
         return
     results = CaseResults(root / f"rank{rank}.json", cases)
     checks = {"round_trip": case_round_trip, "bf16_masters": case_bf16_masters, "refusals": case_refusals,
-              "converted": case_converted, "ddp": case_ddp, "reshard": case_reshard}
+              "converted": case_converted, "ddp": case_ddp, "reshard": case_reshard, "partial": case_partial}
     for name in cases:
         results.judge(name, checks[name], rank, mesh, root)
     # The cases' DDP models and FSDP2 states may sit in reference cycles: collected now, while their process group

@@ -154,8 +154,8 @@ def _tied(model_state: dict[str, Any]) -> dict[str, str]:
     first: dict[tuple[Any, ...], str] = {}
     aliases: dict[str, str] = {}
     for name, value in list(model_state.items()):
-        if not isinstance(value, Tensor) or is_dtensor(value) or value.numel() == 0:
-            continue
+        if not isinstance(value, Tensor) or is_dtensor(value) or value.numel() == 0 or value.is_meta:
+            continue  # (a meta tensor has no storage to share: its address says nothing)
         key = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
                value.stride(), value.dtype)
         if key in first:
@@ -687,7 +687,7 @@ def load_state(
                 raise CheckpointMismatch(report)
         assert plan is not None  # no problem found, so the state was taken
         # Read into copies: the model and the optimizer change only once everything was read.
-        loaded = {key: templates[key].detach().clone() for key in plan.wanted}
+        loaded = {key: templates[here].detach().clone() for key, here in plan.wanted.items()}
         read(loaded)
         # What was not read (strict=False: mismatched entries) decodes to an empty placeholder that nothing takes.
         unread = {key: torch.empty(0) for key in meta["tensors"] if key not in loaded}
@@ -720,8 +720,8 @@ def _owner(key: str) -> tuple[str, str]:
 class _Plan:
     """What the match found loadable: everything under strict, what matches under strict=False."""
 
-    wanted: list[str]
-    """The tensor keys to read."""
+    wanted: dict[str, str]
+    """The tensor keys to read -> the key of this run's tensor of that shape and dtype (its own, or a tied alias's)."""
     model: set[str]
     """Model entries that take their saved value (a tied alias with its canonical entry)."""
     optimizer: set[str]
@@ -745,7 +745,7 @@ def _plan(
     saved = meta["tensors"]
     aliases = meta["aliases"]
     with_optimizer = optimizer is not None
-    wanted: list[str] = []
+    wanted: dict[str, str] = {}
     fits: set[str] = set()
     model_names: set[str] = set()
     for key, target in templates.items():
@@ -785,8 +785,7 @@ def _plan(
             report.problems.append(f"wrong dtype {where}: {info['dtype']} in the checkpoint, {own['dtype']} here")
         else:
             fits.add(key)
-            if source == key:
-                wanted.append(key)
+            wanted.setdefault(source, key)  # a tied alias reads its canonical entry, once
     matched = {name for name in model_names if f"{_MODEL}{codec.part(name)}" in fits}
     for key in saved:
         section, name = _owner(key)
@@ -907,7 +906,8 @@ def _optimizer_state(saved: dict[str, Any], own: dict[str, Any], plan: _Plan,
             master = saved_states.get(name, {}).get(MASTER_KEY)
             fits = isinstance(master, Tensor) and master.shape == entry[MASTER_KEY].shape and master.numel() > 0
             # without a saved master that fits (saved without one), the master is the loaded model value
-            entry[MASTER_KEY] = master if fits else saved["model"][name].to(entry[MASTER_KEY].dtype)
+            value = saved["model"][plan.aliases.get(name, name)]
+            entry[MASTER_KEY] = master if fits else value.to(entry[MASTER_KEY].dtype)
         states[name] = entry
     for name in plan.optimizer:
         states.setdefault(name, saved_states[name])
