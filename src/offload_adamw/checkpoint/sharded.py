@@ -739,7 +739,7 @@ def _plan(
 ) -> _Plan:
     """Match everything by name (changes nothing): every mismatch into ``report``, what fits into the plan.
 
-    The report's lists name model entries, as the one-process layout always did; a mismatch of an optimizer
+    The report's lists name model entries, as layout 1's load always did; a mismatch of an optimizer
     state key is a problem naming its parameter.
     """
     saved = meta["tensors"]
