@@ -1,13 +1,20 @@
-"""torch's optimizer suite, as properties of OffloadAdamW in every mode, with torch.optim.AdamW as the control.
+"""The generic properties of OffloadAdamW, each written once over the configuration table (tests/support/configs.py).
 
-Modelled on what PyTorch's ``TestOptimRenewed`` (test/test_optim.py, over the ``OptimizerInfo`` entries of
-torch/testing/_internal/common_optimizers.py) checks of an optimizer, written here for OffloadAdamW and run over
-one configuration table, :data:`MODES`: the plain step, the transfer pipeline with kept gradients, with freed
-gradients, with updates during backward, and each placement of the update (host, stream, device; the CPU as device).
+Modelled on PyTorch's ``TestOptimRenewed`` (test/test_optim.py), which crosses its generic tests with the
+``OptimizerInfo`` entries of torch/testing/_internal/common_optimizers.py: here every property runs over
+:data:`configs.CONFIGS` (the plain step, the transfer pipeline with kept gradients, with freed gradients, with updates
+during backward, and the stream and device placements; the CPU as device), and the training properties also under
+each in-process wrapper of :data:`configs.WRAPPERS` (eager, a compiled model, compiled autograd, the simulated CUDA
+device). An entry that does not support a feature must refuse it with the message the table gives: the test asserts
+the refusal, it never skips.
 
 Each property makes the same calls on OffloadAdamW and on ``torch.optim.AdamW(fused=True)`` (the optimizer it is
-bitwise equal to) and compares the bits, or the calls seen, or the error types:
+bitwise equal to) and compares the bits (``configs.assert_bitwise_equal``), or the calls seen, or the error types:
 
+* training: bitwise parity of parameters and moments over micro-batches (gradient accumulation), clipped by the
+  optimizer's ``max_grad_norm`` or by torch's ``clip_grad_norm_`` on ``p.grad``, under every wrapper;
+  ``step(closure)``; fp16 loss scaling; a ``param_groups`` swap before training, as accelerate and the Trainer do it;
+  a sparse gradient refused;
 * state_dict round trips, without and with ``param_names``; a load into a fresh optimizer, into one built without
   names (the names are kept, as torch keeps them), and into torch's AdamW (fused, foreach and for-loop alike), each
   continuing bit for bit;
@@ -18,31 +25,22 @@ bitwise equal to) and compares the bits, or the calls seen, or the error types:
 * error types: what the constructor refuses, and a meta-device parameter at the step, as torch's types;
 * zero_grad with ``set_to_none`` True and False, and a step with no gradient (a no-op).
 
-The table's last column says which modes the quick tier runs (all of them: about 3 s in all).
+The table says which entries the quick tier runs (``Entry.quick``, ``Wrapper.quick``); the rest is ``-m slow``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 from torch import nn
 
-from _parity import same_bits
-from offload_adamw import OffloadAdamW
+from configs import CONFIGS, assert_bitwise_equal, crossed, params, same_bits
+from offload_adamw import OffloadAdamW, OffloadGradScaler
 
-#: OffloadAdamW's modes: (keyword arguments, whether the quick tier runs it). The whole table takes about 3 s on
-#: 2 cores, so the quick tier runs all of it; a mode that grows slow is marked False here (then ``-m slow``).
-MODES: dict[str, tuple[dict, bool]] = {
-    "plain": ({}, True),
-    "kept": ({"transfer_pipeline": True}, True),
-    "freed": ({"offload_gradients": True}, True),
-    "update in backward": ({"offload_gradients": True, "update_in_backward": True, "bucket_bytes": 1}, True),
-    "stream": ({"update_on": "stream"}, True),
-    "device": ({"update_on": "device"}, True),
-}
-MODE_PARAMS = [pytest.param(m, marks=() if quick else pytest.mark.slow) for m, (_, quick) in MODES.items()]
+MODE_PARAMS = params(CONFIGS)
 LR = 1e-2
 
 
@@ -52,7 +50,7 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 def _ours(params, mode: str, **kwargs) -> OffloadAdamW:
-    return OffloadAdamW(params, **{"lr": LR, "weight_decay": 0.1, **MODES[mode][0], **kwargs})
+    return OffloadAdamW(params, **CONFIGS[mode].kwargs(lr=LR, weight_decay=0.1, **kwargs))
 
 
 def _torch(params, **kwargs) -> torch.optim.AdamW:
@@ -68,7 +66,183 @@ def _train(model: nn.Module, opt, steps: int, start: int = 0) -> None:
 
 
 def _same_params(a: nn.Module, b: nn.Module) -> bool:
-    return all(same_bits(p.detach(), q.detach()) for p, q in zip(a.parameters(), b.parameters()))
+    """Asserts, naming the first parameter that differs; True so that ``assert _same_params(...)`` reads as before."""
+    assert_bitwise_equal(dict(a.named_parameters()), dict(b.named_parameters()), "parameters")
+    return True
+
+
+def _assert_trained_as_torch(ours: nn.Module, opt: OffloadAdamW, theirs: nn.Module, ref: torch.optim.Optimizer,
+                             seed: int = 0) -> None:
+    """Parameters and both moments bitwise torch's, and training moved the parameters (from ``_model(seed)``'s)."""
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert_bitwise_equal(p, q, f"parameter {name}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(opt.state[p][key], ref.state[q][key], f"{key} of {name}")
+    assert any(not same_bits(p, q) for p, q in zip(ours.parameters(), _model(seed).parameters())), "nothing was trained"
+
+
+# ------------------------------------------------------------------- training
+
+CLIP = 0.05  # below every step's norm: the clipping acts
+
+
+def _wrapped(model: nn.Module, wrapper: str) -> nn.Module:
+    # aot_eager: AOTAutograd's graphs with eager kernels, the autograd structure of inductor without C++ compilation
+    return torch.compile(model, backend="aot_eager") if wrapper in ("compiled_model", "compiled_autograd") else model
+
+
+def _backward(loss: torch.Tensor, wrapper: str) -> None:
+    if wrapper == "compiled_autograd":
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            loss.backward()
+    else:
+        loss.backward()
+
+
+def _steps(model: nn.Module, opt, wrapper: str, *, accumulation: int, clip_by: str | None, ours: bool,
+           steps: int = 3) -> None:
+    """``steps`` steps of ``accumulation`` micro-batches; the micro-batches that only accumulate run inside
+    ``opt.no_sync()`` (the protocol of updates during backward, a no-op otherwise). ``clip_by``: None, "torch"
+    (clip_grad_norm_ on the model's gradients, both sides) or "optimizer" (ours by max_grad_norm, torch's by
+    clip_grad_norm_)."""
+    for k in range(steps):
+        for micro in range(accumulation):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k * accumulation + micro))
+            last = micro == accumulation - 1
+            with opt.no_sync() if ours and not last else contextlib.nullcontext():
+                _backward(model(x).square().sum() / accumulation, wrapper)
+        if clip_by == "torch" or (clip_by == "optimizer" and not ours):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+COMPILED = ("compiled_model", "compiled_autograd")
+#: (mode, wrapper, clip_by): a compiled run costs 1 to 10 s on 2 cores, so the quick tier clips the compiled runs by
+#: torch's clip_grad_norm_ only (the frameworks' way, as it always did); by max_grad_norm they run under -m slow.
+TRAINING = [pytest.param(*p.values, clip_by, id=f"{p.id}-{clip_by}",
+                         marks=pytest.mark.slow if p.marks or (p.values[1] in COMPILED and clip_by == "optimizer") else ())
+            for p in crossed(["eager", *COMPILED, "simulated"]) for clip_by in ("optimizer", "torch")]
+
+
+@pytest.mark.parametrize(("mode", "wrapper", "clip_by"), TRAINING)
+def test_training_with_accumulation_and_clipping_is_torch_adamw_bitwise(mode, wrapper, clip_by, request):
+    """2 micro-batches a step, clipped; torch's clip_grad_norm_ on p.grad where the entry supports it (``torch_clip``),
+    else its refusal."""
+    if wrapper in COMPILED:
+        request.getfixturevalue("fresh_dynamo")
+    if wrapper == "simulated":
+        request.getfixturevalue("simulated_device")
+    entry = CONFIGS[mode]
+    ours, theirs = _model(), _model()
+    opt = _ours(ours.parameters(), mode, max_grad_norm=CLIP if clip_by == "optimizer" else None)
+    ref = _torch(theirs.parameters())
+    runs = ((_wrapped(ours, wrapper), opt, True), (_wrapped(theirs, wrapper), ref, False))
+    if clip_by == "torch" and "torch_clip" not in entry.supports:
+        with pytest.raises(RuntimeError, match=entry.refusals["torch_clip"]):
+            _steps(*runs[0][:2], wrapper, accumulation=2, clip_by=clip_by, ours=True)
+        return
+    for model, o, is_ours in runs:
+        _steps(model, o, wrapper, accumulation=2, clip_by=clip_by, ours=is_ours)
+    _assert_trained_as_torch(ours, opt, theirs, ref)
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_gradient_accumulation_is_torch_adamw_bitwise(mode, accumulation):
+    assert "accumulation" in CONFIGS[mode].supports  # every entry: with updates during backward inside opt.no_sync()
+    ours, theirs = _model(), _model()
+    opt, ref = _ours(ours.parameters(), mode), _torch(theirs.parameters())
+    _steps(ours, opt, "eager", accumulation=accumulation, clip_by=None, ours=True, steps=4)
+    _steps(theirs, ref, "eager", accumulation=accumulation, clip_by=None, ours=False, steps=4)
+    _assert_trained_as_torch(ours, opt, theirs, ref)
+
+
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_a_step_with_a_closure_is_torch_adamw_bitwise(mode):
+    assert "closure" in CONFIGS[mode].supports
+    ours, theirs = _model(), _model()
+    opt, ref = _ours(ours.parameters(), mode), _torch(theirs.parameters())
+    for model, o in ((ours, opt), (theirs, ref)):
+        for k in range(3):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(k))
+
+            def closure(model=model, o=o, x=x):
+                o.zero_grad()
+                loss = model(x).square().mean()
+                loss.backward()
+                return loss
+
+            loss = o.step(closure)
+            assert loss is not None and loss.requires_grad, "step(closure) returns the closure's loss"
+    _assert_trained_as_torch(ours, opt, theirs, ref)
+
+
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_fp16_loss_scaling_is_torch_gradscaler_or_refused(mode):
+    """OffloadGradScaler against torch's GradScaler over AdamW(fused=True), one step made infinite and skipped."""
+    entry = CONFIGS[mode]
+    ours, theirs = _model(), _model()
+    opt, ref = _ours(ours.parameters(), mode), _torch(theirs.parameters())
+    kw = dict(init_scale=2.0**12, growth_interval=2)
+    scalers = (OffloadGradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw))
+    if "scaler" not in entry.supports:
+        with pytest.raises(RuntimeError, match=entry.refusals["scaler"]):
+            scalers[0].scale(ours(torch.ones(5, 6)).square().mean()).backward()
+            scalers[0].step(opt)
+        return
+    for model, o, scaler in ((ours, opt, scalers[0]), (theirs, ref, scalers[1])):
+        for k in range(5):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(k))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = scaler.scale(model(x).float().square().mean())
+            (loss * float("inf") if k == 2 else loss).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    assert scalers[0].get_scale() == scalers[1].get_scale() and len(opt.state) == len(ref.state)
+    _assert_trained_as_torch(ours, opt, theirs, ref)
+
+
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_a_sparse_gradient_is_refused_before_anything_changes(mode):
+    entry = CONFIGS[mode]
+    assert "sparse" not in entry.supports  # torch's fused AdamW refuses them too
+    embedding = nn.Embedding(5, 3, sparse=True)
+    before = embedding.weight.detach().clone()
+    opt = _ours(embedding.parameters(), mode)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match=entry.refusals["sparse"]):
+        opt.step()
+    assert_bitwise_equal(embedding.weight, before, "the embedding after the refused step")
+    assert not opt.state
+
+
+def _swap(opt: torch.optim.Optimizer, new: nn.Module) -> None:
+    """What accelerate's fsdp2_switch_optimizer_parameters does: each group's list replaced by the new parameters."""
+    mapping = iter(list(new.parameters()))
+    for group in opt.param_groups:
+        group["params"] = [next(mapping) for _ in group["params"]]
+
+
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_training_after_a_param_groups_swap_is_torch_adamw(mode):
+    """Built over one model, its parameters then swapped for another's (tests/test_param_swap.py: what the pipeline
+    keeps of the originals): training the new parameters is torch's, bit for bit."""
+    ours, theirs = _model(1), _model(1)
+    opt, ref = _ours(_model().parameters(), mode), _torch(_model().parameters())
+    _swap(opt, ours)
+    _swap(ref, theirs)
+    for model, o in ((ours, opt), (theirs, ref)):
+        _train(model, o, 4)
+    _assert_trained_as_torch(ours, opt, theirs, ref, seed=1)
 
 
 # ------------------------------------------------------------------- state_dict
@@ -243,7 +417,7 @@ def test_complex_parameters_train_as_their_real_views(mode):
         (w @ x).abs().square().sum().backward()
         r.grad = torch.view_as_real(w.grad)
         ref.step()
-        assert same_bits(torch.view_as_real(z.detach()), r.detach()), k
+        assert_bitwise_equal(torch.view_as_real(z.detach()), r.detach(), f"the real view after step {k}")
 
 
 # ---------------------------------------------------------------------- errors
@@ -262,12 +436,12 @@ def test_errors_have_torchs_types(mode):
         with pytest.raises(Exception) as theirs:
             torch.optim.AdamW([nn.Parameter(torch.zeros(2))], **kwargs)
         with pytest.raises(Exception) as ours:
-            OffloadAdamW([nn.Parameter(torch.zeros(2))], **{**MODES[mode][0], **kwargs})
+            OffloadAdamW([nn.Parameter(torch.zeros(2))], **CONFIGS[mode].kwargs(**kwargs))
         assert isinstance(ours.value, type(theirs.value)) and str(ours.value) == str(theirs.value), kwargs
     # A meta parameter: torch's fused AdamW raises RuntimeError at its step (test_fused_error_on_params_on_meta).
     with torch.device("meta"):
         meta = nn.Linear(2, 3)
-    opt = OffloadAdamW(meta.parameters(), **MODES[mode][0])
+    opt = OffloadAdamW(meta.parameters(), **CONFIGS[mode].kwargs())
     with torch.device("meta"):
         for p in meta.parameters():
             p.grad = torch.rand_like(p)
@@ -288,7 +462,7 @@ def test_zero_grad_and_steps_without_gradients_are_torchs(mode, set_to_none):
         assert not o.state
         _train(model, o, 2)
         # With updates during backward every backward outside no_sync() is followed by step() (its protocol).
-        with opt.no_sync() if o is opt else _Nothing():
+        with opt.no_sync() if o is opt else contextlib.nullcontext():
             model(torch.ones(5, 6)).square().mean().backward()
         o.zero_grad(set_to_none=set_to_none)
     for p, q in zip(ours.parameters(), theirs.parameters()):
@@ -301,11 +475,3 @@ def test_zero_grad_and_steps_without_gradients_are_torchs(mode, set_to_none):
         ref.step()
     assert _same_params(ours, theirs)
     assert repr(opt).startswith("OffloadAdamW (")  # torch's test_optimizer_can_be_printed
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
