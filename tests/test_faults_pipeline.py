@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from _parity import same_bits
+from configs import MODES, same_bits
 from offload_adamw import OffloadAdamW
 
 WIDTH = 16
@@ -278,7 +278,7 @@ def _host_gradient(opt: OffloadAdamW, p: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ non-contiguous parameters on the pipeline
 
-PIPELINE_MODES = {"kept": {"transfer_pipeline": True}, "freed": {"offload_gradients": True}}
+PIPELINE_MODES = ["kept", "freed"]  # of configs.MODES
 
 
 @pytest.mark.parametrize("device", ["cpu", "simulated"])
@@ -292,7 +292,7 @@ def test_non_contiguous_parameters_on_the_pipeline_step_as_the_plain_step(layout
         request.getfixturevalue("simulated_device")
     params = misuse.LAYOUTS[layout](misuse.DTYPES[dtype])
     ref_params = misuse.dense_copies(params)
-    ours = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, **PIPELINE_MODES[mode])
+    ours = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, **MODES[mode].kwargs())
     ref = OffloadAdamW(ref_params, lr=1e-2, weight_decay=0.1)  # the plain step: no pipeline, host parameters
     for grad_layout in ("like-param", "contiguous"):
         misuse.train(ours, params, grad_layout, steps=range(3))
