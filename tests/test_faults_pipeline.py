@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from configs import MODES, same_bits
+from configs import MODES, assert_bitwise_equal, same_bits
 from offload_adamw import OffloadAdamW
 
 WIDTH = 16
@@ -265,7 +265,7 @@ def test_an_edit_of_a_device_parameter_is_what_the_next_update_starts_from(edit,
         opt.step()
         ref.step()
     for i, (p, q) in enumerate(zip(params, ref_params)):
-        assert same_bits(p.detach(), q.detach().to(p.dtype)), f"parameter {i}"
+        assert_bitwise_equal(p.detach(), q.detach().to(p.dtype), f"parameter {i}")
 
 
 def _host_gradient(opt: OffloadAdamW, p: torch.Tensor) -> torch.Tensor:
@@ -298,8 +298,8 @@ def test_non_contiguous_parameters_on_the_pipeline_step_as_the_plain_step(layout
         misuse.train(ours, params, grad_layout, steps=range(3))
         misuse.train(ref, ref_params, "like-param", steps=range(3))
         for i, (p, q) in enumerate(zip(params, ref_params)):
-            assert same_bits(p.detach(), q.detach()), f"parameter {i} after {grad_layout} gradients"
-            assert same_bits(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"]), f"exp_avg_sq {i}"
+            assert_bitwise_equal(p.detach(), q.detach(), f"parameter {i} after {grad_layout} gradients")
+            assert_bitwise_equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], f"exp_avg_sq {i}")
         assert ours.host_buffer_bytes()["gradients"] == sum(p.numel() * p.element_size() for p in params)
         for p in params:
             slot = ours.transfer_pipeline.slots[p]

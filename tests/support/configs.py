@@ -219,8 +219,7 @@ def assert_bitwise_equal(actual: Any, expected: Any, name: str = "tensor") -> No
     tensor (``name``, with the key or index inside it), and says the shape, dtype or first element that differs."""
     if isinstance(expected, Mapping):
         assert isinstance(actual, Mapping), f"{name}: a {type(actual).__name__}, expected a mapping"
-        assert list(actual.keys()) == list(expected.keys()), \
-            f"{name}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"
+        assert actual.keys() == expected.keys(), f"{name}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"
         for key in expected:
             assert_bitwise_equal(actual[key], expected[key], f"{name}[{key!r}]")
         return
