@@ -141,6 +141,7 @@ def test_training_with_accumulation_and_clipping_is_torch_adamw_bitwise(mode, wr
     if wrapper == "simulated":
         request.getfixturevalue("simulated_device")
     entry = CONFIGS[mode]
+    assert {"accumulation", "clip"} <= entry.supports and (wrapper not in COMPILED or "compile" in entry.supports)
     ours, theirs = _model(), _model()
     opt = _ours(ours.parameters(), mode, max_grad_norm=CLIP if clip_by == "optimizer" else None)
     ref = _torch(theirs.parameters())
