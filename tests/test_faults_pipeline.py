@@ -54,7 +54,8 @@ def _pair(**kwargs):
     model = copy.deepcopy(ref)
     theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     bucket = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
-    ours = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_bytes=bucket, **kwargs)
+    # one layer per bucket, whatever bucket size the mode's entry names (configs.MODES)
+    ours = OffloadAdamW(model.parameters(), **{"lr": 1e-2, "weight_decay": 0.1, **kwargs, "bucket_bytes": bucket})
     return ref, theirs, model, ours
 
 
@@ -67,9 +68,7 @@ def _same(ref: nn.Module, model: nn.Module) -> bool:
 
 @pytest.mark.parametrize("mode", ["kept", "freed", "update_in_backward"])
 def test_autograd_grad_between_backward_and_step_leaves_the_gradients(mode) -> None:
-    kwargs = {"kept": dict(transfer_pipeline=True), "freed": dict(offload_gradients=True),
-              "update_in_backward": dict(offload_gradients=True, update_in_backward=True)}[mode]
-    ref, theirs, model, ours = _pair(**kwargs)
+    ref, theirs, model, ours = _pair(**MODES[mode].kwargs())
     for step in range(4):
         for net, opt in ((ref, theirs), (model, ours)):
             loss = net(_batch(step))
@@ -106,9 +105,9 @@ def _train_with_a_failure(model, opt, fail_step: int, steps: int = 5) -> list[st
     return errors
 
 
-@pytest.mark.parametrize("kwargs", [dict(offload_gradients=True), dict(transfer_pipeline=True),
-                                    dict(offload_gradients=True, update_in_backward=True, max_grad_norm=1e6),
-                                    dict(offload_gradients=True, update_in_backward=True, nonfinite="skip")],
+@pytest.mark.parametrize("kwargs", [MODES["freed"].kwargs(), MODES["kept"].kwargs(),
+                                    MODES["update_in_backward"].kwargs(max_grad_norm=1e6),
+                                    MODES["update_in_backward"].kwargs(nonfinite="skip")],
                          ids=["freed", "kept", "update_in_backward_clipped", "update_in_backward_nonfinite_skip"])
 def test_a_failed_backward_is_dropped_as_torch_drops_it(kwargs) -> None:
     """Where no update can start before backward has ended, skipping the batch is exact."""

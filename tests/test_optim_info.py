@@ -50,7 +50,7 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 def _ours(params, mode: str, **kwargs) -> OffloadAdamW:
-    return OffloadAdamW(params, **CONFIGS[mode].kwargs(lr=LR, weight_decay=0.1, **kwargs))
+    return OffloadAdamW(params, **CONFIGS[mode].kwargs(**{"lr": LR, "weight_decay": 0.1, **kwargs}))
 
 
 def _torch(params, **kwargs) -> torch.optim.AdamW:
