@@ -157,10 +157,15 @@ WRAPPERS: dict[str, Wrapper] = {w.name: w for w in (
             "the compiled model's backward under compiled autograd: the pipeline's hooks run as opaque calls"),
     Wrapper("simulated", frozenset({"freed", "update_in_backward", "stream", "device"}), "tests/test_optim_info.py",
             "the production stream lane on the simulated CUDA device (conftest's simulated_device fixture)"),
-    Wrapper("DDP", frozenset({"update_in_backward"}), "tests/test_overlap_ddp.py, tests/test_wrappers_distributed.py",
+    # The 2-rank runs are worker processes: their test modules name their quick cases (tests/support/_quick.py);
+    # what is listed here is the configurations those quick cases cover, for the reader of the table.
+    Wrapper("DDP", frozenset({"kept", "freed", "update_in_backward"}),
+            "tests/test_wrappers_distributed.py (kept, freed), tests/test_overlap_ddp.py (update_in_backward), "
+            "tests/test_placement_distributed.py (stream, device)",
             "2 gloo ranks, DistributedDataParallel, in a worker process (tests/support/_overlap_common.py)"),
-    Wrapper("FSDP2", frozenset({"freed", "update_in_backward"}),
-            "tests/test_overlap_fsdp.py, tests/test_integrations_fsdp.py",
+    Wrapper("FSDP2", frozenset({"kept", "freed", "update_in_backward"}),
+            "tests/test_wrappers_distributed.py (kept, freed), tests/test_overlap_fsdp.py (update_in_backward, freed), "
+            "tests/test_placement_distributed.py (stream, device)",
             "2 gloo ranks, fully_shard, in a worker process (tests/support/_overlap_common.py)"),
 )}
 
