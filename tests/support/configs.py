@@ -121,6 +121,8 @@ PLACEMENTS: dict[str, Entry] = {e.name: e for e in (
 def config(mode: str, placement: str = "host") -> Entry:
     """The cross of a mode and a placement: named by the mode alone on the host, by the placement alone in the
     ``kept`` mode (the default once a group is placed on the device), else ``mode-placement``."""
+    # a group placed on the device needs the transfer pipeline (OffloadAdamW refuses transfer_pipeline=False there)
+    assert mode != "plain" or placement == "host", "the plain step updates on the host only"
     m, p = MODES[mode], PLACEMENTS[placement]
     name = mode if placement == "host" else placement if mode == "kept" else f"{mode}-{placement}"
     refusals = {**m.refusals, **p.refusals}
@@ -134,6 +136,7 @@ CONFIGS: dict[str, Entry] = {e.name: e for e in (
     *(config(mode) for mode in MODES),
     *(config("kept", placement) for placement in PLACEMENTS if placement != "host"),
 )}
+
 
 @dataclass(frozen=True)
 class Wrapper:
