@@ -457,15 +457,28 @@ def test_errors_have_torchs_types(mode):
 # ---------------------------------------------------------------- zero_grad, no-ops
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-@pytest.mark.parametrize("mode", MODE_PARAMS)
-def test_zero_grad_and_steps_without_gradients_are_torchs(mode, set_to_none):
+def zero_grad_run(mode: str, set_to_none: bool) -> None:
+    """zero_grad both ways and steps without gradients, as torch's fused AdamW: a step with no gradient anywhere is a
+    no-op that makes no state; every other step has no backward, only what zero_grad left behind (None, or zeros that
+    still decay and move the moments); a backward inside no_sync() then zero_grad leaves None or zeros, as torch's.
+    (tests/test_simulated_suites.py runs it on the simulated device with seeds of its own.)"""
     ours, theirs = _model(), _model()
     opt, ref = _ours(ours.parameters(), mode), _torch(theirs.parameters())
-    for model, o in ((ours, opt), (theirs, ref)):
-        o.step()  # no gradient anywhere: a no-op, no state (torch's test_step_is_noop_when_params_have_no_grad)
+    for o in (opt, ref):
+        o.step()  # torch's test_step_is_noop_when_params_have_no_grad
         assert not o.state
-        _train(model, o, 2)
+    for step in range(4):
+        for model, o in ((ours, opt), (theirs, ref)):
+            if step % 2 == 0:
+                model(torch.randn(5, 6, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=set_to_none)
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            g = opt.gradient(p)
+            assert (g is None) == (q.grad is None), f"step {step}: {name}'s gradient is None in one optimizer only"
+            if g is not None:
+                assert_bitwise_equal(g, q.grad, f"step {step}: the gradient zero_grad left of {name}")
+    for model, o in ((ours, opt), (theirs, ref)):
         # With updates during backward every backward outside no_sync() is followed by step() (its protocol).
         with opt.no_sync() if o is opt else contextlib.nullcontext():
             model(torch.ones(5, 6)).square().mean().backward()
@@ -479,4 +492,14 @@ def test_zero_grad_and_steps_without_gradients_are_torchs(mode, set_to_none):
         opt.step()  # zero gradients still decay and move the moments, as in torch (test_step_is_noop_for_zero_grads)
         ref.step()
     assert _same_params(ours, theirs)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert_bitwise_equal(opt.state[p]["step"], ref.state[q]["step"], "step count")
     assert repr(opt).startswith("OffloadAdamW (")  # torch's test_optimizer_can_be_printed
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize(("mode", "wrapper"), crossed(["eager", "simulated"]))
+def test_zero_grad_and_steps_without_gradients_are_torchs(mode, wrapper, set_to_none, request):
+    if wrapper == "simulated":
+        request.getfixturevalue("simulated_device")
+    zero_grad_run(mode, set_to_none)
