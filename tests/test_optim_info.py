@@ -100,16 +100,18 @@ def _backward(loss: torch.Tensor, wrapper: str) -> None:
 
 
 def _steps(model: nn.Module, opt, wrapper: str, *, accumulation: int, clip_by: str | None, ours: bool,
-           steps: int = 3) -> None:
+           steps: int = 3, no_sync: bool | None = None) -> None:
     """``steps`` steps of ``accumulation`` micro-batches; the micro-batches that only accumulate run inside
-    ``opt.no_sync()`` (the protocol of updates during backward, a no-op otherwise). ``clip_by``: None, "torch"
-    (clip_grad_norm_ on the model's gradients, both sides) or "optimizer" (ours by max_grad_norm, torch's by
-    clip_grad_norm_)."""
+    ``opt.no_sync()`` where ``no_sync`` says (None: where the optimizer's protocol needs it, with updates during
+    backward). ``clip_by``: None, "torch" (clip_grad_norm_ on the model's gradients, both sides) or "optimizer" (ours
+    by max_grad_norm, torch's by clip_grad_norm_)."""
+    if no_sync is None:
+        no_sync = ours and opt.update_in_backward
     for k in range(steps):
         for micro in range(accumulation):
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k * accumulation + micro))
             last = micro == accumulation - 1
-            with opt.no_sync() if ours and not last else contextlib.nullcontext():
+            with opt.no_sync() if ours and no_sync and not last else contextlib.nullcontext():
                 _backward(model(x).square().sum() / accumulation, wrapper)
         if clip_by == "torch" or (clip_by == "optimizer" and not ours):
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -141,7 +143,8 @@ def test_training_with_accumulation_and_clipping_is_torch_adamw_bitwise(mode, wr
     if wrapper == "simulated":
         request.getfixturevalue("simulated_device")
     entry = CONFIGS[mode]
-    assert {"accumulation", "clip"} <= entry.supports and (wrapper not in COMPILED or "compile" in entry.supports)
+    assert {"clip"} <= entry.supports and (wrapper not in COMPILED or "compile" in entry.supports)
+    assert "accumulation" in entry.supports or "no_sync" in entry.supports  # _steps takes the one the entry needs
     ours, theirs = _model(), _model()
     opt = _ours(ours.parameters(), mode, max_grad_norm=CLIP if clip_by == "optimizer" else None)
     ref = _torch(theirs.parameters())
@@ -155,13 +158,22 @@ def test_training_with_accumulation_and_clipping_is_torch_adamw_bitwise(mode, wr
     _assert_trained_as_torch(ours, opt, theirs, ref)
 
 
-@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize(("accumulation", "how"), [(1, "p.grad"), (4, "p.grad"), (4, "no_sync")],
+                         ids=["acc1", "acc4-p.grad", "acc4-no_sync"])
 @pytest.mark.parametrize("mode", MODE_PARAMS)
-def test_gradient_accumulation_is_torch_adamw_bitwise(mode, accumulation):
-    assert "accumulation" in CONFIGS[mode].supports  # every entry: with updates during backward inside opt.no_sync()
+def test_gradient_accumulation_is_torch_adamw_bitwise(mode, accumulation, how):
+    """Micro-batches accumulated into p.grad (``accumulation``), or inside opt.no_sync() but for the last
+    (``no_sync``); an entry that takes one gradient per step refuses the second."""
+    entry = CONFIGS[mode]
+    feature = "no_sync" if how == "no_sync" else "accumulation"
     ours, theirs = _model(), _model()
     opt, ref = _ours(ours.parameters(), mode), _torch(theirs.parameters())
-    _steps(ours, opt, "eager", accumulation=accumulation, clip_by=None, ours=True, steps=4)
+    if accumulation > 1 and feature not in entry.supports:
+        _steps(ours, opt, "eager", accumulation=1, clip_by=None, ours=True, steps=1)  # the buckets are known
+        with pytest.raises(RuntimeError, match=entry.refusals[feature]):
+            _steps(ours, opt, "eager", accumulation=accumulation, clip_by=None, ours=True, steps=1, no_sync=False)
+        return
+    _steps(ours, opt, "eager", accumulation=accumulation, clip_by=None, ours=True, steps=4, no_sync=how == "no_sync")
     _steps(theirs, ref, "eager", accumulation=accumulation, clip_by=None, ours=False, steps=4)
     _assert_trained_as_torch(ours, opt, theirs, ref)
 
@@ -218,10 +230,11 @@ def test_a_sparse_gradient_is_refused_before_anything_changes(mode):
     assert "sparse" not in entry.supports  # torch's fused AdamW refuses them too
     embedding = nn.Embedding(5, 3, sparse=True)
     before = embedding.weight.detach().clone()
-    opt = _ours(embedding.parameters(), mode)
+    opt = _ours(embedding.named_parameters(), mode)
     embedding(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(RuntimeError, match=entry.refusals["sparse"]):
+    with pytest.raises(RuntimeError, match=entry.refusals["sparse"]) as refused:
         opt.step()
+    assert "'weight'" in str(refused.value), "the refusal names the parameter"
     assert_bitwise_equal(embedding.weight, before, "the embedding after the refused step")
     assert not opt.state
 
@@ -267,6 +280,34 @@ def test_state_dict_round_trip_into_a_fresh_optimizer_continues_exactly(mode, na
     _train(resumed, again, 2, start=3)
     _train(theirs, ref, 2, start=3)
     assert _same_params(resumed, theirs)
+
+
+def _mixed_run(mode: str, steps: int = 4) -> dict:
+    """bf16 parameters in two groups (one with amsgrad), 2 micro-batches a step, a branch without gradient every
+    other step; the state_dict after ``steps`` steps."""
+    from test_offload import Mixed, _x
+
+    torch.manual_seed(0)
+    model = Mixed(torch.bfloat16)
+    opt = OffloadAdamW([{"params": [model.a.weight, model.b.weight], "weight_decay": 0.1},
+                        {"params": [model.a.bias, model.b.bias, model.c.weight], "amsgrad": True}], **CONFIGS[mode].kwargs())
+    for step in range(steps):
+        for micro in range(2):
+            with opt.no_sync() if opt.update_in_backward and micro == 0 else contextlib.nullcontext():
+                model(_x(10 * step + micro), (True, step % 2 == 0, True)).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_the_state_dict_is_the_plain_steps_in_every_configuration(mode):
+    """Layout, hyperparameters, dtypes, devices and bits: what a configuration saves is what the plain step saves."""
+    plain, other = _mixed_run("plain"), _mixed_run(mode)
+    assert other["param_groups"] == plain["param_groups"]
+    assert_bitwise_equal(other["state"], plain["state"], "state")
+    for pid, entry in plain["state"].items():
+        assert all(value.device == other["state"][pid][key].device for key, value in entry.items()), pid
 
 
 @pytest.mark.parametrize("mode", MODE_PARAMS)

@@ -39,8 +39,10 @@ import torch
 
 #: What an entry may support, each checked by one generic test of tests/test_optim_info.py over :data:`CONFIGS`:
 #:
-#: * ``accumulation``: gradients accumulated over micro-batches (with updates during backward, the micro-batches
-#:   that only accumulate inside ``opt.no_sync()``, its protocol);
+#: * ``accumulation``: gradients of micro-batches accumulated into ``p.grad`` (with freed gradients: into the host
+#:   gradient), ``step()`` after the last;
+#: * ``no_sync``: the micro-batches that only accumulate run inside ``opt.no_sync()`` (gradients kept on the device
+#:   until the last one; the protocol of updates during backward);
 #: * ``clip``: ``max_grad_norm`` given to the optimizer, against torch's ``clip_grad_norm_`` before torch's step;
 #: * ``torch_clip``: torch's ``clip_grad_norm_`` on the model's ``p.grad`` before ``step()``;
 #: * ``closure``: ``step(closure)``;
@@ -48,12 +50,16 @@ import torch
 #: * ``scaler``: fp16 loss scaling with OffloadGradScaler, against torch's GradScaler;
 #: * ``compile``: a torch.compile'd model (``aot_eager``) and compiled autograd (the wrappers of :data:`WRAPPERS`);
 #: * ``sparse``: sparse gradients (refused everywhere, as torch's fused AdamW refuses them).
-FEATURES = frozenset({"accumulation", "clip", "torch_clip", "closure", "complex", "scaler", "compile", "sparse"})
+FEATURES = frozenset({"accumulation", "no_sync", "clip", "torch_clip", "closure", "complex", "scaler", "compile",
+                      "sparse"})
 
 #: The refusal of a sparse gradient: the same message in every mode (optim/update.py checks before anything changes).
 SPARSE_REFUSED = "does not support sparse gradients"
 #: With updates during backward a gradient may be consumed before step(): touching it through p.grad is refused.
 P_GRAD_REFUSED = "gradient cannot be clipped, unscaled or read through p.grad afterwards"
+#: With updates during backward each parameter takes one gradient per step, during backward: the next forward (or,
+#: where none is seen, as under compiled autograd, the second gradient) is refused, pointing to opt.no_sync().
+ACCUMULATION_REFUSED = r"update_in_backward=True.*inside opt\.no_sync\(\)"
 #: With updates during backward the updates run before GradScaler knows whether to skip the step.
 SCALER_REFUSED = "update_in_backward=True cannot be combined with loss scaling"
 
@@ -93,7 +99,7 @@ def _entry(name: str, options: dict[str, Any], quick: bool, supports: Iterable[s
 
 
 _EVERYTHING_BUT_SPARSE = FEATURES - {"sparse"}
-_IN_BACKWARD = FEATURES - {"sparse", "torch_clip", "scaler"}
+_IN_BACKWARD = FEATURES - {"sparse", "accumulation", "torch_clip", "scaler"}
 
 MODES: dict[str, Entry] = {e.name: e for e in (
     _entry("plain", {}, True, _EVERYTHING_BUT_SPARSE, {"sparse": SPARSE_REFUSED},
@@ -105,7 +111,8 @@ MODES: dict[str, Entry] = {e.name: e for e in (
     # bucket_bytes=1: one bucket per parameter, so the updates of the earlier buckets run while backward goes on
     # (one bucket for the whole model would update only after backward's end: the plain freed step again).
     _entry("update_in_backward", {"offload_gradients": True, "update_in_backward": True, "bucket_bytes": 1}, True,
-           _IN_BACKWARD, {"sparse": SPARSE_REFUSED, "torch_clip": P_GRAD_REFUSED, "scaler": SCALER_REFUSED},
+           _IN_BACKWARD, {"sparse": SPARSE_REFUSED, "accumulation": ACCUMULATION_REFUSED, "torch_clip": P_GRAD_REFUSED,
+                          "scaler": SCALER_REFUSED},
            "freed gradients, each bucket updated during backward as soon as its gradients landed"),
 )}
 
