@@ -253,6 +253,51 @@ def test_worker_threads_leave_the_process_thread_count_alone():
     assert torch.get_num_threads() == before
 
 
+def _native_threads() -> set[int]:
+    """This process's threads that Python did not start (torch's OpenMP team, libgomp's pools)."""
+    import os
+    import threading
+
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_worker_threads_run_torch_single_threaded():
+    """The chunk loop's workers run torch's ops with one thread each, and start no OpenMP team of their own.
+
+    Torch's first parallel call in a new thread sets that thread's OpenMP team size to the process's
+    (ATen's lazy_init_num_threads), so a worker that had set 1 before that call ran every chunk operation
+    on a second team of its own: a fork/join per operation, and libgomp's threads beyond torch's, which
+    also make libgomp shorten every team's spin-wait, torch's included."""
+    import threading
+
+    from offload_adamw.kernels import blocked
+
+    threads = 3  # a pool of its own (pools are kept per size)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        torch.ones(1 << 20).add_(1)  # torch's own team exists before the count
+        blocked._loop_function(True)  # compiled here, not in the measured step
+        native = _native_threads()
+        _run_ours(Layout("t", ((100_000,), (1000,))), torch.bfloat16, {}, "blocked",
+                  BlockConfig(chunk_elements=1024, threads=threads, numba_loop=False))
+        added = _native_threads() - native
+        barrier = threading.Barrier(threads)
+
+        def worker_threads() -> int:
+            barrier.wait()  # one call on each worker
+            return torch.get_num_threads()
+
+        pool = blocked._get_pool(threads)
+        seen = [f.result() for f in [pool.submit(worker_threads) for _ in range(threads)]]
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1] * threads
+    assert not added, f"the step started {len(added)} native threads beside torch's team"
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_worker_pool_survives_fork():
     """A forked child (a DataLoader worker, say) gets its own pool instead of waiting on its parent's threads."""

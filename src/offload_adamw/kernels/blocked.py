@@ -340,7 +340,14 @@ if hasattr(os, "register_at_fork"):
 
 def _single_threaded_worker_init() -> None:
     # at::set_num_threads sets this OS thread's OpenMP team size; the caller
-    # restores the process-wide value afterwards (see _get_pool).
+    # restores the process-wide value afterwards (see _get_pool). Torch's first
+    # parallel call in a thread (get_num_threads is one) sets that thread's team size
+    # to the process-wide value, once per thread (ATen's lazy_init_num_threads), so it
+    # must come before our 1: made after it, that first chunk operation undid the 1, and
+    # every worker ran its chunk operations on an OpenMP team of its own (a fork/join per
+    # operation, and libgomp threads beyond the cores, which shortens every team's
+    # spin-wait, torch's own included).
+    torch.get_num_threads()
     torch.set_num_threads(1)
 
 
