@@ -21,6 +21,7 @@ from torch import nn
 from _parity import same_bits
 from offload_adamw import OffloadAdamW
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, UpdateTarget
+from offload_adamw.optim import policy
 from offload_adamw.optim import update as update_path
 
 
@@ -77,7 +78,7 @@ def test_the_pipeline_needs_only_the_update_target_interface(freed: bool) -> Non
     plain = OffloadAdamW(plain_model.parameters(), lr=1e-2, transfer_pipeline=False)
     target = OffloadAdamW(piped_model.parameters(), lr=1e-2, transfer_pipeline=False)
     proxy: UpdateTarget = _OnlyTheInterface(target)  # type: ignore[assignment]
-    pipeline = GradientPipeline(proxy, PipelineConfig(offload_gradients=freed, bucket_bytes=64))
+    pipeline = GradientPipeline(proxy, PipelineConfig(offload_gradients=freed, bucket_bytes=64), policy)
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for _ in range(4):
         for model in (plain_model, piped_model):

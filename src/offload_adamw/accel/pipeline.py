@@ -52,7 +52,7 @@ from offload_adamw.accel import amp, bucketing, streams, swaps
 from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
 from offload_adamw.accel.device_update import DeviceUpdate
 from offload_adamw.accel.freed import is_host_resident
-from offload_adamw.accel.gate import Gate, clipped_view
+from offload_adamw.accel.gate import Gate, StepPolicy, clipped_view
 from offload_adamw.accel.host_update import HostUpdate
 from offload_adamw.accel.overlap import UpdateRecord
 from offload_adamw.accel.placements import Placements
@@ -150,7 +150,7 @@ class PipelineConfig:
 class GradientPipeline:
     """Hooks, host buffers, transfers and the bucketed step of one OffloadAdamW (see the module contract)."""
 
-    def __init__(self, optimizer: UpdateTarget, config: PipelineConfig) -> None:
+    def __init__(self, optimizer: UpdateTarget, config: PipelineConfig, policy: StepPolicy) -> None:
         # Held weakly: the optimizer owns the pipeline, and a dropped optimizer must take its hooks with it.
         self.optimizer: Any = weakref.proxy(optimizer)
         self._closing = weakref.finalize(optimizer, self._close)  # held weakly: closed when it goes
@@ -168,7 +168,8 @@ class GradientPipeline:
         self.slots = SlotTable(self.engine, check)
         self.recorder = Recorder()
         self._places: dict[Tensor, tuple[int, int]] = {}  # (group, index) of each parameter as of the latest refresh()
-        self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe)
+        self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe,
+                         policy=policy)
         coefficient = lambda: self.gate.coefficient  # noqa: E731
         used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
         chunk = config.stream_chunk_bytes // 4096 * 4096

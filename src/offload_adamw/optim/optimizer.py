@@ -38,7 +38,6 @@ from torch.optim.optimizer import ParamsT
 from offload_adamw.accel import ddp as _ddp
 from offload_adamw.accel import streams
 from offload_adamw.accel.amp import HostGradientHolder
-from offload_adamw.accel.clipping import clip_grad_norm_ as _clip_grad_norm_
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import (
@@ -55,6 +54,7 @@ from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 from offload_adamw.optim import loading as _loading
 from offload_adamw.optim import placement as _placement
+from offload_adamw.optim import policy as _policy
 from offload_adamw.optim import preflight as _preflight
 from offload_adamw.optim import state as host_state
 from offload_adamw.optim import update as _update
@@ -479,7 +479,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pipeline = GradientPipeline(self, PipelineConfig(
             offload_gradients=offload_gradients, bucket_bytes=bucket_bytes, update_in_backward=update_in_backward,
             stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers,
-        ))
+        ), _policy)
         # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
         self._step_supports_amp_scaling = True
 
@@ -579,13 +579,13 @@ class OffloadAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: bool | None = None
     ) -> Tensor:
-        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (optim/policy.py)."""
         if self.update_in_backward:
             raise RuntimeError(
                 "clip_grad_norm_ cannot clip with update_in_backward=True: the updates already ran during backward; "
                 "use update_in_backward=False to clip"
             )
-        return _clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _policy.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     # ------------------------------------------- the update path (UpdateTarget)
 
@@ -608,7 +608,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             (lambda gi=gi, i=i: self.describe_param(gi, i), _distributed.local_tensor(g)) for gi, i, g in gradients
         ]
         params = [self.param_groups[gi]["params"][i] for gi, i, _ in gradients]
-        skip = _update.nonfinite_decision(self.nonfinite, named, params, groups)
+        skip = _policy.nonfinite_decision(self.nonfinite, named, params, groups)
         if skip:
             self.skipped_steps += 1
         return skip
@@ -793,7 +793,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             found_inf = getattr(self, "found_inf", None)
             if not (isinstance(found_inf, Tensor) and bool(found_inf.item() != 0)):
                 # In the model's parameter order, as torch's clip_grad_norm_(model.parameters()) (optim/clip_order.py).
-                self.last_grad_norm = _clip_grad_norm_(self, self.max_grad_norm, order=self.clip_parameters())
+                self.last_grad_norm = _policy.step_norm(
+                    self.max_grad_norm, lambda: _policy.gradients_of(self, self.clip_parameters()))
         if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
             self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
             return loss
