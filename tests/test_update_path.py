@@ -57,6 +57,31 @@ def test_every_update_goes_through_update_group(monkeypatch, pipeline: bool) -> 
     assert all(not same_bits(a, p.detach()) for a, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("mode", ["plain", "kept", "freed"])
+@pytest.mark.parametrize("options", [{}, {"nonfinite": "skip", "max_grad_norm": 0.5}], ids=["bare", "skip-clip"])
+def test_a_step_checks_each_gradient_once(monkeypatch, mode: str, options: dict[str, Any]) -> None:
+    """Every gradient is checked before the first update, once: a second check of the same gradient in the same
+    step is fixed cost per parameter and says nothing new (nothing runs between the two)."""
+    checked: list[tuple[int, ...]] = []
+    real = update_path.check_gradient
+
+    def counted(describe, param, grad, state):
+        checked.append(tuple(param.shape))
+        return real(describe, param, grad, state)
+
+    monkeypatch.setattr(update_path, "check_gradient", counted)
+    model = _model(torch.float32)
+    opt = OffloadAdamW(model.parameters(), transfer_pipeline=mode != "plain", offload_gradients=mode == "freed",
+                       bucket_bytes=64, **options)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        model(x).square().mean().backward()
+        checked.clear()
+        opt.step()
+        opt.zero_grad()
+        assert sorted(checked) == sorted(tuple(p.shape) for p in model.parameters()), checked
+
+
 class _OnlyTheInterface:
     """Exposes exactly the names of UpdateTarget, so any other access raises AttributeError."""
 

@@ -251,13 +251,10 @@ class GradientPipeline:
         self.refresh()
         self.ddp.attach(ddp)
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Micro-batches that only accumulate: their gradients stay where autograd accumulates them (on the
         device) and start no copy and no update; the next backward outside it copies each once."""
-        return self._no_sync()
-
-    @contextlib.contextmanager
-    def _no_sync(self) -> Iterator[None]:
         before, self._syncing = self._syncing, False
         try:
             yield
@@ -325,6 +322,11 @@ class GradientPipeline:
     def _ready(self, slot: Slot) -> Tensor | None:
         with self._lock:
             return self.residency.ready(slot, self._validate)
+
+    def _checked(self, slot: Slot) -> Tensor | None:
+        """:meth:`_ready` in ``step()``, after :meth:`_check_gradients` checked every gradient once (not again)."""
+        with self._lock:
+            return self.residency.ready(slot, lambda _slot, _grad: None)
 
     def host_gradients(self, order: Sequence[Tensor] | None = None) -> list[tuple[Tensor, Tensor]]:
         """(parameter, complete host gradient) for every parameter that has one, in optimizer order (or ``order``'s)."""
@@ -422,7 +424,7 @@ class GradientPipeline:
             # last_grad_norm is its own (inf or NaN), not the previous step's.
             present = [p for p in where if p.grad is not None
                        and (self.residency.present(self.slots[p]) or not is_host_resident(p.grad))]
-            self.gate.clip_at_step(present, bool(early.params), lambda p: self._ready(self.slots[p]))
+            self.gate.clip_at_step(present, bool(early.params), lambda p: self._checked(self.slots[p]))
         if opt.nonfinite != "propagate" and self._skip_for_nonfinite(where, early.params):
             return
         self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
@@ -444,7 +446,7 @@ class GradientPipeline:
                 self.residency.prefetch([self.slots[p] for p in todo[k + 1]])  # copies while this bucket updates
             record = UpdateRecord(bucket=len(records), ready=self.recorder.landed_at(bucket, step_called))
             record.start = time.monotonic()
-            sent += self.placements.run(bucket, where, scale, self._ready, record.extra)
+            sent += self.placements.run(bucket, where, scale, self._checked, record.extra)
             record.end = time.monotonic()
             records.append(record)
         # The next forward waits for the parameters on the device; the host does not wait at all.
@@ -458,7 +460,6 @@ class GradientPipeline:
             self.schedule.prepare(buckets)
 
     def _check_gradients(self, where: dict[Tensor, tuple[int, int]], early: set[Tensor]) -> None:
-        opt = self.optimizer
         for p, w in where.items():
             if p in early:
                 continue  # the schedule checks what the step may not meet after its early update
@@ -467,12 +468,12 @@ class GradientPipeline:
                 self._validate(slot, p.grad)
             elif self.residency.present(slot) and p.grad is not None:
                 assert slot.host_grad is not None  # present: host_grad holds it
-                opt.check_gradient(w[0], w[1], slot.host_grad)
+                self.optimizer.check_gradient(w[0], w[1], slot.host_grad)
 
     def _skip_for_nonfinite(self, where: dict[Tensor, tuple[int, int]], early: set[Tensor]) -> bool:
         """The non-finite policy over the gradients still to update (after updates during backward every gradient
         they used was found finite on the device; a skip is then too late)."""
-        present = [(w[0], w[1], self._ready(self.slots[p])) for p, w in where.items() if p not in early]
+        present = [(w[0], w[1], self._checked(self.slots[p])) for p, w in where.items() if p not in early]
         skip = self.optimizer.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None],
                                                  self.ddp.process_groups())
         if skip and early:
@@ -497,4 +498,3 @@ class GradientPipeline:
         with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
             sent = self.placements.run(members, where, None, self.residency.landed, times)
         return sent, times
-
