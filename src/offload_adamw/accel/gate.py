@@ -13,13 +13,13 @@ Contract:
   the one whose norm a hook took, with the ``max_grad_norm`` of now. Otherwise (accumulated over more
   than one backward, cleared or set by hand after backward, a nested reentrant backward, a changed
   ``max_grad_norm``) a step before which no update ran clips as ``torch.nn.utils.clip_grad_norm_``
-  does (:meth:`Gate.clip_at_step`, through the policy's ``step_norm``, the one clipping of every step), and one
-  after updates that used it is refused.
+  does (optim/policy.py's ``step_norm``, the one clipping of every step: :meth:`Gate.taken_norm` says None), and
+  one after updates that used it is refused.
 * Beside an attached DDP model, or with a plain parameter beside FSDP2's shards, the non-finite
   decision is OR-reduced over the ranks, so every rank decides alike.
 * With ``update_in_backward`` the hooks take every gradient's norm, clipping or not, so that the step's
-  total norm is known after the updates consumed the gradients: :meth:`Gate.clip_at_step` sets the
-  optimizer's ``last_grad_norm`` to it (torch's ``get_total_norm`` over the model's parameter order,
+  total norm is known after the updates consumed the gradients: :meth:`Gate.taken_norm` gives the step
+  the ``last_grad_norm`` it records (torch's ``get_total_norm`` over the model's parameter order,
   optim/clip_order.py) also without ``max_grad_norm``, from the norms the hooks took while they are the
   step's, else from the host gradients (the updates did not change them: nothing clipped them). This is
   what the HF Trainer logs as ``grad_norm`` (integrations/hf.py).
@@ -52,9 +52,6 @@ class StepPolicy(Protocol):
     def total_norm(self, norms: list[Norm], norm_type: float = 2.0) -> Tensor: ...
 
     def clip_coefficient(self, norms: list[Norm], max_norm: float, norm_type: float = 2.0) -> tuple[Tensor, Tensor]: ...
-
-    def step_norm(self, max_norm: float | None, gradients: Callable[[], list[Tensor]],
-                  taken: Tensor | None = None) -> Tensor: ...
 
     def nonfinite_count(self, grad: Tensor) -> Tensor: ...
 
@@ -226,11 +223,11 @@ class Gate:
 
     # ------------------------------------------------------------------ at step
 
-    def clip_at_step(self, present: Sequence[Tensor], early: bool, ready: Callable[[Tensor], Tensor | None]) -> None:
-        """Clipping with update_in_backward: the coefficient taken after backward while it is the step's, else torch's
-        now over the complete gradients ``ready(p)`` of ``present`` (:func:`clip_inputs`); refused after updates ran
-        with a coefficient that is not the step's. Without ``max_grad_norm`` the step's total norm all the same (the
-        module contract). Both through the policy's ``step_norm``, the clipping of every step."""
+    def taken_norm(self, present: Sequence[Tensor], early: bool) -> Tensor | None:
+        """The step's total norm taken from backward's hooks while it is the step's (with ``max_grad_norm``: the one
+        its coefficient was taken from, which then applies to every update), else None: the step's clipping
+        (optim/policy.py's ``step_norm``) reads the gradients ``present`` now. Refused after updates ran (``early``)
+        with a coefficient that is not the step's."""
         max_norm = self._optimizer.max_grad_norm
         reason = self._not_the_steps(present, max_norm)
         if reason is not None and early and (max_norm is not None or self.coefficient is not None):
@@ -239,23 +236,16 @@ class Gate:
                 "used the clip coefficient taken when backward ended; set gradients only through backward, one backward "
                 "per step (accumulate inside opt.no_sync()), and change max_grad_norm after opt.step()"
             )
-        ordered = self._in_order(present)
         if max_norm is None:
             self.coefficient = None
-            taken = self._norms_taken(ordered)
-        elif reason is None:
-            taken = self._total  # the coefficient taken after backward applies to every update of the step
-        else:
-            self.coefficient = None
-            taken = None
-        # A read (and, with max_grad_norm, torch's clipping) of gradients no update has consumed yet.
-        self.clipping_at_step = True
-        try:
-            self._optimizer.last_grad_norm = self._policy.step_norm(max_norm, lambda: clip_inputs(ordered, ready), taken)
-        finally:
-            self.clipping_at_step = False
+            return self._norms_taken(self.in_order(present))
+        if reason is None:
+            return self._total  # the coefficient taken after backward applies to every update of the step
+        self.coefficient = None
+        return None
 
-    def _in_order(self, params: Sequence[Tensor]) -> list[Tensor]:
+    def in_order(self, params: Sequence[Tensor]) -> list[Tensor]:
+        """``params`` in the order clipping reduces their norms (the model's, optim/clip_order.py)."""
         rank = {p: k for k, p in enumerate(self._order())}
         return sorted(params, key=lambda p: rank.get(p, len(rank)))
 
