@@ -93,10 +93,10 @@ class StepTransport:
         """What the step may not meet after updates during backward (the schedule's; refused, torn)."""
         self._front.schedule.check_step(self._front.places(), self._early)
 
-    def norm_inputs(self, max_norm: float | None, order: Sequence[Tensor]
+    def norm_inputs(self, max_norm: float | None, order: Callable[[], Sequence[Tensor]]
                     ) -> tuple[Tensor | None, Callable[[], list[Tensor]]] | None:
         """What the step's norm reads: (the norm the hooks took while it is the step's, else None; the gradients in
-        ``order``), or None when the step takes no norm (no clipping, and no updates during backward)."""
+        ``order()``), or None when the step takes no norm (no clipping, and no updates during backward)."""
         front = self._front
         if front.gate.tracks():
             present = [p for p in front.places() if p.grad is not None
@@ -106,7 +106,7 @@ class StepTransport:
             return taken, lambda: clip_inputs(ordered, self.ready)
         if max_norm is None:
             return None
-        return None, lambda: front.gradient_tensors(order, self.ready)
+        return None, lambda: front.gradient_tensors(order(), self.ready)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:

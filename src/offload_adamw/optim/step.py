@@ -51,7 +51,7 @@ class Transport(Protocol):
 
     def check_step(self) -> None: ...
 
-    def norm_inputs(self, max_norm: float | None, order: Sequence[Tensor]
+    def norm_inputs(self, max_norm: float | None, order: Callable[[], Sequence[Tensor]]
                     ) -> tuple[Tensor | None, Callable[[], list[Tensor]]] | None: ...
 
     def reading(self) -> contextlib.AbstractContextManager[None]: ...
@@ -83,7 +83,8 @@ def run(opt: OffloadAdamW, transport: Transport, grad_scale: Tensor | None, foun
         transport.check(p, grad)
     transport.check_step()
     # Clipping before the policy: a skipped step's last_grad_norm is its own (inf or NaN), not the previous step's.
-    inputs = transport.norm_inputs(opt.max_grad_norm, opt.clip_parameters())
+    # The model's order is looked for only where the step takes a norm (optim/clip_order.py searches once).
+    inputs = transport.norm_inputs(opt.max_grad_norm, opt.clip_parameters)
     if inputs is not None:
         taken, gradients = inputs
         with transport.reading():
@@ -120,12 +121,12 @@ class PlainTransport:
     def check_step(self) -> None:
         return None
 
-    def norm_inputs(self, max_norm: float | None, order: Sequence[Tensor]
+    def norm_inputs(self, max_norm: float | None, order: Callable[[], Sequence[Tensor]]
                     ) -> tuple[Tensor | None, Callable[[], list[Tensor]]] | None:
         if max_norm is None:
             return None
         # In the model's parameter order, as torch's clip_grad_norm_(model.parameters()) (optim/clip_order.py).
-        return None, lambda: [p.grad for p in order if p.grad is not None]
+        return None, lambda: [p.grad for p in order() if p.grad is not None]
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
