@@ -1,16 +1,16 @@
 """Peak host memory of a checkpoint save, against the size of the state saved (one process, CPU).
 
-    python benchmarks/checkpoint_memory.py                       # about 200 MB of state, both layouts
+    python benchmarks/checkpoint_memory.py                       # about 200 MB of state, both kinds of model
     python benchmarks/checkpoint_memory.py --mb 50 --json out.json
 
 A model of fp32 linear layers is trained one step by OffloadAdamW, so that its state is the parameters
 and the two moments (``--mb`` MB in all). Then, in a fresh process for each layout (so that one's
 allocator does not serve the other), ``checkpoint.save`` runs while a thread samples the resident set
-(``/proc/self/statm``) every millisecond:
+(``/proc/self/statm``) every millisecond. Both write layout 2 (DCP's planning, the streaming safetensors
+writer), the only format ``save`` writes:
 
-* ``one-process``: the plain model (layout 1, the one-process writer);
-* ``sharded``: the same model under ``fully_shard`` on a 1-rank gloo group (layout 2: DCP's safetensors
-  writer, what FSDP2 runs use).
+* ``one-process``: the plain model, no process group (what one process and, per rank, DDP write);
+* ``sharded``: the same model under ``fully_shard`` on a 1-rank gloo group (what FSDP2 runs write).
 
 Printed per layout: the state's size, the resident set before the save and its peak during it, and the
 peak's excess over the state (1.0 = the save held a second copy of the whole state). Linux only.

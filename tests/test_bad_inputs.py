@@ -15,19 +15,13 @@ import math
 import pytest
 import torch
 
+from configs import assert_bitwise_equal
 from offload_adamw import OffloadAdamW
 
 POLICIES = ["propagate", "skip", "raise"]
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    )
 
 
 def make(dtype: torch.dtype, **options):
@@ -61,7 +55,7 @@ def assert_same(a: dict, b: dict, skip=lambda key: False) -> None:
     assert a.keys() == b.keys()
     for key in a:
         if not skip(key):
-            assert same_bits(a[key], b[key]), key
+            assert_bitwise_equal(a[key], b[key], key)
 
 
 # ----------------------------------------------------------------- inf/NaN
@@ -87,7 +81,7 @@ def test_propagate_spreads_only_where_the_gradient_was_not_finite(dtype, bad):
         if key in poisoned:
             assert not torch.isfinite(flat[1]), key
             flat, flat_ref = torch.cat([flat[:1], flat[2:]]), torch.cat([flat_ref[:1], flat_ref[2:]])
-        assert same_bits(flat, flat_ref), key
+        assert_bitwise_equal(flat, flat_ref, key)
 
 
 @pytest.mark.parametrize("bad", BAD)
@@ -177,9 +171,9 @@ def test_gradient_of_another_floating_dtype_is_converted_to_the_master_dtype(par
     q.grad = grad.to(master_dtype)
     reference = OffloadAdamW([q], lr=0.1)
     reference.step()
-    assert same_bits(optimizer.master_param(p), q.detach())
-    assert same_bits(optimizer.state[p]["exp_avg_sq"], reference.state[q]["exp_avg_sq"])
-    assert same_bits(p.detach(), q.detach().to(param_dtype))
+    assert_bitwise_equal(optimizer.master_param(p), q.detach(), "the master of p")
+    assert_bitwise_equal(optimizer.state[p]["exp_avg_sq"], reference.state[q]["exp_avg_sq"], "exp_avg_sq of p")
+    assert_bitwise_equal(p.detach(), q.detach().to(param_dtype), "parameter")
 
 
 def test_integer_gradient_is_refused_naming_the_parameter():
@@ -241,7 +235,7 @@ def test_meta_parameters_are_refused_with_a_runtime_error_as_torch_and_train_onc
     optimizer.step()
     torch_opt.step()
     for p, q in zip(ours.parameters(), theirs.parameters()):
-        assert same_bits(p.detach(), q.detach())
+        assert_bitwise_equal(p.detach(), q.detach(), "parameter")
 
 
 # -------------------------------------------------------- add_param_group
@@ -271,11 +265,12 @@ def test_add_param_group_after_state_exists_equals_torch():
     step(3, 3)
     step(4, 3)
     for p, q in zip(ours, theirs):
-        assert same_bits(p.detach(), q.detach())
+        assert_bitwise_equal(p.detach(), q.detach(), "parameter")
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert same_bits(optimizer.state[p][key], torch_opt.state[q][key]), key
+            assert_bitwise_equal(optimizer.state[p][key], torch_opt.state[q][key], key)
     assert [float(optimizer.state[p]["step"]) for p in ours] == [4.0, 4.0, 2.0]
-    assert same_bits(optimizer.state[ours[2]]["max_exp_avg_sq"], torch_opt.state[theirs[2]]["max_exp_avg_sq"])
+    assert_bitwise_equal(optimizer.state[ours[2]]["max_exp_avg_sq"], torch_opt.state[theirs[2]]["max_exp_avg_sq"],
+                         "max_exp_avg_sq of the amsgrad parameter")
 
 
 def test_add_param_group_with_a_parameter_already_present_is_refused():

@@ -17,9 +17,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import _checkpoint_files as files
 from _fault_worker import Net, build, groups, train
+from _layout1_writer import save_layout1
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
 from offload_adamw.checkpoint import CheckpointError, CheckpointMismatch
+from offload_adamw.checkpoint.layout import rank_files
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -74,34 +77,41 @@ def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, out_dtype):
     assert_same(snapshot(model2, optimizer2, scheduler2), expected)
 
 
-def test_low_precision_parameters_are_stored_as_their_float32_masters(tmp_path):
+def test_low_precision_parameters_are_saved_with_their_float32_masters(tmp_path):
+    """The float32 master of a bf16 parameter is the source of truth: stored bit for bit next to the bf16 value
+    (the optimizer's state, keyed by the parameter's name), and a resume continues from it (see the resume test)."""
     model, optimizer, scheduler = build()
     train(model, optimizer, scheduler, 2)
-    checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
-    stored = load_file(str(tmp_path / "c" / checkpoint.MODEL_FILE))
+    path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
+    entries = files.model_entries(path)
     assert model.out.weight.dtype == torch.bfloat16
     for name, p in model.named_parameters():
-        assert same_bits(stored[name], optimizer.master_param(p)), name
-    assert stored["out.weight"].dtype == torch.float32
-    assert not torch.equal(stored["out.weight"], model.out.weight.float())  # the master carries more bits
-    meta = json.loads((tmp_path / "c" / checkpoint.META_FILE).read_text())
-    assert meta["model"]["out.weight"]["dtype"] == "bfloat16"
-    opt_keys = set(load_file(str(tmp_path / "c" / checkpoint.OPTIMIZER_FILE)))
-    assert "out.weight::exp_avg" in opt_keys and "out.bias::max_exp_avg_sq" in opt_keys
-    assert not any(k.endswith("::master_param") for k in opt_keys)  # stored once, as the model entry
+        assert same_bits(entries[name], p.detach()), name
+        master = optimizer.master_param(p)
+        if p.dtype != torch.float32:
+            assert same_bits(files.optimizer_entry(path, name, "master_param"), master), name
+    assert files.optimizer_entry(path, "out.weight", "master_param").dtype == torch.float32
+    assert not torch.equal(files.optimizer_entry(path, "out.weight", "master_param"),
+                           model.out.weight.float())  # the master carries more bits
+    assert files.meta(path)["tensors"]["state/model/out.weight"]["dtype"] == "bfloat16"
+    keys = set(files.tensors(path))
+    assert "state/optimizer/state/out.weight/exp_avg" in keys and "state/optimizer/state/out.bias/max_exp_avg_sq" in keys
 
 
 def test_files_are_safetensors_and_json_and_load_never_unpickles(tmp_path, monkeypatch):
     model, optimizer, scheduler = build()
     train(model, optimizer, scheduler, 1)
     path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra={"t": torch.arange(3), "pair": (1, 2.5)})
+    shard, (own_json, own_tensors) = "shard-00001-model-00001-of-00001.safetensors", rank_files(0)
     assert sorted(p.name for p in path.iterdir()) == sorted(
-        [*checkpoint.DATA_FILES, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE]
+        [shard, own_json, own_tensors, checkpoint.META_FILE, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE]
     )
-    for name in (checkpoint.MODEL_FILE, checkpoint.OPTIMIZER_FILE, checkpoint.AUX_FILE):
-        with safe_open(str(path / name), "pt") as f:
-            assert f.metadata()["format"] == checkpoint.FORMAT
-    for name in (checkpoint.META_FILE, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE):
+    assert not (path / ".metadata").exists()  # DCP's own metadata file is a pickle: never written
+    with safe_open(str(path / shard), "pt") as f:
+        assert f.metadata()["format"] == "pt" and "DCP_SHARDING_INFO" in f.metadata()
+    with safe_open(str(path / own_tensors), "pt") as f:
+        assert f.metadata()["format"] == checkpoint.FORMAT
+    for name in (checkpoint.META_FILE, own_json, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE):
         json.loads((path / name).read_text())
 
     def refuse(*args, **kwargs):
@@ -174,8 +184,8 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
     model(torch.tensor([1, 2])).sum().backward()
     optimizer.step()
     checkpoint.save(tmp_path / "c", model, optimizer)
-    meta = json.loads((tmp_path / "c" / checkpoint.META_FILE).read_text())
-    assert meta["aliases"] == {"1.weight": "0.weight"}
+    assert files.meta(tmp_path / "c")["aliases"] == {"1.weight": "0.weight"}
+    assert set(files.model_entries(tmp_path / "c")) == {"0.weight"}
     model2, optimizer2 = tied()
     assert checkpoint.load(tmp_path / "c", model2, optimizer2).ok
     assert model2[1].weight is model2[0].weight and torch.equal(model2[0].weight, model[0].weight)
@@ -307,15 +317,27 @@ def _target(net_options: dict, layout: str):
     return model, optimizer, scheduler
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+@pytest.fixture(scope="module", params=["current", "layout1"])
+def sources(request, tmp_path_factory):
+    """The sources as ``save`` writes them, and as the old one-process writer wrote them (loaded in place)."""
     root = tmp_path_factory.mktemp("sources")
+    write = checkpoint.save if request.param == "current" else save_layout1
     out = {}
     for extra in (False, True):
         model, optimizer, scheduler = build(extra=extra)
         train(model, optimizer, scheduler, 2)
-        out[extra] = checkpoint.save(root / f"extra-{extra}", model, optimizer, scheduler)
+        out[extra] = write(root / f"extra-{extra}", model, optimizer, scheduler)
     return out
+
+
+def stored(path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(model entries, exp_avg) by name as the checkpoint stores them (layout 1: a bf16 entry as its master)."""
+    if checkpoint.verify(path)["version"] == 1:
+        moments = load_file(str(path / checkpoint.OPTIMIZER_FILE))
+        return load_file(str(path / checkpoint.MODEL_FILE)), {
+            k.removesuffix("::exp_avg"): v for k, v in moments.items() if k.endswith("::exp_avg")}
+    entries = files.model_entries(path)
+    return entries, {name: files.optimizer_entry(path, name, "exp_avg") for name in entries}
 
 
 def _culprits(expected: dict) -> list[str]:
@@ -347,21 +369,20 @@ def test_non_strict_loads_what_matches_and_keeps_the_rest(sources, case):
     before = snapshot(model, optimizer, scheduler)
     report = checkpoint.load(path, model, optimizer, scheduler, strict=False)
     assert not report.ok and sorted(report.missing) == sorted(expected.get("missing", []))
-    stored = load_file(str(path / checkpoint.MODEL_FILE))
-    saved_states = load_file(str(path / checkpoint.OPTIMIZER_FILE))
+    entries, moments = stored(path)
     # A parameter in another group still gets its model value; only its optimizer state stays.
     bad = set(_culprits({k: v for k, v in expected.items() if k != "group_mismatch"}))
-    assert set(report.loaded) == set(stored) - bad - set(report.unexpected)
+    assert set(report.loaded) == set(entries) - bad - set(report.unexpected)
     for name, value in model.state_dict().items():
         if name in report.loaded:
-            assert same_bits(value, stored[name].to(value.dtype)), name  # bf16 = round-to-nearest of the master
+            assert same_bits(value, entries[name].to(value.dtype)), name  # bf16 = round-to-nearest of the master
         else:
             assert same_bits(value, before[f"model/{name}"]), name
     loaded_groups = layout != "single"
     for name, p in model.named_parameters():
         state = optimizer.state[p]
         if name in report.loaded and name not in report.group_mismatch and loaded_groups:
-            assert same_bits(state["exp_avg"], saved_states[f"{name}::exp_avg"]), name
+            assert same_bits(state["exp_avg"], moments[name]), name
         else:
             assert same_bits(state["exp_avg"], before[f"opt/{name}/exp_avg"]), name
         assert same_bits(optimizer.master_param(p).to(p.dtype), p.detach()), name  # model and master agree
@@ -401,21 +422,13 @@ def cuda_state(seed: int, offset: int) -> torch.Tensor:
 
 def with_cuda_rng(path, states) -> None:
     """Rewrite a checkpoint as a process with CUDA initialised saves it: ``states`` as rng/cuda, the seal renewed."""
-    from safetensors.torch import save_file
-
-    from offload_adamw.checkpoint import publication
-    from offload_adamw.checkpoint.layout import dumps
-
-    aux = load_file(str(path / checkpoint.AUX_FILE))
-    meta = json.loads((path / checkpoint.META_FILE).read_text())
+    own, own_tensors = files.rank_state(path)
     refs = []
     for i, state in enumerate(states):
-        aux[f"rng/cuda/{i}"] = state
+        own_tensors[f"rng/cuda/{i}"] = state
         refs.append({"__tensor__": f"rng/cuda/{i}"})
-    meta["rng"]["cuda"] = refs
-    save_file(aux, str(path / checkpoint.AUX_FILE), metadata={"format": checkpoint.FORMAT})
-    (path / checkpoint.META_FILE).write_bytes(dumps(meta))
-    publication.seal(path, checkpoint.DATA_FILES)
+    own["rng"]["cuda"] = refs
+    files.write_rank_state(path, own, own_tensors)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the checkpoint's CUDA states would be restored here")
@@ -450,14 +463,9 @@ def test_a_malformed_cuda_rng_state_is_refused_naming_it(tmp_path, states, why):
     model, optimizer, scheduler = build()
     path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler)
     if isinstance(states, str):
-        with_cuda_rng(path, [])
-        meta = json.loads((path / checkpoint.META_FILE).read_text())
-        meta["rng"]["cuda"] = states
-        from offload_adamw.checkpoint import publication
-        from offload_adamw.checkpoint.layout import dumps
-
-        (path / checkpoint.META_FILE).write_bytes(dumps(meta))
-        publication.seal(path, checkpoint.DATA_FILES)
+        own, own_tensors = files.rank_state(path)
+        own["rng"]["cuda"] = states
+        files.write_rank_state(path, own, own_tensors)
     else:
         with_cuda_rng(path, states)
     model2, optimizer2, scheduler2 = build(seed=1)
@@ -510,7 +518,7 @@ def test_a_save_between_a_backward_that_updated_and_step_is_refused_before_anyth
         opt.step()
         opt.zero_grad()
     good = checkpoint.save(tmp_path / "c", model, opt)  # between step() and the next backward: allowed
-    kept = {name: (good / name).read_bytes() for name in checkpoint.DATA_FILES}
+    kept = files.data_files(good)
     _uib_loss(model, 2).backward()
     with pytest.raises(RuntimeError) as refused_by_optimizer:
         opt.state_dict()
@@ -519,7 +527,7 @@ def test_a_save_between_a_backward_that_updated_and_step_is_refused_before_anyth
             checkpoint.save(target, model, opt, overwrite=overwrite)
         assert str(refused_by_optimizer.value) in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # nothing written, no temporaries
-    assert {name: (good / name).read_bytes() for name in checkpoint.DATA_FILES} == kept
+    assert files.data_files(good) == kept
     opt.step()  # the step itself completes normally
     opt.zero_grad()
     checkpoint.save(tmp_path / "c", model, opt, overwrite=True)

@@ -28,10 +28,11 @@ WORKERS = 3
 PATHS = 2
 
 
-def race(root: Path, mode: str, *, widen: bool, paths: int = PATHS) -> list[list[str]]:
+def race(root: Path, mode: str, *, widen: bool, paths: int = PATHS, sharded: bool = False) -> list[list[str]]:
     """Each worker's outcome per path ("ok" or its error), after all of them ended."""
     env = {**os.environ, checkpoint.ENV_EXCHANGE: MODES[mode]}
-    done = subprocess.run([sys.executable, str(WORKER), str(root), str(WORKERS), str(paths)] + (["widen"] if widen else []),
+    flags = (["widen"] if widen else []) + (["sharded"] if sharded else [])
+    done = subprocess.run([sys.executable, str(WORKER), str(root), str(WORKERS), str(paths), *flags],
                           env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -66,3 +67,9 @@ def test_concurrent_saves_without_overwrite_one_wins_the_rest_are_refused(tmp_pa
 def test_30_paths_raced_without_the_window_widened(tmp_path, mode):
     """As the issue found it: nothing forced, 30 paths (on the code before the fix, 1 in 30 lost a checkpoint)."""
     judge(tmp_path, race(tmp_path, mode, widen=False, paths=30), 30)
+
+
+@pytest.mark.slow  # about 8 s: three forked writers, each with its own gloo group and FSDP2 model
+def test_concurrent_sharded_saves_without_overwrite_one_wins_the_rest_are_refused(tmp_path):
+    """The same with models under FSDP2 (DTensors, DCP's sharded planning): the publish window widened in 3 writers."""
+    judge(tmp_path, race(tmp_path, "renameat2", widen=True, sharded=True), PATHS)

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from _layout1_writer import save_layout1
 from offload_adamw import OffloadAdamW, checkpoint
 from offload_adamw.checkpoint import CheckpointError
 from offload_adamw.checkpoint.convert import convert
@@ -28,7 +29,8 @@ def build(dtype):
     return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.9)
 
 
-def trained(tmp_path, dtype):
+def trained(tmp_path, dtype, *, also_new: bool = False):
+    """A layout-1 checkpoint as the code before layout 2 wrote it (``also_new``: and ``save``'s of the same state)."""
     model, optimizer, scheduler = build(dtype)
     for i in range(2):
         x = torch.randn(3, 6, generator=torch.Generator().manual_seed(i)).to(dtype)
@@ -36,7 +38,37 @@ def trained(tmp_path, dtype):
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
-    return checkpoint.save(tmp_path / "old", model, optimizer, scheduler, extra={"epoch": 2})
+    old = save_layout1(tmp_path / "old", model, optimizer, scheduler, extra={"epoch": 2})
+    if also_new:
+        return old, checkpoint.save(tmp_path / "current", model, optimizer, scheduler, extra={"epoch": 2})
+    return old
+
+
+def loaded_alike(a, b) -> None:
+    """Twin (model, optimizer, scheduler) triples after two loads: equal bit for bit, groups and scheduler too."""
+    for (name, x), y in zip(a[0].state_dict().items(), b[0].state_dict().values(), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    sa, sb = a[1].state_dict(), b[1].state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert a[1].param_groups[0].keys() == b[1].param_groups[0].keys()
+    for pid, state in sa["state"].items():
+        assert sorted(state) == sorted(sb["state"][pid])
+        assert all(torch.equal(v, sb["state"][pid][k]) for k, v in state.items()), pid
+    assert a[2].state_dict() == b[2].state_dict()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_old_checkpoint_loads_as_the_current_save_of_the_same_state(tmp_path, dtype):
+    """The read-only path: a layout-1 checkpoint loads directly (no conversion), to what layout 2 gives."""
+    old, new = trained(tmp_path, dtype, also_new=True)
+    assert checkpoint.verify(old)["version"] == 1 and checkpoint.verify(new)["version"] == 2
+    a, b = build(dtype), build(dtype)
+    ra, rb = checkpoint.load(old, *a), checkpoint.load(new, *b)
+    assert (ra.step, ra.extra, ra.loaded) == (rb.step, rb.extra, rb.loaded) == (2, {"epoch": 2}, rb.loaded)
+    assert ra.ok and rb.ok and ra.rng_restored and rb.rng_restored
+    loaded_alike(a, b)
+    if dtype == torch.bfloat16:
+        assert all("master_param" in s for s in a[1].state_dict()["state"].values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -39,12 +39,12 @@ def run_worker(out: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("checkpoint_fsdp")
-    proc = run_worker(out, "--cases", "round_trip", "bf16_masters", "refusals", "converted")
+    proc = run_worker(out, "--cases", "round_trip", "partial", "bf16_masters", "refusals", "converted", "ddp")
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return out
 
 
-@pytest.mark.parametrize("case", ["round_trip", "bf16_masters", "refusals", "converted"])
+@pytest.mark.parametrize("case", ["round_trip", "partial", "bf16_masters", "refusals", "converted", "ddp"])
 def test_two_ranks(run_dir, case):
     for rank in range(2):
         result = json.loads((run_dir / f"rank{rank}.json").read_text())

@@ -22,11 +22,12 @@ from typing import Any
 
 import pytest
 
+import _checkpoint_files as files
 from _fault_worker import build, train
 from offload_adamw import checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
-FILES = [*checkpoint.DATA_FILES, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE]
+FILES = files.ONE_PROCESS_FILES
 KINDS = {"fifo": "FIFO", "directory": "directory", "symlink": "symbolic link"}
 LIMIT_S = 10.0  # a call that takes longer is blocked (they take milliseconds)
 

@@ -1,8 +1,9 @@
 """A load that races a save replacing the same checkpoint reads the old checkpoint or the new one, whole.
 
 A writer process (tests/support/_overwrite_worker.py) replaces one checkpoint directory over and over
-(``overwrite=True``), with the atomic exchange and with the two-rename fallback; this process loads
-it meanwhile, hundreds of times. Every save holds one value everywhere (model, optimizer moments and
+(``overwrite=True``), with the atomic exchange and with the two-rename fallback, its model plain or under
+FSDP2 (a 1-rank gloo group: DTensors, DCP's sharded planning; the load into the plain model reshards);
+this process loads it meanwhile, hundreds of times. Every save holds one value everywhere (model, optimizer moments and
 step counts, recorded step, ``extra``), so every load must come back with one value everywhere (no
 mix of two saves) and none may be refused as corrupt (nothing was damaged). The two interleavings
 that matter are also made to happen every time: the directory replaced after the load opened it,
@@ -63,13 +64,14 @@ def values_of(report, model, optimizer) -> set[float]:
     return values
 
 
-def race(root: Path, mode: str, loads: int, limit_s: float) -> dict:
+def race(root: Path, mode: str, loads: int, limit_s: float, writer_kind: str = "plain") -> dict:
     """Load ``root / "c"`` ``loads`` times (for at most ``limit_s``) while a writer replaces it; what was seen."""
     path, stop, ready = root / "c", root / "stop", root / "ready"
     env = {**os.environ, checkpoint.ENV_EXCHANGE: MODES[mode]}
-    subprocess.run([sys.executable, str(WORKER), str(path), str(stop), "1"], env=env, check=True, timeout=120)
-    writer = subprocess.Popen([sys.executable, str(WORKER), str(path), str(stop), "1000000", str(ready)], env=env,
-                              stdout=subprocess.PIPE, text=True)
+    kind = ["sharded"] if writer_kind == "sharded" else []
+    subprocess.run([sys.executable, str(WORKER), str(path), str(stop), "1", *kind], env=env, check=True, timeout=120)
+    writer = subprocess.Popen([sys.executable, str(WORKER), str(path), str(stop), "1000000", str(ready), *kind],
+                              env=env, stdout=subprocess.PIPE, text=True)
     model, optimizer = build()
     waited = time.monotonic()
     while not ready.exists() and writer.poll() is None and time.monotonic() - waited < 120:
@@ -97,11 +99,17 @@ def race(root: Path, mode: str, loads: int, limit_s: float) -> dict:
     return {"loads": len(seen), "saves": saves, "distinct": len(set(seen)), "mixed": mixed, "refused": refused}
 
 
+#: writer -> (loads, the fewest distinct checkpoints they must have seen): a sharded save takes longer
+WRITERS = {"plain": (300, 20), "sharded": (100, 10)}
+
+
+@pytest.mark.parametrize("writer", [w if w == "plain" else pytest.param(w, marks=pytest.mark.slow) for w in WRITERS])
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "fallback" else m for m in MODES])
-def test_a_load_racing_an_overwrite_gets_one_whole_checkpoint(fast_dir, one_thread, mode):
-    seen = race(fast_dir, mode, loads=300, limit_s=240)
-    assert seen["loads"] == 300, seen
-    assert seen["distinct"] >= 20, f"the writer hardly ran during the loads: {seen}"  # a race really took place
+def test_a_load_racing_an_overwrite_gets_one_whole_checkpoint(fast_dir, one_thread, mode, writer):
+    loads, distinct = WRITERS[writer]
+    seen = race(fast_dir, mode, loads=loads, limit_s=240, writer_kind=writer)
+    assert seen["loads"] == loads, seen
+    assert seen["distinct"] >= distinct, f"the writer hardly ran during the loads: {seen}"  # a race really took place
     assert not seen["mixed"] and not seen["refused"], (
         f"of {seen['loads']} loads, {len(seen['mixed'])} mixed two checkpoints ({seen['mixed'][:2]}) "
         f"and {len(seen['refused'])} were refused ({seen['refused'][:2]})"
@@ -131,14 +139,14 @@ def test_a_checkpoint_replaced_after_it_was_opened_is_read_as_it_was(tmp_path, m
     path = tmp_path / "c"
     writer_model, writer_opt = build()
     _save(path, writer_model, writer_opt, 1)
-    check_seal = publication.check_seal
+    check_files = publication.check_files
 
-    def replace_first(snapshot, files):
-        monkeypatch.setattr(publication, "check_seal", check_seal)
+    def replace_first(snapshot, entries, names):
+        monkeypatch.setattr(publication, "check_files", check_files)
         _save(path, writer_model, writer_opt, 2)
-        return check_seal(snapshot, files)
+        return check_files(snapshot, entries, names)
 
-    monkeypatch.setattr(publication, "check_seal", replace_first)
+    monkeypatch.setattr(publication, "check_files", replace_first)
     model, optimizer = build()
     report = checkpoint.load(path, model, optimizer)
     assert values_of(report, model, optimizer) == {1.0}

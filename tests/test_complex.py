@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from _parity import same_bits
+from configs import MODES, assert_bitwise_equal
 from offload_adamw import OffloadAdamW
 
 STEPS = 12
@@ -67,10 +67,11 @@ def test_fused_false_is_bitwise_torch_single_tensor_adamw_on_complex_parameters(
     _train(theirs, ref)
     for n in ours:
         assert ours[n].dtype == dtype, n
-        assert same_bits(torch.view_as_real(ours[n].detach()), torch.view_as_real(theirs[n].detach())), n
+        assert_bitwise_equal(ours[n].detach(), theirs[n].detach(), n)
         for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
             mine, torchs = opt.state[ours[n]][key], ref.state[theirs[n]][key]
-            assert mine.dtype == torchs.dtype == dtype and same_bits(torch.view_as_real(mine), torch.view_as_real(torchs))
+            assert mine.dtype == dtype
+            assert_bitwise_equal(mine, torchs, f"{key} of {n}")
 
 
 @pytest.mark.parametrize("mode", ["plain", "maximize"])
@@ -83,8 +84,9 @@ def test_default_is_bitwise_torch_fused_adamw_on_the_real_views(mode):
     _train(ours, opt)
     _train_real(real, ref)
     for n in ours:
-        assert same_bits(torch.view_as_real(ours[n].detach()), real[n].detach()), n
-        assert same_bits(torch.view_as_real(opt.state[ours[n]]["exp_avg_sq"]), ref.state[real[n]]["exp_avg_sq"])
+        assert_bitwise_equal(torch.view_as_real(ours[n].detach()), real[n].detach(), n)
+        assert_bitwise_equal(torch.view_as_real(opt.state[ours[n]]["exp_avg_sq"]), ref.state[real[n]]["exp_avg_sq"],
+                             f"exp_avg_sq of {n}")
 
 
 def test_complex_state_dict_moves_to_torch_and_back_and_continues_exactly():
@@ -100,8 +102,8 @@ def test_complex_state_dict_moves_to_torch_and_back_and_continues_exactly():
     for params, optimizer in ((ours, opt), (theirs, ref), (back, again)):
         _train(params, optimizer, 4, start=4)
     for n in ours:
-        assert same_bits(torch.view_as_real(ours[n].detach()), torch.view_as_real(theirs[n].detach()))
-        assert same_bits(torch.view_as_real(back[n].detach()), torch.view_as_real(theirs[n].detach()))
+        assert_bitwise_equal(ours[n].detach(), theirs[n].detach(), n)
+        assert_bitwise_equal(back[n].detach(), theirs[n].detach(), f"{n} after the way back")
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -111,52 +113,23 @@ def test_complex32_is_refused_by_name():
         OffloadAdamW([("half", p)])
 
 
-MODES = {
-    "kept": {"transfer_pipeline": True},
-    "freed": {"offload_gradients": True},
-    "update in backward": {"offload_gradients": True, "update_in_backward": True},
-    "stream": {"update_on": "stream"},
-    "device": {"update_on": "device"},
-}
-
-
 def _loss(z, x):
     return (z * x).real.sum() + 0.1 * (z.conj() * z).real.square().sum()
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_every_pipeline_mode_trains_complex_parameters_as_their_real_views(mode):
-    gen = torch.Generator().manual_seed(3)
-    start = torch.complex(torch.randn(40, 3, generator=gen), torch.randn(40, 3, generator=gen))
-    p = torch.nn.Parameter(start.clone())
-    opt = OffloadAdamW([("z", p)], lr=0.01, weight_decay=0.1, **MODES[mode])
-    q = torch.nn.Parameter(torch.view_as_real(start).clone())
-    ref = torch.optim.AdamW([q], lr=0.01, weight_decay=0.1, fused=True)
-    for _ in range(4):
-        x = torch.complex(torch.randn(3, generator=gen), torch.randn(3, generator=gen))
-        _loss(p, x).backward()
-        opt.step()
-        opt.zero_grad()
-        w = torch.view_as_complex(q.detach()).clone().requires_grad_()
-        _loss(w, x).backward()
-        q.grad = torch.view_as_real(w.grad)
-        ref.step()
-        assert same_bits(torch.view_as_real(p.detach()), q.detach())
-
-
 @pytest.mark.filterwarnings("ignore:an OffloadAdamW was dropped between backward and step")  # the refused one
-@pytest.mark.parametrize("mode", ["freed", "update in backward"])
+@pytest.mark.parametrize("mode", ["freed", "update_in_backward"])
 def test_complex_parameters_with_freed_gradients_on_the_simulated_device(mode, simulated_device):
     # The copies of a complex gradient to the host and of the parameter back land late into poisoned buffers on the
-    # simulated CUDA device; with updates during backward an edit through p.data is then seen by the device fingerprint
-    # of the complex parameter (its real view's bytes).
+    # simulated CUDA device (training them as their real views there, in every mode: the generic property of
+    # tests/test_optim_info.py under the simulated wrapper); with updates during backward an edit through p.data is
+    # then seen by the device fingerprint of the complex parameter (its real view's bytes).
     from offload_adamw.accel import streams
 
-    test_every_pipeline_mode_trains_complex_parameters_as_their_real_views(mode)
     gen = torch.Generator().manual_seed(5)
     params = {n: torch.nn.Parameter(torch.complex(torch.randn(s, generator=gen), torch.randn(s, generator=gen)))
               for n, s in (("z", (40, 3)), ("w", (9,)))}
-    opt = OffloadAdamW(list(params.items()), lr=0.01, bucket_bytes=1, **MODES[mode])
+    opt = OffloadAdamW(list(params.items()), **MODES[mode].kwargs(lr=0.01, bucket_bytes=1))
     assert all(streams.is_device_tensor(p) for p in params.values())
     for k in range(3):
         x = torch.complex(torch.randn(3, generator=gen), torch.randn(3, generator=gen))
@@ -164,7 +137,7 @@ def test_complex_parameters_with_freed_gradients_on_the_simulated_device(mode, s
         if k < 2:
             opt.step()
             opt.zero_grad()
-    if mode == "update in backward":
+    if mode == "update_in_backward":
         params["w"].data[4] *= 1j  # a quarter turn of one element, through .data
         with pytest.raises(RuntimeError, match="parameter 'w' was changed between backward and step"):
             opt.step()

@@ -590,8 +590,9 @@ def test_quantized_state_is_seen_on_a_tensor_large_enough_to_be_quantized():
 
 def test_the_references_are_ready_only_for_what_was_computed(monkeypatch):
     from offload_adamw.conformance import clauses as clauses_module
+    from offload_adamw.conformance.clauses import cache
 
-    monkeypatch.setattr(clauses_module, "_REFERENCES", {})
+    monkeypatch.setattr(cache, "_REFERENCES", {})
     takes_decay, takes_none = HyperMapping().accepts, HyperMapping(names={"weight_decay": None}).accepts
     assert not clauses_module.references_ready([1, 8], mapping_accepts=takes_decay)
     clauses_module.prepare_references([1, 8], mapping_accepts=takes_decay)
@@ -602,9 +603,9 @@ def test_the_references_are_ready_only_for_what_was_computed(monkeypatch):
 
 def test_a_second_check_in_one_process_reuses_the_references_and_reports_the_same(monkeypatch):
     from offload_adamw.conformance import checker as checker_module
-    from offload_adamw.conformance import clauses as clauses_module
+    from offload_adamw.conformance.clauses import cache
 
-    monkeypatch.setattr(clauses_module, "_REFERENCES", {})
+    monkeypatch.setattr(cache, "_REFERENCES", {})
     computed = []
     pending = checker_module.Pending
 

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+from configs import CONFIGS, params
 from offload_adamw import OffloadAdamW
 
 
@@ -52,19 +53,7 @@ def test_refuses_what_torch_refuses_with_the_same_message(case):
     assert str(ours.value) == str(theirs.value)
 
 
-#: every way OffloadAdamW runs an update on this machine: plain, the pipeline (kept and freed gradients, updates during
-#: backward) and each placement with the CPU as device.
-MODES = {
-    "plain": {},
-    "kept": {"transfer_pipeline": True},
-    "freed": {"offload_gradients": True},
-    "update in backward": {"offload_gradients": True, "update_in_backward": True},
-    "stream": {"update_on": "stream"},
-    "device": {"update_on": "device"},
-}
-
-
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", params(CONFIGS))
 def test_a_tensor_listed_twice_in_a_group_is_refused_by_name_in_every_mode(mode):
     # torch updates a tensor listed twice in one group twice per step and warns that this is deprecated (it will be
     # an error); the pipeline paths updated it once. Refused, naming it, before anything exists, whatever the mode.
@@ -75,10 +64,10 @@ def test_a_tensor_listed_twice_in_a_group_is_refused_by_name_in_every_mode(mode)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch's deprecation warning is not given on top of the refusal
         with pytest.raises(ValueError, match=r"parameter 'w' is listed twice in param_groups\[0\]"):
-            OffloadAdamW([("w", P), ("b", Q), ("w again", P)], **MODES[mode])
+            OffloadAdamW([("w", P), ("b", Q), ("w again", P)], **CONFIGS[mode].kwargs())
         with pytest.raises(ValueError, match=r"parameter 0 of param_groups\[0\] \(shape \(3,\)\) is listed twice"):
-            OffloadAdamW([P, Q, P], **MODES[mode])
-        opt = OffloadAdamW([Q], **MODES[mode])
+            OffloadAdamW([P, Q, P], **CONFIGS[mode].kwargs())
+        opt = OffloadAdamW([Q], **CONFIGS[mode].kwargs())
         with pytest.raises(ValueError, match=r"parameter 0 of param_groups\[1\] \(shape \(3,\)\) is listed twice"):
             opt.add_param_group({"params": [P, P]})
         assert len(opt.param_groups) == 1

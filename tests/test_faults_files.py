@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import _checkpoint_files as files
 from _fault_worker import build, train
 from _parity import assert_same_snapshot
 from offload_adamw import checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
 WORKER = Path(__file__).resolve().parent / "support" / "_fault_worker.py"
-FILES = [*checkpoint.DATA_FILES, checkpoint.MANIFEST_FILE, checkpoint.COMMIT_FILE]
+FILES = files.ONE_PROCESS_FILES
 
 
 def snapshot(model, optimizer, scheduler) -> dict:
@@ -103,7 +104,7 @@ def test_latest_passes_over_a_damaged_newest(tmp_path, two_checkpoints):
     shutil.copytree(second, tmp_path / "c-incomplete")
     (tmp_path / "c-incomplete" / checkpoint.COMMIT_FILE).unlink()
     assert checkpoint.latest(tmp_path) == tmp_path / "b"
-    damage(tmp_path / "b" / checkpoint.OPTIMIZER_FILE, "bitflip")
+    damage(tmp_path / "b" / files.SHARD, "bitflip")
     assert checkpoint.latest(tmp_path) == tmp_path / "a"
     assert checkpoint.latest(tmp_path, verify_files=False) == tmp_path / "b"
 

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _fault_worker import Net, build, train
+from _layout1_writer import save_layout1
 from _parity import assert_same_snapshot
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, codec, publication
@@ -58,10 +59,11 @@ def recommit(path: Path, meta: dict | None = None, meta_bytes: bytes | None = No
 
 @pytest.fixture
 def saved(tmp_path):
+    """A checkpoint of the old one-process layout (version 1), which ``load`` still reads: its reader's checks of
+    meta.json and of the stored tensors are what these tests edit past the seal."""
     model, optimizer, scheduler = build()
     train(model, optimizer, scheduler, 2)
-    path = checkpoint.save(tmp_path / "root" / "b", model, optimizer, scheduler, extra={"epoch": 1, "t": torch.ones(2)})
-    return path
+    return save_layout1(tmp_path / "root" / "b", model, optimizer, scheduler, extra={"epoch": 1, "t": torch.ones(2)})
 
 
 def _meta(path: Path) -> dict:
@@ -450,3 +452,46 @@ def test_extra_round_trips_whatever_its_keys(value):
     tensors: dict[str, torch.Tensor] = {}
     encoded = codec.encode(value, tensors, "extra")
     assert _same_value(codec.decode(json.loads(json.dumps(encoded)), tensors, "meta.json: extra"), value)
+
+
+# ------------------------------------------------- malformed metadata of the current layout
+
+import _checkpoint_files as files  # noqa: E402
+
+
+def _edit_json(name: str, edit):
+    def apply(path: Path) -> None:
+        data = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps(edit(data)))
+
+    return apply
+
+
+MALFORMED_NOW = {
+    "step_a_string": (checkpoint.META_FILE, _edit(("step",), "three")),
+    "state_a_list": (checkpoint.META_FILE, _edit(("state",), [])),
+    "tensors_shape_a_string": (checkpoint.META_FILE, _edit(("tensors", "state/model/inp.bias", "shape"), "12")),
+    "tensor_ref_unknown": (checkpoint.META_FILE, _edit(("state", "model", "inp.bias"), {"__tensor__": "nowhere"})),
+    "aliases_a_list": (checkpoint.META_FILE, _edit(("aliases",), ["a"])),
+    "rank_rng_a_list": ("rank-00000.json", _edit(("rng",), [1])),
+    "rank_scheduler_state_a_list": ("rank-00000.json", _edit(("scheduler", "state"), [1, 2])),
+    "rank_extra_ref_unknown": ("rank-00000.json", _edit(("extra", "t"), {"__tensor__": "extra/nowhere"})),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_NOW)
+def test_malformed_metadata_of_the_current_layout_is_refused_naming_the_file_and_nothing_changes(tmp_path, case):
+    """What a save writes now (layout 2), edited past its seal: a refusal naming the file, nothing changed."""
+    name, edit = MALFORMED_NOW[case]
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 2)
+    path = checkpoint.save(tmp_path / "c", model, optimizer, scheduler, extra={"epoch": 1, "t": torch.ones(2)})
+    _edit_json(name, edit)(path)
+    files.reseal(path)
+    model, optimizer, scheduler = build(seed=3)
+    train(model, optimizer, scheduler, 1)
+    before = snapshot(model, optimizer, scheduler)
+    with pytest.raises(CheckpointCorrupt) as info:
+        checkpoint.load(path, model, optimizer, scheduler)
+    assert name in str(info.value) and "malformed" in str(info.value), str(info.value)
+    assert_same_snapshot(snapshot(model, optimizer, scheduler), before)

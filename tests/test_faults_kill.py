@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
+import _checkpoint_files as files
+from configs import assert_bitwise_equal
 from offload_adamw import checkpoint
 
 WORKER = Path(__file__).resolve().parent / "support" / "_fault_worker.py"
@@ -52,26 +53,22 @@ def fast_dir(tmp_path):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    )
-
 
 def assert_same_end_state(run_dir: Path, ref_dir: Path) -> None:
     ref, got = ref_dir / "final", run_dir / "final"
     meta_ref, meta_got = checkpoint.verify(ref), checkpoint.verify(got)
     assert meta_got == meta_ref, f"{run_dir}: metadata (groups, scheduler, RNG, step) differs"
-    for name in (checkpoint.MODEL_FILE, checkpoint.OPTIMIZER_FILE, checkpoint.AUX_FILE):
-        a, b = load_file(str(got / name)), load_file(str(ref / name))
-        assert a.keys() == b.keys(), (run_dir, name)
-        for key in b:
-            assert same_bits(a[key], b[key]), f"{run_dir}: {name} {key} differs from the uninterrupted run"
+    for name in files.ONE_PROCESS_FILES:
+        if name.endswith(".safetensors"):  # the shard (model, optimizer) and the rank's own (RNG, scheduler, extra)
+            a, b = load_file(str(got / name)), load_file(str(ref / name))
+            assert a.keys() == b.keys(), (run_dir, name)
+            for key in b:
+                assert_bitwise_equal(a[key], b[key], f"{run_dir}: {name} {key} differs from the uninterrupted run")
+        elif name.startswith("rank-"):
+            assert json.loads((got / name).read_text()) == json.loads((ref / name).read_text()), (run_dir, name)
     a, b = load_file(str(run_dir / "final_model.safetensors")), load_file(str(ref_dir / "final_model.safetensors"))
     for key in b:
-        assert same_bits(a[key], b[key]), f"{run_dir}: model value {key} differs"
+        assert_bitwise_equal(a[key], b[key], f"{run_dir}: model value {key} differs")
 
 
 def published_before_each_start(run_dir: Path) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from _parity import same_bits
+from configs import MODES, assert_bitwise_equal, same_bits
 from offload_adamw import OffloadAdamW
 
 WIDTH = 16
@@ -54,7 +54,8 @@ def _pair(**kwargs):
     model = copy.deepcopy(ref)
     theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     bucket = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
-    ours = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_bytes=bucket, **kwargs)
+    # one layer per bucket, whatever bucket size the mode's entry names (configs.MODES)
+    ours = OffloadAdamW(model.parameters(), **{"lr": 1e-2, "weight_decay": 0.1, **kwargs, "bucket_bytes": bucket})
     return ref, theirs, model, ours
 
 
@@ -67,9 +68,7 @@ def _same(ref: nn.Module, model: nn.Module) -> bool:
 
 @pytest.mark.parametrize("mode", ["kept", "freed", "update_in_backward"])
 def test_autograd_grad_between_backward_and_step_leaves_the_gradients(mode) -> None:
-    kwargs = {"kept": dict(transfer_pipeline=True), "freed": dict(offload_gradients=True),
-              "update_in_backward": dict(offload_gradients=True, update_in_backward=True)}[mode]
-    ref, theirs, model, ours = _pair(**kwargs)
+    ref, theirs, model, ours = _pair(**MODES[mode].kwargs())
     for step in range(4):
         for net, opt in ((ref, theirs), (model, ours)):
             loss = net(_batch(step))
@@ -106,9 +105,9 @@ def _train_with_a_failure(model, opt, fail_step: int, steps: int = 5) -> list[st
     return errors
 
 
-@pytest.mark.parametrize("kwargs", [dict(offload_gradients=True), dict(transfer_pipeline=True),
-                                    dict(offload_gradients=True, update_in_backward=True, max_grad_norm=1e6),
-                                    dict(offload_gradients=True, update_in_backward=True, nonfinite="skip")],
+@pytest.mark.parametrize("kwargs", [MODES["freed"].kwargs(), MODES["kept"].kwargs(),
+                                    MODES["update_in_backward"].kwargs(max_grad_norm=1e6),
+                                    MODES["update_in_backward"].kwargs(nonfinite="skip")],
                          ids=["freed", "kept", "update_in_backward_clipped", "update_in_backward_nonfinite_skip"])
 def test_a_failed_backward_is_dropped_as_torch_drops_it(kwargs) -> None:
     """Where no update can start before backward has ended, skipping the batch is exact."""
@@ -265,7 +264,7 @@ def test_an_edit_of_a_device_parameter_is_what_the_next_update_starts_from(edit,
         opt.step()
         ref.step()
     for i, (p, q) in enumerate(zip(params, ref_params)):
-        assert same_bits(p.detach(), q.detach().to(p.dtype)), f"parameter {i}"
+        assert_bitwise_equal(p.detach(), q.detach().to(p.dtype), f"parameter {i}")
 
 
 def _host_gradient(opt: OffloadAdamW, p: torch.Tensor) -> torch.Tensor:
@@ -278,7 +277,7 @@ def _host_gradient(opt: OffloadAdamW, p: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ non-contiguous parameters on the pipeline
 
-PIPELINE_MODES = {"kept": {"transfer_pipeline": True}, "freed": {"offload_gradients": True}}
+PIPELINE_MODES = ["kept", "freed"]  # of configs.MODES
 
 
 @pytest.mark.parametrize("device", ["cpu", "simulated"])
@@ -292,14 +291,14 @@ def test_non_contiguous_parameters_on_the_pipeline_step_as_the_plain_step(layout
         request.getfixturevalue("simulated_device")
     params = misuse.LAYOUTS[layout](misuse.DTYPES[dtype])
     ref_params = misuse.dense_copies(params)
-    ours = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, **PIPELINE_MODES[mode])
+    ours = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, **MODES[mode].kwargs())
     ref = OffloadAdamW(ref_params, lr=1e-2, weight_decay=0.1)  # the plain step: no pipeline, host parameters
     for grad_layout in ("like-param", "contiguous"):
         misuse.train(ours, params, grad_layout, steps=range(3))
         misuse.train(ref, ref_params, "like-param", steps=range(3))
         for i, (p, q) in enumerate(zip(params, ref_params)):
-            assert same_bits(p.detach(), q.detach()), f"parameter {i} after {grad_layout} gradients"
-            assert same_bits(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"]), f"exp_avg_sq {i}"
+            assert_bitwise_equal(p.detach(), q.detach(), f"parameter {i} after {grad_layout} gradients")
+            assert_bitwise_equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], f"exp_avg_sq {i}")
         assert ours.host_buffer_bytes()["gradients"] == sum(p.numel() * p.element_size() for p in params)
         for p in params:
             slot = ours.transfer_pipeline.slots[p]

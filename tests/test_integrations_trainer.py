@@ -32,6 +32,7 @@ from transformers import (  # noqa: E402
     get_linear_schedule_with_warmup,
 )
 
+from configs import assert_bitwise_equal  # noqa: E402
 from offload_adamw import OffloadAdamW  # noqa: E402
 
 SEQ = 16
@@ -80,9 +81,7 @@ def params_of(model) -> dict[str, torch.Tensor]:
 
 
 def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    unequal = [n for n in a if not torch.equal(a[n], b[n])]
-    assert not unequal, f"parameters differ: {unequal[:5]}"
+    assert_bitwise_equal(a, b, "parameters")
 
 
 def train_with(optimizer_cls, tmp_path: Path, tag: str, max_grad_norm: float, **opt_kwargs):

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from offload_adamw import OffloadAdamW
+from offload_adamw.accel import streams
 from offload_adamw.cli.main import main
+from offload_adamw.distributed import node
 from offload_adamw.selftest import environment, parity
 from offload_adamw.selftest.bench import LLAMA_ROWS
 
@@ -266,9 +268,29 @@ def test_the_gpu_run_script_refuses_a_missing_folder_argument() -> None:
     assert done.returncode == 2 and done.stderr.startswith("usage: bash benchmarks/gpu_check.sh OUTDIR")
 
 
+def test_a_gpu_is_found_by_its_uuid_where_torch_gives_no_pci_fields(tmp_path, monkeypatch) -> None:
+    """The one PCI address of a GPU (the optimizer's NUMA placement and the selftest's report read it): torch's PCI
+    fields, else the driver's folder whose UUID is the GPU's. The device properties are made up here, as no torch
+    without those fields (nor a GPU) is at hand; the driver's folders are laid out as a GPU machine has them."""
+    from types import SimpleNamespace
+
+    gpus = tmp_path / "gpus"
+    (gpus / "0000:3B:00.0").mkdir(parents=True)
+    (gpus / "0000:3B:00.0" / "information").write_text("Model: \t\t NVIDIA H200\nGPU UUID: \t GPU-bbbb-2222\n")
+    monkeypatch.setattr(node, "NVIDIA_GPUS", str(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid="bbbb-2222"))
+    assert streams.CUDA.pci_bus_id(0) == "0000:3b:00.0"
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid="cccc"))
+    assert streams.CUDA.pci_bus_id(0) is None
+    fields = {"pci_domain_id": 0, "pci_bus_id": 0x1B, "pci_device_id": 0, "uuid": "bbbb-2222"}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(**fields))
+    assert streams.CUDA.pci_bus_id(0) == "0000:1b:00.0"  # torch's fields first
+
+
 def test_the_gpu_figures_are_read_from_the_driver_and_sysfs_files(tmp_path) -> None:
     """The files as a GPU machine has them (laid out here): the driver's version line, its per-GPU folders named by
-    PCI bus id (found by the GPU's UUID where torch gives no bus id), and the NUMA node sysfs gives that bus id."""
+    PCI bus id (found by the GPU's UUID where torch gives no bus id), and the NUMA node sysfs gives that bus id.
+    The bus id and the node are the optimizer's own lookups (distributed/node.py), which the selftest reports."""
     version = tmp_path / "version"
     version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
                        "GCC version:  gcc version 12.2.0\n")
@@ -278,11 +300,13 @@ def test_the_gpu_figures_are_read_from_the_driver_and_sysfs_files(tmp_path) -> N
     for bus, uuid in (("0000:18:00.0", "aaaa-1111"), ("0000:3B:00.0", "bbbb-2222")):
         (gpus / bus).mkdir(parents=True)
         (gpus / bus / "information").write_text(f"Model: \t\t NVIDIA H200\nGPU UUID: \t GPU-{uuid}\nBus Location: \t {bus}\n")
-    assert environment._bus_id_by_uuid("bbbb-2222", str(gpus)) == "0000:3b:00.0"
-    assert environment._bus_id_by_uuid("GPU-aaaa-1111", str(gpus)) == "0000:18:00.0"
-    assert environment._bus_id_by_uuid("cccc", str(gpus)) is None
-    sysfs = tmp_path / "devices"
-    (sysfs / "0000:3b:00.0").mkdir(parents=True)
-    (sysfs / "0000:3b:00.0" / "numa_node").write_text("1\n")
-    assert environment._numa_node("0000:3b:00.0", str(sysfs)) == 1
-    assert environment._numa_node("0000:18:00.0", str(sysfs)) is None
+    assert node.bus_id_by_uuid("bbbb-2222", str(gpus)) == "0000:3b:00.0"
+    assert node.bus_id_by_uuid("GPU-aaaa-1111", str(gpus)) == "0000:18:00.0"
+    assert node.bus_id_by_uuid("cccc", str(gpus)) is None
+    sysfs = tmp_path / "sys"
+    for bus, numa in (("0000:3b:00.0", "1"), ("0000:5e:00.0", "-1")):
+        (sysfs / "bus/pci/devices" / bus).mkdir(parents=True)
+        (sysfs / "bus/pci/devices" / bus / "numa_node").write_text(numa + "\n")
+    assert node.device_numa_node("0000:3b:00.0", sysfs) == 1
+    assert node.device_numa_node("0000:5e:00.0", sysfs) == -1  # the selftest shows it: the platform does not say
+    assert node.device_numa_node("0000:18:00.0", sysfs) is None

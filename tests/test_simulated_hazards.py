@@ -15,7 +15,8 @@ from collections import Counter
 import pytest
 import torch
 
-from _parity import same_bits
+import configs
+from configs import assert_bitwise_equal, same_bits
 from offload_adamw import OffloadAdamW, OffloadGradScaler
 from offload_adamw.accel import streams
 from offload_adamw.accel.transfer import TransferEngine
@@ -67,7 +68,7 @@ def test_the_gate_reads_a_cpu_offloaded_gradient_only_after_fsdp2s_copy_landed_w
         assert len(sources) == 3 * len(list(model.parameters())), "the stand-in's copies did not run"
         assert float(torch_norm) > 0.01, "the clipping must have acted"
         for p, q in zip(reference.parameters(), model.parameters()):
-            assert same_bits(p.detach(), q.detach())
+            assert_bitwise_equal(p.detach(), q.detach(), "parameter")
         assert ours.last_grad_norm is not None and same_bits(ours.last_grad_norm, torch_norm)
         assert sim.device_syncs == 0, "the wait for FSDP2's copy synchronised the whole device (N7)"
         assert sim.take_hazards() == []
@@ -142,8 +143,8 @@ def test_the_resident_widening_buffer_is_ordered_between_the_updater_and_the_mai
 
 
 PLACEMENTS = {"host": ("host",), "stream": ("stream",), "device": ("device",), "mix": ("stream", "device", "host")}
-MODES = {"kept": {"offload_gradients": False}, "freed": {"offload_gradients": True},
-         "uib": {"offload_gradients": True, "update_in_backward": True}}
+#: the pipeline's modes of configs.MODES, by the short names tests/test_simulated_mutations.py cites in test ids
+MODES = {"kept": "kept", "freed": "freed", "uib": "update_in_backward"}
 
 
 def _steady_syncs(sim: SimulatedCuda, placement: str, mode: str, clip: float | None, *, steps: int = 2,
@@ -156,8 +157,8 @@ def _steady_syncs(sim: SimulatedCuda, placement: str, mode: str, clip: float | N
     pattern = PLACEMENTS[placement]
     groups = [{"params": list(layer.parameters()), "update_on": pattern[k % len(pattern)]}
               for k, layer in enumerate(model)]
-    opt = OffloadAdamW(groups, lr=1e-3, max_grad_norm=clip, stream_chunk_bytes=1 << 20, bucket_bytes=1,
-                       nonfinite=nonfinite, **MODES[mode])
+    opt = OffloadAdamW(groups, **configs.MODES[MODES[mode]].kwargs(
+        lr=1e-3, max_grad_norm=clip, stream_chunk_bytes=1 << 20, bucket_bytes=1, nonfinite=nonfinite))
     x = torch.randn(16, 32)
     for step in range(2 + steps):
         if step == 2:

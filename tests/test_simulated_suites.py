@@ -3,20 +3,21 @@
 
 On the CPU every copy is complete when issued, so the order of work is right by accident; here the lane a GPU runs
 issues its copies on simulated streams, where they land late into poisoned buffers after seeded random delays, every
-parameter is a device parameter (staging buffers, copies back, host masters), and every hazard the device records
-(a missing wait, memory reused or unlocked under a copy, a stray context) fails the test. The same configurations as
-the suites they come from must give the same bits: single device with kept and freed gradients, accumulation 1 and 4,
+parameter is a device parameter (staging buffers, copies back, host masters), and every hazard the device records (a
+missing wait, memory reused or unlocked under a copy, a stray context) fails the test. The same configurations as the
+suites they come from must give the same bits: single device with kept and freed gradients, accumulation 1 and 4,
 clipping, fp16 loss scaling (the parity table of tests/test_offload_parity.py, with small buckets so that a kept
 gradient's copy of the next bucket is in flight while a bucket updates), updates during backward with and without
-clipping (tests/test_update_in_backward.py), zero_grad and accumulation in host memory (tests/test_offload.py), and
-DDP and FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and tests/test_overlap_fsdp.py, rank r on
-device index r), and the placements of tests/test_placement.py (streamed and resident groups, alone and beside host
-groups, the ring over tensors of many chunks with 2 and 3 buffers, updates during backward). The in-process rows run
-on device index 1. Each row has its own seed. The last tests make compute late where it is on a GPU: a gradient that
-lands late on the backward thread's stream (a hook poisons it and restores it there), and the updater thread's kernels
-queued late on its own stream (``late_kernels``), so that an update during backward must wait for the stream that
-produced its gradient, and the next forward for the stream that wrote the parameters. tests/test_simulated_mutations.py
-shows that removing any one wait of the pipeline or of the lane fails one of these or a test of tests/test_simulated_lane.py.
+clipping (tests/test_update_in_backward.py), zero_grad (tests/test_optim_info.py), accumulation in host memory
+(tests/test_offload.py), and DDP and FSDP2 on 2 gloo ranks (the workers of tests/test_overlap_ddp.py and
+tests/test_overlap_fsdp.py, rank r on device index r), and the placements of tests/test_placement.py (streamed and
+resident groups, alone and beside host groups, the ring over tensors of many chunks with 2 and 3 buffers, updates
+during backward). The in-process rows run on device index 1. Each row has its own seed. The last tests make compute
+late where it is on a GPU: a gradient that lands late on the backward thread's stream (a hook poisons it and restores
+it there), and the updater thread's kernels queued late on its own stream (``late_kernels``), so that an update
+during backward must wait for the stream that produced its gradient, and the next forward for the stream that wrote
+the parameters. tests/test_simulated_mutations.py shows that removing any one wait of the pipeline or of the lane
+fails one of these or a test of tests/test_simulated_lane.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(HERE))
 
 import test_offload  # noqa: E402
 import test_offload_parity  # noqa: E402
+import test_optim_info  # noqa: E402
 import test_placement  # noqa: E402
 import test_update_in_backward  # noqa: E402
 
@@ -69,7 +71,7 @@ def test_updates_during_backward_on_the_simulated_device(accumulation, clipped, 
 @pytest.mark.parametrize("freed", [True, False], ids=["freed", "kept"])
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_on_the_simulated_device(set_to_none, freed, simulated_device) -> None:
-    test_offload.test_zero_grad_matches_torch(set_to_none, freed)
+    test_optim_info.zero_grad_run("freed" if freed else "kept", set_to_none)
 
 
 @pytest.mark.parametrize("simulated_device", [41, 42], indirect=True)

@@ -8,9 +8,10 @@
   the accumulation compiled autograd traces into a freed gradient's stand-in adds onto the host buffer.
 
 Each case: the plain step, gradients kept and freed; 2 micro-batches and clipping on the model; bitwise
-against the same compiled model trained by torch.optim.AdamW(fused=True). The backend is ``aot_eager``
-(AOTAutograd's graphs with eager kernels: the same autograd structure as inductor, without C++
-compilation); one inductor run is ``slow``.
+against the same compiled model trained by torch.optim.AdamW(fused=True). The compiled model and compiled autograd
+are wrappers of the configuration table (tests/support/configs.py): their runs in every configuration are the generic
+training property of tests/test_optim_info.py; here the compiled ``opt.step`` (inductor) and, ``slow``, an inductor
+run of the model.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import pytest
 import torch
 from torch import nn
 
+from configs import MODES, assert_bitwise_equal
 from offload_adamw import OffloadAdamW
 
-MODES = {"plain": {}, "kept": dict(transfer_pipeline=True), "freed": dict(transfer_pipeline=True, offload_gradients=True)}
+#: the modes whose optimizer the compiled step and the inductor runs take (updates during backward: the generic
+#: property, tests/test_optim_info.py)
+COMPILED_MODES = ["freed", "kept", "plain"]
 
 
 def _model() -> nn.Module:
@@ -35,7 +39,7 @@ def _x(i: int) -> torch.Tensor:
 
 def _train(mode: str, *, compile_model: bool, compiled_autograd: bool, compile_step: bool, backend: str = "aot_eager"):
     ours, ref = _model(), _model()
-    opt = OffloadAdamW(ours.parameters(), lr=1e-2, **MODES[mode])
+    opt = OffloadAdamW(ours.parameters(), **MODES[mode].kwargs(lr=1e-2))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
     runs = [(ours, step, opt), (ref, ref_opt.step, ref_opt)]
@@ -53,8 +57,7 @@ def _train(mode: str, *, compile_model: bool, compiled_autograd: bool, compile_s
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
             step_fn()
             o.zero_grad()
-    unequal = [i for i, (p, q) in enumerate(zip(ours.parameters(), ref.parameters())) if not torch.equal(p, q)]
-    assert not unequal, f"parameters {unequal} differ from torch.optim.AdamW(fused=True)"
+    assert_bitwise_equal(dict(ours.named_parameters()), dict(ref.named_parameters()), "parameters")
     start = _model()
     assert any(not torch.equal(p, q) for p, q in zip(ours.parameters(), start.parameters()))
 
@@ -66,19 +69,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", COMPILED_MODES)
 def test_compiled_step_runs_eagerly(mode):
     _train(mode, compile_model=False, compiled_autograd=False, compile_step=True, backend="inductor")
-
-
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_compiled_model(mode):
-    _train(mode, compile_model=True, compiled_autograd=False, compile_step=False)
-
-
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_compiled_autograd(mode):
-    _train(mode, compile_model=True, compiled_autograd=True, compile_step=False)
 
 
 @pytest.mark.slow

@@ -7,6 +7,9 @@ writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measure
   (with ``extra``), train one more; a fresh model loads the checkpoint and trains the same step: every
   parameter bit for bit, the report, the RNG stream, ``latest`` on every rank. The checkpoint stays at
   ``DIR/ck`` and the full parameters at the save in ``DIR/ck_expected.safetensors`` (the test loads it at world 1).
+* ``partial``: ``DIR/ck`` (``round_trip``'s) loaded with ``strict=False`` into an FSDP2 model with one layer
+  more: the report names that layer's entries as missing, every other entry and its moments are loaded bit
+  for bit, that layer's parameters and moments are as they were.
 * ``bf16_masters``: the same with bf16 parameters: the float32 masters are saved and come back bit for bit
   (not rebuilt from bf16), and the resumed step is exact.
 * ``refusals``: a copy with one byte of rank 1's shard flipped is refused on both ranks (one rank checks
@@ -16,6 +19,10 @@ writes ``DIR/rank{r}.json``: per case, what it found (``{"ok", "error", "measure
   is a CheckpointError on both ranks and leaves nothing.
 * ``converted``: a one-process checkpoint (layout 1) of the same model is refused by the FSDP2 model, naming
   the converter; converted by ``checkpoint.convert`` it loads: every parameter and moment bit for bit.
+* ``ddp``: the small model under DDP (replicated state): every rank calls ``save`` (collective, as DCP's), each
+  tensor is written once (DCP's planner keeps one copy of what every rank holds), each rank's RNG states are
+  its own file; a fresh DDP model on each rank loads it alone (no collective) to the saved parameters and
+  moments bit for bit, and each rank gets back its own RNG stream.
 * ``reshard``: TinyCausalLM under FSDP2 trained 3 steps by OffloadAdamW(fused=True), saved with
   ``checkpoint.save`` at ``DIR/ours``, and by torch.optim.AdamW(fused=True), saved with ``dcp.save`` of
   ``get_state_dict`` at ``DIR/torch``; both resumed under DDP at world 2 for 3 steps: bit for bit the same.
@@ -42,11 +49,12 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _distributed_common import LR, WEIGHT_DECAY, CaseResults, TinyCausalLM, full_params, join_gloo, spawn_ranks, train
+from _layout1_writer import save_layout1
 from offload_adamw import OffloadAdamW, checkpoint
 from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError
 
 WORLD = 2
-CASES = ("round_trip", "bf16_masters", "refusals", "converted", "reshard")
+CASES = ("round_trip", "partial", "bf16_masters", "refusals", "converted", "ddp", "reshard")
 
 
 def build() -> torch.nn.Module:
@@ -107,6 +115,32 @@ def case_round_trip(rank, mesh, out: Path, measured) -> list[str]:
     step(fresh, fresh_optimizer, fresh_scheduler, 2, rank)
     got = full(fresh)
     bad += [f"{k} differs after resuming" for k in expected if not torch.equal(got[k], expected[k])]
+    return bad
+
+
+def case_partial(rank, mesh, out: Path, measured) -> list[str]:
+    from safetensors.torch import load_file
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*build(), torch.nn.Linear(4, 4))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = OffloadAdamW(model.parameters(), lr=1e-2)
+    step(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1), 7, rank)  # states of its own
+    before = full(model)
+    names = dict(model.named_parameters())
+    moment = {n: optimizer.state[p]["exp_avg"].clone() for n, p in names.items()}  # this rank's shard
+    report = checkpoint.load(out / "ck", model, optimizer, strict=False)
+    expected = load_file(out / "ck_expected.safetensors")
+    got = full(model)
+    bad = []
+    if sorted(report.missing) != ["3.bias", "3.weight"] or sorted(report.loaded) != sorted(expected):
+        bad.append(f"report: missing {report.missing}, loaded {report.loaded}")
+    bad += [f"{k} not loaded" for k in expected if not torch.equal(got[k], expected[k])]
+    bad += [f"{k} changed" for k in ("3.weight", "3.bias") if not torch.equal(got[k], before[k])]
+    after = {n: optimizer.state[p]["exp_avg"] for n, p in names.items()}
+    bad += [f"{n} moments changed" for n in ("3.weight", "3.bias") if not torch.equal(after[n], moment[n])]
+    bad += [f"{n} moments not loaded" for n in expected if torch.equal(after[n], moment[n])]
     return bad
 
 
@@ -236,7 +270,8 @@ def case_converted(rank, mesh, out: Path, measured) -> list[str]:
         plain_scheduler = torch.optim.lr_scheduler.StepLR(plain_optimizer, 1, gamma=0.9)
         for i in range(2):
             step(plain, plain_optimizer, plain_scheduler, i, 0)
-        convert(checkpoint.save(out / "legacy", plain, plain_optimizer, plain_scheduler), out / "converted")
+        # written by the old one-process writer (a test support module now: save writes layout 2 everywhere)
+        convert(save_layout1(out / "legacy", plain, plain_optimizer, plain_scheduler), out / "converted")
         expected = {k: v.detach().clone() for k, v in plain.state_dict().items()}
         names = dict(plain.named_parameters())
         expected |= {f"{n}::exp_avg": plain_optimizer.state[p]["exp_avg"] for n, p in names.items()}
@@ -264,6 +299,54 @@ def case_converted(rank, mesh, out: Path, measured) -> list[str]:
         got[f"{name}::exp_avg"] = moment.full_tensor() if hasattr(moment, "full_tensor") else moment
     bad += [] if report.step == 2 else [f"step {report.step}"]
     return bad + [f"{k} differs" for k in expected if not torch.equal(got[k], expected[k])]
+
+
+def case_ddp(rank, mesh, out: Path, measured) -> list[str]:
+    import json as json_
+
+    from safetensors import safe_open
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def ddp():
+        model = DDP(build())
+        optimizer = OffloadAdamW(model.parameters(), lr=1e-2)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.9)
+
+    model, optimizer, scheduler = ddp()
+    for i in range(2):
+        step(model, optimizer, scheduler, i, rank)
+    torch.manual_seed(100 + rank)  # each rank its own RNG stream
+    path = checkpoint.save(out / "ck-ddp", model, optimizer, scheduler, extra={"ranks": 2})
+    expected_draw = torch.rand(4)
+    saved = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    saved_moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.module.named_parameters()}
+    bad = []
+    if rank == 0:
+        keys: list[str] = []
+        for name in sorted(p.name for p in path.iterdir() if p.name.startswith("shard-")):
+            with safe_open(str(path / name), "pt") as f:
+                keys += list(f.keys())
+        doubled = sorted({k for k in keys if keys.count(k) > 1})
+        if doubled or not any(k.startswith("state/model/") for k in keys):
+            bad.append(f"replicated tensors written {'more than once: ' + str(doubled) if doubled else 'nowhere'}")
+        own = sorted(p.name for p in path.iterdir() if p.name.startswith("rank-"))
+        if own != ["rank-00000.json", "rank-00000.safetensors", "rank-00001.json", "rank-00001.safetensors"]:
+            bad.append(f"each rank's own state: {own}")
+        measured["files"] = sorted(p.name for p in path.iterdir())
+        measured["world_size"] = json_.loads((path / "meta.json").read_text())["world_size"]
+    dist.barrier()
+    fresh, fresh_optimizer, fresh_scheduler = ddp()
+    torch.rand(100)  # move the generator on
+    report = checkpoint.load(path, fresh, fresh_optimizer, fresh_scheduler)  # each rank alone: no DTensor
+    if not (report.ok and report.rng_restored and report.extra == {"ranks": 2} and report.step == 2):
+        bad.append(f"report: {report}")
+    if not torch.equal(torch.rand(4), expected_draw):
+        bad.append("this rank's RNG stream was not restored")
+    got = fresh.module.state_dict()
+    bad += [f"{k} differs" for k in saved if not torch.equal(got[k], saved[k])]
+    bad += [f"{n} exp_avg differs" for n, p in fresh.module.named_parameters()
+            if not torch.equal(fresh_optimizer.state[p]["exp_avg"], saved_moments[n])]
+    return bad
 
 
 def case_reshard(rank, mesh, out: Path, measured) -> list[str]:
@@ -358,7 +441,7 @@ def worker(rank: int, port: int, out: str, cases: list[str], kill: str | None) -
         return
     results = CaseResults(root / f"rank{rank}.json", cases)
     checks = {"round_trip": case_round_trip, "bf16_masters": case_bf16_masters, "refusals": case_refusals,
-              "converted": case_converted, "reshard": case_reshard}
+              "converted": case_converted, "ddp": case_ddp, "reshard": case_reshard, "partial": case_partial}
     for name in cases:
         results.judge(name, checks[name], rank, mesh, root)
     # The cases' DDP models and FSDP2 states may sit in reference cycles: collected now, while their process group

@@ -48,33 +48,8 @@ def widen(root: Path, index: int, workers: int) -> None:
     publication.publish = publish
 
 
-def sharded_build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """build()'s model under fully_shard on a 1-rank gloo group of this process (a free port of its own)."""
-    import socket
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from offload_adamw import OffloadAdamW
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH))
-    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    optimizer = OffloadAdamW(model.parameters(), lr=1e-3, pin_memory=False)
-    model(torch.ones(1, WIDTH)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return model, optimizer
-
-
 def worker(root: Path, index: int, workers: int, paths: int, widened: bool, sharded: bool = False) -> list[str]:
-    model, optimizer = sharded_build() if sharded else build()
+    model, optimizer = build(sharded=sharded)
     value = index + 1
     fill(model, optimizer, value)
     if widened:

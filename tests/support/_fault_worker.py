@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from offload_adamw import OffloadAdamW, checkpoint
 from offload_adamw.checkpoint import codec as checkpoint_codec
 from offload_adamw.checkpoint import publication as checkpoint_publication
+from offload_adamw.checkpoint import sharded as checkpoint_sharded
 from offload_adamw.optim import update as update_path
 
 STEPS = 6
@@ -124,7 +125,8 @@ def _instrument() -> None:
 
         setattr(owner, name, wrapped)
 
-    wrap(checkpoint_codec, "write_tensors", "save:", torn_arg=True)
+    wrap(checkpoint_sharded, "_write_shard", "save:", torn_arg=True)  # the shard: model and optimizer tensors
+    wrap(checkpoint_codec, "write_tensors", "save:", torn_arg=True)  # the rank's own tensors (RNG, extra)
     wrap(checkpoint_publication, "write_bytes", "save:", torn_arg=True)
     for name in ("fsync_path", "publish", "exchange"):
         wrap(checkpoint_publication, name, "save:")

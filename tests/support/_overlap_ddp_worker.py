@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _overlap_common as common
 from _distributed_common import CaseResults, join_gloo, worker_main
 from offload_adamw import OffloadAdamW
 
@@ -160,15 +161,7 @@ def check_case(clip: float | None, accumulation: int, opt_no_sync: bool, measure
 
 def assert_same(reference, theirs, model, ours) -> None:
     """Every parameter and second moment bitwise equal."""
-    differing = []
-    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-        a, b = p.detach(), q.detach()
-        if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
-            differing.append(f"{name}: max |diff| {(a - b).abs().max().item():.3g}")
-        sa, sb = theirs.state[p].get("exp_avg_sq"), ours.state[q].get("exp_avg_sq")
-        if (sa is None) != (sb is None) or (sa is not None and not torch.equal(sa.view(torch.int32), sb.view(torch.int32))):
-            differing.append(f"{name} exp_avg_sq")
-    assert not differing, "not bitwise DDP + torch.optim.AdamW(fused=True): " + "; ".join(differing[:6])
+    common.assert_same(reference, theirs, model, ours, "DDP")
 
 
 def check_opt_no_sync_without_ddp_no_sync_refused(measured: dict) -> None:
@@ -268,45 +261,8 @@ def check_nonfinite_skip(measured: dict) -> None:
 
 
 def check_given_back(update_in_backward: bool, measured: dict) -> None:
-    """An optimizer dropped between the third backward and its step(): freed gradients come back as real tensors
-    equal to the reference's, and a fresh torch AdamW steps with them as with the reference's; with updates during
-    backward the gradients those updates applied are not given back (p.grad None, a warning), the parameters being
-    the reference's after its third step."""
-    import gc
-    import warnings
-
-    rank = dist.get_rank()
-    reference, model = wrapped(), wrapped()
-    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
-                        update_in_backward=update_in_backward)
-    ours.attach(model)
-    for m, o in ((reference, theirs), (model, ours)):
-        for step in range(3):
-            m(batch(step, 0, rank)).square().mean().backward()
-            if step < 2:
-                o.step()
-                o.zero_grad()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        del ours, o
-        gc.collect()
-    said = [str(w.message) for w in caught if "not given back" in str(w.message)]
-    grads = [p.grad for p in model.parameters()]
-    measured.update(none=sum(g is None for g in grads), grads=len(grads), warned=len(said),
-                    types=sorted({type(g).__name__ for g in grads if g is not None}))
-    if update_in_backward:
-        theirs.step()
-        assert all(g is None for g in grads) and len(said) == 1, measured
-    else:
-        assert not said and [g is None for g in grads] == [q.grad is None for q in reference.parameters()], measured
-        for p, q in zip(model.parameters(), reference.parameters()):
-            same = p.grad is None or torch.equal(p.grad, q.grad)
-            assert type(p.grad) is type(q.grad) and same, "a gradient given back differs"
-        for m in (model, reference):
-            torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True).step()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(p.detach(), q.detach()), "not the reference's parameters"
+    """An optimizer dropped between the third backward and its step() (_overlap_common.check_given_back)."""
+    common.check_given_back(wrapped, batch, True, update_in_backward, measured, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:

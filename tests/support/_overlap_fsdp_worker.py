@@ -21,7 +21,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _overlap_common as common
 from _distributed_common import CaseResults, join_gloo, worker_main
+from _overlap_common import local
 from offload_adamw import OffloadAdamW
 
 WORLD = 2
@@ -109,10 +111,6 @@ def train(model, opt, clip: float | None, accumulation: int, torch_clips: bool, 
             timelines.append(opt.last_step_timeline())
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def check_case(clip: float | None, accumulation: int, mesh, measured: dict) -> None:
     reference = sharded(mesh)
     theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
@@ -147,15 +145,7 @@ def check_case(clip: float | None, accumulation: int, mesh, measured: dict) -> N
 
 def assert_same(reference, theirs, model, ours) -> None:
     """Every local shard and second moment bitwise equal."""
-    differing = []
-    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-        a, b = local(p.detach()), local(q.detach())
-        if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
-            differing.append(f"{name}: max |diff| {(a - b).abs().max().item():.3g}")
-        sa, sb = theirs.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"]
-        if not torch.equal(local(sa).view(torch.int32), sb.view(torch.int32)):
-            differing.append(f"{name} exp_avg_sq")
-    assert not differing, "not bitwise FSDP2 + torch.optim.AdamW(fused=True): " + "; ".join(differing[:6])
+    common.assert_same(reference, theirs, model, ours, "FSDP2")
 
 
 def check_freed_case(clip_by: str | None, accumulation: int, sync_each: bool, mesh, measured: dict) -> None:
@@ -231,44 +221,9 @@ def check_edit_refused(mesh, measured: dict) -> None:
 
 
 def check_given_back(update_in_backward: bool, mesh, measured: dict) -> None:
-    """An optimizer dropped between the third backward and its step(): freed gradients come back as real tensors
-    (DTensors over real local shards, with the stand-in's placements) equal to the reference's, and a fresh torch
-    AdamW steps with them as with the reference's; with updates during backward the gradients those updates applied
-    are not given back (p.grad None, a warning), the parameters being the reference's after its third step."""
-    import gc
-    import warnings
-
-    rank = dist.get_rank()
-    reference, model = sharded(mesh), sharded(mesh)
-    theirs = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    ours = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, offload_gradients=True,
-                        update_in_backward=update_in_backward)
-    for m, o in ((reference, theirs), (model, ours)):
-        for step in range(3):
-            m(batch(step, 0, rank)).square().mean().backward()
-            if step < 2:
-                o.step()
-                o.zero_grad()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        del ours, o
-        gc.collect()
-    said = [str(w.message) for w in caught if "not given back" in str(w.message)]
-    grads = [p.grad for p in model.parameters()]
-    measured.update(none=sum(g is None for g in grads), grads=len(grads), warned=len(said),
-                    types=sorted({type(g).__name__ for g in grads if g is not None}))
-    if update_in_backward:
-        theirs.step()
-        assert all(g is None for g in grads) and len(said) == 1, measured
-    else:
-        assert not said and [g is None for g in grads] == [q.grad is None for q in reference.parameters()], measured
-        for p, q in zip(model.parameters(), reference.parameters()):
-            same = p.grad is None or torch.equal(local(p.grad), local(q.grad))
-            assert type(p.grad) is type(q.grad) and same, "a gradient given back differs"
-        for m in (model, reference):
-            torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True).step()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(p.detach().to_local(), q.detach().to_local()), "not the reference's parameters"
+    """An optimizer dropped between the third backward and its step() (_overlap_common.check_given_back)."""
+    common.check_given_back(lambda: sharded(mesh), batch, False, update_in_backward, measured, lr=LR,
+                            weight_decay=WEIGHT_DECAY)
 
 
 def worker(rank: int, port: int, out: str, only: list[str]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from configs import assert_bitwise_equal, same_bits  # noqa: F401 (same_bits: the modules that import it here)
+
 # name -> shape. Covers matrices, a bias, a 0-dim and a 0-element tensor.
 SHAPES = {
     "w1": (16, 8),
@@ -59,21 +61,6 @@ def assign_grads(params: dict[str, torch.Tensor], step: int, grad_dtype=None) ->
         p.grad = None if g is None else g.to(grad_dtype or p.dtype)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN-safe, -0.0 distinct from 0.0)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.numel() == 0:
-        return True
-    view = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-    return torch.equal(a.detach().cpu().contiguous().view(view[a.dtype]), b.detach().cpu().contiguous().view(view[b.dtype]))
-
-
 def assert_same_snapshot(a: dict, b: dict) -> None:
     """Two snapshots of a run (tensors by bits and dtype, everything else by value) are equal, key by key."""
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
+    assert_bitwise_equal(a, b, "snapshot")

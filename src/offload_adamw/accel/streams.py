@@ -12,6 +12,9 @@ Contract:
 * :func:`current_device` makes a device current for a block (no context on another), and
   :func:`wait_for_current_stream` has the host wait for the calling thread's current stream of a device.
 * :data:`CUDA` is the backend over ``torch.cuda``, a plain call per method. It is what runs for CUDA devices.
+  Its :meth:`~CudaBackend.pci_bus_id` is the one PCI address of a GPU here (the optimizer's NUMA placement and the
+  selftest's report read it): torch's PCI fields, or where a torch lacks them the NVIDIA driver's ``/proc`` folder
+  whose UUID is the GPU's (distributed/node.py's ``bus_id_by_uuid``); None where neither tells.
 * Another backend (the simulated CUDA device of ``offload_adamw.testing``) is chosen only by being installed:
   :func:`installed_backend` (a context manager) or :func:`install`; pipelines built while it is installed
   serve the devices it :meth:`~StreamBackend.serves` with it. Nothing reads an environment variable.
@@ -30,6 +33,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+from offload_adamw.distributed import node
 
 __all__ = ["CUDA", "CudaBackend", "StreamBackend", "claim", "current_device", "install", "installed", "installed_backend",
            "is_device_tensor", "pci_bus_id", "wait_for_current_stream"]
@@ -106,7 +111,7 @@ class StreamBackend(Protocol):
 
 
 class CudaBackend:
-    """:class:`StreamBackend` over ``torch.cuda``: one call each, no logic."""
+    """:class:`StreamBackend` over ``torch.cuda``: one call each, no logic (but for a PCI address where torch has none)."""
 
     def serves(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -162,8 +167,12 @@ class CudaBackend:
         torch.cuda.set_device(index)
 
     def pci_bus_id(self, index: int) -> str | None:
-        p = torch.cuda.get_device_properties(index)  # no context: the driver's description of the device
-        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # type: ignore[attr-defined]
+        props = torch.cuda.get_device_properties(index)  # no context: the driver's description of the device
+        domain, bus, device = (getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+        if None not in (domain, bus, device):
+            return f"{domain:04x}:{bus:02x}:{device:02x}.0"
+        uuid = getattr(props, "uuid", None)  # a torch without the PCI fields: the driver's folders, matched by UUID
+        return node.bus_id_by_uuid(str(uuid)) if uuid is not None else None
 
 
 def _on(index: int | None) -> contextlib.AbstractContextManager[Any]:

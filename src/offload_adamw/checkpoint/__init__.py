@@ -1,4 +1,5 @@
-"""Crash-safe, name-verified checkpoints (:mod:`offload_adamw.checkpoint.store`): ``save``, ``load``, ``latest``, ``resolve``."""
+"""Crash-safe, name-verified checkpoints (:mod:`offload_adamw.checkpoint.store`): ``save``, ``load``, ``latest``, ``resolve``;
+one format (layout 2, on torch.distributed.checkpoint) for one process, DDP and FSDP2."""
 
 from offload_adamw.checkpoint.store import (
     AUX_FILE,

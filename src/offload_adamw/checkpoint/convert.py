@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from offload_adamw.checkpoint import codec, publication, store
-from offload_adamw.checkpoint.codec import decode, encode
+from offload_adamw.checkpoint.codec import decode, encode, malformed
 from offload_adamw.checkpoint.errors import CheckpointError
 from offload_adamw.checkpoint.layout import FORMAT, META_FILE, SHARDED_VERSION, VERSION, dumps, rank_files
 from offload_adamw.checkpoint.publication import TMP_TAG
@@ -49,35 +48,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             raise CheckpointError(f"{snapshot.root} is not a one-process (layout {VERSION}) checkpoint")
         saved = store._read_snapshot(snapshot)
     extra, rng_state = store._verify(saved, rng=True)
-    meta = saved.meta
-    state = {"model": _model(saved)}
-    if meta["optimizer"] is not None:
-        state["optimizer"] = _optimizer(saved)
-    tensors: dict[str, Tensor] = {}
-    encoded = encode(state, tensors, "state")
-    own: dict[str, Tensor] = {}
-    scheduler = meta["scheduler"]
-    own_meta = {
-        "rank": 0,
-        "rng": None if rng_state is None else encode(rng_state, own, "rng"),
-        "scheduler": None if scheduler is None else {
-            "class": scheduler["class"],
-            "state": encode(decode(scheduler["state"], saved.aux, f"{saved.meta_file}: scheduler"), own, "scheduler"),
-        },
-        "extra": encode(extra, own, "extra"),
-    }
-    layout = {
-        "format": FORMAT,
-        "version": SHARDED_VERSION,
-        "layout": "torch.distributed.checkpoint",
-        "world_size": 1,
-        "step": meta["step"],
-        "torch": torch.__version__,
-        "state": encoded,
-        "tensors": {key: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                    for key, t in tensors.items()},
-        "converted_from": str(saved.root),
-    }
+    layout, tensors, own = as_layout2(saved, extra, rng_state)
+    layout["converted_from"] = str(saved.root)
+    own_tensors: dict[str, Tensor] = {}
+    own_meta = {key: encode(value, own_tensors, key) for key, value in own.items()}
     store._check_parents(final)
     if os.path.lexists(final):
         raise CheckpointError(f"{final} exists; nothing was written")
@@ -92,32 +66,57 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
                   metadata={"DCP_SHARDING_INFO": json.dumps(offsets), "DCP_VERSION": "1.0", "format": "pt"})
         publication.fsync_path(tmp / _SHARD)
         meta_name, tensors_name = rank_files(0)
-        codec.write_tensors(tmp / tensors_name, own)
+        codec.write_tensors(tmp / tensors_name, own_tensors)
         publication.write_bytes(tmp / meta_name, dumps(own_meta))
         publication.write_bytes(tmp / META_FILE, dumps(layout))
-        publication.seal(tmp, sorted(os.listdir(tmp)), version=SHARDED_VERSION)
-        publication.fsync_path(tmp, directory=True)
-        try:
-            publication.create(tmp, final)
-        except FileExistsError:
-            raise CheckpointError(f"{final} exists (created meanwhile); nothing was written there") from None
+        # created only if nothing is there by then (a DST made meanwhile is refused, nothing published)
+        publication.seal_and_publish(tmp, final, sorted(os.listdir(tmp)), replace=False, version=SHARDED_VERSION)
         publication.fsync_path(final.parent, directory=True)
     except BaseException:
-        publication.unlock(lock)
-        shutil.rmtree(tmp, ignore_errors=True)
+        publication.discard(tmp, lock)
         raise
     publication.unlock(lock)
     return final
 
 
+def as_layout2(saved: Any, extra: Any, rng_state: Any) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Any]]:
+    """What a layout-1 checkpoint (read and checked by the store) holds, as layout 2 holds it: (meta.json's
+    content, the tensors by key, rank 0's own state decoded: ``rank``, ``rng``, ``scheduler``, ``extra``).
+    Both the converter (which writes it) and ``load`` of layout 1 (which loads it) take it from here."""
+    meta = saved.meta
+    state = {"model": _model(saved)}
+    if meta["optimizer"] is not None:
+        state["optimizer"] = _optimizer(saved)
+    tensors: dict[str, Tensor] = {}
+    encoded = encode(state, tensors, "state")
+    scheduler = meta["scheduler"]
+    if scheduler is not None:
+        where = f"{saved.meta_file}: scheduler/state"
+        scheduler = {"class": scheduler["class"], "state": decode(scheduler["state"], saved.aux, where)}
+        if not isinstance(scheduler["state"], dict):
+            raise malformed(where, f"must be an object, got {type(scheduler['state']).__name__}")
+    own = {"rank": 0, "rng": rng_state, "scheduler": scheduler, "extra": extra}
+    layout = {
+        "format": FORMAT,
+        "version": SHARDED_VERSION,
+        "layout": "torch.distributed.checkpoint",
+        "world_size": 1,
+        "step": meta["step"],
+        "torch": torch.__version__,
+        "state": encoded,
+        "tensors": {key: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                    for key, t in tensors.items()},
+        "aliases": dict(meta["aliases"]),
+    }
+    return layout, tensors, own
+
+
 def _model(saved: Any) -> dict[str, Tensor]:
-    """Model entries by name in the model's own dtype; a tied alias names its canonical tensor."""
+    """Model entries by name in the model's own dtype (a tied weight once, under its canonical name)."""
     out: dict[str, Tensor] = {}
     for name, info in saved.meta["model"].items():
         out[name] = saved.model[name].to(getattr(torch, info["dtype"]))  # the master rounded as load() rounds it
-    for alias, name in saved.meta["aliases"].items():
-        out[alias] = out[name]
-    return out
+    return out  # a tied weight's aliases are meta.json's "aliases", as a save writes them
 
 
 def _optimizer(saved: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 
 FORMAT = "offload-adamw-checkpoint"
 VERSION = 1
+"""Layout 1, the one-process layout of earlier versions: read (``load``, ``verify``, ``latest``), never written."""
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 AUX_FILE = "aux.safetensors"
@@ -22,7 +23,8 @@ CHECKPOINT_FILES = frozenset({*DATA_FILES, MANIFEST_FILE, COMMIT_FILE})
 """Every file a save of the one-process layout (version 1) wrote into a checkpoint directory, and nothing else."""
 
 SHARDED_VERSION = 2
-"""The layout built on torch.distributed.checkpoint: every rank's shards as safetensors, the rest as JSON."""
+"""The layout built on torch.distributed.checkpoint, what every save writes (one process, DDP, FSDP2): every rank's
+tensors as safetensors, the rest as JSON."""
 SHARD_FILE = re.compile(r"shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors")
 """A rank's tensors as DCP's safetensors writer names them (its rank + 1 first), offsets in the header."""
 RANK_FILE = re.compile(r"rank-[0-9]{5}\.(json|safetensors)")

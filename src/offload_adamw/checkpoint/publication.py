@@ -172,6 +172,13 @@ def unlock(fd: int | None) -> None:
         os.close(fd)  # closing the descriptor releases the lock
 
 
+def discard(tmp: Path | None, fd: int | None) -> None:
+    """A failed save's clean-up: its lock released, its temporary removed (nothing of it was published)."""
+    unlock(fd)
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def publish(tmp: Path, final: Path, *, replace: bool) -> Path | None:
     """Move the finished ``tmp`` onto ``final``; return the directory that now holds the old one.
 

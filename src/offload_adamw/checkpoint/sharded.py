@@ -1,8 +1,12 @@
-"""Checkpoints of sharded models (FSDP2, any DTensor) on torch.distributed.checkpoint: layout version 2.
+"""Checkpoints on torch.distributed.checkpoint, layout version 2: what ``checkpoint.save`` writes for every run
+(one process, DDP, FSDP2 or any DTensor model).
 
 Contract:
 
-* :func:`save` is collective: every rank of the default process group calls it with its own shards. The
+* :func:`save` is collective where a default process group runs: every rank calls it with its own state (DDP:
+  DCP's planner writes each replicated tensor once; FSDP2: each rank its shards); without one it is this
+  process's alone. Tied model entries (one tensor under several names) are stored once, under the first
+  name, the others listed as ``aliases`` in ``meta.json``. The
   model and the optimizer are taken by parameter name through DCP's ``get_model_state_dict`` /
   ``get_optimizer_state_dict`` (OffloadAdamW's float32 masters and moments included), their tensors
   written by ``dcp.save`` in the files of DCP's safetensors writer (``HuggingFaceStorageWriter``,
@@ -11,7 +15,7 @@ Contract:
   Everything else is JSON: ``meta.json`` (rank 0: the nested state with references to the tensors, each
   tensor's global shape and dtype, the step, the world size) and per rank ``rank-NNNNN.json`` /
   ``.safetensors`` (that rank's RNG states of every device; rank 0's also the scheduler and ``extra``).
-* Crash safety is the one-process layout's: rank 0 creates the hidden, locked sibling
+* Crash safety: rank 0 (the process itself, alone) creates the hidden, locked sibling
   ``.NAME.tmp-OWNER-PID-TOKEN`` and tells every rank its name; every file is fsynced by its writer;
   every rank sends the size and sha256 of its files to rank 0, which writes ``meta.json``, the manifest
   (every file), the commit marker, fsyncs the directory and publishes it with one atomic rename (or
@@ -25,7 +29,10 @@ Contract:
   manifest (each rank checks its share, all ranks agree), and every tensor is matched by name, global
   shape and dtype against this run's state: a flipped byte is :class:`CheckpointCorrupt`, a mismatch
   :class:`CheckpointMismatch` naming each culprit, on every rank, with nothing changed. ``strict=False``
-  is refused here (a partial load of shards is not offered).
+  loads what matches (:func:`_plan`: a model entry by name, shape and dtype; a parameter's optimizer state
+  only where its model entry, its group, the group count and every state key match; a loaded parameter
+  whose state is not loaded gets the saved master with it) and reports the rest; ranks that found
+  different problems are refused.
 * Resharding is DCP's: the shards are read into whatever this run's layout is (FSDP2 at another world
   size, DDP, one plain process), and what is loaded is bit for bit what was saved. A load is collective
   (every rank calls it; the digests are checked in shares) where the model holds DTensors; otherwise
@@ -35,12 +42,18 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import hashlib
 import json
 import os
+import random
 import shutil
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +77,8 @@ from offload_adamw.checkpoint.layout import (
     written_by_a_save,
 )
 from offload_adamw.checkpoint.publication import TMP_TAG
+from offload_adamw.contract.rules import MASTER_KEY
+from offload_adamw.distributed.dtensor import is_dtensor
 
 _STATE = "state"
 _MODEL = f"{_STATE}/model/"
@@ -106,6 +121,16 @@ def _agree(error: str | None, kind: type[CheckpointError] = CheckpointError) -> 
         raise kind("; ".join(errors))
 
 
+@contextlib.contextmanager
+def _alone(world: int) -> Iterator[None]:
+    """DCP's warning that it runs in one process (it assumes so without a process group) silenced where that is
+    what was asked: one process, or one DDP rank loading alone; a user sees it on every save otherwise."""
+    with warnings.catch_warnings():
+        if world == 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
 
@@ -123,6 +148,24 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     return state
 
 
+def _tied(model_state: dict[str, Any]) -> dict[str, str]:
+    """Tied entries (one tensor under several names, as a shared embedding) taken out of ``model_state``, so that
+    each is stored once; alias -> the name it stays under. Shards (DTensors) are left as they are."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for name, value in list(model_state.items()):
+        if not isinstance(value, Tensor) or is_dtensor(value) or value.numel() == 0 or value.is_meta:
+            continue  # (a meta tensor has no storage to share: its address says nothing)
+        key = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+               value.stride(), value.dtype)
+        if key in first:
+            aliases[name] = first[key]
+            del model_state[name]
+        else:
+            first[key] = name
+    return aliases
+
+
 def _tensor_info(t: Tensor) -> dict[str, Any]:
     return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}  # a DTensor's shape is global
 
@@ -136,9 +179,18 @@ def _largest_step(optimizer_state: dict[str, Any] | None) -> int:
 
 
 def _rng_states(tensors: dict[str, Tensor]) -> dict[str, Any]:
-    from offload_adamw.checkpoint import store
-
-    return store._rng_states(tensors)
+    """This process's RNG states (torch, Python, numpy where imported, every CUDA device where CUDA is initialised);
+    their tensors into ``tensors``."""
+    states: dict[str, Any] = {
+        "torch": encode(torch.get_rng_state(), tensors, "rng/torch"),
+        "python": encode(random.getstate(), tensors, "rng/python"),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = encode(torch.cuda.get_rng_state_all(), tensors, "rng/cuda")
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = encode(numpy.random.get_state(), tensors, "rng/numpy")
+    return states
 
 
 # -------------------------------------------------------------------- save
@@ -180,8 +232,7 @@ def save(
                           rng=rng)
     except BaseException:
         if rank == 0:
-            publication.unlock(lock)
-            shutil.rmtree(tmp, ignore_errors=True)
+            publication.discard(tmp, lock)
         raise
     if rank == 0:
         publication.unlock(lock)
@@ -200,6 +251,7 @@ def _write(
     error = None
     try:
         state = _state(model, optimizer)
+        aliases = _tied(state["model"])
         tensors: dict[str, Tensor] = {}
         encoded = encode(state, tensors, _STATE)
         own: dict[str, Tensor] = {}
@@ -213,7 +265,8 @@ def _write(
     _agree(error)
     # The shards: one safetensors file per rank, streamed and fsynced by _write_shard.
     try:
-        dcp.save(tensors, storage_writer=_writer(tmp), no_dist=world == 1)
+        with _alone(world):
+            dcp.save(tensors, storage_writer=_writer(tmp), no_dist=world == 1)
     except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
         raise CheckpointError(f"could not write checkpoint {final}: {exc}; nothing was published and any previous "
                               "checkpoint there is intact") from exc
@@ -246,6 +299,7 @@ def _write(
                 "torch": torch.__version__,
                 "state": encoded,
                 "tensors": {key: _tensor_info(t) for key, t in tensors.items()},
+                "aliases": aliases,
             }
             publication.write_bytes(tmp / META_FILE, dumps(meta))
             files = sorted(name for name in os.listdir(tmp))
@@ -465,6 +519,10 @@ def _parse_meta(file: Path, data: bytes, entries: dict[str, Any]) -> dict[str, A
     need(is_count(meta.get("step")), "'step'", "must be a non-negative integer")
     need(is_count(meta.get("world_size")) and meta["world_size"] > 0, "'world_size'", "must be a positive integer")
     need(isinstance(meta.get("state"), dict), "'state'", "must be an object")
+    meta.setdefault("aliases", {})  # written by every save since tied weights are stored once
+    aliases = meta["aliases"]
+    need(isinstance(aliases, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()),
+         "'aliases'", "must map names to names")
     tensors = meta.get("tensors")
     need(isinstance(tensors, dict), "'tensors'", "must be an object")
     for key, info in tensors.items():
@@ -521,7 +579,6 @@ def _load(
     *,
     rng: bool,
 ) -> LoadReport:
-    from offload_adamw.checkpoint import store
 
     rank, world = _world()
     own = _process_rank()
@@ -536,17 +593,71 @@ def _load(
             f"{[m[:12] for m in manifests]}): another path on some rank, or a save replaced it meanwhile; "
             "nothing was changed")
     error: str | None = None
-    report = LoadReport(path=str(root), step=meta["step"])
+    mine: dict[str, Any] | None = None
+    zero: dict[str, Any] | None = None
     try:
         mine = _read_rank(snapshot, own) if own < meta["world_size"] else None
         zero = mine if own == 0 else _read_rank(snapshot, 0)
+    except CheckpointError as exc:
+        error = str(exc)
+    _agree(error, CheckpointCorrupt)
+    shards = sorted(n for n in publication.manifest_files(snapshot, version=SHARDED_VERSION) if SHARD_FILE.fullmatch(n))
+
+    def read(loaded: dict[str, Tensor]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            with _alone(world):
+                dcp.load(loaded, storage_reader=_reader(snapshot, shards), no_dist=world == 1)
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
+            # (CheckpointException is a BaseException)
+            raise CheckpointCorrupt(f"cannot read the shards of {root}: nothing was changed; {exc}") from exc
+
+    return load_state(root, meta, zero, mine, read, model, optimizer, scheduler, strict, rng=rng,
+                      own_file=root / rank_files(own)[0])
+
+
+def load_in_memory(
+    root: Path, meta: dict[str, Any], own: dict[str, Any], tensors: dict[str, Tensor], model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None, scheduler: Any, strict: bool, *, rng: bool, own_file: Path,
+) -> LoadReport:
+    """:func:`load_state` of a checkpoint already read and checked (layout 1, by the store), by this process
+    alone; ``own`` is every process's own state (layout 1 holds one)."""
+
+    def read(loaded: dict[str, Tensor]) -> None:
+        for key, copy_ in loaded.items():
+            copy_.copy_(tensors[key])
+
+    token = _LOCAL.set(True)
+    try:
+        return load_state(root, meta, own, own, read, model, optimizer, scheduler, strict, rng=rng, own_file=own_file)
+    finally:
+        _LOCAL.reset(token)
+
+
+def load_state(
+    root: Path, meta: dict[str, Any], zero: dict[str, Any] | None, mine: dict[str, Any] | None,
+    read: Callable[[dict[str, Tensor]], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    scheduler: Any, strict: bool, *, rng: bool, own_file: Path,
+) -> LoadReport:
+    """The load of a checked checkpoint, whatever stores its tensors: ``meta`` (its step, world size, nested
+    state with tensor references, each tensor's shape and dtype, aliases), rank 0's and this rank's own state
+    (decoded: RNG, scheduler, ``extra``), and ``read``, which fills copies of the planned tensors by key. Plan,
+    read, commit (see the module contract); nothing changes before everything was read and checked."""
+    from offload_adamw.checkpoint import store
+
+    rank, _ = _world()
+    own = _process_rank()
+    error: str | None = None
+    report = LoadReport(path=str(root), step=meta["step"])
+    try:
         report.extra = zero.get("extra") if zero is not None else None
         rng_state = mine.get("rng") if (rng and mine is not None) else None
         if rng and mine is None:
             report.rng_skipped["rank"] = (
                 f"the checkpoint holds the RNG states of {meta['world_size']} rank(s); rank {own} has none to restore")
         if rng_state is not None:
-            store._check_rng(rng_state, root / rank_files(own)[0])
+            store._check_rng(rng_state, own_file)
     except CheckpointError as exc:
         error = str(exc)
     _agree(error, CheckpointCorrupt)
@@ -556,7 +667,7 @@ def _load(
         p for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
     try:
         templates: dict[str, Tensor] = {}
-        wanted: list[str] = []
+        plan: _Plan | None = None
         try:
             state = _state(model, optimizer)
         except Exception as exc:  # OffloadAdamW between a backward that updated and step(): its state_dict refuses
@@ -564,31 +675,24 @@ def _load(
                                    f"{exc})")
         else:  # every rank reaches the agreement below, whatever it found
             encode(state, templates, _STATE)
-            wanted = _match(meta, templates, report, optimizer is not None, scheduler, zero)
-            if optimizer is not None and "optimizer" in meta["state"]:
-                _match_groups(meta["state"]["optimizer"], state["optimizer"], report)
-        elsewhere = [f"rank {r}: {len(found)} problem(s)" for r, found in enumerate(_all(report.problems))
-                     if found and r != rank]
-        if report.problems or elsewhere:
-            report.problems.extend(elsewhere)
-            if strict:
+            plan = _plan(meta, state, templates, report, optimizer, scheduler, zero)
+        everyone = _all(report.problems)
+        if any(everyone):
+            # Shapes and dtypes are global, so ranks find the same problems; where they do not (ranks of
+            # different models), no rank may go on: a partial load of some ranks only would mix two states.
+            disagree = any(found != report.problems for found in everyone)
+            report.problems.extend(f"rank {r}: {len(found)} problem(s)" for r, found in enumerate(everyone)
+                                   if found and r != rank and found != report.problems)
+            if strict or plan is None or disagree:
                 raise CheckpointMismatch(report)
-            raise CheckpointError(
-                f"cannot load checkpoint {root} with strict=False: a sharded checkpoint is loaded whole or not at all "
-                f"({len(report.problems)} problem(s): {'; '.join(report.problems)}); nothing was changed")
-        import torch.distributed.checkpoint as dcp
-
+        assert plan is not None  # no problem found, so the state was taken
         # Read into copies: the model and the optimizer change only once everything was read.
-        loaded = {key: templates[key].detach().clone() for key in wanted}
-        shards = sorted(n for n in publication.manifest_files(snapshot, version=SHARDED_VERSION)
-                        if SHARD_FILE.fullmatch(n))
-        try:
-            dcp.load(loaded, storage_reader=_reader(snapshot, shards), no_dist=world == 1)
-        except (Exception, dcp.api.CheckpointException) as exc:  # DCP gathers every rank's failure, raises on all
-            # (CheckpointException is a BaseException)
-            raise CheckpointCorrupt(f"cannot read the shards of {root}: nothing was changed; {exc}") from exc
-        saved = decode(meta["state"], loaded, f"{root / META_FILE}: state")
-        _commit(saved, report, model, optimizer, scheduler, zero, rng_state)
+        loaded = {key: templates[here].detach().clone() for key, here in plan.wanted.items()}
+        read(loaded)
+        # What was not read (strict=False: mismatched entries) decodes to an empty placeholder that nothing takes.
+        unread = {key: torch.empty(0) for key in meta["tensors"] if key not in loaded}
+        saved = decode(meta["state"], {**unread, **loaded}, f"{root / META_FILE}: state")
+        _commit(saved, state, plan, report, model, optimizer, scheduler, rng_state)
     except BaseException:
         for p in stateless:
             if optimizer is not None:
@@ -597,54 +701,122 @@ def _load(
     return report
 
 
-def _match(
-    meta: dict[str, Any], templates: dict[str, Tensor], report: LoadReport, with_optimizer: bool, scheduler: Any,
-    zero: dict[str, Any] | None,
-) -> list[str]:
-    """The tensor keys to read; every mismatch by name into ``report`` (changes nothing)."""
+def _unescape(component: str) -> str:
+    return component.replace("%2F", "/").replace("%25", "%")
+
+
+def _owner(key: str) -> tuple[str, str]:
+    """(section, parameter name) of a tensor key: ("model", name), ("optimizer", name) for a per-parameter state,
+    ("other", key) for anything else (an optimizer's tensor hyperparameter)."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[1] == "model":
+        return "model", _unescape(parts[2])
+    if len(parts) >= 5 and parts[1] == "optimizer" and parts[2] == "state":
+        return "optimizer", _unescape(parts[3])
+    return "other", key
+
+
+@dataclass
+class _Plan:
+    """What the match found loadable: everything under strict, what matches under strict=False."""
+
+    wanted: dict[str, str]
+    """The tensor keys to read -> the key of this run's tensor of that shape and dtype (its own, or a tied alias's)."""
+    model: set[str]
+    """Model entries that take their saved value (a tied alias with its canonical entry)."""
+    optimizer: set[str]
+    """Parameters whose saved optimizer state is loaded: the model entry, the group and every state key match."""
+    hyper: bool
+    """Whether the saved groups' hyperparameters are loaded (the group counts are equal)."""
+    scheduler_state: Any
+    aliases: dict[str, str]
+    """Tied model entries stored once: alias -> the name it is stored under."""
+
+
+def _plan(
+    meta: dict[str, Any], state: dict[str, Any], templates: dict[str, Tensor], report: LoadReport,
+    optimizer: torch.optim.Optimizer | None, scheduler: Any, zero: dict[str, Any] | None,
+) -> _Plan:
+    """Match everything by name (changes nothing): every mismatch into ``report``, what fits into the plan.
+
+    The report's lists name model entries, as layout 1's load always did; a mismatch of an optimizer
+    state key is a problem naming its parameter.
+    """
     saved = meta["tensors"]
-    wanted = []
+    aliases = meta["aliases"]
+    with_optimizer = optimizer is not None
+    wanted: dict[str, str] = {}
+    fits: set[str] = set()
+    model_names: set[str] = set()
     for key, target in templates.items():
-        if not with_optimizer and key.startswith(_OPTIMIZER):
+        section, name = _owner(key)
+        if section == "model":
+            model_names.add(name)
+        elif not with_optimizer:
             continue
-        name = key.removeprefix(_MODEL) if key.startswith(_MODEL) else key.removeprefix(_OPTIMIZER)
-        info = saved.get(key)
+        source = f"{_MODEL}{codec.part(aliases[name])}" if section == "model" and name in aliases else key
+        info = saved.get(source)
+        where = repr(name) if section != "optimizer" else f"{name!r} (optimizer state {key.rsplit('/', 1)[-1]!r})"
         if info is None:
-            if key.startswith(_MODEL):
+            if section == "model":
                 report.missing.append(name)
-            report.problems.append(f"missing {name!r}: in the {'model' if key.startswith(_MODEL) else 'optimizer'}, "
-                                   "not in the checkpoint")
+                report.problems.append(f"missing {name!r}: in the model, not in the checkpoint")
+            else:
+                report.problems.append(f"missing {where}: here, not in the checkpoint")
             continue
         own = _tensor_info(target)
-        if target.is_meta:
+        if section == "model" and target.is_meta:
             report.problems.append(
                 f"meta device {name!r}: the model's tensor holds no storage, nothing can be loaded into it; "
                 "materialize the model first (module.to_empty(device=...))")
+        elif section == "model" and not is_dtensor(target) and (
+                target.is_inference() or torch._debug_has_internal_overlap(target) == 1):
+            # copy_ would raise half-way through the commit: refused before anything changes
+            report.problems.append(
+                f"unwritable {name!r}: an inference-mode tensor or one whose elements share memory (expand)")
         elif info["shape"] != own["shape"]:
-            report.wrong_shape[name] = (tuple(info["shape"]), tuple(own["shape"]))
-            report.problems.append(f"wrong shape {name!r}: {tuple(info['shape'])} in the checkpoint, "
+            if section == "model":
+                report.wrong_shape[name] = (tuple(info["shape"]), tuple(own["shape"]))
+            report.problems.append(f"wrong shape {where}: {tuple(info['shape'])} in the checkpoint, "
                                    f"{tuple(own['shape'])} here")
         elif info["dtype"] != own["dtype"]:
-            report.wrong_dtype[name] = (info["dtype"], own["dtype"])
-            report.problems.append(f"wrong dtype {name!r}: {info['dtype']} in the checkpoint, {own['dtype']} here")
+            if section == "model":
+                report.wrong_dtype[name] = (info["dtype"], own["dtype"])
+            report.problems.append(f"wrong dtype {where}: {info['dtype']} in the checkpoint, {own['dtype']} here")
         else:
-            wanted.append(key)
+            fits.add(key)
+            wanted.setdefault(source, key)  # a tied alias reads its canonical entry, once
+    matched = {name for name in model_names if f"{_MODEL}{codec.part(name)}" in fits}
     for key in saved:
-        if key not in templates and (with_optimizer or not key.startswith(_OPTIMIZER)):
-            name = key.removeprefix(_MODEL) if key.startswith(_MODEL) else key.removeprefix(_OPTIMIZER)
-            if key.startswith(_MODEL):
+        section, name = _owner(key)
+        if key in templates or (section != "model" and not with_optimizer):
+            continue
+        if section == "model":
+            if name not in model_names:
                 report.unexpected.append(name)
-            report.problems.append(f"unexpected {name!r}: in the checkpoint, not here")
-    if with_optimizer and "optimizer" not in meta["state"]:
-        report.problems.append("the checkpoint has no optimizer state (it was saved with optimizer=None)")
-    if scheduler is not None:
-        saved_sched = None if zero is None else zero.get("scheduler")
-        if saved_sched is None:
-            report.problems.append("the checkpoint has no scheduler state (it was saved with scheduler=None)")
-        elif saved_sched.get("class") != type(scheduler).__name__:
-            report.problems.append(
-                f"scheduler: the checkpoint holds a {saved_sched.get('class')}, this is a {type(scheduler).__name__}")
-    return wanted
+                report.problems.append(f"unexpected {name!r}: in the checkpoint, not in the model")
+        elif section == "optimizer" and name in matched:
+            report.problems.append(f"unexpected {name!r} (optimizer state {key.rsplit('/', 1)[-1]!r}): in the "
+                                   "checkpoint, not here")
+        elif section == "other":
+            report.problems.append(f"unexpected {key!r}: in the checkpoint, not here")
+    loadable: set[str] = set()
+    hyper = False
+    if with_optimizer:
+        if "optimizer" not in meta["state"]:
+            report.problems.append("the checkpoint has no optimizer state (it was saved with optimizer=None)")
+        else:
+            hyper, same_group = _match_groups(meta["state"]["optimizer"], state["optimizer"], report, matched,
+                                              model_names)
+            keys_of: dict[str, set[str]] = {}
+            for key in {*templates, *saved}:
+                section, name = _owner(key)
+                if section == "optimizer":
+                    keys_of.setdefault(name, set()).add(key)
+            loadable = {name for name in same_group if hyper and name in matched
+                        and all(key in fits and key in saved for key in keys_of.get(name, ()))}
+    scheduler_state = None if scheduler is None else _match_scheduler(zero, report, scheduler)
+    return _Plan(wanted, matched, loadable, hyper, scheduler_state, aliases)
 
 
 def _groups_of(optimizer_state: Any) -> dict[str, int]:
@@ -656,52 +828,147 @@ def _groups_of(optimizer_state: Any) -> dict[str, int]:
             for name in group.get("params", []) if isinstance(name, str)}
 
 
-def _match_groups(saved: Any, here: dict[str, Any], report: LoadReport) -> None:
-    """Every parameter optimized in the same group on both sides, else a problem naming it: DCP would load the
-    saved groups' hyperparameters onto whatever parameters they list, silently regrouping them."""
+def _match_groups(
+    saved: Any, here: dict[str, Any], report: LoadReport, matched: set[str], model_names: set[str],
+) -> tuple[bool, set[str]]:
+    """(whether the group counts are equal, the parameters optimized in the same group on both sides).
+
+    Every other parameter of the model is a group mismatch naming it: DCP would load the saved groups'
+    hyperparameters onto whatever parameters they list, silently regrouping them.
+    """
     saved_of, here_of = _groups_of(saved), _groups_of(here)
     saved_count = len(saved.get("param_groups", [])) if isinstance(saved, dict) else 0
     here_count = len(here.get("param_groups", []))
     if saved_count != here_count:
         report.problems.append(f"the checkpoint has {saved_count} parameter group(s), the optimizer has {here_count}")
+    same: set[str] = set()
     for name, gi in here_of.items():
-        if saved_of.get(name) != gi:
-            report.group_mismatch.append(name)
-            where = "not optimized" if name not in saved_of else f"in group {saved_of[name]}"
-            report.problems.append(f"group mismatch {name!r}: {where} in the checkpoint, group {gi} here")
+        if name not in matched:
+            continue  # its model entry is a problem already
+        if saved_of.get(name) == gi:
+            same.add(name)
+            continue
+        report.group_mismatch.append(name)
+        where = "not optimized" if name not in saved_of else f"in group {saved_of[name]}"
+        report.problems.append(f"group mismatch {name!r}: {where} in the checkpoint, group {gi} here")
     for name, gi in saved_of.items():
-        if name not in here_of:
+        if name not in here_of and name in model_names:
             report.group_mismatch.append(name)
             report.problems.append(f"group mismatch {name!r}: optimized in group {gi} of the checkpoint, not here")
+    return saved_count == here_count, same
+
+
+def _match_scheduler(zero: dict[str, Any] | None, report: LoadReport, scheduler: Any) -> Any:
+    """The saved scheduler state where it is this scheduler's class with the same keys; else a problem and None."""
+    saved = None if zero is None else zero.get("scheduler")
+    if saved is None:
+        report.problems.append("the checkpoint has no scheduler state (it was saved with scheduler=None)")
+        return None
+    if not isinstance(saved, dict) or saved.get("class") != type(scheduler).__name__:
+        found = saved.get("class") if isinstance(saved, dict) else type(saved).__name__
+        report.problems.append(f"scheduler: the checkpoint holds a {found}, this is a {type(scheduler).__name__}")
+        return None
+    state = saved.get("state")
+    if not isinstance(state, dict):  # every rank reads rank 0's state: all refuse alike
+        raise malformed(f"{rank_files(0)[0]}: scheduler/state", f"must be an object, got {type(state).__name__}")
+    own_keys, saved_keys = set(scheduler.state_dict()), set(state)
+    if own_keys != saved_keys:
+        report.problems.append(
+            f"scheduler {type(scheduler).__name__}: keys {sorted(saved_keys - own_keys)} only in the checkpoint, "
+            f"{sorted(own_keys - saved_keys)} only here")
+        return None
+    return state
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two hyperparameters are the same plain value (a tensor is never taken as the same: it is loaded)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def _optimizer_state(saved: dict[str, Any], own: dict[str, Any], plan: _Plan,
+                     live: list[dict[str, Any]]) -> dict[str, Any]:
+    """The optimizer state to load, by name: the saved state of each loadable parameter, this run's own state of
+    every other (strict=False), whose master becomes the saved one where its model entry is loaded, so that a
+    parameter and its master agree."""
+    saved_states = saved["optimizer"]["state"]
+    states: dict[str, Any] = {}
+    for name, own_entry in own["state"].items():
+        if name in plan.optimizer:
+            states[name] = saved_states[name]
+            continue
+        entry = dict(own_entry)
+        if MASTER_KEY in entry and name in plan.model:
+            master = saved_states.get(name, {}).get(MASTER_KEY)
+            fits = isinstance(master, Tensor) and master.shape == entry[MASTER_KEY].shape and master.numel() > 0
+            # without a saved master that fits (saved without one), the master is the loaded model value
+            value = saved["model"][plan.aliases.get(name, name)]
+            entry[MASTER_KEY] = master if fits else value.to(entry[MASTER_KEY].dtype)
+        states[name] = entry
+    for name in plan.optimizer:
+        states.setdefault(name, saved_states[name])
+    groups = []
+    for gi, group in enumerate(own["param_groups"]):
+        out = dict(saved["optimizer"]["param_groups"][gi]) if plan.hyper else dict(group)
+        for key, value in live[gi].items():
+            # A value the optimizer's own state_dict writes otherwise than it holds it (OffloadAdamW: fused None
+            # as True, the same kernel) stays as held where the checkpoint saved what this run would save.
+            if key in out and _same_value(out[key], group.get(key)):
+                out[key] = value
+        out["params"] = list(group["params"])
+        if "param_names" in group:
+            out["param_names"] = list(group["param_names"])
+        groups.append(out)
+    return {"state": states, "param_groups": groups}
 
 
 def _commit(
-    saved: dict[str, Any], report: LoadReport, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-    scheduler: Any, zero: dict[str, Any] | None, rng_state: Any,
+    saved: dict[str, Any], own: dict[str, Any], plan: _Plan, report: LoadReport, model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None, scheduler: Any, rng_state: Any,
 ) -> None:
-    """Scheduler, optimizer, model, RNG, in this order (as the one-process layout); a refusal rolls back."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    """Scheduler, optimizer, model, RNG, in this order; a refusal of the optimizer puts the scheduler back.
+
+    Only the scheduler's and the optimizer's own load_state_dict can still refuse (every tensor was checked
+    before); the model's copies and the RNG states come after them.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from offload_adamw.checkpoint import store
 
     scheduler_before = None
     error = None
+    if plan.scheduler_state is not None:
+        scheduler_before = copy.deepcopy(scheduler.state_dict())
+        try:
+            scheduler.load_state_dict(plan.scheduler_state)
+        except Exception as exc:  # a scheduler may fail half-way through its own load: put back as it was
+            scheduler.load_state_dict(scheduler_before)
+            report.problems.append(f"scheduler {type(scheduler).__name__} refused its state: {type(exc).__name__}: "
+                                   f"{exc}")
+            raise CheckpointMismatch(report) from exc
     try:
-        if scheduler is not None and zero is not None:
-            scheduler_before = copy.deepcopy(scheduler.state_dict())
-            scheduler.load_state_dict(zero["scheduler"]["state"])
-        if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, saved["optimizer"])
+        if optimizer is not None and "optimizer" in saved:
+            set_optimizer_state_dict(model, optimizer, _optimizer_state(saved, own["optimizer"], plan,
+                                                                            optimizer.param_groups))
             report.optimizer_restored = True
     except Exception as exc:
         if scheduler_before is not None:
             scheduler.load_state_dict(scheduler_before)
-        report.problems.append(f"{type(exc).__name__}: {exc}")
+        report.problems.extend(getattr(exc, "problems", [f"{type(exc).__name__}: {exc}"]))
         error = str(exc)
-    report.scheduler_restored = scheduler is not None and error is None
+    report.scheduler_restored = plan.scheduler_state is not None and error is None
     if error is not None:
         raise CheckpointMismatch(report)
-    set_model_state_dict(model, saved["model"])
-    report.loaded = sorted(saved["model"])
+    values = {name: saved["model"][plan.aliases.get(name, name)] for name in plan.model}
+    set_model_state_dict(model, values, options=StateDictOptions(strict=False))
+    report.loaded = sorted(plan.model)
     if rng_state is not None:
         store._restore_rng(rng_state, report)

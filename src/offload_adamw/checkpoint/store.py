@@ -1,21 +1,24 @@
-"""Crash-safe, name-keyed training checkpoints: safetensors and JSON, never pickle.
+"""Crash-safe, name-keyed training checkpoints: safetensors and JSON, never pickle; one format for one
+process, DDP and FSDP2.
 
 Contract:
 
-* ``save(path, model, optimizer, scheduler=None, extra=None)`` writes a
-  checkpoint *directory*::
+* ``save(path, model, optimizer, scheduler=None, extra=None)`` writes a checkpoint *directory* of
+  layout 2 (:mod:`~offload_adamw.checkpoint.sharded`, on torch.distributed.checkpoint) for every run::
 
-      model.safetensors      the model's state by fully qualified name; a parameter
-                             the optimizer keeps a master for is stored as that
-                             float32 master (the source of truth), not its bf16 copy
-      optimizer.safetensors  per-parameter optimizer state, keyed "<name>::<key>"
-      aux.safetensors        every other tensor (RNG states, tensor hyperparameters,
-                             scheduler and ``extra`` tensors)
-      meta.json              the rest: parameter groups by name, hyperparameters,
-                             scheduler state, step, RNG states, dtypes, ``extra``
+      shard-NNNNN-model-00001-of-00001.safetensors
+                             per rank with tensors to write: the model's state and the optimizer's
+                             per-parameter state (float32 masters of low-precision parameters
+                             included) by parameter name, as DCP's get_model_state_dict /
+                             get_optimizer_state_dict give them; a tied weight once
+      rank-NNNNN.json/.safetensors
+                             per rank: its RNG states; rank 0's also the scheduler and ``extra``
+      meta.json              the nested state with tensor references, shapes, dtypes, aliases, step
       manifest.json          size and sha256 of each file above
       COMMIT                 written last: the sha256 of manifest.json
 
+  Where a default process group runs, ``save`` is collective as ``dcp.save`` is: every rank calls it
+  (DDP: each replicated tensor is written once; FSDP2: each rank its shards).
   It is built in a hidden sibling directory ``.NAME.tmp-OWNER-PID-TOKEN``
   (OWNER: this machine, boot and PID namespace, hashed), locked while it is
   written; every file and the directory are fsynced, then it is renamed onto
@@ -48,23 +51,22 @@ Contract:
   checked before the first of them is committed). ``strict=False``
   loads what matches, leaves the rest as it is, and returns the
   :class:`LoadReport`. The optimizer part goes through the optimizer's own
-  ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched).
-* A model or optimizer holding DTensors (FSDP2, tensor parallelism: each rank has a shard) is saved
-  by ``save`` into layout 2 (:mod:`~offload_adamw.checkpoint.sharded`, on torch.distributed.checkpoint;
-  every rank calls ``save``). ``load``, ``verify``, ``latest`` and ``resolve`` read either layout by
-  the version its manifest declares; ``load`` of layout 2 is collective where a process group runs and
-  reshards into any layout. A layout-1 checkpoint is not loaded into a DTensor model (refused, naming
-  the first DTensor, before anything changes).
+  ``load_state_dict`` (for OffloadAdamW: all or nothing, name-matched). A load is collective where
+  the model holds DTensors, else each process (each DDP rank) loads alone; it reshards into any layout.
+* Layout 1 (``model.safetensors``, ``optimizer.safetensors``, ``aux.safetensors``, ``meta.json``:
+  what earlier versions wrote in one process) is read, never written: ``load``, ``verify``, ``latest``
+  and ``resolve`` read either layout by the version its manifest declares. A layout-1 checkpoint is not
+  loaded into a DTensor model (refused, naming the first DTensor and the converter, before anything
+  changes).
 
-``load`` runs in named stages: read (:func:`_read`: the files of one directory, opened once, behind
-a verified seal, so that a load racing a save that replaces the checkpoint reads the old one or the
-new one, whole), verify
-(:func:`_verify`: the checkpoint agrees with itself), validate (:func:`_validate`: it fits the model,
-optimizer and scheduler, by name), commit (:func:`_commit`) and roll back (:func:`_roll_back`: what
-was committed before a refusal). ``save`` gathers everything (:func:`_gather`) before it writes and
-publishes (:func:`_write_and_publish`).
+``load`` of layout 1 reads (:func:`_read_snapshot`: the files of one directory, opened once, behind a
+verified seal, so that a load racing a save that replaces the checkpoint reads the old one or the new one,
+whole) and verifies (:func:`_verify`: the checkpoint agrees with itself: stored tensors as declared, RNG
+states restorable, ``extra`` decodable); then it is laid out as layout 2 in memory
+(:func:`~offload_adamw.checkpoint.convert.as_layout2`) and matched and committed by layout 2's rules
+(:func:`~offload_adamw.checkpoint.sharded.load_in_memory`): one set of rules for both layouts.
 
-The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2),
+The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2: every save, its load),
 :mod:`~offload_adamw.checkpoint.codec` (values as JSON and safetensors),
 :mod:`~offload_adamw.checkpoint.publication` (fsync, exchange, locks, clean-up; no torch),
 :mod:`~offload_adamw.checkpoint.layout` (file names) and :mod:`~offload_adamw.checkpoint.errors`.
@@ -72,11 +74,9 @@ The pieces: :mod:`~offload_adamw.checkpoint.sharded` (layout 2),
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
-import shutil
 import stat
 import sys
 import warnings
@@ -89,7 +89,7 @@ from torch import Tensor
 
 from offload_adamw._output import file_kind
 from offload_adamw.checkpoint import codec, publication, sharded
-from offload_adamw.checkpoint.codec import check_meta, decode, encode, malformed, part
+from offload_adamw.checkpoint.codec import check_meta, decode, malformed
 from offload_adamw.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, LoadReport
 from offload_adamw.checkpoint.layout import (
     AUX_FILE,
@@ -102,13 +102,10 @@ from offload_adamw.checkpoint.layout import (
     MODEL_FILE,
     OPTIMIZER_FILE,
     SHARDED_VERSION,
-    VERSION,
-    dumps,
     is_count,
     written_by_a_save,
 )
-from offload_adamw.checkpoint.publication import ENV_EXCHANGE, TEMPORARY, TMP_TAG
-from offload_adamw.contract.rules import MASTER_KEY
+from offload_adamw.checkpoint.publication import ENV_EXCHANGE, TEMPORARY
 from offload_adamw.distributed.dtensor import is_dtensor
 
 __all__ = [
@@ -132,7 +129,6 @@ __all__ = [
     "verify",
 ]
 
-_KEY_SEP = "::"
 
 PathLike: TypeAlias = str | os.PathLike
 
@@ -284,48 +280,6 @@ def latest(root: PathLike, *, verify_files: bool = True) -> Path | None:
 # ------------------------------------------------------------------- save
 
 
-def _model_entries(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, str], dict[str, Tensor]]:
-    """(canonical name -> tensor, alias -> canonical name, every name -> tensor) of the model's state."""
-    everything = model.state_dict(keep_vars=True)
-    canonical: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    first_name: dict[int, str] = {}
-    for name, value in everything.items():
-        if not isinstance(value, Tensor):
-            raise CheckpointError(
-                f"model state {name!r} is a {type(value).__name__}, not a tensor; it cannot be saved without pickling"
-            )
-        if id(value) in first_name:
-            aliases[name] = first_name[id(value)]  # a tied weight: stored once
-            continue
-        first_name[id(value)] = name
-        canonical[name] = value
-    return canonical, aliases, everything
-
-
-def _rng_states(aux: dict[str, Tensor]) -> dict[str, Any]:
-    states: dict[str, Any] = {
-        "torch": encode(torch.get_rng_state(), aux, "rng/torch"),
-        "python": encode(random.getstate(), aux, "rng/python"),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = encode(torch.cuda.get_rng_state_all(), aux, "rng/cuda")
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states["numpy"] = encode(numpy.random.get_state(), aux, "rng/numpy")
-    return states
-
-
-@dataclass
-class _Contents:
-    """Everything a checkpoint directory will hold, gathered before the disk is touched."""
-
-    model: dict[str, Tensor]
-    optimizer: dict[str, Tensor]
-    aux: dict[str, Tensor]
-    meta: bytes
-
-
 def save(
     path: PathLike,
     model: torch.nn.Module,
@@ -349,31 +303,16 @@ def save(
     where the optimizer refuses its own ``state_dict()`` (OffloadAdamW with
     ``update_in_backward=True`` between a backward that already updated
     parameters and ``step()``) is refused with its message before anything is
-    written.
+    written. Under a process group every rank calls ``save`` (see the module contract).
     """
     final = Path(path).absolute()
-    if _first_dtensor(model, optimizer) is not None:
-        def check() -> None:
-            _check_parents(final)
-            _check_target(final, overwrite)
 
-        return sharded.save(final, model, optimizer, scheduler, extra, step=step, overwrite=overwrite, rng=rng,
-                            check=check)
-    _check_parents(final)
-    _check_target(final, overwrite)
-    _check_optimizer_can_save(final, optimizer)
-    contents = _gather(model, optimizer, scheduler, extra, step=step, rng=rng)
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # no permission, or a file put in the way since _check_parents
-        raise CheckpointError(f"cannot save checkpoint {final}: cannot create {final.parent} ({exc}); "
-                              "nothing was written") from exc
-    publication.remove_stale(final.parent)
-    previous = _write_and_publish(final, contents, overwrite)
-    publication.fsync_path(final.parent, directory=True)  # make the rename itself durable
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
-    return final
+    def check() -> None:
+        _check_parents(final)
+        _check_target(final, overwrite)
+        _check_optimizer_can_save(final, optimizer)
+
+    return sharded.save(final, model, optimizer, scheduler, extra, step=step, overwrite=overwrite, rng=rng, check=check)
 
 
 def _first_dtensor(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
@@ -443,125 +382,6 @@ def _check_optimizer_can_save(final: Path, optimizer: torch.optim.Optimizer | No
         ) from exc
 
 
-def _gather(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, extra: Any, *, step: int | None, rng: bool
-) -> _Contents:
-    """Every tensor and the metadata, encoded: an unsaveable object fails here, before the disk is touched."""
-    canonical, aliases, _ = _model_entries(model)
-    optimizer_tensors: dict[str, Tensor] = {}
-    aux: dict[str, Tensor] = {}
-    optimized, optimizer_meta = _gather_optimizer(optimizer, canonical, optimizer_tensors, aux)
-    model_tensors, entries = _gather_model(canonical, optimizer, optimized)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": int(_largest_step(optimizer) if step is None else step),
-        "torch": torch.__version__,
-        "model": entries,
-        "aliases": aliases,
-        "optimizer": optimizer_meta,
-        "scheduler": None
-        if scheduler is None
-        else {"class": type(scheduler).__name__, "state": encode(scheduler.state_dict(), aux, "scheduler")},
-        "rng": _rng_states(aux) if rng else None,
-        "extra": encode(extra, aux, "extra"),
-    }
-    return _Contents(model=model_tensors, optimizer=optimizer_tensors, aux=aux, meta=dumps(meta))
-
-
-def _gather_optimizer(
-    optimizer: torch.optim.Optimizer | None, canonical: dict[str, Tensor], tensors: dict[str, Tensor], aux: dict[str, Tensor]
-) -> tuple[set[int], dict[str, Any] | None]:
-    """(ids of the optimized tensors, the optimizer's metadata): groups by name, states keyed "<name>::<key>"."""
-    if optimizer is None:
-        return set(), None
-    name_of = {id(t): name for name, t in canonical.items()}
-    optimized: set[int] = set()
-    groups: list[dict[str, Any]] = []
-    states: dict[str, Any] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        names = []
-        for index, p in enumerate(group["params"]):
-            name = name_of.get(id(p))
-            if name is None:
-                raise CheckpointError(
-                    f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in "
-                    "model.state_dict(): every optimized tensor needs a name"
-                )
-            names.append(name)
-            optimized.add(id(p))
-            state = optimizer.state.get(p)
-            if state:
-                states[name] = {
-                    key: encode(value, tensors, f"{name}{_KEY_SEP}{key}")
-                    for key, value in state.items()
-                    if key != MASTER_KEY  # the master is the model entry
-                }
-        hyper = {k: encode(v, aux, f"optimizer/{gi}/{k}") for k, v in group.items() if k not in ("params", "param_names")}
-        groups.append({"param_names": names, "hyper": hyper})
-    return optimized, {"class": type(optimizer).__name__, "groups": groups, "states": states}
-
-
-def _gather_model(
-    canonical: dict[str, Tensor], optimizer: torch.optim.Optimizer | None, optimized: set[int]
-) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """(the stored tensor of each model entry, its metadata): an optimized tensor with a master is stored as that."""
-    has_masters = optimizer is not None and hasattr(optimizer, "master_value")
-    tensors: dict[str, Tensor] = {}
-    entries: dict[str, Any] = {}
-    for name, value in canonical.items():
-        # has_masters: the optimizer defines master_value
-        stored = cast(Any, optimizer).master_value(value) if has_masters and id(value) in optimized else value
-        tensors[name] = stored
-        entries[name] = {
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "shape": list(value.shape),
-            "stored_dtype": str(stored.dtype).removeprefix("torch."),
-        }
-    return tensors, entries
-
-
-def _largest_step(optimizer: torch.optim.Optimizer | None) -> int:
-    counts = [
-        int(s["step"])
-        for s in (optimizer.state.values() if optimizer is not None else ())
-        if isinstance(s.get("step"), (Tensor, int, float))
-    ]
-    return max(counts, default=0)
-
-
-def _write_and_publish(final: Path, contents: _Contents, overwrite: bool) -> Path | None:
-    """Write a locked temporary, seal it, publish it onto ``final``; return where the replaced one now is.
-
-    Any failure removes the temporary and raises :class:`CheckpointError`; ``final`` is then as it was.
-    """
-    tmp = publication.temporary_name(final, TMP_TAG)
-    lock = None
-    try:
-        tmp.mkdir()
-        lock = publication.lock(tmp)
-        codec.write_tensors(tmp / MODEL_FILE, contents.model)
-        codec.write_tensors(tmp / OPTIMIZER_FILE, contents.optimizer)
-        codec.write_tensors(tmp / AUX_FILE, contents.aux)
-        publication.write_bytes(tmp / META_FILE, contents.meta)
-        # without overwrite, a ``final`` another save (or anyone) created after _check_target looked is refused
-        previous = publication.seal_and_publish(tmp, final, DATA_FILES, replace=overwrite)
-    except Exception as exc:
-        publication.unlock(lock)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, CheckpointError):
-            raise
-        raise CheckpointError(
-            f"could not write checkpoint {final}: {exc}; nothing was published and any previous checkpoint there is intact"
-        ) from exc
-    except BaseException:
-        publication.unlock(lock)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publication.unlock(lock)
-    return previous
-
-
 # ------------------------------------------------------------------- load
 
 
@@ -578,21 +398,6 @@ class _Saved:
     @property
     def meta_file(self) -> Path:
         return self.root / META_FILE
-
-
-@dataclass
-class _Plan:
-    """What the validate stage decided: the report so far and what the commit stage writes."""
-
-    report: LoadReport
-    matched: dict[str, Tensor]
-    """Model tensors that receive their saved value, by name."""
-    name_of: dict[int, str]
-    """id of each canonical model tensor -> its name."""
-    loadable: set[str]
-    """Parameters whose optimizer state is taken from the checkpoint."""
-    scheduler_state: dict[str, Any] | None
-    rng_state: Any
 
 
 def load(
@@ -629,15 +434,12 @@ def load(
         _refuse_sharded(f"cannot load checkpoint {path}", model, optimizer, "nothing was changed")
         saved = _read_snapshot(snapshot)
     extra, rng_state = _verify(saved, rng=rng)
-    report = LoadReport(path=str(saved.root), step=saved.meta["step"], extra=extra)
-    plan = _validate(saved, report, model, optimizer, scheduler, rng_state)
-    if report.problems and strict:
-        raise CheckpointMismatch(report)
-    optimizer_state_dict = None
-    if optimizer is not None and saved.meta["optimizer"] is not None:
-        optimizer_state_dict = _optimizer_state_dict(optimizer, saved, plan)
-    _commit(saved, plan, optimizer, scheduler, optimizer_state_dict)
-    return report
+    from offload_adamw.checkpoint.convert import as_layout2
+
+    # One matching and commit for both layouts: layout 1 is laid out as layout 2 in memory and loaded by it.
+    meta, tensors, own = as_layout2(saved, extra, rng_state)
+    return sharded.load_in_memory(saved.root, meta, own, tensors, model, optimizer, scheduler, strict, rng=rng,
+                                  own_file=saved.meta_file)
 
 
 # --- read: the files of one checkpoint, behind a verified seal
@@ -729,248 +531,7 @@ def _check_cuda_states(states: Any, file: Path) -> None:
             raise malformed(where, f"must be 16 bytes (the seed and the Philox offset), got {state.numel()} bytes")
 
 
-# --- validate: the checkpoint fits this model, optimizer and scheduler, by name
-
-
-def _validate(
-    saved: _Saved,
-    report: LoadReport,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    rng_state: Any,
-) -> _Plan:
-    """Every problem into ``report``; what may be committed into the plan. Changes nothing."""
-    canonical, _, everything = _model_entries(model)
-    matched = _match_model(saved, report, canonical, everything)
-    name_of = {id(t): name for name, t in canonical.items()}
-    loadable: set[str] = set()
-    if optimizer is not None:
-        loadable = _match_groups(saved, report, optimizer, name_of, matched, everything)
-    scheduler_state = None if scheduler is None else _match_scheduler(saved, report, scheduler)
-    return _Plan(report, matched, name_of, loadable, scheduler_state, rng_state)
-
-
-def _match_model(
-    saved: _Saved, report: LoadReport, canonical: dict[str, Tensor], everything: dict[str, Tensor]
-) -> dict[str, Tensor]:
-    """The model tensors that can take their saved entry, by name; a problem for every other entry."""
-    matched: dict[str, Tensor] = {}
-    present: set[int] = set()
-    for name, info in saved.meta["model"].items():
-        target = everything.get(name)
-        if target is None:
-            report.unexpected.append(name)
-            report.problems.append(f"unexpected {name!r}: in the checkpoint, not in the model")
-            continue
-        present.add(id(target))
-        if _entry_fits(name, info, saved.model[name], target, report):
-            matched[name] = target
-    for name, target in canonical.items():
-        if id(target) not in present:
-            report.missing.append(name)
-            report.problems.append(f"missing {name!r}: in the model, not in the checkpoint")
-    return matched
-
-
-def _entry_fits(name: str, info: dict[str, Any], stored: Tensor, target: Tensor, report: LoadReport) -> bool:
-    """Whether ``target`` can take the saved entry ``name``; else its problem goes into ``report``."""
-    problems = report.problems
-    if target.is_meta:
-        problems.append(
-            f"meta device {name!r}: the model's tensor holds no storage, nothing can be loaded into it; "
-            "materialize the model first (module.to_empty(device=...))"
-        )
-        return False
-    if target.is_inference() or torch._debug_has_internal_overlap(target) == 1:
-        # copy_ would raise half-way through the commit: refuse before anything changes
-        problems.append(f"unwritable {name!r}: an inference-mode tensor or one whose elements share memory (expand)")
-        return False
-    saved_shape = tuple(stored.shape)  # the tensor's own shape, not the one meta.json declares
-    if saved_shape != tuple(target.shape):
-        report.wrong_shape[name] = (saved_shape, tuple(target.shape))
-        problems.append(f"wrong shape {name!r}: {saved_shape} in the checkpoint, {tuple(target.shape)} in the model")
-        return False
-    own_dtype = str(target.dtype).removeprefix("torch.")
-    if info["dtype"] != own_dtype:
-        report.wrong_dtype[name] = (info["dtype"], own_dtype)
-        problems.append(f"wrong dtype {name!r}: {info['dtype']} in the checkpoint, {own_dtype} in the model")
-        return False
-    return True
-
-
-def _match_groups(
-    saved: _Saved,
-    report: LoadReport,
-    optimizer: torch.optim.Optimizer,
-    name_of: dict[int, str],
-    matched: dict[str, Tensor],
-    everything: dict[str, Tensor],
-) -> set[str]:
-    """The parameters whose saved optimizer state can be loaded: same name, same group, same group count."""
-    saved_opt = saved.meta["optimizer"]
-    if saved_opt is None:
-        report.problems.append("the checkpoint has no optimizer state (it was saved with optimizer=None)")
-        return set()
-    saved_groups = saved_opt["groups"]
-    saved_group_of = {n: gi for gi, g in enumerate(saved_groups) for n in g["param_names"]}
-    same_count = len(saved_groups) == len(optimizer.param_groups)
-    if not same_count:
-        report.problems.append(
-            f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer has {len(optimizer.param_groups)}"
-        )
-    loadable: set[str] = set()
-    optimized_here: set[str] = set()
-    for gi, group in enumerate(optimizer.param_groups):
-        for index, p in enumerate(group["params"]):
-            name = name_of.get(id(p))
-            if name is None:
-                report.problems.append(
-                    f"parameter {index} of optimizer group {gi} (shape {tuple(p.shape)}) is not in model.state_dict()"
-                )
-                continue
-            optimized_here.add(name)
-            if name in matched and _same_group(name, gi, saved_group_of.get(name), report) and same_count:
-                loadable.add(name)
-    for name, saved_gi in saved_group_of.items():
-        if name not in optimized_here and name in everything:
-            report.group_mismatch.append(name)
-            report.problems.append(
-                f"group mismatch {name!r}: optimized in group {saved_gi} of the checkpoint, not by this optimizer"
-            )
-    return loadable
-
-
-def _same_group(name: str, gi: int, saved_gi: int | None, report: LoadReport) -> bool:
-    """Whether ``name`` is optimized in group ``gi`` on both sides; else the mismatch goes into ``report``."""
-    if saved_gi is None:
-        report.group_mismatch.append(name)
-        report.problems.append(f"group mismatch {name!r}: optimized in group {gi} here, not optimized in the checkpoint")
-        return False
-    if saved_gi != gi:
-        report.group_mismatch.append(name)
-        report.problems.append(f"group mismatch {name!r}: in group {saved_gi} of the checkpoint, group {gi} here")
-        return False
-    return True
-
-
-def _match_scheduler(saved: _Saved, report: LoadReport, scheduler: Any) -> dict[str, Any] | None:
-    """The saved scheduler state where it is this scheduler's class with the same keys; else a problem and None."""
-    saved_sched = saved.meta["scheduler"]
-    if saved_sched is None:
-        report.problems.append("the checkpoint has no scheduler state (it was saved with scheduler=None)")
-        return None
-    if saved_sched["class"] != type(scheduler).__name__:
-        report.problems.append(f"scheduler: the checkpoint holds a {saved_sched['class']}, this is a {type(scheduler).__name__}")
-        return None
-    where = f"{saved.meta_file}: scheduler/state"
-    state = decode(saved_sched["state"], saved.aux, where)
-    if not isinstance(state, dict):
-        raise malformed(where, f"must be an object, got {type(state).__name__}")
-    own_keys, saved_keys = set(scheduler.state_dict()), set(state)
-    if own_keys != saved_keys:
-        report.problems.append(
-            f"scheduler {type(scheduler).__name__}: keys {sorted(saved_keys - own_keys)} only in the checkpoint, "
-            f"{sorted(own_keys - saved_keys)} only here"
-        )
-        return None
-    return state
-
-
-def _optimizer_state_dict(optimizer: torch.optim.Optimizer, saved: _Saved, plan: _Plan) -> dict[str, Any]:
-    """A state_dict laid out in the optimizer's own current order, filled by name from the checkpoint.
-
-    Parameters that do not match (strict=False only) keep their current state.
-    Where a parameter's model value is loaded, its master is that value, so
-    that model and optimizer agree.
-    """
-    saved_opt = saved.meta["optimizer"]
-    saved_groups = saved_opt["groups"]
-    same_count = len(saved_groups) == len(optimizer.param_groups)
-    with_masters = hasattr(optimizer, "master_param")
-    groups, state = [], {}
-    pid = 0
-    for gi, group in enumerate(optimizer.param_groups):
-        if same_count:
-            hyper = decode(saved_groups[gi]["hyper"], saved.aux, f"{saved.meta_file}: optimizer/groups/{gi}/hyper")
-        else:
-            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        ids = []
-        for p in group["params"]:
-            name = plan.name_of.get(id(p))
-            if name in plan.loadable:
-                entry = _saved_state(saved, name)
-            else:
-                own = optimizer.state.get(p)
-                entry = dict(own) if own else None
-            if entry is not None:
-                if with_masters and name in plan.matched:
-                    entry[MASTER_KEY] = saved.model[name]
-                state[pid] = entry
-            ids.append(pid)
-            pid += 1
-        out = dict(hyper)
-        out["params"] = ids
-        if "param_names" in group:
-            out["param_names"] = list(group["param_names"])
-        groups.append(out)
-    return {"state": state, "param_groups": groups}
-
-
-def _saved_state(saved: _Saved, name: str) -> dict[str, Any] | None:
-    entry = saved.meta["optimizer"]["states"].get(name)
-    if entry is None:
-        return None
-    return dict(decode(entry, saved.optimizer, f"{saved.meta_file}: optimizer/states/{part(name)}"))
-
-
-# --- commit, and roll back what was committed before a refusal
-
-
-def _commit(
-    saved: _Saved,
-    plan: _Plan,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    optimizer_state_dict: dict[str, Any] | None,
-) -> None:
-    """Scheduler, optimizer, model, RNG, in this order.
-
-    Only the scheduler's and the optimizer's own load_state_dict can still refuse: the scheduler goes
-    first and is put back if the optimizer refuses (which changes nothing of its own); model copies
-    and RNG states were checked before.
-    """
-    report = plan.report
-    scheduler_before = None
-    if plan.scheduler_state is not None:
-        scheduler_before = copy.deepcopy(scheduler.state_dict())
-        try:
-            scheduler.load_state_dict(plan.scheduler_state)
-        except Exception as exc:
-            _roll_back(scheduler, scheduler_before)
-            report.problems.append(f"scheduler {type(scheduler).__name__} refused its state: {type(exc).__name__}: {exc}")
-            raise CheckpointMismatch(report) from exc
-    if optimizer is not None and optimizer_state_dict is not None:  # the second implies the first
-        try:
-            optimizer.load_state_dict(optimizer_state_dict)
-        except Exception as exc:  # StateDictMismatch, or torch's own checks
-            _roll_back(scheduler, scheduler_before)
-            report.problems.extend(getattr(exc, "problems", [f"{type(exc).__name__}: {exc}"]))
-            raise CheckpointMismatch(report) from exc
-        report.optimizer_restored = True
-    report.scheduler_restored = plan.scheduler_state is not None
-    with torch.no_grad():
-        for name, target in plan.matched.items():
-            target.copy_(saved.model[name])  # a bf16 parameter gets round-to-nearest of its master
-    report.loaded = sorted(plan.matched)
-    if plan.rng_state is not None:
-        _restore_rng(plan.rng_state, report)
-
-
-def _roll_back(scheduler: Any, scheduler_before: dict[str, Any] | None) -> None:
-    """Put back what the commit changed before a refusal: the scheduler's state (the only part committed first)."""
-    if scheduler_before is not None:
-        scheduler.load_state_dict(scheduler_before)
+# --- RNG states: restored last (layout 2's commit calls these)
 
 
 def _restore_rng(states: dict[str, Any], report: LoadReport) -> None:

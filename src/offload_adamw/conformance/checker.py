@@ -388,7 +388,12 @@ def _run_forked_check(plan: _Plan, name: str, report: Report, progress: Any) -> 
     numbers = [c.number for c in plan.clauses]
     missing = needs_references and not references_ready(numbers, mapping_accepts=plan.mapping.accepts)
     references = Pending(lambda: prepare_references(numbers, mapping_accepts=plan.mapping.accepts)) if missing else None
-    _import_lazily_loaded_modules()  # meanwhile the references are computed beside this
+    try:
+        _import_lazily_loaded_modules()  # meanwhile the references are computed beside this
+    except BaseException:
+        if references is not None:  # an interrupt: the child is ended here, not waited for at exit
+            references.cancel()
+        raise
     if references is not None:
         ran, data = references.result(plan.timeout + _GRACE_SECONDS)
         install_references(data if ran else prepare_references(numbers, mapping_accepts=plan.mapping.accepts))

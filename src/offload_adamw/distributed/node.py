@@ -24,6 +24,9 @@ Contract:
   each tensor's pages are moved there after it is filled, since torch's own threads may have touched them
   first). One node, no such file, a device without a node, or none of the node's cores in this process's
   affinity set: no placement, as before.
+* :func:`device_numa_node` is the NUMA node sysfs gives a PCI device, -1 included (the platform does not say),
+  and :func:`bus_id_by_uuid` the PCI address of a GPU from the NVIDIA driver's folders, where torch gives none
+  (accel/streams.py's ``CudaBackend.pci_bus_id`` asks it); the selftest reports both as the optimizer reads them.
 * Nothing else here changes the process: reading the environment, sysfs, the affinity set and, in the
   gather case, one collective.
 """
@@ -43,8 +46,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-__all__ = ["NodeShare", "NumaPlacement", "allocating_on", "host_threads", "node_share", "numa_placement",
-           "ranks_on_node"]
+__all__ = ["NodeShare", "NumaPlacement", "allocating_on", "bus_id_by_uuid", "device_numa_node", "host_threads",
+           "node_share", "numa_placement", "ranks_on_node"]
 
 #: where the kernel describes the host (tests point it at a made-up topology)
 SYSFS = Path("/sys")
@@ -239,13 +242,37 @@ def numa_nodes(root: Path | None = None) -> dict[int, frozenset[int]]:
 
 
 def device_numa_node(pci_bus_id: str, root: Path | None = None) -> int | None:
-    """The NUMA node of the PCI device ``pci_bus_id`` ("0000:1b:00.0"), or None (-1, unreadable, malformed)."""
+    """The NUMA node sysfs gives the PCI device ``pci_bus_id`` ("0000:1b:00.0"): -1 where the platform does not
+    say (as the kernel writes it, which the selftest reports), None where it cannot be read or is malformed."""
     path = (SYSFS if root is None else root) / "bus/pci/devices" / pci_bus_id.lower() / "numa_node"
     try:
-        node = int(path.read_text().strip())
+        return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-    return node if node >= 0 else None
+
+
+#: the NVIDIA driver's folder of one folder per GPU, named by PCI bus id (tests point it at a made-up one)
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def bus_id_by_uuid(uuid: str, root: str | None = None) -> str | None:
+    """The PCI bus id of the GPU whose UUID is ``uuid``, from the driver's folders (:data:`NVIDIA_GPUS`, named by bus
+    id, each with an ``information`` file holding ``GPU UUID: GPU-<uuid>``): where torch does not give the bus id."""
+    root = NVIDIA_GPUS if root is None else root
+    try:
+        folders = sorted(os.listdir(root))
+    except OSError:
+        return None
+    wanted = uuid.lower().removeprefix("gpu-")
+    for folder in folders:
+        try:
+            with open(os.path.join(root, folder, "information")) as f:
+                for line in f:
+                    if line.startswith("GPU UUID:") and line.split(":", 1)[1].strip().lower().removeprefix("gpu-") == wanted:
+                        return folder.lower()
+        except OSError:
+            continue
+    return None
 
 
 def numa_placement(*, pci_bus_id: str | None = None, node: int | None = None, affinity: set[int] | None = None,
@@ -261,7 +288,7 @@ def numa_placement(*, pci_bus_id: str | None = None, node: int | None = None, af
         return None
     else:
         node = device_numa_node(pci_bus_id, root)
-        if node is None or node not in nodes:
+        if node is None or node not in nodes:  # unreadable, -1 (the platform does not say) or no such node here
             return None
         source = f"the GPU at {pci_bus_id.lower()} is on it"
     cpus = nodes[node] & (_affinity() if affinity is None else affinity)

@@ -30,6 +30,9 @@ Contract:
   hardware (some groups resident, ``"device"``, the others streamed or on the host), whose
   ``update_on`` per group is printed as the ``named_param_groups`` rules to pass. A mix is
   recommended only where its bound is more than 5% below every other fitting strategy's.
+* :func:`plan` runs one small function per strategy of :data:`STRATEGIES` (a registry, in that order:
+  a new strategy is its description there and its function registered under the same name), over what
+  they share computed once; a strategy without its function, or out of order, fails at import.
 * Activations follow Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models" (arXiv:2205.05198), with no tensor
   or sequence parallelism: per layer ``s*b*h*(34 + 5*a*s/h)`` bytes without
@@ -46,7 +49,7 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -516,128 +519,147 @@ def _bound(hardware: HardwareConfig, *, h2d: int, d2h: int, host: int, gpu: int)
     return times[bottleneck], bottleneck
 
 
-def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: TrainingConfig = TrainingConfig()) -> Plan:
-    """Plan every strategy in STRATEGIES for ``model`` on ``hardware`` trained as ``training``."""
-    shapes = model.parameter_shapes()
-    n = sum(math.prod(s) for _, s in shapes)
-    world, per_node = hardware.world_size, hardware.gpus_per_node
-    p = dtype_bytes(training.param_dtype)  # parameter and gradient bytes on the GPU
-    g = p
-    fp32_params = p == 4
-    amsgrad = training.amsgrad
-    accum = training.grad_accumulation
-    state_bytes = placement.state_bytes_per_element(amsgrad=amsgrad)  # a device parameter's master, m, v (, max_v)
-    update_bytes = 28 + (8 if amsgrad else 0)  # docs/contract.md#traffic-bill: the ideal single pass per element
-    acts = activation_bytes(model, training)
-    unit = model.largest_unit_parameters()
-    gpu_reserved = int(hardware.gpu_reserved_bytes)
-    host_reserved = int(hardware.host_reserved_bytes)
+# --------------------------------------------------------------------------- the strategies, one function each
+#
+# Each strategy of STRATEGIES is planned by one function of _PLANNERS, registered under its name in the order of
+# STRATEGIES (the order of every output); what they share (the model's counts, the FSDP shard, the placement costs
+# and limits, the step-time model) is computed once per plan, in a _Setting.
 
-    degree = hardware.shard_degree  # every rank (FSDP), or one replica's ranks (HSDP)
-    shard = sum(placement.shard_numel(s, degree) for _, s in shapes)  # elements per rank under FSDP (padded)
-    # all-gather of the unsharded unit, prefetched one ahead, and the unit's unsharded gradients for reduce-scatter
-    fsdp_buffers = 2 * unit * p + unit * g
 
-    def device_state(elements: int) -> dict[str, int]:
+@dataclass(frozen=True, kw_only=True)
+class _Setting:
+    """What every strategy's plan reads, computed once per :func:`plan`."""
+
+    hardware: HardwareConfig
+    training: TrainingConfig
+    n: int
+    """Parameters of the model."""
+    p: int
+    """Bytes of a parameter on the GPU."""
+    g: int
+    """Bytes of a gradient on the GPU (the parameter's dtype)."""
+    acts: int
+    """Activation bytes per GPU."""
+    shard: int
+    """Elements per rank under FSDP (padded)."""
+    fsdp_buffers: int
+    """All-gather of the unsharded unit, prefetched one ahead, and the unit's unsharded gradients for reduce-scatter."""
+    groups: int
+    """Groups of the step-time model: the decoder layers and the other tensors (1 without an architecture)."""
+    plan_groups: list[placement.PlanningGroup]
+    costs: dict[bool, dict[str, placement.PlacementCost]]
+    """Per placement, with and without ``offload_gradients``."""
+    limits: placement.Limits
+    world: int
+    per_node: int
+    amsgrad: bool
+    update_bytes: int
+    """docs/contract.md#traffic-bill: the ideal single pass per element."""
+    gpu_reserved: int
+    host_reserved: int
+    ring: int
+    """The device buffers of a streamed state's ring."""
+
+    @classmethod
+    def of(cls, model: Model, hardware: HardwareConfig, training: TrainingConfig) -> _Setting:
+        shapes = model.parameter_shapes()
+        p = dtype_bytes(training.param_dtype)
+        g = p
+        degree = hardware.shard_degree  # every rank (FSDP), or one replica's ranks (HSDP)
+        shard = sum(placement.shard_numel(s, degree) for _, s in shapes)
+        unit = model.largest_unit_parameters()
+        fsdp_buffers = 2 * unit * p + unit * g
+        acts = activation_bytes(model, training)
+        amsgrad, accum = training.amsgrad, training.grad_accumulation
+        costs = {flag: placement.placement_costs(param_bytes=p, grad_bytes=g, amsgrad=amsgrad, grad_accumulation=accum,
+                                                 offload_gradients=flag) for flag in (False, True)}
+        limits = placement.Limits(
+            gpu_fixed_bytes=p * shard + acts + fsdp_buffers + int(hardware.gpu_reserved_bytes),
+            gpu_capacity=hardware.gpu_memory_bytes, host_fixed_bytes=int(hardware.host_reserved_bytes),
+            host_capacity=hardware.host_memory_bytes, ranks_per_node=hardware.gpus_per_node,
+            ring_bytes=training.stream_buffers * training.stream_chunk_bytes, pcie_bytes_per_s=hardware.pcie_bytes_per_s,
+            host_memory_bytes_per_s=hardware.host_memory_bytes_per_s,
+            gpu_memory_bytes_per_s=hardware.gpu_memory_bytes_per_s,
+        )
+        return cls(hardware=hardware, training=training, n=sum(math.prod(s) for _, s in shapes), p=p, g=g, acts=acts,
+                   shard=shard, fsdp_buffers=fsdp_buffers,
+                   groups=(model.num_hidden_layers + 2) if isinstance(model, ModelConfig) else 1,
+                   plan_groups=placement.planning_groups(shapes, degree), costs=costs, limits=limits,
+                   world=hardware.world_size, per_node=hardware.gpus_per_node, amsgrad=amsgrad,
+                   update_bytes=28 + (8 if amsgrad else 0), gpu_reserved=int(hardware.gpu_reserved_bytes),
+                   host_reserved=int(hardware.host_reserved_bytes), ring=limits.ring_bytes)
+
+    def device_state(self, elements: int) -> dict[str, int]:
+        """A device-updated parameter's master (none where the parameter is float32, its own), m, v (, max_v)."""
         return {
-            "master": 0 if fp32_params else 4 * elements,
+            "master": 0 if self.p == 4 else 4 * elements,
             "exp_avg": 4 * elements,
             "exp_avg_sq": 4 * elements,
-            "max_exp_avg_sq": 4 * elements if amsgrad else 0,
+            "max_exp_avg_sq": 4 * elements if self.amsgrad else 0,
         }
 
-    results: list[StrategyPlan] = []
-
-    groups = (model.num_hidden_layers + 2) if isinstance(model, ModelConfig) else 1
-    tokens = training.seq_len * training.micro_batch
-
-    def times(host_traffic: int, gpu_traffic: int, h2d: int, d2h: int, lanes: dict[str, Any] | None) -> tuple[float, float]:
+    def times(self, host_traffic: int, gpu_traffic: int, h2d: int, d2h: int,
+              lanes: dict[str, Any] | None) -> tuple[float, float]:
+        """The training step's serial and overlapped time (planning/overlap.py) for these lanes."""
+        hardware, training = self.hardware, self.training
         if lanes is None:  # one lane: the host update (or the GPU's own step) and the copies around it
             lanes = dict(
                 host_update_s=host_traffic / hardware.host_memory_bytes_per_s + gpu_traffic / hardware.gpu_memory_bytes_per_s,
                 d2h_s=d2h / hardware.pcie_bytes_per_s, h2d_s=h2d / hardware.pcie_bytes_per_s,
-                groups=groups if host_traffic else 1,
+                groups=self.groups if host_traffic else 1,
             )
         step = training_step_model(
-            num_parameters=n, tokens_per_gpu=tokens, gpu_flops_per_s=hardware.gpu_flops_per_s,
-            model_flops_utilization=training.model_flops_utilization,
-            activation_checkpointing=training.activation_checkpointing, grad_accumulation=accum,
+            num_parameters=self.n, tokens_per_gpu=training.seq_len * training.micro_batch,
+            gpu_flops_per_s=hardware.gpu_flops_per_s, model_flops_utilization=training.model_flops_utilization,
+            activation_checkpointing=training.activation_checkpointing, grad_accumulation=training.grad_accumulation,
             clipping=training.clipping, **lanes,
         )
         t = step_times(step)
         return t.serial_s, t.overlapped_s
 
-    def add(name: str, *, gpu: MemoryBill, host: MemoryBill, h2d: int, d2h: int, host_traffic: int,
-            gpu_traffic: int, gpus_used: int, notes: Sequence[str] = (), mix: placement.Mix | None = None,
-            lanes: dict[str, Any] | None = None, per_rank: RankHostBytes | None = None) -> None:
+    def strategy(self, name: str, *, gpu: MemoryBill, host: MemoryBill, h2d: int, d2h: int, host_traffic: int,
+                 gpu_traffic: int, gpus_used: int, notes: Sequence[str] = (), mix: placement.Mix | None = None,
+                 lanes: dict[str, Any] | None = None, per_rank: RankHostBytes | None = None) -> StrategyPlan:
+        """The plan of strategy ``name`` from its bills and traffic: its bound, its step times, the HSDP note."""
+        hardware = self.hardware
         bound, bottleneck = _bound(hardware, h2d=h2d, d2h=d2h, host=host_traffic, gpu=gpu_traffic)
-        serial, overlapped = times(host_traffic, gpu_traffic, h2d, d2h, lanes)
+        serial, overlapped = self.times(host_traffic, gpu_traffic, h2d, d2h, lanes)
         if hardware.replicas > 1 and name.startswith("fsdp"):
+            degree = hardware.shard_degree
             notes = (f"HSDP: {hardware.replicas} replicas, each sharded over {degree} ranks: every rank holds "
-                     f"1/{degree} of the model, not 1/{world}; gradients are all-reduced across replicas", *notes)
-        results.append(
-            StrategyPlan(
-                name=name, description=STRATEGIES[name], gpu=gpu, host=host,
-                gpu_capacity=hardware.gpu_memory_bytes, host_capacity=hardware.host_memory_bytes,
-                pcie_h2d_bytes=h2d, pcie_d2h_bytes=d2h, host_memory_traffic_bytes=host_traffic,
-                gpu_memory_traffic_bytes=gpu_traffic, step_time_lower_bound_s=bound, bottleneck=bottleneck,
-                gpus_used=gpus_used, notes=tuple(notes), comparison=name in COMPARISONS,
-                step_time_serial_s=serial, step_time_overlapped_s=overlapped, mix=mix,
-                host_per_rank=per_rank,
-            )
+                     f"1/{degree} of the model, not 1/{self.world}; gradients are all-reduced across replicas", *notes)
+        return StrategyPlan(
+            name=name, description=STRATEGIES[name], gpu=gpu, host=host,
+            gpu_capacity=hardware.gpu_memory_bytes, host_capacity=hardware.host_memory_bytes,
+            pcie_h2d_bytes=h2d, pcie_d2h_bytes=d2h, host_memory_traffic_bytes=host_traffic,
+            gpu_memory_traffic_bytes=gpu_traffic, step_time_lower_bound_s=bound, bottleneck=bottleneck,
+            gpus_used=gpus_used, notes=tuple(notes), comparison=name in COMPARISONS,
+            step_time_serial_s=serial, step_time_overlapped_s=overlapped, mix=mix,
+            host_per_rank=per_rank,
         )
 
-    host_idle = MemoryBill(reserved=host_reserved)
+    def uniform(self, where: str, offload_gradients: bool) -> placement.Mix:
+        """Every group's update in one place."""
+        elements = {where: sum(grp.elements for grp in self.plan_groups)}
+        tensors = {where: sum(grp.tensors for grp in self.plan_groups)}
+        return placement.Mix(offload_gradients=offload_gradients,
+                             assignment=tuple((grp, where) for grp in self.plan_groups),
+                             totals=placement.evaluate(elements, tensors, self.costs[offload_gradients], self.limits))
 
-    # Unsharded: the whole bill on one GPU; DDP adds its gradient buckets (gradient_as_bucket_view=False).
-    add("single-gpu",
-        gpu=MemoryBill(parameters=p * n, gradients=g * n, **device_state(n), activations=acts, reserved=gpu_reserved),
-        host=host_idle, h2d=0, d2h=0, host_traffic=0, gpu_traffic=update_bytes * n, gpus_used=1,
-        notes=("trains on one GPU; the others idle",) if world > 1 else ())
-    add("ddp",
-        gpu=MemoryBill(parameters=p * n, gradients=g * n, **device_state(n), activations=acts,
-                       buffers=g * n, reserved=gpu_reserved),
-        host=host_idle, h2d=0, d2h=0, host_traffic=0, gpu_traffic=update_bytes * n, gpus_used=world,
-        notes=("buffers: DDP's gradient buckets, a second copy of the gradients (gradient_as_bucket_view=False)",))
-    add("fsdp",
-        gpu=MemoryBill(parameters=p * shard, gradients=g * shard, **device_state(shard), activations=acts,
-                       buffers=fsdp_buffers, reserved=gpu_reserved),
-        host=host_idle, h2d=0, d2h=0, host_traffic=0, gpu_traffic=update_bytes * shard, gpus_used=world,
-        notes=("FSDP2 with MixedPrecisionPolicy arranges the same 16 bytes/element as fp32 shard + fp32 grad + m + v",))
-
-    # OffloadAdamW: each group's update on the host, streamed through the GPU, or on the GPU (update_on), one
-    # count of their bytes (planning/placement.py). On the host the gradients go down once per step (accumulated
-    # on the GPU) and the updated parameters come back; with offload_gradients every micro-batch's gradient goes
-    # down and is accumulated in host memory.
-    node_shard = per_node * shard
-    plan_groups = placement.planning_groups(shapes, degree)
-    costs = {flag: placement.placement_costs(param_bytes=p, grad_bytes=g, amsgrad=amsgrad, grad_accumulation=accum,
-                                             offload_gradients=flag) for flag in (False, True)}
-    ring = training.stream_buffers * training.stream_chunk_bytes
-    limits = placement.Limits(
-        gpu_fixed_bytes=p * shard + acts + fsdp_buffers + gpu_reserved, gpu_capacity=hardware.gpu_memory_bytes,
-        host_fixed_bytes=host_reserved, host_capacity=hardware.host_memory_bytes, ranks_per_node=per_node,
-        ring_bytes=ring, pcie_bytes_per_s=hardware.pcie_bytes_per_s,
-        host_memory_bytes_per_s=hardware.host_memory_bytes_per_s, gpu_memory_bytes_per_s=hardware.gpu_memory_bytes_per_s,
-    )
-
-    def uniform(where: str, offload_gradients: bool) -> placement.Mix:
-        elements = {where: sum(grp.elements for grp in plan_groups)}
-        tensors = {where: sum(grp.tensors for grp in plan_groups)}
-        return placement.Mix(offload_gradients=offload_gradients, assignment=tuple((grp, where) for grp in plan_groups),
-                             totals=placement.evaluate(elements, tensors, costs[offload_gradients], limits))
-
-    def add_offload(name: str, mix: placement.Mix, notes: Sequence[str]) -> None:
+    def offload(self, name: str, mix: placement.Mix, notes: Sequence[str]) -> StrategyPlan:
+        """An OffloadAdamW strategy: each group's update where ``mix`` puts it (planning/placement.py's bytes)."""
+        p, g, amsgrad, per_node = self.p, self.g, self.amsgrad, self.per_node
         t = mix.totals
         e, k = t.elements, t.tensors
         flag = mix.offload_gradients
         state = {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "max_exp_avg_sq": 4 if amsgrad else 0}
         kept = e["device"] + e["stream"] + (0 if flag else e["host"])  # gradients that stay on the GPU
-        landing = g * e["host"] * (2 if flag and accum > 1 else 1)  # host buffers the host groups' gradients land in
+        # host buffers the host groups' gradients land in
+        landing = g * e["host"] * (2 if flag and self.training.grad_accumulation > 1 else 1)
         streamed = e["stream"] > 0 or k["stream"] > 0
-        gpu = MemoryBill(parameters=p * shard, gradients=g * kept, **{key: b * e["device"] for key, b in state.items()},
-                         step_counts=bills.STEP_COUNT_BYTES * k["device"], activations=acts,
-                         buffers=fsdp_buffers + (ring if streamed else 0), reserved=gpu_reserved)
+        gpu = MemoryBill(parameters=p * self.shard, gradients=g * kept, **{key: b * e["device"] for key, b in state.items()},
+                         step_counts=bills.STEP_COUNT_BYTES * k["device"], activations=self.acts,
+                         buffers=self.fsdp_buffers + (self.ring if streamed else 0), reserved=self.gpu_reserved)
         # One rank's host bytes (fsdp_rank_host_bytes for the groups on the host): the state of host and streamed
         # groups; the host groups' gradient buffers, their accumulation buffer, and the staging copies their updated
         # parameters are sent back from. The node holds it once per rank.
@@ -651,23 +673,26 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
             gradients=per_node * (rank.gradients + rank.accumulation), master=per_node * rank.master,
             exp_avg=per_node * rank.exp_avg, exp_avg_sq=per_node * rank.exp_avg_sq,
             max_exp_avg_sq=per_node * rank.max_exp_avg_sq, step_counts=per_node * rank.step_counts,
-            buffers=per_node * rank.staging, reserved=host_reserved,
+            buffers=per_node * rank.staging, reserved=self.host_reserved,
         )
         assert gpu.total == t.gpu_bytes and host.total == t.host_bytes, (name, gpu.total, t.gpu_bytes, host.total, t.host_bytes)
-        add(name, gpu=gpu, host=host, h2d=t.h2d, d2h=t.d2h, host_traffic=t.host_traffic, gpu_traffic=t.gpu_traffic,
-            gpus_used=world, notes=notes, mix=mix, lanes=None if mix.uniform == "host" else lanes(mix), per_rank=rank)
+        return self.strategy(name, gpu=gpu, host=host, h2d=t.h2d, d2h=t.d2h, host_traffic=t.host_traffic,
+                             gpu_traffic=t.gpu_traffic, gpus_used=self.world, notes=notes, mix=mix,
+                             lanes=None if mix.uniform == "host" else self.lanes(mix), per_rank=rank)
 
-    def lanes(mix: placement.Mix) -> dict[str, float]:
+    def lanes(self, mix: placement.Mix) -> dict[str, float]:
         """The step-time model's lanes of a mix (planning/overlap.py): host updates, device updates, host memory."""
         e = mix.totals.elements
-        c = costs[mix.offload_gradients]
-        pcie, host_bw, gpu_bw = hardware.pcie_bytes_per_s, hardware.host_memory_bytes_per_s, hardware.gpu_memory_bytes_per_s
+        c = self.costs[mix.offload_gradients]
+        per_node = self.per_node
+        pcie, host_bw, gpu_bw = (self.hardware.pcie_bytes_per_s, self.hardware.host_memory_bytes_per_s,
+                                 self.hardware.gpu_memory_bytes_per_s)
         stream = e["stream"]
         # a streamed group takes as long as its slowest link; the resident groups' update reads and writes device memory
         device = max(c["stream"].h2d * stream / pcie, per_node * c["stream"].host_traffic * stream / host_bw,
                      c["stream"].gpu_traffic * stream / gpu_bw) + c["device"].gpu_traffic * e["device"] / gpu_bw
         # what uses host memory once updates may start: the host update and its parameters going out, the streams
-        after_start = per_node * ((update_bytes + p) * e["host"] + c["stream"].host_traffic * stream)
+        after_start = per_node * ((self.update_bytes + self.p) * e["host"] + c["stream"].host_traffic * stream)
         return {
             "host_update_s": per_node * c["host"].host_traffic * e["host"] / host_bw,
             "d2h_s": c["host"].d2h * e["host"] / pcie, "h2d_s": c["host"].h2d * e["host"] / pcie,
@@ -675,47 +700,140 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
             "device_groups": max(1, mix.count("stream") + mix.count("device")), "host_memory_s": after_start / host_bw,
         }
 
-    add_offload("fsdp+offload-adamw", uniform("host", False), (
+
+_PLANNERS: dict[str, Callable[[_Setting], StrategyPlan]] = {}
+"""The strategies' planners by name, in the order of STRATEGIES (checked below, once they are all registered)."""
+
+
+def _planner(name: str) -> Callable[[Callable[[_Setting], StrategyPlan]], Callable[[_Setting], StrategyPlan]]:
+    """Register the decorated function as the planner of strategy ``name`` (one of STRATEGIES)."""
+    def register(function: Callable[[_Setting], StrategyPlan]) -> Callable[[_Setting], StrategyPlan]:
+        if name not in STRATEGIES or name in _PLANNERS:
+            raise ValueError(f"planner: {name!r} is not a strategy of STRATEGIES, or has a planner already")
+        _PLANNERS[name] = function
+        return function
+    return register
+
+
+# Unsharded: the whole bill on one GPU; DDP adds its gradient buckets (gradient_as_bucket_view=False).
+@_planner("single-gpu")
+def _single_gpu(s: _Setting) -> StrategyPlan:
+    n = s.n
+    return s.strategy(
+        "single-gpu",
+        gpu=MemoryBill(parameters=s.p * n, gradients=s.g * n, **s.device_state(n), activations=s.acts,
+                       reserved=s.gpu_reserved),
+        host=MemoryBill(reserved=s.host_reserved), h2d=0, d2h=0, host_traffic=0, gpu_traffic=s.update_bytes * n,
+        gpus_used=1, notes=("trains on one GPU; the others idle",) if s.world > 1 else ())
+
+
+@_planner("ddp")
+def _ddp(s: _Setting) -> StrategyPlan:
+    n = s.n
+    return s.strategy(
+        "ddp",
+        gpu=MemoryBill(parameters=s.p * n, gradients=s.g * n, **s.device_state(n), activations=s.acts,
+                       buffers=s.g * n, reserved=s.gpu_reserved),
+        host=MemoryBill(reserved=s.host_reserved), h2d=0, d2h=0, host_traffic=0, gpu_traffic=s.update_bytes * n,
+        gpus_used=s.world,
+        notes=("buffers: DDP's gradient buckets, a second copy of the gradients (gradient_as_bucket_view=False)",))
+
+
+@_planner("fsdp")
+def _fsdp(s: _Setting) -> StrategyPlan:
+    shard = s.shard
+    return s.strategy(
+        "fsdp",
+        gpu=MemoryBill(parameters=s.p * shard, gradients=s.g * shard, **s.device_state(shard), activations=s.acts,
+                       buffers=s.fsdp_buffers, reserved=s.gpu_reserved),
+        host=MemoryBill(reserved=s.host_reserved), h2d=0, d2h=0, host_traffic=0, gpu_traffic=s.update_bytes * shard,
+        gpus_used=s.world,
+        notes=("FSDP2 with MixedPrecisionPolicy arranges the same 16 bytes/element as fp32 shard + fp32 grad + m + v",))
+
+
+# OffloadAdamW: each group's update on the host, streamed through the GPU, or on the GPU (update_on), one count of
+# their bytes (planning/placement.py). On the host the gradients go down once per step (accumulated on the GPU) and
+# the updated parameters come back; with offload_gradients every micro-batch's gradient goes down and is
+# accumulated in host memory.
+@_planner("fsdp+offload-adamw")
+def _offload_adamw(s: _Setting) -> StrategyPlan:
+    return s.offload("fsdp+offload-adamw", s.uniform("host", False), (
         "host traffic: gradient DMA in, the 28-byte single-pass update (docs/contract.md, section Traffic bill), "
         "parameter DMA out", STAGING_NOTE))
-    add_offload("fsdp+offload-adamw+offload-grads", uniform("host", True), (
+
+
+@_planner("fsdp+offload-adamw+offload-grads")
+def _offload_adamw_offload_grads(s: _Setting) -> StrategyPlan:
+    return s.offload("fsdp+offload-adamw+offload-grads", s.uniform("host", True), (
         "GPU gradients are transient (one FSDP unit, inside buffers)",
         "accumulation > 1: FSDP2 reduces every micro-batch and the host adds it, through an accumulation buffer "
         "next to the host gradient; 4 bytes of traffic per byte of gradient per extra micro-batch. (accelerate's "
         "and the Trainer's no_sync instead keep FSDP2's unsharded gradients on the GPU until the last one.)",
         STAGING_NOTE))
-    add_offload("fsdp+streamed-state", uniform("stream", False), (
+
+
+@_planner("fsdp+streamed-state")
+def _streamed_state(s: _Setting) -> StrategyPlan:
+    training = s.training
+    state_bytes = placement.state_bytes_per_element(amsgrad=s.amsgrad)  # a device parameter's master, m, v (, max_v)
+    return s.offload("fsdp+streamed-state", s.uniform("stream", False), (
         f"update_on=\"stream\": buffers include the ring of {training.stream_buffers} x "
         f"{training.stream_chunk_bytes / 2**20:g} MiB device buffers (opt.device_buffer_bytes())",
         f"{state_bytes} bytes per parameter each way over PCIe (master, m, v), {2 * state_bytes} through host "
         "memory, no host core; the gradient and the parameter stay on the GPU"))
-    chosen = placement.choose_mix(plan_groups, costs, limits)
+
+
+@_planner(MIX)
+def _placement_mix(s: _Setting) -> StrategyPlan:
+    chosen = placement.choose_mix(s.plan_groups, s.costs, s.limits)
     mix_notes = [
         "per group: update_on=\"device\" (state on the GPU, 12 bytes per parameter, 16 with amsgrad), \"stream\" or "
         "\"host\", chosen for the smallest bound that fits (planning/placement.py); resident: the first layers, "
         "whose gradients come last in backward",
     ]
     if chosen is None:
-        chosen = uniform("host", True)
+        chosen = s.uniform("host", True)
         mix_notes.append("no mix of placements fits; shown: every group on the host with offload_gradients")
     mix_notes.extend(chosen.notes)
-    add_offload(MIX, chosen, mix_notes)
+    return s.offload(MIX, chosen, mix_notes)
 
-    # FSDP2 CPU offload: fp32 shards on the host are copied up for every all-gather (forward and backward),
-    # the reduced gradient is cast to fp32 on the GPU and copied down (torch's foreach_reduce), torch AdamW runs on the host.
-    add("fsdp+cpu-offload",
-        gpu=MemoryBill(activations=acts, buffers=fsdp_buffers, reserved=gpu_reserved),
+
+# FSDP2 CPU offload: fp32 shards on the host are copied up for every all-gather (forward and backward), the reduced
+# gradient is cast to fp32 on the GPU and copied down (torch's foreach_reduce), torch AdamW runs on the host.
+@_planner("fsdp+cpu-offload")
+def _fsdp_cpu_offload(s: _Setting) -> StrategyPlan:
+    shard, accum, amsgrad = s.shard, s.training.grad_accumulation, s.amsgrad
+    node_shard = s.per_node * shard
+    return s.strategy(
+        "fsdp+cpu-offload",
+        gpu=MemoryBill(activations=s.acts, buffers=s.fsdp_buffers, reserved=s.gpu_reserved),
         host=MemoryBill(parameters=4 * node_shard, gradients=4 * node_shard, exp_avg=4 * node_shard,
                         exp_avg_sq=4 * node_shard, max_exp_avg_sq=4 * node_shard if amsgrad else 0,
-                        reserved=host_reserved),
+                        reserved=s.host_reserved),
         h2d=accum * 2 * 4 * shard, d2h=accum * 4 * shard,
-        host_traffic=node_shard * (accum * 2 * 4 + 4 + (accum - 1) * 4 * 4 + update_bytes), gpu_traffic=0,
-        gpus_used=world,
+        host_traffic=node_shard * (accum * 2 * 4 + 4 + (accum - 1) * 4 * 4 + s.update_bytes), gpu_traffic=0,
+        gpus_used=s.world,
         notes=("as PyTorch arranges it: the fp32 shard is the master, gradients come down in fp32",
                "comparison only: PyTorch's own offload with torch AdamW, never recommended here"))
 
-    strategies = tuple(results)
-    recommendation, reason = _recommend(strategies, world)
+
+if list(_PLANNERS) != list(STRATEGIES):  # pragma: no cover - a strategy without its planner, or out of order
+    raise ImportError(f"planner: the planners {list(_PLANNERS)} are not those of STRATEGIES {list(STRATEGIES)}")
+
+
+def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: TrainingConfig = TrainingConfig()) -> Plan:
+    """Plan every strategy in STRATEGIES for ``model`` on ``hardware`` trained as ``training``."""
+    setting = _Setting.of(model, hardware, training)
+    strategies = tuple(planner(setting) for planner in _PLANNERS.values())
+    recommendation, reason = _recommend(strategies, hardware.world_size)
+    return Plan(
+        model_name=model.name, num_parameters=setting.n, hardware=hardware, training=training, strategies=strategies,
+        recommendation=recommendation, reason=reason, assumptions=_assumptions(model, hardware, training),
+    )
+
+
+def _assumptions(model: Model, hardware: HardwareConfig, training: TrainingConfig) -> tuple[str, ...]:
+    """What every plan assumes, in words, and what this model's kind leaves out."""
     assumptions = [
         "activations: Korthikanti et al. 2022 (arXiv:2205.05198), "
         + ("full checkpointing: 2sbh per layer + one layer recomputed" if training.activation_checkpointing
@@ -740,10 +858,7 @@ def plan(model: Model, hardware: HardwareConfig = HardwareConfig(), training: Tr
     if isinstance(model, ModelConfig) and model.is_moe:
         assumptions.append(f"mixture of experts: all {model.num_experts} experts per MoE layer are trained parameters "
                            "(each rank holds all of them; no expert parallelism); activations as for a dense layer")
-    return Plan(
-        model_name=model.name, num_parameters=n, hardware=hardware, training=training, strategies=strategies,
-        recommendation=recommendation, reason=reason, assumptions=tuple(assumptions),
-    )
+    return tuple(assumptions)
 
 
 def _fmt_gb(x: float) -> str:

@@ -3,8 +3,9 @@
 Contract: :func:`environment` returns a JSON-ready dict and never raises for a missing piece: every figure
 that cannot be read here (no GPU, no ``/proc``, no numba) is None with, where it helps, a word on why.
 It holds the versions (torch, its CUDA build, the NVIDIA driver, numba, Python), each GPU with its memory,
-PCI bus id and NUMA node (``/sys/bus/pci/devices/<bus id>/numa_node``; -1 there means the platform does not
-say), host memory (``MemTotal`` and ``MemAvailable`` from ``/proc/meminfo``, and :func:`host_memory_for_sizing`:
+PCI bus id and NUMA node (the optimizer's own: accel/streams.py's ``CUDA.pci_bus_id`` and
+distributed/node.py's ``device_numa_node``, from ``/sys/bus/pci/devices/<bus id>/numa_node``; -1 there means the
+platform does not say), host memory (``MemTotal`` and ``MemAvailable`` from ``/proc/meminfo``, and :func:`host_memory_for_sizing`:
 the figure a run should size itself by), the locked-memory limit (``RLIMIT_MEMLOCK``, soft and hard), the
 cores this process may run on (``os.sched_getaffinity``), the host update's threads and NUMA node as the optimizer
 would choose them (``host_update``: distributed/node.py), and whether page-locking works (a 1 MiB pinned
@@ -81,49 +82,19 @@ def _driver_version(path: str = "/proc/driver/nvidia/version") -> str | None:
     return words[0] if words else None
 
 
-def _numa_node(bus_id: str, root: str = "/sys/bus/pci/devices") -> int | None:
-    """The NUMA node the kernel gives the PCI device (-1: the platform does not say), None where unreadable."""
-    try:
-        with open(f"{root}/{bus_id}/numa_node") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _bus_id_by_uuid(uuid: str, root: str = "/proc/driver/nvidia/gpus") -> str | None:
-    """The PCI bus id of the GPU whose UUID is ``uuid``, from the driver's ``/proc`` folders (named by bus id, each
-    with an ``information`` file holding ``GPU UUID: GPU-<uuid>``): where torch does not give the bus id."""
-    try:
-        folders = sorted(os.listdir(root))
-    except OSError:
-        return None
-    wanted = uuid.lower().removeprefix("gpu-")
-    for folder in folders:
-        try:
-            with open(os.path.join(root, folder, "information")) as f:
-                for line in f:
-                    if line.startswith("GPU UUID:") and line.split(":", 1)[1].strip().lower().removeprefix("gpu-") == wanted:
-                        return folder.lower()
-        except OSError:
-            continue
-    return None
-
-
 def _gpus() -> list[dict[str, Any]]:
     if not torch.cuda.is_available():
         return []
+    from offload_adamw.accel import streams
+    from offload_adamw.distributed import node
+
     gpus = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        domain, bus, device = (getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
-        if None not in (domain, bus, device):
-            bus_id: str | None = f"{domain:04x}:{bus:02x}:{device:02x}.0"
-        else:  # a torch without the PCI fields: the driver's folders, matched by UUID
-            uuid = getattr(props, "uuid", None)
-            bus_id = _bus_id_by_uuid(str(uuid)) if uuid is not None else None
+        bus_id = streams.CUDA.pci_bus_id(index)  # the address the optimizer places its host update by
         gpus.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory),
                      "capability": f"{props.major}.{props.minor}", "pci_bus_id": bus_id,
-                     "numa_node": _numa_node(bus_id) if bus_id else None})
+                     "numa_node": node.device_numa_node(bus_id) if bus_id else None})
     return gpus
 
 
