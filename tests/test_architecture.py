@@ -336,7 +336,7 @@ def test_accel_reaches_the_optimizer_only_through_the_update_target_protocol():
     from offload_adamw.accel.pipeline import UpdateTarget
     from offload_adamw.optim.optimizer import OffloadAdamW
 
-    wanted = ("describe_param", "check_gradient", "skip_for_nonfinite", "preflight", "update_group")
+    wanted = ("describe_param", "check_gradient", "preflight", "update_group")
     assert all(hasattr(UpdateTarget, m) for m in wanted)
     assert all(callable(getattr(OffloadAdamW, m)) for m in wanted)
 
@@ -425,7 +425,7 @@ ACCEL_MAX_METHODS = 30
 #: the components of accel/, each built only by the front (accel/pipeline.py), which chooses them once
 ACCEL_COMPONENTS = {"SlotTable", "Gate", "HostUpdate", "AtStep", "DuringBackward", "FreedGradients", "KeptGradients",
                     "AutogradHooks", "DdpSource", "Recorder", "TransferEngine", "StreamUpdate", "DeviceUpdate",
-                    "Placements", "DeviceGradients", "ByPlacement"}
+                    "Placements", "DeviceGradients", "ByPlacement", "StepTransport"}
 #: other places that build an engine (none: a test device is a stream backend, installed, not an engine of its own)
 ENGINE_FACTORIES: dict[str, set[str]] = {}
 
@@ -464,6 +464,45 @@ def component_builders(root: Path) -> list[str]:
                     problems.append(f"accel/{path.name}:{node.lineno} builds {name}: only accel/pipeline.py wires "
                                     "the components")
     return problems
+
+
+#: what only the step's owner (optim/step.py, optim/policy.py) does: no module of accel/ names these
+STEP_DECISIONS = frozenset({"OffloadAdamW", "skip_for_nonfinite", "nonfinite_decision", "step_norm", "last_grad_norm",
+                            "clip_grad_norm_", "clip_gradients_"})
+
+
+def accel_step_decisions(root: Path) -> list[str]:
+    """Places in ``root`` (accel/) that import optim/ or name the optimizer's class or one of the step's decisions in
+    code (a name, an attribute, an import; messages and docstrings may mention them)."""
+    problems = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = []
+            if isinstance(node, ast.Name):
+                named = [node.id]
+            elif isinstance(node, ast.Attribute):
+                named = [node.attr]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if any(m == f"{TOP}.optim" or m.startswith(f"{TOP}.optim.") for m in modules):
+                    problems.append(f"accel/{path.name}:{node.lineno} imports optim/")
+                named = [a.asname or a.name for a in node.names]
+            problems += [f"accel/{path.name}:{node.lineno} names {n}" for n in named if n in STEP_DECISIONS]
+    return problems
+
+
+def test_accel_neither_imports_nor_names_the_optimizer_nor_takes_the_steps_decisions():
+    """The step's sequence (check, clip, non-finite policy, pre-flight) is optim/step.py's; accel/ is its transport."""
+    problems = accel_step_decisions(ACCEL)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_step_decision_check_can_fail(tmp_path):
+    (tmp_path / "gate.py").write_text("from offload_adamw.optim.policy import step_norm\n\n"
+                                      "def decide(opt):\n    opt.last_grad_norm = 1\n")
+    problems = accel_step_decisions(tmp_path)
+    assert problems == ["accel/gate.py:1 imports optim/", "accel/gate.py:1 names step_norm",
+                        "accel/gate.py:4 names last_grad_norm"], problems
 
 
 def test_accel_modules_and_classes_stay_small():

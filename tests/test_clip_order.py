@@ -77,3 +77,26 @@ def test_without_a_model_holding_every_parameter_the_order_is_the_groups():
     assert ids(opt.clip_parameters()) == ids([b.weight, a.weight, b.bias, a.bias]), "searched again without a change"
     opt.clip_order(both)
     assert ids(opt.clip_parameters()) == ids([a.weight, a.bias, b.weight, b.bias])
+
+
+@pytest.mark.parametrize("path", ["plain", "kept", "freed"])
+def test_a_step_that_takes_no_norm_does_not_look_for_the_model(monkeypatch, path) -> None:
+    """Without ``max_grad_norm`` (and without updates during backward, whose hooks always take the norms) the step
+    reads no norm, so it has no order to find: the search walks every live object once (optim/clip_order.py)."""
+    from offload_adamw.optim import clip_order
+
+    searched: list[int] = []
+    real = clip_order.ClipOrder._compute
+
+    def counted(self, params):
+        searched.append(len(params))
+        return real(self, params)
+
+    monkeypatch.setattr(clip_order.ClipOrder, "_compute", counted)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = OffloadAdamW(model.parameters(), **PATHS[path])
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert searched == [], "looked for the model's order without a norm to take"

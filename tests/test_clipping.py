@@ -1,4 +1,4 @@
-"""clip_grad_norm_ (clipping.py) against torch.nn.utils.clip_grad_norm_ on the same gradients, bitwise.
+"""clip_grad_norm_ (optim/policy.py) against torch.nn.utils.clip_grad_norm_ on the same gradients, bitwise.
 
 Table: every way of naming the gradients (an OffloadAdamW without pipeline, with
 kept and with freed device gradients, a torch optimizer, a parameter list, one

@@ -177,10 +177,11 @@ def test_a_pipeline_whose_optimizer_is_gone_is_passed_over_by_the_next_forward()
     # A pipeline built over an optimizer that is then let go waits in the forward pre-hook's set until the
     # collector finds it; the next module forward anywhere must not reach for the gone optimizer.
     from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
+    from offload_adamw.optim import policy
 
     model = nn.Linear(4, 4)
     target = OffloadAdamW(model.parameters(), transfer_pipeline=False)
-    pipeline = GradientPipeline(target, PipelineConfig(offload_gradients=True))
+    pipeline = GradientPipeline(target, PipelineConfig(offload_gradients=True), policy)
     gc.disable()
     try:
         del target

@@ -171,7 +171,7 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        slot.landing = self._engine.copy_to_host(grad, host)\n",
         [LANE_TESTS + "test_a_reduced_bucket_replaces_a_host_gradient_only_once_the_add_queued_into_it_has_ended"]),
     "step: the next forward does not wait for the parameters sent back": (
-        f"{ACCEL}/pipeline.py", "            self.engine.compute_waits(device, done)\n", "            pass\n",
+        f"{ACCEL}/transport.py", "            front.engine.compute_waits(device, done)\n", "            pass\n",
         [PARITY_KEPT]),
     "kept: the host reads a gradient before its copy landed": (
         f"{ACCEL}/residency.py", "        slot.complete()\n        slot.fetched = None\n        return slot.host_grad\n",

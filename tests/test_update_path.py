@@ -21,6 +21,8 @@ from torch import nn
 from _parity import same_bits
 from offload_adamw import OffloadAdamW
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, UpdateTarget
+from offload_adamw.optim import policy
+from offload_adamw.optim import step as step_sequence
 from offload_adamw.optim import update as update_path
 
 
@@ -56,11 +58,35 @@ def test_every_update_goes_through_update_group(monkeypatch, pipeline: bool) -> 
     assert all(not same_bits(a, p.detach()) for a, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("mode", ["plain", "kept", "freed"])
+@pytest.mark.parametrize("options", [{}, {"nonfinite": "skip", "max_grad_norm": 0.5}], ids=["bare", "skip-clip"])
+def test_a_step_checks_each_gradient_once(monkeypatch, mode: str, options: dict[str, Any]) -> None:
+    """Every gradient is checked before the first update, once: a second check of the same gradient in the same
+    step is fixed cost per parameter and says nothing new (nothing runs between the two)."""
+    checked: list[tuple[int, ...]] = []
+    real = update_path.check_gradient
+
+    def counted(describe, param, grad, state):
+        checked.append(tuple(param.shape))
+        return real(describe, param, grad, state)
+
+    monkeypatch.setattr(update_path, "check_gradient", counted)
+    model = _model(torch.float32)
+    opt = OffloadAdamW(model.parameters(), transfer_pipeline=mode != "plain", offload_gradients=mode == "freed",
+                       bucket_bytes=64, **options)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        model(x).square().mean().backward()
+        checked.clear()
+        opt.step()
+        opt.zero_grad()
+        assert sorted(checked) == sorted(tuple(p.shape) for p in model.parameters()), checked
+
+
 class _OnlyTheInterface:
     """Exposes exactly the names of UpdateTarget, so any other access raises AttributeError."""
 
-    _names = ("param_groups", "state", "nonfinite", "describe_param", "check_gradient", "skip_for_nonfinite",
-              "preflight", "update_group")
+    _names = ("param_groups", "state", "nonfinite", "describe_param", "check_gradient", "preflight", "update_group")
 
     def __init__(self, optimizer: OffloadAdamW) -> None:
         object.__setattr__(self, "_target", optimizer)
@@ -77,13 +103,13 @@ def test_the_pipeline_needs_only_the_update_target_interface(freed: bool) -> Non
     plain = OffloadAdamW(plain_model.parameters(), lr=1e-2, transfer_pipeline=False)
     target = OffloadAdamW(piped_model.parameters(), lr=1e-2, transfer_pipeline=False)
     proxy: UpdateTarget = _OnlyTheInterface(target)  # type: ignore[assignment]
-    pipeline = GradientPipeline(proxy, PipelineConfig(offload_gradients=freed, bucket_bytes=64))
+    pipeline = GradientPipeline(proxy, PipelineConfig(offload_gradients=freed, bucket_bytes=64), policy)
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for _ in range(4):
         for model in (plain_model, piped_model):
             model(x).float().square().mean().backward()
         plain.step()
-        pipeline.step(None, None, False)
+        step_sequence.run(target, pipeline.transport, None, None, False)  # the step's sequence, the pipeline's transport
         plain.zero_grad()
         pipeline.zero_grad(True)
         piped_model.zero_grad()

@@ -21,7 +21,7 @@ _EXPORTS: dict[str, str] = {
     "Rule": "offload_adamw.optim.named_groups",
     "ParamGroupError": "offload_adamw.optim.named_groups",
     "OffloadGradScaler": "offload_adamw.accel.amp",
-    "clip_grad_norm_": "offload_adamw.accel.clipping",
+    "clip_grad_norm_": "offload_adamw.optim.policy",
     "HostResidentGradient": "offload_adamw.accel.freed",
     "is_host_resident": "offload_adamw.accel.freed",
     "numba_kernel_status": "offload_adamw.kernels.numba_loop",
@@ -71,7 +71,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     # re-exports: __all__ (built from _EXPORTS) lists them, which ruff cannot see, hence the F401 noqa
     from offload_adamw.accel.amp import OffloadGradScaler  # noqa: F401
-    from offload_adamw.accel.clipping import clip_grad_norm_  # noqa: F401
     from offload_adamw.accel.freed import HostResidentGradient, is_host_resident  # noqa: F401
     from offload_adamw.auditing.audit import AuditFinding, AuditReport, audit, audit_state_dict  # noqa: F401
     from offload_adamw.auditing.audit import AuditFinding as Finding  # noqa: F401
@@ -85,6 +84,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from offload_adamw.optim.named_groups import ParamGroupError, Rule, named_param_groups  # noqa: F401
     from offload_adamw.optim.named_groups import named_param_groups as param_groups  # noqa: F401
     from offload_adamw.optim.optimizer import OffloadAdamW  # noqa: F401
+    from offload_adamw.optim.policy import clip_grad_norm_  # noqa: F401
     from offload_adamw.optim.preflight import HostMemoryError  # noqa: F401
     from offload_adamw.planning.models import ModelConfig  # noqa: F401
     from offload_adamw.planning.planner import (  # noqa: F401

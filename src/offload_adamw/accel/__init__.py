@@ -1,8 +1,7 @@
-"""Between an accelerator and the host: the transfer pipeline, pinned host memory, loss scaling, clipping."""
+"""Between an accelerator and the host: the transfer pipeline, pinned host memory, loss scaling."""
 
 from offload_adamw.accel.amp import OffloadGradScaler
-from offload_adamw.accel.clipping import clip_grad_norm_
 from offload_adamw.accel.host_memory import HostArena
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, UpdateTarget
 
-__all__ = ["GradientPipeline", "HostArena", "OffloadGradScaler", "PipelineConfig", "UpdateTarget", "clip_grad_norm_"]
+__all__ = ["GradientPipeline", "HostArena", "OffloadGradScaler", "PipelineConfig", "UpdateTarget"]

@@ -6,19 +6,20 @@ Contract:
   may start before every gradient of the step is known: :meth:`Gate.take` records each gradient's norm
   and count of inf/NaN on its device as it lands (before a freed gradient leaves), and an autograd
   callback at the end of backward (after FSDP2's and DDP's own) reduces them as torch does
-  (accel/clipping.py) and opens the gate, or leaves it shut for ``step()`` to clip, skip or raise
+  (optim/policy.py, handed in at construction) and opens the gate, or leaves it shut for ``step()`` to clip, skip or raise
   before any update. The end-of-backward decision reads the device once per step, not once per
   parameter.
 * The coefficient taken then is used only while it is the step's: every gradient the step updates is
   the one whose norm a hook took, with the ``max_grad_norm`` of now. Otherwise (accumulated over more
   than one backward, cleared or set by hand after backward, a nested reentrant backward, a changed
   ``max_grad_norm``) a step before which no update ran clips as ``torch.nn.utils.clip_grad_norm_``
-  does (:meth:`Gate.clip_at_step`), and one after updates that used it is refused.
+  does (optim/policy.py's ``step_norm``, the one clipping of every step: :meth:`Gate.taken_norm` says None), and
+  one after updates that used it is refused.
 * Beside an attached DDP model, or with a plain parameter beside FSDP2's shards, the non-finite
   decision is OR-reduced over the ranks, so every rank decides alike.
 * With ``update_in_backward`` the hooks take every gradient's norm, clipping or not, so that the step's
-  total norm is known after the updates consumed the gradients: :meth:`Gate.clip_at_step` sets the
-  optimizer's ``last_grad_norm`` to it (torch's ``get_total_norm`` over the model's parameter order,
+  total norm is known after the updates consumed the gradients: :meth:`Gate.taken_norm` gives the step
+  the ``last_grad_norm`` it records (torch's ``get_total_norm`` over the model's parameter order,
   optim/clip_order.py) also without ``max_grad_norm``, from the norms the hooks took while they are the
   step's, else from the host gradients (the updates did not change them: nothing clipped them). This is
   what the HF Trainer logs as ``grad_norm`` (integrations/hf.py).
@@ -27,23 +28,34 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import clipping
 from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.slots import Slot, SlotTable, Source
 from offload_adamw.accel.transfer import Completion, TransferEngine
-from offload_adamw.distributed import any_rank, local_tensor
+from offload_adamw.distributed import local_tensor
 
-__all__ = ["Gate", "clip_inputs", "clipped_view"]
+__all__ = ["Gate", "StepPolicy", "clip_inputs", "clipped_view"]
+
+Norm = tuple[Tensor, torch.device, torch.dtype]
 
 
-def _nonfinite_count(grad: Tensor) -> Tensor:
-    """How many elements of ``grad`` are inf or NaN, on its device (a DTensor: a partial sum over the ranks)."""
-    return torch.isfinite(grad).logical_not().sum()
+class StepPolicy(Protocol):
+    """The step's clipping and non-finite decision, written once in optim/policy.py (which the optimizer hands in:
+    accel/ does not import optim/)."""
+
+    def gradient_norm(self, grad: Tensor, norm_type: float = 2.0) -> Tensor: ...
+
+    def total_norm(self, norms: list[Norm], norm_type: float = 2.0) -> Tensor: ...
+
+    def clip_coefficient(self, norms: list[Norm], max_norm: float, norm_type: float = 2.0) -> tuple[Tensor, Tensor]: ...
+
+    def nonfinite_count(self, grad: Tensor) -> Tensor: ...
+
+    def nonfinite_anywhere(self, counts: Sequence[Tensor], groups: Sequence[Any] = ()) -> bool: ...
 
 
 class Gate:
@@ -57,8 +69,10 @@ class Gate:
         *,
         enabled: bool,
         describe: Callable[[Tensor], str],
+        policy: StepPolicy,
     ) -> None:
         self._optimizer = optimizer
+        self._policy = policy
         self._slots = slots
         self._engine = engine
         self._enabled = enabled  # update_in_backward: only then do updates start before step()
@@ -88,6 +102,7 @@ class Gate:
         self._stale = False
         self._partial = False
         self._max_norm: float | None = None
+        self._total: Tensor | None = None  # the total norm that coefficient was taken from
         self._params: frozenset[Tensor] = frozenset()
         self.taken = False
         """The end of a backward let the updates start."""
@@ -118,9 +133,9 @@ class Gate:
         if accumulated or self.taken or param in self._norms or param in self._counts:
             self._stale = True
         if self.tracks():
-            self._norms[param] = (clipping.gradient_norm(grad), grad.device, grad.dtype)
+            self._norms[param] = (self._policy.gradient_norm(grad), grad.device, grad.dtype)
         if self.checks():
-            self._counts[param] = _nonfinite_count(grad)
+            self._counts[param] = self._policy.nonfinite_count(grad)
         if self._engine.is_device(grad.device):
             # Taken on the stream the hook runs on (FSDP2: its post-reduce stream); read on the callback's stream.
             self._marks.append((grad.device, self._engine.mark(grad.device)))
@@ -163,7 +178,7 @@ class Gate:
         for device, mark in marks:
             self._engine.current_stream_waits(device, mark)
         if self.checks():
-            if not self._counts or self._any_nonfinite():
+            if not self._counts or self._policy.nonfinite_anywhere(list(self._counts.values()), self.decision_groups()):
                 return
             self.checked_policy = self._optimizer.nonfinite
         if self.clips():
@@ -172,10 +187,10 @@ class Gate:
                 self.coefficient = None  # step() clips the gradients it has (torch's clipping), the gate still closed
                 return
             order = self._order()
-            total, coef = clipping.clip_coefficient([self._norms[p] for p in order if p in self._norms], max_norm)
+            total, coef = self._policy.clip_coefficient([self._norms[p] for p in order if p in self._norms], max_norm)
             self._max_norm = max_norm
             self._params = frozenset(p for p in order if p in self._norms)
-            self._optimizer.last_grad_norm = total
+            self._total = total
             self.coefficient = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
             self._on_device = (self.coefficient, coef.detach())
         self.taken = True
@@ -206,39 +221,15 @@ class Gate:
             for slot in self._slots
         )
 
-    def _any_nonfinite(self) -> bool:
-        """Whether a gradient of this backward holds inf or NaN on any rank, with one read of the device."""
-        sharded = [c for c in self._counts.values() if local_tensor(c) is not c]
-        plain = [c for c in self._counts.values() if local_tensor(c) is c]
-        found = bool(torch.stack([c.to(plain[0].device) for c in plain]).sum().item() > 0) if plain else False
-        groups = self.decision_groups()  # beside an attached DDP model the replicas decide alike
-        if sharded:
-            summed: Any = sharded[0]
-            for count in sharded[1:]:
-                summed = summed + count  # DTensor partial sums: one all-reduce at full_tensor()
-            sharded_found = int(summed.full_tensor().item()) > 0  # a collective: every rank calls it, whatever it found
-            found = found or sharded_found
-            # A plain gradient beside FSDP2's (a module outside fully_shard) is this rank's own: every rank must
-            # still decide alike, as the step's policy does, or one rank's updates run while another's step
-            # waits in that policy's all-reduce.
-            mesh = summed.device_mesh
-            groups = [mesh.get_group(dim) for dim in range(mesh.ndim)] if plain else []
-        counts = plain or [local_tensor(c) for c in sharded]
-        return any_rank(found, (), groups, device=counts[0].device if counts else None)
-
     # ------------------------------------------------------------------ at step
 
-    def clip_at_step(self, present: Sequence[Tensor], early: bool, ready: Callable[[Tensor], Tensor | None]) -> None:
-        """Clipping with update_in_backward: the coefficient taken after backward while it is the step's, else torch's
-        now over the complete gradients ``ready(p)`` of ``present`` (:func:`clip_inputs`); refused after updates ran
-        with a coefficient that is not the step's. Without ``max_grad_norm`` the step's total norm all the same (the
-        module contract)."""
+    def taken_norm(self, present: Sequence[Tensor], early: bool) -> Tensor | None:
+        """The step's total norm taken from backward's hooks while it is the step's (with ``max_grad_norm``: the one
+        its coefficient was taken from, which then applies to every update), else None: the step's clipping
+        (optim/policy.py's ``step_norm``) reads the gradients ``present`` now. Refused after updates ran (``early``)
+        with a coefficient that is not the step's."""
         max_norm = self._optimizer.max_grad_norm
         reason = self._not_the_steps(present, max_norm)
-
-        def gradients(params: Sequence[Tensor]) -> list[Tensor]:
-            return clip_inputs(params, ready)
-
         if reason is not None and early and (max_norm is not None or self.coefficient is not None):
             raise RuntimeError(
                 f"{reason}, but with update_in_backward=True and max_grad_norm the updates that ran during backward "
@@ -247,35 +238,26 @@ class Gate:
             )
         if max_norm is None:
             self.coefficient = None
-            self._optimizer.last_grad_norm = self._unclipped_norm(present, gradients)
-            return
+            return self._norms_taken(self.in_order(present))
         if reason is None:
-            return
+            return self._total  # the coefficient taken after backward applies to every update of the step
         self.coefficient = None
-        self.clipping_at_step = True
-        try:
-            self._optimizer.last_grad_norm = clipping.clip_gradients_(gradients(self._in_order(present)), max_norm)
-        finally:
-            self.clipping_at_step = False
+        return None
 
-    def _in_order(self, params: Sequence[Tensor]) -> list[Tensor]:
+    def in_order(self, params: Sequence[Tensor]) -> list[Tensor]:
+        """``params`` in the order clipping reduces their norms (the model's, optim/clip_order.py)."""
         rank = {p: k for k, p in enumerate(self._order())}
         return sorted(params, key=lambda p: rank.get(p, len(rank)))
 
-    def _unclipped_norm(self, present: Sequence[Tensor], gradients: Callable[[Sequence[Tensor]], list[Tensor]]) -> Tensor:
-        """The step's total gradient norm without clipping: from the norms the hooks took while they are this step's
-        gradients' (waiting for the streams they were taken on), else torch's ``get_total_norm`` of the host gradients."""
-        ordered = self._in_order(present)
-        if ordered and self._reason_norms_are_not_the_steps(ordered) is None:
-            marks, self._marks = self._marks, []
-            for device, mark in marks:
-                self._engine.current_stream_waits(device, mark)
-            return clipping.total_norm([self._norms[p] for p in ordered])
-        self.clipping_at_step = True  # a read, not a change: the updates did not clip these gradients
-        try:
-            return torch.nn.utils.get_total_norm(gradients(ordered))
-        finally:
-            self.clipping_at_step = False
+    def _norms_taken(self, ordered: list[Tensor]) -> Tensor | None:
+        """The step's total gradient norm from the norms the hooks took, while they are this step's gradients' (after
+        waiting for the streams they were taken on); None when they are not (the policy then reads the gradients)."""
+        if not ordered or self._reason_norms_are_not_the_steps(ordered) is not None:
+            return None
+        marks, self._marks = self._marks, []
+        for device, mark in marks:
+            self._engine.current_stream_waits(device, mark)
+        return self._policy.total_norm([self._norms[p] for p in ordered])
 
     def _reason_norms_are_not_the_steps(self, present: Sequence[Tensor]) -> str | None:
         if self._stale or self._partial:

@@ -20,7 +20,7 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,18 @@ class HostUpdate:
         self._engine = engine
         self._recorder = recorder
         self._coefficient = coefficient
+
+    def reserve(self, slots: Sequence[Slot]) -> None:
+        return None  # its buffers are the slots' host buffers, laid out at refresh()
+
+    def settle(self) -> None:
+        return None  # the host waits for nothing of a host update at the end of a step: sends go unwaited
+
+    def close(self) -> None:
+        return None
+
+    def buffer_bytes(self) -> int:
+        return 0  # no device buffers
 
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
             gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None,

@@ -11,7 +11,9 @@ Contract:
   order of work of the very lane a GPU runs.
 * **Where gradients come from**: autograd's hooks (FSDP2 calls them after each reduce-scatter) or the
   communication hook of an attached DDP model (accel/sources.py); both end in :meth:`GradientPipeline.land`.
-* **The step runs bucket by bucket** (accel/bucketing.py): gradients in the order they arrived, in
+* **The step is the optimizer's** (optim/step.py: check, clip, non-finite policy, pre-flight, updates);
+  this pipeline is its transport (accel/transport.py, :attr:`GradientPipeline.transport`): it says where
+  the gradients are and runs the buckets (accel/bucketing.py): gradients in the order they arrived, in
   buckets of about ``bucket_bytes`` (an FSDP2 group or a DDP bucket is one bucket); the host waits only
   for the bucket at hand (kept gradients: the next bucket's copies are issued while it updates), updates
   it (accel/host_update.py) and sends the parameters back without waiting; the compute stream waits for
@@ -27,7 +29,7 @@ Contract:
 * A parameter that leaves ``param_groups`` (accelerate's and the Trainer's swap to FSDP2 shards, any edit) is
   released with its hooks and buffers, and one put in gets its hooks before its first backward (accel/swaps.py).
 * **Nothing of this is optimizer state**: ``state_dict`` looks the same with or without the pipeline.
-* **GradScaler**: ``step`` honours ``grad_scale`` (gradients divided by it in float32, as torch's fused
+* **GradScaler**: the step honours ``grad_scale`` (gradients divided by it in float32, as torch's fused
   AdamW does) and ``found_inf`` (the step is skipped, nothing changes). Freed gradients are invisible to
   ``torch.amp.GradScaler``; :class:`~offload_adamw.accel.amp.OffloadGradScaler` unscales the host copies,
   and a plain GradScaler with freed gradients is refused instead of silently skipping the unscale.
@@ -39,22 +41,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from offload_adamw.accel import amp, bucketing, streams, swaps
+from offload_adamw.accel import amp, streams, swaps
 from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
 from offload_adamw.accel.device_update import DeviceUpdate
-from offload_adamw.accel.freed import is_host_resident
-from offload_adamw.accel.gate import Gate, clipped_view
+from offload_adamw.accel.gate import Gate, StepPolicy, clipped_view
 from offload_adamw.accel.host_update import HostUpdate
-from offload_adamw.accel.overlap import UpdateRecord
 from offload_adamw.accel.placements import Placements
 from offload_adamw.accel.residency import FreedGradients, KeptGradients, drop_spent
 from offload_adamw.accel.schedule import AtStep, DuringBackward
@@ -63,7 +62,7 @@ from offload_adamw.accel.sources import AutogradHooks, DdpSource
 from offload_adamw.accel.stream_update import StreamUpdate
 from offload_adamw.accel.timeline import Recorder, StepTimeline
 from offload_adamw.accel.transfer import TransferEngine
-from offload_adamw.distributed import local_tensor
+from offload_adamw.accel.transport import StepTransport
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 
@@ -73,11 +72,11 @@ __all__ = ["GradientPipeline", "PipelineConfig", "UpdateTarget"]
 class UpdateTarget(Protocol):
     """What the pipeline needs of its optimizer (OffloadAdamW implements it; optim/update.py does the work).
 
-    Parameters are named by ``(group_index, index)`` in ``param_groups``. The pipeline checks every
-    gradient with ``check_gradient`` before the first update of a step, asks ``skip_for_nonfinite``
-    (only when ``nonfinite`` is not ``"propagate"``, since it needs every gradient complete), runs
-    ``preflight`` for parameters that have no state yet (and ``check_host_buffers`` before it allocates
-    host buffers of its own), then calls ``update_group`` once per group and bucket with (parameter,
+    Parameters are named by ``(group_index, index)`` in ``param_groups``. At ``step()`` the optimizer checks,
+    clips, applies its non-finite policy and creates missing state itself (optim/step.py); an update during
+    backward checks its gradients with ``check_gradient`` and runs ``preflight`` for parameters that have no
+    state yet (``check_host_buffers`` comes before the pipeline allocates host buffers of its own). The
+    pipeline calls ``update_group`` once per group and bucket with (parameter,
     host gradient, staging buffer): a device parameter's staging buffer receives round(master), which the
     pipeline sends back; for a host parameter it is None and the optimizer writes the parameter itself.
     ``current[k]`` says that update k's staging buffer holds its device parameter's current value (read back
@@ -89,13 +88,10 @@ class UpdateTarget(Protocol):
     state: Any
     nonfinite: str
     max_grad_norm: float | None
-    last_grad_norm: Tensor | None
 
     def describe_param(self, group_index: int, index: int) -> str: ...
 
     def check_gradient(self, group_index: int, index: int, grad: Tensor) -> None: ...
-
-    def skip_for_nonfinite(self, gradients: list[tuple[int, int, Tensor]], groups: Sequence[Any] = ()) -> bool: ...
 
     def preflight(self, fresh: list[tuple[int, int]]) -> None: ...
 
@@ -150,7 +146,7 @@ class PipelineConfig:
 class GradientPipeline:
     """Hooks, host buffers, transfers and the bucketed step of one OffloadAdamW (see the module contract)."""
 
-    def __init__(self, optimizer: UpdateTarget, config: PipelineConfig) -> None:
+    def __init__(self, optimizer: UpdateTarget, config: PipelineConfig, policy: StepPolicy) -> None:
         # Held weakly: the optimizer owns the pipeline, and a dropped optimizer must take its hooks with it.
         self.optimizer: Any = weakref.proxy(optimizer)
         self._closing = weakref.finalize(optimizer, self._close)  # held weakly: closed when it goes
@@ -168,7 +164,8 @@ class GradientPipeline:
         self.slots = SlotTable(self.engine, check)
         self.recorder = Recorder()
         self._places: dict[Tensor, tuple[int, int]] = {}  # (group, index) of each parameter as of the latest refresh()
-        self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe)
+        self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe,
+                         policy=policy)
         coefficient = lambda: self.gate.coefficient  # noqa: E731
         used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
         chunk = config.stream_chunk_bytes // 4096 * 4096
@@ -200,6 +197,7 @@ class GradientPipeline:
             after_ddp=self.residency.after_ddp, next_group=self.hooks.next_group, lock=self._lock, gate=self.gate,
             lands_early=config.update_in_backward, on_device=self.engine.on_home,
         )
+        self.transport = StepTransport(self)
         self.gate.decision_groups = self.ddp.process_groups
         self.gate.intact = self.residency.intact
         self.hooks.on_backward = [lambda: self.placements.assign(self._places), self.ddp.check_unattached,
@@ -250,13 +248,10 @@ class GradientPipeline:
         self.refresh()
         self.ddp.attach(ddp)
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Micro-batches that only accumulate: their gradients stay where autograd accumulates them (on the
         device) and start no copy and no update; the next backward outside it copies each once."""
-        return self._no_sync()
-
-    @contextlib.contextmanager
-    def _no_sync(self) -> Iterator[None]:
         before, self._syncing = self._syncing, False
         try:
             yield
@@ -304,11 +299,19 @@ class GradientPipeline:
         where = self._places.get(which.param if isinstance(which, Slot) else which)
         return self.optimizer.describe_param(*where) if where is not None else "a parameter"
 
+    def places(self) -> dict[Tensor, tuple[int, int]]:
+        """(group, index) of each parameter as of the latest refresh(), in optimizer order."""
+        return self._places
+
     def _validate(self, slot: Slot, grad: Tensor) -> None:
         """The optimizer's checks (optim/update.py), then what the pipeline's buffers need."""
-        opt = self.optimizer
         where = self._places[slot.param]
-        opt.check_gradient(where[0], where[1], grad)
+        self.optimizer.check_gradient(where[0], where[1], grad)
+        self.check_buffers(slot, grad)
+
+    def check_buffers(self, slot: Slot, grad: Tensor) -> None:
+        """What the pipeline's buffers need of ``slot``'s gradient ``grad``."""
+        opt, where = self.optimizer, self._places[slot.param]
         if self.offload_gradients and slot.on_host and grad.dtype != slot.param.dtype:
             raise RuntimeError(
                 f"gradient of {opt.describe_param(*where)} has dtype {grad.dtype}, the parameter {slot.param.dtype}: "
@@ -325,26 +328,34 @@ class GradientPipeline:
         with self._lock:
             return self.residency.ready(slot, self._validate)
 
-    def host_gradients(self, order: Sequence[Tensor] | None = None) -> list[tuple[Tensor, Tensor]]:
+    def checked(self, slot: Slot) -> Tensor | None:
+        """:meth:`_ready` in ``step()``, after the step checked every gradient once (not again: accel/transport.py)."""
+        with self._lock:
+            return self.residency.ready(slot, lambda _slot, _grad: None)
+
+    def host_gradients(self, order: Sequence[Tensor] | None = None,
+                       ready: Callable[[Tensor], Tensor | None] | None = None) -> list[tuple[Tensor, Tensor]]:
         """(parameter, complete host gradient) for every parameter that has one, in optimizer order (or ``order``'s)."""
         self.refresh()
         out = []
         for p in self._places if order is None else order:
-            grad = self._ready(self.slots[p])
+            grad = self._ready(self.slots[p]) if ready is None else ready(p)
             if grad is not None:
                 out.append((p, grad))
         return out
 
-    def gradient_tensors(self, order: Sequence[Tensor] | None = None) -> list[Tensor]:
+    def gradient_tensors(self, order: Sequence[Tensor] | None = None,
+                         ready: Callable[[Tensor], Tensor | None] | None = None) -> list[Tensor]:
         """The gradients as the truth holds them: host buffers when freed, else the device ``p.grad``; in optimizer
-        order, or in ``order`` (the parameters in the order clipping reads them)."""
+        order, or in ``order`` (the parameters in the order clipping reads them); ``ready``: a host gradient as
+        ``step()`` reads it, checked already."""
         if self.config.update_in_backward:
             raise RuntimeError(
                 "with update_in_backward=True the host updates may already have consumed the gradients during "
                 "backward: they cannot be read or changed between backward and step(); use update_in_backward=False"
             )
         if self.offload_gradients:
-            return [clipped_view(p, g) for p, g in self.host_gradients(order)]
+            return [clipped_view(p, g) for p, g in self.host_gradients(order, ready)]
         params = [p for g in self.optimizer.param_groups for p in g["params"]] if order is None else order
         return [p.grad for p in params if p.grad is not None]
 
@@ -361,7 +372,7 @@ class GradientPipeline:
     def zero_grad(self, set_to_none: bool) -> None:
         """Clear the host gradients as torch's zero_grad clears ``p.grad`` (device grads: the optimizer's job)."""
         self.schedule.zero_grad()
-        self._new_step()
+        self.new_step()
         with self._lock:
             for slot in self.slots:
                 self.residency.zero(slot, set_to_none)
@@ -384,101 +395,13 @@ class GradientPipeline:
         """Whether the end of the latest backward let the gated updates start (until the step)."""
         return self.gate.taken
 
-    def _new_step(self) -> None:
+    def new_step(self) -> None:
         """Outside backward: nothing of a backward is pending, also when one raised before its end."""
         self.gate.reset()
         self.hooks.new_step()
         self.ddp.new_step()
         swaps.look_before_next_forward(self)
         self.residency.new_step()
-
-    # --------------------------------------------------------------------- step
-
-    def step(self, grad_scale: Tensor | None, found_inf: Any, called_by_scaler: bool) -> None:
-        """One AdamW update of every parameter with a gradient, bucket by bucket (see the module contract)."""
-        opt = self.optimizer
-        step_called = time.monotonic()
-        early = self.schedule.before_step()
-        if called_by_scaler:
-            self.schedule.refuse_loss_scaling()
-        self.refresh()
-        self.ddp.check_unattached()
-        where = self._places
-        if called_by_scaler and not isinstance(found_inf, Tensor) and self.offload_gradients:
-            if any(self.residency.present(s) or s.param.grad is not None for s in self.slots):
-                raise RuntimeError(
-                    "torch.amp.GradScaler could not see any gradient: with offload_gradients=True they live in host "
-                    "memory only. Use offload_adamw.OffloadGradScaler (a drop-in GradScaler) with this optimizer."
-                )
-        if isinstance(found_inf, Tensor) and bool(found_inf.item() != 0):
-            return  # GradScaler's skip: no state, no parameter changes
-        # Buckets are updated one after another: check every gradient first, so that an error names its parameter
-        # before any bucket has changed.
-        self._check_gradients(where, early.params)
-        self.schedule.check_step(where, early)
-        if self.config.update_in_backward:
-            # Before the policy, as OffloadAdamW clips before it without update_in_backward: a skipped step's
-            # last_grad_norm is its own (inf or NaN), not the previous step's.
-            present = [p for p in where if p.grad is not None
-                       and (self.residency.present(self.slots[p]) or not is_host_resident(p.grad))]
-            self.gate.clip_at_step(present, bool(early.params), lambda p: self._ready(self.slots[p]))
-        if opt.nonfinite != "propagate" and self._skip_for_nonfinite(where, early.params):
-            return
-        self.placements.prepare([p for p in where if p not in early.params])  # device buffers, before any update
-        opt.preflight([w for p, w in where.items() if p not in early.params and p.grad is not None and not opt.state.get(p)])
-        scale = amp.step_scale(grad_scale, any(self.slots[p].on_host for p in where if p not in early.params))
-        # Parameters the device still reads in backward must not be overwritten: sends wait for compute.
-        self.engine.send_after_compute({s.local.device for s in self.slots if self.engine.is_device(s.local.device)})
-        # In the order this backward produced the gradients (stable: those it did not reach last, in optimizer order).
-        ordered = sorted(where, key=lambda p: self.slots[p].arrival)
-        buckets = bucketing.cut([(p, local_tensor(p).numel() * p.element_size(), self.slots[p].group) for p in ordered],
-                                self.config.bucket_bytes)
-        todo = [b for b in ([p for p in bucket if p not in early.params] for bucket in buckets) if b]
-        sent = list(early.sent)
-        records = list(early.records)
-        if todo:
-            self.residency.prefetch([self.slots[p] for p in todo[0]])
-        for k, bucket in enumerate(todo):
-            if k + 1 < len(todo):
-                self.residency.prefetch([self.slots[p] for p in todo[k + 1]])  # copies while this bucket updates
-            record = UpdateRecord(bucket=len(records), ready=self.recorder.landed_at(bucket, step_called))
-            record.start = time.monotonic()
-            sent += self.placements.run(bucket, where, scale, self._ready, record.extra)
-            record.end = time.monotonic()
-            records.append(record)
-        # The next forward waits for the parameters on the device; the host does not wait at all.
-        for device, done in sent:
-            self.engine.compute_waits(device, done)
-        self.placements.settle()  # streamed state is back in host memory when step() returns
-        self.slots.pin_deferred()
-        self._new_step()
-        self.recorder.finish(records, step_called)
-        if any(s.arrival != float("inf") for s in self.slots):
-            self.schedule.prepare(buckets)
-
-    def _check_gradients(self, where: dict[Tensor, tuple[int, int]], early: set[Tensor]) -> None:
-        opt = self.optimizer
-        for p, w in where.items():
-            if p in early:
-                continue  # the schedule checks what the step may not meet after its early update
-            slot = self.slots[p]
-            if p.grad is not None and not is_host_resident(p.grad):
-                self._validate(slot, p.grad)
-            elif self.residency.present(slot) and p.grad is not None:
-                assert slot.host_grad is not None  # present: host_grad holds it
-                opt.check_gradient(w[0], w[1], slot.host_grad)
-
-    def _skip_for_nonfinite(self, where: dict[Tensor, tuple[int, int]], early: set[Tensor]) -> bool:
-        """The non-finite policy over the gradients still to update (after updates during backward every gradient
-        they used was found finite on the device; a skip is then too late)."""
-        present = [(w[0], w[1], self._ready(self.slots[p])) for p, w in where.items() if p not in early]
-        skip = self.optimizer.skip_for_nonfinite([(gi, i, g) for gi, i, g in present if g is not None],
-                                                 self.ddp.process_groups())
-        if skip and early:
-            self.schedule.tear(
-                "a gradient the hooks did not see is not finite, but with update_in_backward=True the updates of "
-                "the others already ran during backward; set gradients only through backward", len(early))
-        return skip
 
     def _run_early(self, bucket: list[Tensor]) -> tuple[list[Any], dict[str, float]]:
         """A bucket's update on the worker thread, while backward goes on (accel/schedule.py)."""
@@ -496,4 +419,3 @@ class GradientPipeline:
         with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
             sent = self.placements.run(members, where, None, self.residency.landed, times)
         return sent, times
-

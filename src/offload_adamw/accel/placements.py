@@ -45,10 +45,23 @@ Sent = list[tuple[torch.device, Completion]]
 
 
 class Placement(Protocol):
-    """One placement's updates (HostUpdate, StreamUpdate, DeviceUpdate)."""
+    """One placement's updates (HostUpdate, StreamUpdate, DeviceUpdate): its whole surface, which the router calls
+    for every placement alike (a host update reserves, holds and settles nothing on a device)."""
+
+    def reserve(self, slots: Sequence[Slot]) -> None:
+        """Device buffers for these slots' updates of this step, after a memory check; before any update."""
 
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
             gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None) -> Sent: ...
+
+    def settle(self) -> None:
+        """The end of a step: what this placement still copies into host memory has landed."""
+
+    def close(self) -> None:
+        """The optimizer is gone: its device buffers go now."""
+
+    def buffer_bytes(self) -> int:
+        """Device bytes this placement's buffers hold, as allocated."""
 
 
 class Placements:
@@ -79,10 +92,10 @@ class Placements:
             self._slots.place(slot, name)
 
     def prepare(self, params: Sequence[Tensor]) -> None:
-        for name in ("stream", "device"):
+        for name, component in self._components.items():
             slots = [self._slots[p] for p in params if self._slots[p].update_on == name]
             if slots:
-                self._components[name].reserve(slots)  # type: ignore[attr-defined]
+                component.reserve(slots)
 
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
             gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None) -> Sent:
@@ -100,16 +113,16 @@ class Placements:
         return not self._slots[p].on_host
 
     def settle(self) -> None:
-        for name in ("stream", "device"):
-            self._components[name].settle()  # type: ignore[attr-defined]
+        for component in self._components.values():
+            component.settle()
 
     def close(self) -> None:
         """The optimizer is gone: its device buffers go now, not when the collector finds the pipeline's cycle."""
-        for name in ("stream", "device"):
-            self._components[name].close()  # type: ignore[attr-defined]
+        for component in self._components.values():
+            component.close()
 
     def device_buffer_bytes(self) -> int:
-        return sum(self._components[n].buffer_bytes() for n in ("stream", "device"))  # type: ignore[attr-defined]
+        return sum(component.buffer_bytes() for component in self._components.values())
 
 
 @dataclass

@@ -13,11 +13,14 @@ Contract (docs/contract.md):
 * A complex parameter is updated as its ``view_as_real`` (its state complex), as torch's loops update it.
 * The update math is :mod:`offload_adamw.kernels`; every update runs through
   :mod:`offload_adamw.optim.update`, with or without the transfer pipeline.
-  This class owns the groups, where state lives and the order of work.
+  This class owns the groups, where state lives and the order of work: every ``step()`` is the one sequence
+  of optim/step.py (check, clip, non-finite policy, pre-flight, updates) over a transport, the transfer
+  pipeline's (accel/transport.py) or the plain one that reads ``p.grad`` where it lies; clipping and the
+  non-finite decision are optim/policy.py's.
 * ``load_state_dict`` is all or nothing and matches by name (optim/loading.py).
 * The transfer pipeline (accel/pipeline.py) talks to this class only through
   the methods of :class:`~offload_adamw.accel.pipeline.UpdateTarget`:
-  ``describe_param``, ``check_gradient``, ``skip_for_nonfinite``, ``preflight``,
+  ``describe_param``, ``check_gradient`` and ``preflight`` (updates during backward),
   ``update_group`` and, for streamed and resident groups, ``state_operands`` and
   ``check_device_buffers``.
 """
@@ -38,7 +41,6 @@ from torch.optim.optimizer import ParamsT
 from offload_adamw.accel import ddp as _ddp
 from offload_adamw.accel import streams
 from offload_adamw.accel.amp import HostGradientHolder
-from offload_adamw.accel.clipping import clip_grad_norm_ as _clip_grad_norm_
 from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
 from offload_adamw.contract import bills
 from offload_adamw.contract.rules import (
@@ -55,8 +57,10 @@ from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 from offload_adamw.optim import loading as _loading
 from offload_adamw.optim import placement as _placement
+from offload_adamw.optim import policy as _policy
 from offload_adamw.optim import preflight as _preflight
 from offload_adamw.optim import state as host_state
+from offload_adamw.optim import step as _step
 from offload_adamw.optim import update as _update
 from offload_adamw.optim.clip_order import ClipOrder
 from offload_adamw.optim.loading import StateDictMismatch
@@ -384,7 +388,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         try:
             placement = _placement.group_placement(group, len(self.param_groups) - 1)
             if placement != "host" and pipeline is None and hasattr(self, "_pipeline_options"):
-                raise ValueError(self._needs_pipeline(len(self.param_groups) - 1, placement))
+                raise ValueError(self.needs_pipeline(len(self.param_groups) - 1, placement))
         except ValueError:
             self.param_groups.pop()  # a refused group is not added
             raise
@@ -392,7 +396,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             pipeline.refresh()  # hooks for the new parameters before the next backward, whose clipping must count them
 
     @staticmethod
-    def _needs_pipeline(group_index: int, placement: str) -> str:
+    def needs_pipeline(group_index: int, placement: str) -> str:
+        """Why a group placed off the host cannot be updated by an optimizer without the transfer pipeline."""
         return (f"param_groups[{group_index}] has {PLACEMENT_KEY}={placement!r}, whose update runs on the device through "
                 "the transfer pipeline, but this optimizer has none (transfer_pipeline=False, or created with host "
                 "groups only): create it with transfer_pipeline=True, or keep the group on update_on='host'")
@@ -469,7 +474,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 any(p.device.type not in ("cpu", "meta") for p in params) and not sharded
             )
         if on_device is not None and not transfer_pipeline:
-            raise ValueError(self._needs_pipeline(on_device, placements[on_device]))
+            raise ValueError(self.needs_pipeline(on_device, placements[on_device]))
         if offload_gradients and not transfer_pipeline:
             raise ValueError("offload_gradients=True needs the transfer pipeline (transfer_pipeline=False was given)")
         if not transfer_pipeline:
@@ -479,7 +484,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pipeline = GradientPipeline(self, PipelineConfig(
             offload_gradients=offload_gradients, bucket_bytes=bucket_bytes, update_in_backward=update_in_backward,
             stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers,
-        ))
+        ), _policy)
         # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
         self._step_supports_amp_scaling = True
 
@@ -579,13 +584,13 @@ class OffloadAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False, foreach: bool | None = None
     ) -> Tensor:
-        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (accel/clipping.py)."""
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients, wherever they live (optim/policy.py)."""
         if self.update_in_backward:
             raise RuntimeError(
                 "clip_grad_norm_ cannot clip with update_in_backward=True: the updates already ran during backward; "
                 "use update_in_backward=False to clip"
             )
-        return _clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _policy.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     # ------------------------------------------- the update path (UpdateTarget)
 
@@ -608,7 +613,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             (lambda gi=gi, i=i: self.describe_param(gi, i), _distributed.local_tensor(g)) for gi, i, g in gradients
         ]
         params = [self.param_groups[gi]["params"][i] for gi, i, _ in gradients]
-        skip = _update.nonfinite_decision(self.nonfinite, named, params, groups)
+        skip = _policy.nonfinite_decision(self.nonfinite, named, params, groups)
         if skip:
             self.skipped_steps += 1
         return skip
@@ -785,50 +790,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             # DCP's get/set_optimizer_state_dict call step() with zero grads and lr 0 only to allocate state: not an update.
             self._create_missing_state()
             return loss
-        if self.max_grad_norm is not None and not self.update_in_backward:  # with it the pipeline clips (accel/pipeline.py)
-            if getattr(self, "grad_scale", None) is not None:
-                raise RuntimeError(
-                    "OffloadAdamW(max_grad_norm=...) clips unscaled gradients: call scaler.unscale_(opt) before scaler.step(opt)"
-                )
-            found_inf = getattr(self, "found_inf", None)
-            if not (isinstance(found_inf, Tensor) and bool(found_inf.item() != 0)):
-                # In the model's parameter order, as torch's clip_grad_norm_(model.parameters()) (optim/clip_order.py).
-                self.last_grad_norm = _clip_grad_norm_(self, self.max_grad_norm, order=self.clip_parameters())
-        if self._pipeline is not None:  # device path: accel/pipeline.py owns the order of work
-            self._pipeline.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None), hasattr(self, "found_inf"))
-            return loss
-        for gi, group in enumerate(self.param_groups):  # a typo, or a group moved off the host between steps
-            if _placement.group_placement(group, gi) != "host":
-                raise RuntimeError(self._needs_pipeline(gi, group[PLACEMENT_KEY]))
-
-        present = [
-            (gi, i, p, p.grad)
-            for gi, group in enumerate(self.param_groups)
-            for i, p in enumerate(group["params"])
-            if p.grad is not None
-        ]
-        # Check every gradient of every group before anything changes: an error names its
-        # parameter and leaves all state (and every other group) as it was.
-        for gi, i, _, grad in present:
-            self.check_gradient(gi, i, grad)
-        if self.skip_for_nonfinite([(gi, i, g) for gi, i, _, g in present]):
-            return loss
-        self.preflight([(gi, i) for gi, i, p, _ in present if not self.state.get(p)])
-
-        for gi in range(len(self.param_groups)):
-            members = [(p, grad) for group_index, _, p, grad in present if group_index == gi]
-            updates: list[tuple[Tensor, Tensor, Tensor | None]] = []
-            for p, grad in members:
-                host_grad = _distributed.local_grad(grad, p)
-                local = _distributed.local_tensor(p)
-                # A parameter on a device (an FSDP2 shard on a GPU): its current value, whose edits since the
-                # last step the update takes over (docs/contract.md#edits-between-steps), receives round(master).
-                staging = local.detach().to("cpu") if local.device.type != "cpu" else None
-                updates.append((p, host_grad if host_grad.device.type == "cpu" else host_grad.to("cpu"), staging))
-            self.update_group(gi, updates, current=[staging is not None for _, _, staging in updates])
-            for p, _, staging in updates:
-                if staging is not None:
-                    _distributed.local_tensor(p).copy_(staging)
+        # One sequence for both paths (optim/step.py): the pipeline's transport, or p.grad where it lies.
+        transport = self._pipeline.transport if self._pipeline is not None else _step.PlainTransport(self)
+        _step.run(self, transport, getattr(self, "grad_scale", None), getattr(self, "found_inf", None),
+                  hasattr(self, "found_inf"))
         return loss
 
     def _create_missing_state(self) -> None:

@@ -9,10 +9,6 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
   longer serves it (:func:`check_state_serves`: ``model.float()`` of a bf16 model after some steps,
   refused as torch's AdamW refuses it). Callers check every gradient of a step before the first
   update, so that a refusal leaves every tensor as it was.
-* :func:`nonfinite_decision` applies the optimizer's non-finite policy to the whole step:
-  ``propagate`` updates anyway (as torch does), ``skip`` skips the step for every tensor (the
-  caller counts it), ``raise`` raises FloatingPointError naming every culprit. Under FSDP2 every
-  rank takes the same decision.
 * :func:`update_group` runs one parameter group's share of a step on host tensors: it creates a
   tensor's state at its first update (and ``max_exp_avg_sq`` when amsgrad was switched on later),
   laid out like the parameter (optim/state.py),
@@ -25,20 +21,19 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from offload_adamw.contract.rules import MASTER_KEY, NONFINITE_POLICIES, Unsupported
-from offload_adamw.distributed import any_rank
+from offload_adamw.contract.rules import MASTER_KEY, Unsupported
 from offload_adamw.kernels import StepHyper, adamw_update_
 from offload_adamw.optim import state as host_state
 
 __all__ = [
-    "TensorUpdate", "check_gradient", "check_state_serves", "kernel_impl", "nonfinite_decision", "step_hyper", "update_group",
+    "TensorUpdate", "check_gradient", "check_state_serves", "kernel_impl", "step_hyper", "update_group",
 ]
 
 
@@ -147,29 +142,6 @@ def check_state_serves(describe: Callable[[], str], param: Tensor, state: dict[s
         "and nothing was changed. Cast or move the model before creating the optimizer, or carry the state "
         "over with opt.load_state_dict(opt.state_dict()) after the cast (a master becomes the parameter's value)"
     )
-
-
-def nonfinite_decision(policy: str, named_grads: Iterable[tuple[Callable[[], str], Tensor]], params: Sequence[Tensor],
-                       groups: Sequence[Any] = ()) -> bool:
-    """True when the step must be skipped for a non-finite gradient; raises under ``"raise"``.
-
-    ``named_grads`` are (describe, local gradient) pairs; ``params`` the parameters with a gradient
-    (for the all-ranks decision under FSDP2); ``groups`` process groups whose ranks must decide alike too
-    (an attached DDP model's, when some parameters are outside it).
-    """
-    if policy not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
-    if policy == "propagate":
-        return False
-    culprits = [describe() for describe, grad in named_grads if not bool(torch.isfinite(grad).all())]
-    # Shards: every rank must take the same decision, also when the bad values are on another rank.
-    if any_rank(bool(culprits), params, groups) and not culprits:
-        culprits.append("a gradient shard held by another rank")
-    if culprits and policy == "raise":
-        raise FloatingPointError(
-            f"non-finite gradient in {len(culprits)} parameter(s): {', '.join(culprits)}; no state was changed"
-        )
-    return bool(culprits)
 
 
 def _real_view(t: Tensor) -> Tensor:
