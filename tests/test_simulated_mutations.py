@@ -144,7 +144,7 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         f"{ACCEL}/transfer.py", "            after.wait()  # the copy into src has landed\n", "", [PARITY_FREED]),
     "freed: the accumulation buffer reused with its add pending": (
         f"{ACCEL}/residency.py", "        slot.adding.wait()  # the accumulation buffer is about to be overwritten\n", "",
-        [PARITY_FREED]),
+        [SUITES + "test_host_accumulation_with_a_late_accumulator_on_the_simulated_device", PARITY_FREED]),
     "host update: staging written again before the previous copy out of it ended (slot.sending.wait())": (
         f"{ACCEL}/host_update.py", "                    slot.sending.wait()  # the previous copy out of staging has ended\n",
         "", [LANE_TESTS + "test_a_second_step_without_backward_waits_for_the_first_steps_sends_before_it_writes_staging"]),

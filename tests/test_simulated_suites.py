@@ -23,6 +23,7 @@ fails one of these or a test of tests/test_simulated_lane.py.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import subprocess
 import sys
@@ -30,6 +31,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from configs import assert_bitwise_equal
+from offload_adamw import OffloadAdamW
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -77,6 +81,24 @@ def test_zero_grad_on_the_simulated_device(set_to_none, freed, simulated_device)
 @pytest.mark.parametrize("simulated_device", [41, 42], indirect=True)
 def test_host_accumulation_on_the_simulated_device(simulated_device) -> None:
     test_offload.test_host_accumulation_equals_autograd_accumulation()
+
+
+@pytest.mark.parametrize("simulated_device", [43], indirect=True)
+def test_host_accumulation_with_a_late_accumulator_on_the_simulated_device(simulated_device) -> None:
+    """The accumulator thread wakes late from each copy it waits for, so the next micro-batch's copy into the same
+    incoming buffer lands before the add has read it unless the hook waits for that add: the mistake shows every run,
+    not only when the thread happens to lag (the accumulation-buffer mutation of test_simulated_mutations)."""
+    torch.manual_seed(43)
+    ref = test_offload.Mixed()
+    model = copy.deepcopy(ref)
+    opt = OffloadAdamW(model.parameters(), transfer_pipeline=True, offload_gradients=True)
+    with simulated_device.late_host_waits(0.05):
+        for i in range(4):
+            model(test_offload._x(i)).backward()
+            ref(test_offload._x(i)).backward()
+        got = dict(opt._pipeline.host_gradients())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_bitwise_equal(got[p], q.grad, f"{name}: gradient accumulated in host memory")
 
 
 @pytest.mark.parametrize("simulated_device", [51], indirect=True)

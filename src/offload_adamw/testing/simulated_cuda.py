@@ -41,6 +41,9 @@ on a GPU, and the backend turns each of CUDA's hazards into wrong bits or a reco
      queue an update's device kernels (torch's fused AdamW on a parameter's memory, a copy into a parameter) on
      their stream and defer their stream's waits; their in-place writes into host memory a copy to the host
      still writes are hazards (on CUDA the two interleave). The main thread's in-place writes are checked so too.
+   * *Late host waits* (:meth:`SimulatedCuda.late_host_waits`, per test): every thread but the test's wakes late
+     from an event it waited for (the accumulator, the update's workers, as the OS may schedule them), so the test's
+     thread issues its next copies meanwhile; host work a worker does after its wait meets them unless a wait orders it.
    * *Not modelled*: torch's own operations otherwise run at once on the calling thread (autograd's kernels, the
      host kernels, everything on worker threads outside ``late_kernels``); an operation reached only through
      C++ (autograd's accumulation, a backward kernel) is not in stream order; a host read does not wait for
@@ -283,6 +286,9 @@ class _Event:
     def synchronize(self) -> None:
         self.backend.called("event synchronize")
         self.completion.wait()
+        late = self.backend.host_wait_latency
+        if late is not None and threading.get_ident() != late[1]:
+            time.sleep(late[0])  # a worker thread woken late (see SimulatedCuda.late_host_waits)
 
     def query(self) -> bool:
         self.backend.called("event query")
@@ -427,6 +433,8 @@ class SimulatedCuda:
         """Added to every copy's delay (:meth:`slow_copies`)."""
         self.kernel_latency_s: float | None = None
         """Inside :meth:`late_kernels`: how late a worker thread's queued kernel runs."""
+        self.host_wait_latency: tuple[float, int] | None = None
+        """Inside :meth:`late_host_waits`: how late another thread wakes from an event, and the thread that is exempt."""
 
     # ------------------------------------------------------------------ the record
 
@@ -570,6 +578,17 @@ class SimulatedCuda:
             yield
         finally:
             self.kernel_latency_s = before
+
+    @contextlib.contextmanager
+    def late_host_waits(self, latency_s: float) -> Iterator[None]:
+        """Every thread but the caller's (the accumulator, the update's workers) wakes ``latency_s`` late from an event
+        it waited for, as a host thread the OS schedules late: the caller's thread issues the next micro-batch's copies
+        meanwhile, so work a worker does after its wait meets them, unless a wait of the caller's orders it first."""
+        before, self.host_wait_latency = self.host_wait_latency, (latency_s, threading.get_ident())
+        try:
+            yield
+        finally:
+            self.host_wait_latency = before
 
     @contextlib.contextmanager
     def slow_copies(self, latency_s: float) -> Iterator[None]:
