@@ -21,7 +21,7 @@ import _checkpoint_files as files
 from _fault_worker import Net, build, groups, train
 from _layout1_writer import save_layout1
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
-from offload_adamw.checkpoint import CheckpointError, CheckpointMismatch
+from offload_adamw.checkpoint import CheckpointError, CheckpointMismatch, layout
 from offload_adamw.checkpoint.layout import rank_files
 
 
@@ -333,8 +333,8 @@ def sources(request, tmp_path_factory):
 def stored(path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(model entries, exp_avg) by name as the checkpoint stores them (layout 1: a bf16 entry as its master)."""
     if checkpoint.verify(path)["version"] == 1:
-        moments = load_file(str(path / checkpoint.OPTIMIZER_FILE))
-        return load_file(str(path / checkpoint.MODEL_FILE)), {
+        moments = load_file(str(path / layout.OPTIMIZER_FILE))
+        return load_file(str(path / layout.MODEL_FILE)), {
             k.removesuffix("::exp_avg"): v for k, v in moments.items() if k.endswith("::exp_avg")}
     entries = files.model_entries(path)
     return entries, {name: files.optimizer_entry(path, name, "exp_avg") for name in entries}

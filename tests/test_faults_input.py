@@ -25,7 +25,7 @@ from _fault_worker import Net, build, train
 from _layout1_writer import save_layout1
 from _parity import assert_same_snapshot
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
-from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, codec, publication
+from offload_adamw.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointMismatch, codec, layout, publication
 
 
 def snapshot(model, optimizer, scheduler) -> dict:
@@ -48,7 +48,7 @@ def recommit(path: Path, meta: dict | None = None, meta_bytes: bytes | None = No
         (path / checkpoint.META_FILE).write_bytes(meta_bytes)
     files = {
         name: {"bytes": (path / name).stat().st_size, "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest()}
-        for name in checkpoint.DATA_FILES
+        for name in layout.DATA_FILES
     }
     manifest = json.dumps({"format": checkpoint.FORMAT, "version": 1, "files": files}).encode()
     (path / checkpoint.MANIFEST_FILE).write_bytes(manifest)
@@ -143,9 +143,9 @@ def test_latest_skips_a_malformed_checkpoint_and_says_why(saved):
 
 def test_stored_tensor_shape_is_checked_not_the_declared_one(saved):
     """meta.json says (12,), the file holds a (1,) tensor: it must not be broadcast into the parameter."""
-    tensors = load_file(str(saved / checkpoint.MODEL_FILE))
+    tensors = load_file(str(saved / layout.MODEL_FILE))
     tensors["inp.bias"] = tensors["inp.bias"][:1].clone()
-    save_file(tensors, str(saved / checkpoint.MODEL_FILE), metadata={"format": checkpoint.FORMAT})
+    save_file(tensors, str(saved / layout.MODEL_FILE), metadata={"format": checkpoint.FORMAT})
     recommit(saved)
     model, optimizer, scheduler = build(seed=3)
     before = snapshot(model, optimizer, scheduler)
@@ -157,9 +157,9 @@ def test_stored_tensor_shape_is_checked_not_the_declared_one(saved):
 
 
 def test_stored_tensor_dtype_is_checked(saved):
-    tensors = load_file(str(saved / checkpoint.MODEL_FILE))
+    tensors = load_file(str(saved / layout.MODEL_FILE))
     tensors["inp.bias"] = tensors["inp.bias"].to(torch.int32)
-    save_file(tensors, str(saved / checkpoint.MODEL_FILE), metadata={"format": checkpoint.FORMAT})
+    save_file(tensors, str(saved / layout.MODEL_FILE), metadata={"format": checkpoint.FORMAT})
     recommit(saved)
     with pytest.raises(CheckpointCorrupt, match="'inp.bias' is int32"):
         checkpoint.load(saved, *build(seed=3))
@@ -411,9 +411,9 @@ def test_an_unwritable_buffer_is_refused_before_anything_is_committed(saved):
     model, optimizer, scheduler = build(seed=3)
     train(model, optimizer, scheduler, 1)
     model.register_buffer("counts", torch.zeros(1).expand(4))
-    tensors = load_file(str(saved / checkpoint.MODEL_FILE))
+    tensors = load_file(str(saved / layout.MODEL_FILE))
     tensors["counts"] = torch.ones(4)
-    save_file(tensors, str(saved / checkpoint.MODEL_FILE), metadata={"format": checkpoint.FORMAT})
+    save_file(tensors, str(saved / layout.MODEL_FILE), metadata={"format": checkpoint.FORMAT})
     meta = _meta(saved)
     meta["model"]["counts"] = {"dtype": "float32", "shape": [4], "stored_dtype": "float32"}
     recommit(saved, meta)

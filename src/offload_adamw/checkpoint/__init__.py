@@ -2,15 +2,11 @@
 one format (layout 2, on torch.distributed.checkpoint) for one process, DDP and FSDP2."""
 
 from offload_adamw.checkpoint.store import (
-    AUX_FILE,
     COMMIT_FILE,
-    DATA_FILES,
     ENV_EXCHANGE,
     FORMAT,
     MANIFEST_FILE,
     META_FILE,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
     CheckpointCorrupt,
     CheckpointError,
     CheckpointMismatch,
@@ -23,15 +19,11 @@ from offload_adamw.checkpoint.store import (
 )
 
 __all__ = [
-    "AUX_FILE",
     "COMMIT_FILE",
-    "DATA_FILES",
     "ENV_EXCHANGE",
     "FORMAT",
     "MANIFEST_FILE",
     "META_FILE",
-    "MODEL_FILE",
-    "OPTIMIZER_FILE",
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointMismatch",
