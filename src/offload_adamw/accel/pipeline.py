@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel import amp, streams, swaps
-from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
+from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients, LandedDeviceGradients
 from offload_adamw.accel.device_update import DeviceUpdate
 from offload_adamw.accel.gate import Gate, StepPolicy, clipped_view
 from offload_adamw.accel.host_update import HostUpdate
@@ -184,7 +184,7 @@ class GradientPipeline:
         self.residency: ByPlacement = ByPlacement(
             FreedGradients(self.engine, self.slots, self.schedule, self._lock, self._describe)
             if config.offload_gradients else KeptGradients(self.engine, self.slots),
-            DeviceGradients(self.engine, self.slots, early=config.update_in_backward),
+            (LandedDeviceGradients if config.update_in_backward else DeviceGradients)(self.engine, self.slots),
         )
         self.hooks = AutogradHooks(
             self.slots, self, self._lock, freed=config.offload_gradients,
