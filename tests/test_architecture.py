@@ -423,7 +423,7 @@ ACCEL = SRC / TOP / "accel"
 ACCEL_MAX_LINES = 500
 ACCEL_MAX_METHODS = 30
 #: the components of accel/, each built only by the front (accel/pipeline.py), which chooses them once
-ACCEL_COMPONENTS = {"SlotTable", "Gate", "HostUpdate", "AtStep", "DuringBackward", "FreedGradients", "KeptGradients",
+ACCEL_COMPONENTS = {"SlotTable", "Gate", "StepGate", "HostUpdate", "AtStep", "DuringBackward", "FreedGradients", "KeptGradients",
                     "AutogradHooks", "DdpSource", "Recorder", "TransferEngine", "StreamUpdate", "DeviceUpdate",
                     "Placements", "DeviceGradients", "LandedDeviceGradients", "ByPlacement", "StepTransport"}
 #: other places that build an engine (none: a test device is a stream backend, installed, not an engine of its own)
@@ -531,16 +531,47 @@ def mode_flags(root: Path) -> list[str]:
     return problems
 
 
-#: mode flags not yet made components (issue 39): this set only shrinks
-MODE_FLAGS_LEFT = {"accel/gate.py: Gate(enabled: bool)", "accel/sources.py: AutogradHooks(freed: bool)",
-                   "accel/sources.py: DdpSource(freed: bool)", "accel/sources.py: DdpSource(lands_early: bool)"}
-
-
 def test_no_accel_constructor_takes_a_mode_flag():
-    problems = [p for p in mode_flags(ACCEL) if p not in MODE_FLAGS_LEFT]
+    problems = mode_flags(ACCEL)
     assert not problems, "\n".join(problems)
-    gone = MODE_FLAGS_LEFT - set(mode_flags(ACCEL))
-    assert not gone, f"made components already: remove from MODE_FLAGS_LEFT {sorted(gone)}"
+
+
+#: the names the components go by where they are wired or handed in
+COMPONENT_NAMES = {"gate", "hooks", "ddp", "residency", "schedule", "placements", "slots", "engine", "transport"}
+#: components still patched after construction (issue 39): this set only shrinks
+PATCHED_LEFT = {"accel/schedule.py: gate.on_open"}
+
+
+def patched_components(root: Path) -> list[str]:
+    """Assignments in a constructor in ``root`` (accel/) to an attribute of a component from outside it
+    (``self.gate.x = ...``, ``gate.x = ...``): wiring that patches a built component instead of handing it what it
+    needs at its construction, in dependency order. (A component's state written at run time is not wiring.)"""
+    problems = []
+    for path in sorted(root.glob("*.py")):
+        inits = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+        for node in (n for init in inits for n in ast.walk(init)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                if not isinstance(t, ast.Attribute):
+                    continue
+                owner = t.value
+                if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self":
+                    name = owner.attr.lstrip("_")
+                elif isinstance(owner, ast.Name) and owner.id != "self":
+                    name = owner.id
+                else:
+                    continue
+                if name in COMPONENT_NAMES:
+                    problems.append(f"accel/{path.name}: {name}.{t.attr}")
+    return problems
+
+
+def test_no_component_is_patched_after_construction():
+    problems = [p for p in patched_components(ACCEL) if p not in PATCHED_LEFT]
+    assert not problems, "\n".join(problems)
+    gone = PATCHED_LEFT - set(patched_components(ACCEL))
+    assert not gone, f"passed at construction already: remove from PATCHED_LEFT {sorted(gone)}"
 
 
 def test_the_accel_checks_can_fail(tmp_path):
@@ -554,6 +585,9 @@ def test_the_accel_checks_can_fail(tmp_path):
     (tmp_path / "modes.py").write_text("class AutogradHooks:\n    def __init__(self, slots, *, freed: bool, n: int) -> None:\n"
                                        "        pass\n")
     assert mode_flags(tmp_path) == ["accel/modes.py: AutogradHooks(freed: bool)"]
+    (tmp_path / "front.py").write_text("class Front:\n    def __init__(self, gate):\n        self.gate = gate\n"
+                                       "        self.gate.intact = len\n        gate.on_open = print\n")
+    assert patched_components(tmp_path) == ["accel/front.py: gate.intact", "accel/front.py: gate.on_open"]
 
 
 def test_checker_reports_a_command_that_does_the_work_itself(tmp_path):

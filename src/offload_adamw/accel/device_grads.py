@@ -31,7 +31,7 @@ from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.transfer import DONE, TransferEngine
 from offload_adamw.distributed import local_tensor
 
-__all__ = ["ByPlacement", "DeviceGradients", "LandedDeviceGradients"]
+__all__ = ["ByPlacement", "DeviceGradients", "LandedDeviceGradients", "landed_intact"]
 
 
 class _OnDevice:
@@ -143,6 +143,16 @@ class LandedDeviceGradients(_OnDevice):
             slot.fetched = (grad, grad._version)
 
 
+def landed_intact(device: DeviceGradients | LandedDeviceGradients) -> Callable[[Slot], bool]:
+    """Whether ``p.grad`` is still the gradient backward's hook landed: the host buffer's stand-in (freed host slots), or
+    the device gradient unchanged (the others). Needs only the device residency, so the gate is built before the host
+    residency (which needs the schedule, which needs the gate)."""
+    def intact(slot: Slot) -> bool:
+        return is_host_resident(slot.param.grad) if slot.on_host else device.intact(slot)
+
+    return intact
+
+
 class ByPlacement:
     """Each slot's residency by its placement (see the module contract)."""
 
@@ -150,6 +160,7 @@ class ByPlacement:
         self.host = host
         self.device = device
         self.freed = host.freed
+        self.intact = landed_intact(device)
 
     def _of(self, slot: Slot) -> Any:
         return self.host if slot.on_host else self.device
@@ -202,7 +213,5 @@ class ByPlacement:
             give_back()
         self.new_step()
 
-    def intact(self, slot: Slot) -> bool:
-        """Whether ``p.grad`` is still the gradient backward's hook landed: the host buffer's stand-in (freed host
-        slots), or the device gradient unchanged (the others)."""
-        return is_host_resident(slot.param.grad) if slot.on_host else self.device.intact(slot)
+    intact: Callable[[Slot], bool]
+    """:func:`landed_intact` of the device residency."""
