@@ -423,9 +423,9 @@ ACCEL = SRC / TOP / "accel"
 ACCEL_MAX_LINES = 500
 ACCEL_MAX_METHODS = 30
 #: the components of accel/, each built only by the front (accel/pipeline.py), which chooses them once
-ACCEL_COMPONENTS = {"SlotTable", "Gate", "HostUpdate", "AtStep", "DuringBackward", "FreedGradients", "KeptGradients",
+ACCEL_COMPONENTS = {"SlotTable", "Gate", "StepGate", "HostUpdate", "AtStep", "DuringBackward", "FreedGradients", "KeptGradients",
                     "AutogradHooks", "DdpSource", "Recorder", "TransferEngine", "StreamUpdate", "DeviceUpdate",
-                    "Placements", "DeviceGradients", "ByPlacement", "StepTransport"}
+                    "Placements", "DeviceGradients", "LandedDeviceGradients", "ByPlacement", "StepTransport"}
 #: other places that build an engine (none: a test device is a stream backend, installed, not an engine of its own)
 ENGINE_FACTORIES: dict[str, set[str]] = {}
 
@@ -515,6 +515,65 @@ def test_only_the_front_wires_the_pipelines_components():
     assert not problems, "\n".join(problems)
 
 
+def mode_flags(root: Path) -> list[str]:
+    """Constructors of the components in ``root`` (accel/) that take a boolean: a mode is a component the front chooses
+    once, not a flag each component branches on."""
+    problems = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or node.name not in ACCEL_COMPONENTS:
+                continue
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+                    problems += [f"accel/{path.name}: {node.name}({a.arg}: bool)" for a in args
+                                 if isinstance(a.annotation, ast.Name) and a.annotation.id == "bool"]
+    return problems
+
+
+def test_no_accel_constructor_takes_a_mode_flag():
+    problems = mode_flags(ACCEL)
+    assert not problems, "\n".join(problems)
+
+
+#: the names the components go by where they are wired or handed in
+COMPONENT_NAMES = {"gate", "hooks", "ddp", "residency", "schedule", "placements", "slots", "engine", "transport"}
+#: components still patched after construction (issue 39): this set only shrinks
+PATCHED_LEFT = {"accel/schedule.py: gate.on_open"}
+
+
+def patched_components(root: Path) -> list[str]:
+    """Assignments in a constructor in ``root`` (accel/) to an attribute of a component from outside it
+    (``self.gate.x = ...``, ``gate.x = ...``): wiring that patches a built component instead of handing it what it
+    needs at its construction, in dependency order. (A component's state written at run time is not wiring.)"""
+    problems = []
+    for path in sorted(root.glob("*.py")):
+        inits = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+        for node in (n for init in inits for n in ast.walk(init)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                if not isinstance(t, ast.Attribute):
+                    continue
+                owner = t.value
+                if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self":
+                    name = owner.attr.lstrip("_")
+                elif isinstance(owner, ast.Name) and owner.id != "self":
+                    name = owner.id
+                else:
+                    continue
+                if name in COMPONENT_NAMES:
+                    problems.append(f"accel/{path.name}: {name}.{t.attr}")
+    return problems
+
+
+def test_no_component_is_patched_after_construction():
+    problems = [p for p in patched_components(ACCEL) if p not in PATCHED_LEFT]
+    assert not problems, "\n".join(problems)
+    gone = PATCHED_LEFT - set(patched_components(ACCEL))
+    assert not gone, f"passed at construction already: remove from PATCHED_LEFT {sorted(gone)}"
+
+
 def test_the_accel_checks_can_fail(tmp_path):
     big = tmp_path / "big.py"
     big.write_text("class Wide:\n" + "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(31))
@@ -523,6 +582,12 @@ def test_the_accel_checks_can_fail(tmp_path):
     sizes = accel_sizes(tmp_path)
     assert any("big.py" in p and "lines" in p for p in sizes) and any("31 methods" in p for p in sizes), sizes
     assert component_builders(tmp_path) == ["accel/gate.py:4 builds SlotTable: only accel/pipeline.py wires the components"]
+    (tmp_path / "modes.py").write_text("class AutogradHooks:\n    def __init__(self, slots, *, freed: bool, n: int) -> None:\n"
+                                       "        pass\n")
+    assert mode_flags(tmp_path) == ["accel/modes.py: AutogradHooks(freed: bool)"]
+    (tmp_path / "front.py").write_text("class Front:\n    def __init__(self, gate):\n        self.gate = gate\n"
+                                       "        self.gate.intact = len\n        gate.on_open = print\n")
+    assert patched_components(tmp_path) == ["accel/front.py: gate.intact", "accel/front.py: gate.on_open"]
 
 
 def test_checker_reports_a_command_that_does_the_work_itself(tmp_path):

@@ -27,13 +27,37 @@ Contract:
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["attach", "ddp_parameters", "unattached_ddp", "unwrap"]
+__all__ = ["AttachedModels", "attach", "ddp_parameters", "unattached_ddp", "unwrap"]
+
+
+class AttachedModels:
+    """The attached DDP models, held weakly: built before the gate, whose non-finite decision is OR-reduced over their
+    process groups, and the DDP source that attaches them."""
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[Any]] = []
+
+    def add(self, ddp: Any) -> None:
+        self._refs.append(weakref.ref(ddp))
+
+    def models(self) -> list[Any]:
+        return [m for m in (r() for r in self._refs) if m is not None]
+
+    def process_groups(self) -> list[Any]:
+        """The process groups of the attached DDP models: beside one, a parameter outside it has this rank's own
+        gradient, so a non-finite decision must be OR-reduced over the replicas (DDP's own gradients agree)."""
+        groups: list[Any] = []
+        for model in self.models():
+            if model.process_group not in groups:
+                groups.append(model.process_group)
+        return groups
 
 
 def unwrap(model: Any) -> Any:

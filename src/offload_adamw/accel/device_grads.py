@@ -11,7 +11,8 @@ Contract:
   the update orders its device work after it, and with its version, so that a gradient changed after its update
   ran is seen (:meth:`intact`). The record holds the tensor until the step ends (:meth:`new_step`) or the optimizer
   is dropped, not longer: a ``p.grad`` cleared between steps is freed. With every update at the step nothing is
-  recorded: the step reads ``p.grad``.
+  recorded: the step reads ``p.grad``. The two are two components, chosen once where the pipeline is built:
+  :class:`DeviceGradients` (every update at the step) and :class:`LandedDeviceGradients` (updates during backward).
 * :class:`ByPlacement` answers every residency call of the pipeline for a slot from the residency of its
   placement: the configured one (kept or freed gradients) for host slots, :class:`DeviceGradients` for the
   others. Both are chosen once, at construction; a slot's placement is the one of its latest refresh.
@@ -30,23 +31,24 @@ from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.transfer import DONE, TransferEngine
 from offload_adamw.distributed import local_tensor
 
-__all__ = ["ByPlacement", "DeviceGradients"]
+__all__ = ["ByPlacement", "DeviceGradients", "LandedDeviceGradients", "landed_intact"]
 
 
-class DeviceGradients:
-    """``p.grad`` on its device is the gradient (see the module contract)."""
+class _OnDevice:
+    """What both device residencies share: ``p.grad`` on its device is the gradient (see the module contract)."""
 
     freed = False
 
-    def __init__(self, engine: TransferEngine, slots: SlotTable, *, early: bool) -> None:
+    def __init__(self, engine: TransferEngine, slots: SlotTable) -> None:
         self._engine = engine
         self._slots = slots
-        self._early = early  # updates during backward: they read what landed, after the stream that produced it
 
     def land(self, slot: Slot, grad: Tensor) -> None:
         """A gradient complete on its device (backward's hook; DDP's reduced bucket slice)."""
-        if not self._early:
-            return
+        raise NotImplementedError
+
+    def record(self, slot: Slot, grad: Tensor) -> None:
+        """What an update during backward reads of ``grad``: the tensor, its version and the work that produced it."""
         local = local_tensor(grad)
         slot.fetched = (local, local._version)
         slot.landing = self._engine.mark(local.device) if self._engine.is_device(local.device) else DONE
@@ -108,9 +110,8 @@ class DeviceGradients:
         return bool(local_tensor(grad) is landed and landed._version == version)
 
     def used(self, slot: Slot, grad: Tensor) -> None:
-        """The update read (and may have scaled) ``grad``: its version now is no change after backward."""
-        if self._early and slot.fetched is not None and slot.fetched[0] is grad:
-            slot.fetched = (grad, grad._version)
+        """The update read (and may have scaled) ``grad``."""
+        raise NotImplementedError
 
     def new_step(self) -> None:
         """The step has ended: the landings of its backward are let go (what landed stays counted until zero_grad)."""
@@ -119,13 +120,47 @@ class DeviceGradients:
                 slot.fetched = None
 
 
+class DeviceGradients(_OnDevice):
+    """Device gradients with every update at the step: it reads ``p.grad`` itself, so nothing is recorded."""
+
+    def land(self, slot: Slot, grad: Tensor) -> None:
+        return None
+
+    def used(self, slot: Slot, grad: Tensor) -> None:
+        return None
+
+
+class LandedDeviceGradients(_OnDevice):
+    """Device gradients with updates during backward: each landing is recorded, because the update reads what
+    landed, after the stream that produced it (see the module contract)."""
+
+    def land(self, slot: Slot, grad: Tensor) -> None:
+        self.record(slot, grad)
+
+    def used(self, slot: Slot, grad: Tensor) -> None:
+        """The update read (and may have scaled) ``grad``: its version now is no change after backward."""
+        if slot.fetched is not None and slot.fetched[0] is grad:
+            slot.fetched = (grad, grad._version)
+
+
+def landed_intact(device: DeviceGradients | LandedDeviceGradients) -> Callable[[Slot], bool]:
+    """Whether ``p.grad`` is still the gradient backward's hook landed: the host buffer's stand-in (freed host slots), or
+    the device gradient unchanged (the others). Needs only the device residency, so the gate is built before the host
+    residency (which needs the schedule, which needs the gate)."""
+    def intact(slot: Slot) -> bool:
+        return is_host_resident(slot.param.grad) if slot.on_host else device.intact(slot)
+
+    return intact
+
+
 class ByPlacement:
     """Each slot's residency by its placement (see the module contract)."""
 
-    def __init__(self, host: Residency, device: DeviceGradients) -> None:
+    def __init__(self, host: Residency, device: DeviceGradients | LandedDeviceGradients) -> None:
         self.host = host
         self.device = device
         self.freed = host.freed
+        self.intact = landed_intact(device)
 
     def _of(self, slot: Slot) -> Any:
         return self.host if slot.on_host else self.device
@@ -178,7 +213,5 @@ class ByPlacement:
             give_back()
         self.new_step()
 
-    def intact(self, slot: Slot) -> bool:
-        """Whether ``p.grad`` is still the gradient backward's hook landed: the host buffer's stand-in (freed host
-        slots), or the device gradient unchanged (the others)."""
-        return is_host_resident(slot.param.grad) if slot.on_host else self.device.intact(slot)
+    intact: Callable[[Slot], bool]
+    """:func:`landed_intact` of the device residency."""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.placements import TensorWork, gather
+from offload_adamw.accel.placements import DeviceState, TensorWork, gather
 from offload_adamw.accel.slots import Slot, SlotTable
 from offload_adamw.accel.transfer import Completion, TransferEngine
 from offload_adamw.kernels.adamw import StepHyper
@@ -37,7 +37,7 @@ Sent = list[tuple[torch.device, Completion]]
 class DeviceUpdate:
     """The resident placement of a bucket's ``update_on="device"`` groups (see the module contract)."""
 
-    def __init__(self, optimizer: object, slots: SlotTable, engine: TransferEngine,
+    def __init__(self, optimizer: DeviceState, slots: SlotTable, engine: TransferEngine,
                  coefficient: Callable[[torch.device], Tensor | None], *, chunk_bytes: int,
                  used: Callable[[Slot, Tensor], None]) -> None:
         self._optimizer = optimizer
@@ -56,7 +56,7 @@ class DeviceUpdate:
     def reserve(self, slots: Sequence[Slot]) -> None:
         """A gradient buffer on each device these slots' updates run on, checked against the device's memory first."""
         for device in {s.local.device for s in slots} - set(self._buffers):
-            self._optimizer.check_device_buffers(self._chunk_bytes, device, "gradient widening")  # type: ignore[attr-defined]
+            self._optimizer.check_device_buffers(self._chunk_bytes, device, "gradient widening")
             self._buffers[device] = torch.empty(self._chunk_bytes, dtype=torch.uint8, device=device)
 
     def _sender(self, device: torch.device) -> Callable[[Tensor], Tensor] | None:

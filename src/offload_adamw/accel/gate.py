@@ -23,6 +23,9 @@ Contract:
   optim/clip_order.py) also without ``max_grad_norm``, from the norms the hooks took while they are the
   step's, else from the host gradients (the updates did not change them: nothing clipped them). This is
   what the HF Trainer logs as ``grad_norm`` (integrations/hf.py).
+* Two components, chosen once where the pipeline is built: :class:`Gate` (updates during backward: the hooks take
+  every norm and count) and :class:`StepGate` (every update at the step: nothing is taken in backward, the gate never
+  opens, and the step clips and decides from the gradients).
 """
 
 from __future__ import annotations
@@ -33,12 +36,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.slots import Slot, SlotTable, Source
 from offload_adamw.accel.transfer import Completion, TransferEngine
 from offload_adamw.distributed import local_tensor
 
-__all__ = ["Gate", "StepPolicy", "clip_inputs", "clipped_view"]
+__all__ = ["Gate", "StepGate", "StepPolicy", "clip_inputs", "clipped_view"]
 
 Norm = tuple[Tensor, torch.device, torch.dtype]
 
@@ -58,8 +60,8 @@ class StepPolicy(Protocol):
     def nonfinite_anywhere(self, counts: Sequence[Tensor], groups: Sequence[Any] = ()) -> bool: ...
 
 
-class Gate:
-    """What the end of backward decided for a step's gated updates (see the module contract)."""
+class _Decision:
+    """What the end of backward decided for a step's gated updates (see the module contract); what both gates share."""
 
     def __init__(
         self,
@@ -67,25 +69,25 @@ class Gate:
         slots: SlotTable,
         engine: TransferEngine,
         *,
-        enabled: bool,
         describe: Callable[[Tensor], str],
         policy: StepPolicy,
+        decision_groups: Callable[[], list[Any]],
+        intact: Callable[[Slot], bool],
     ) -> None:
         self._optimizer = optimizer
         self._policy = policy
         self._slots = slots
         self._engine = engine
-        self._enabled = enabled  # update_in_backward: only then do updates start before step()
         self._describe = describe
         self.on_open: Callable[[], None] = lambda: None
         """Called when the end of backward lets the gated updates start (the schedule's gate)."""
-        self.decision_groups: Callable[[], list[Any]] = list
+        self.decision_groups = decision_groups
         """The process groups whose ranks must take the same non-finite decision (attached DDP models')."""
         self.ddp_pending = False
         """DDP's final callback is still to come in this backward: the decision follows it."""
         self.clipping_at_step = False
         """The step's own clipping is reading the gradients (no update has run yet)."""
-        self.intact: Callable[[Slot], bool] = lambda slot: is_host_resident(slot.param.grad)
+        self.intact = intact
         """Whether ``p.grad`` is still the gradient backward's hook landed (a host stand-in; a streamed or resident
         group's device gradient, unchanged: accel/device_grads.py)."""
         self.reset()
@@ -111,16 +113,16 @@ class Gate:
 
     # -------------------------------------------------------------- in backward
 
-    def clips(self) -> bool:
-        return self._enabled and self._optimizer.max_grad_norm is not None
-
     def tracks(self) -> bool:
         """Whether backward's hooks take each gradient's norm (updates during backward, clipping or not)."""
-        return self._enabled
+        raise NotImplementedError
+
+    def clips(self) -> bool:
+        return self.tracks() and self._optimizer.max_grad_norm is not None
 
     def checks(self) -> bool:
         """Whether the non-finite policy (skip or raise) decides, at backward's end, if the updates may start."""
-        return self._enabled and self._optimizer.nonfinite != "propagate"
+        return self.tracks() and self._optimizer.nonfinite != "propagate"
 
     def gated(self) -> bool:
         """Whether the updates of a step wait for the end of its backward (clipping, or a non-finite policy)."""
@@ -285,6 +287,20 @@ class Gate:
         if gone:
             return f"{self._describe(gone[0])}'s gradient was cleared after backward"
         return None
+
+
+class Gate(_Decision):
+    """The gate of updates during backward: the hooks take every gradient's norm (and count, with a policy)."""
+
+    def tracks(self) -> bool:
+        return True
+
+
+class StepGate(_Decision):
+    """Every update at the step: backward's hooks take nothing, and the step clips and decides from the gradients."""
+
+    def tracks(self) -> bool:
+        return False
 
 
 def clipped_view(p: Tensor, grad: Tensor) -> Tensor:

@@ -50,15 +50,16 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel import amp, streams, swaps
-from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients
+from offload_adamw.accel.ddp import AttachedModels
+from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients, LandedDeviceGradients, landed_intact
 from offload_adamw.accel.device_update import DeviceUpdate
-from offload_adamw.accel.gate import Gate, StepPolicy, clipped_view
+from offload_adamw.accel.gate import Gate, StepGate, StepPolicy, clipped_view
 from offload_adamw.accel.host_update import HostUpdate
 from offload_adamw.accel.placements import Placements
 from offload_adamw.accel.residency import FreedGradients, KeptGradients, drop_spent
 from offload_adamw.accel.schedule import AtStep, DuringBackward
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
-from offload_adamw.accel.sources import AutogradHooks, DdpSource
+from offload_adamw.accel.sources import AutogradHooks, DdpSource, EarlyTaking, FreedTaking, GroupIds, KeptTaking
 from offload_adamw.accel.stream_update import StreamUpdate
 from offload_adamw.accel.timeline import Recorder, StepTimeline
 from offload_adamw.accel.transfer import TransferEngine
@@ -164,8 +165,14 @@ class GradientPipeline:
         self.slots = SlotTable(self.engine, check)
         self.recorder = Recorder()
         self._places: dict[Tensor, tuple[int, int]] = {}  # (group, index) of each parameter as of the latest refresh()
-        self.gate = Gate(opt, self.slots, self.engine, enabled=config.update_in_backward, describe=self._describe,
-                         policy=policy)
+        # Built in dependency order, nothing patched afterwards; each mode is a component chosen here, once.
+        models, groups = AttachedModels(), GroupIds()  # shared by the gate and the DDP source, which needs the gate
+        device_grads = (LandedDeviceGradients if config.update_in_backward else DeviceGradients)(self.engine, self.slots)
+        intact = landed_intact(device_grads)
+        # Updates during backward: the gate their schedule waits on; else the step decides alone (StepGate).
+        gate_kind = Gate if config.update_in_backward else StepGate
+        self.gate: Gate | StepGate = gate_kind(opt, self.slots, self.engine, describe=self._describe, policy=policy,
+                                               decision_groups=models.process_groups, intact=intact)
         coefficient = lambda: self.gate.coefficient  # noqa: E731
         used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
         chunk = config.stream_chunk_bytes // 4096 * 4096
@@ -175,33 +182,30 @@ class GradientPipeline:
                                    buffers=config.stream_buffers, used=used),
             "device": DeviceUpdate(opt, self.slots, self.engine, self.gate.coefficient_on, chunk_bytes=chunk, used=used),
         })
-        intact = lambda slot: self.residency.intact(slot)  # noqa: E731, PLW0108 - the residency is built below
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
                            thread_init=self.engine.thread_init, intact=intact, engine=self.engine)
-            if config.update_in_backward else AtStep()
+            if isinstance(self.gate, Gate) else AtStep()  # the gate chosen above: the same mode
         )
         self.residency: ByPlacement = ByPlacement(
             FreedGradients(self.engine, self.slots, self.schedule, self._lock, self._describe)
             if config.offload_gradients else KeptGradients(self.engine, self.slots),
-            DeviceGradients(self.engine, self.slots, early=config.update_in_backward),
+            device_grads,
+        )
+        taking = EarlyTaking() if config.update_in_backward else FreedTaking() if config.offload_gradients else KeptTaking()
+        self.ddp = DdpSource(
+            self.slots, self, taking=taking, land_reduced=self.residency.land_reduced,
+            after_ddp=self.residency.after_ddp, groups=groups, models=models, lock=self._lock, gate=self.gate,
+            on_device=self.engine.on_home,
         )
         self.hooks = AutogradHooks(
-            self.slots, self, self._lock, freed=config.offload_gradients,
+            self.slots, self, self._lock, taking=taking, groups=groups,
             before_accumulate=self.residency.before_accumulate,
             second_backward=self.schedule.check_second_backward, relayout=lambda: self.slots.relayout(defer_pin=True),
-        )
-
-        self.ddp = DdpSource(
-            self.slots, self, freed=config.offload_gradients, land_reduced=self.residency.land_reduced,
-            after_ddp=self.residency.after_ddp, next_group=self.hooks.next_group, lock=self._lock, gate=self.gate,
-            lands_early=config.update_in_backward, on_device=self.engine.on_home,
+            on_backward=[lambda: self.placements.assign(self._places), self.ddp.check_unattached,
+                         self.schedule.backward_began, lambda: swaps.look_before_next_forward(self)],
         )
         self.transport = StepTransport(self)
-        self.gate.decision_groups = self.ddp.process_groups
-        self.gate.intact = self.residency.intact
-        self.hooks.on_backward = [lambda: self.placements.assign(self._places), self.ddp.check_unattached,
-                                  self.schedule.backward_began, lambda: swaps.look_before_next_forward(self)]
         self.refresh()
         swaps.look_before_next_forward(self)
 

@@ -39,9 +39,18 @@ from offload_adamw.kernels import layout
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 
-__all__ = ["Placement", "Placements", "TensorWork", "gather"]
+__all__ = ["DeviceState", "Placement", "Placements", "TensorWork", "gather"]
 
 Sent = list[tuple[torch.device, Completion]]
+
+
+class DeviceState(Protocol):
+    """What a streamed or resident placement needs of its optimizer (accel/pipeline.py's ``UpdateTarget`` has both):
+    its device-memory check before it allocates device buffers, and each group's state operands."""
+
+    def check_device_buffers(self, nbytes: int, device: torch.device, label: str) -> None: ...
+
+    def state_operands(self, group_index: int, params: list[Tensor]) -> tuple[StepHyper, list[StateOperands]]: ...
 
 
 class Placement(Protocol):
@@ -148,7 +157,7 @@ class TensorWork:
         return self.grad.numel()
 
 
-def gather(optimizer: Any, slots: SlotTable, params: list[Tensor], where: dict[Tensor, tuple[int, int]],
+def gather(optimizer: DeviceState, slots: SlotTable, params: list[Tensor], where: dict[Tensor, tuple[int, int]],
            gradient: Callable[[Slot], Tensor | None], coefficient: Callable[[torch.device], Tensor | None],
            used: Callable[[Slot, Tensor], None] = lambda slot, grad: None,
            ) -> list[tuple[int, StepHyper, dict[torch.device, list[TensorWork]]]]:

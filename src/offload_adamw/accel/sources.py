@@ -21,6 +21,10 @@ Contract:
   copies the reduced ``p.grad``; attaching still names the replicas for the non-finite decision.
 * :meth:`DdpSource.check_unattached`: a DDP model over these parameters that was not attached is refused with
   freed gradients (its gradients would be freed before DDP reduces them), and warned about with kept ones.
+* What the residency and schedule ask of both adapters is one component, chosen once where the pipeline is built:
+  :class:`KeptTaking` (gradients stay where autograd put them until the step), :class:`FreedTaking` (each is taken
+  as backward produces it, an attached DDP model's reduced bucket by bucket) or :class:`EarlyTaking` (freed, and a
+  reduced bucket's parameters may update during backward). No adapter branches on a mode flag.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.slots import Holding, Slot, SlotTable, Source
 from offload_adamw.distributed import local_tensor
 
-__all__ = ["AutogradHooks", "DdpSource", "Landing", "accumulates", "graph_task", "take_over"]
+__all__ = ["AutogradHooks", "DdpSource", "EarlyTaking", "FreedTaking", "GroupIds", "KeptTaking", "Landing", "Taking",
+           "accumulates", "graph_task", "take_over"]
 
 
 class Landing(Protocol):
@@ -60,6 +65,80 @@ class Landing(Protocol):
     def syncing(self) -> bool:
         """False inside ``no_sync()``: micro-batches that only accumulate."""
         ...
+
+
+class KeptTaking:
+    """Kept gradients: a gradient stays where autograd accumulated it until the step copies it once."""
+
+    def extra_hooks(self, slot: Slot, owner: weakref.ref[AutogradHooks]) -> list[Any]:
+        """No hook before accumulation: autograd accumulates into the device ``p.grad`` itself."""
+        return []
+
+    def takes_sharded(self) -> bool:
+        """A DTensor gradient (FSDP2's reduced shard) is copied at the step, not in backward."""
+        return False
+
+    def takes_reduced(self) -> bool:
+        """An attached DDP model's reduced gradients are copied from ``p.grad`` at the step: no communication hook, and an
+        unattached model is only warned about (nothing is freed before DDP reduces it)."""
+        return False
+
+    def arrival_group(self, group: int) -> int | None:
+        return None
+
+    def lands_in_backward(self) -> bool:
+        return False
+
+
+class FreedTaking:
+    """Freed gradients: each gradient is taken as backward produces it, and its device memory freed."""
+
+    def extra_hooks(self, slot: Slot, owner: weakref.ref[AutogradHooks]) -> list[Any]:
+        """A pre-hook before autograd accumulates into ``p.grad`` (our host stand-in)."""
+        handle = slot.param.register_hook(_pre_hook(owner, slot))
+        slot.grad_node = _grad_accumulator(slot.param)
+        return [handle]
+
+    def takes_sharded(self) -> bool:
+        """A DTensor gradient is taken after FSDP2's reduce-scatter, on its post-reduce stream."""
+        return True
+
+    def takes_reduced(self) -> bool:
+        """An attached DDP model's reduced buckets come through its communication hook; an unattached model is refused."""
+        return True
+
+    def arrival_group(self, group: int) -> int | None:
+        """A reduced bucket is no group of updates during backward: every update runs at the step."""
+        return None
+
+    def lands_in_backward(self) -> bool:
+        return False
+
+
+class EarlyTaking(FreedTaking):
+    """Freed gradients with updates during backward: a reduced DDP bucket's parameters are one group that may update
+    as soon as it lands."""
+
+    def arrival_group(self, group: int) -> int | None:
+        return group
+
+    def lands_in_backward(self) -> bool:
+        return True
+
+
+Taking = KeptTaking | FreedTaking
+
+
+class GroupIds:
+    """The ids of the groups gradients land in (an FSDP2 reduce-scatter, a DDP bucket), one counter for both adapters:
+    built before either, so neither is patched into the other."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def next(self) -> int:
+        self._last += 1
+        return self._last
 
 
 # The hooks whose owner takes a parameter's gradients, by the parameter's id, both held weakly: nothing is stored
@@ -101,15 +180,16 @@ def _remove_all(handles: list[Any]) -> None:
 class AutogradHooks:
     """Autograd's hooks on every trainable parameter (see the module contract)."""
 
-    def __init__(self, slots: SlotTable, landing: Landing, lock: Any, *, freed: bool,
+    def __init__(self, slots: SlotTable, landing: Landing, lock: Any, *, taking: Taking, groups: GroupIds,
                  before_accumulate: Callable[[Slot], None], second_backward: Callable[[Slot], None],
-                 relayout: Callable[[], None]) -> None:
+                 relayout: Callable[[], None], on_backward: list[Callable[[], None]]) -> None:
         self._slots = slots
         self._landing = landing
         self._lock = lock
-        self._freed = freed
+        self._taking = taking
         self._before_accumulate = before_accumulate
-        self.on_backward: list[Callable[[], None]] = []
+        self._groups = groups
+        self.on_backward = on_backward
         """Called at the first hook of every backward (the check for an unattached DDP model, the schedule's count
         of backwards that have not ended)."""
         self._second_backward = second_backward
@@ -117,7 +197,7 @@ class AutogradHooks:
         self._unhooked: list[Slot] = []
         self._backward: int | None = None  # the autograd graph task of the latest hook
         self._group_storage: Any = None
-        self._group_id = 0
+        self._group = 0  # the id of the latest FSDP2 group's storage
         self.handles: list[Any] = []
         """Every hook handle, for the finaliser that removes them when the optimizer goes."""
 
@@ -132,11 +212,10 @@ class AutogradHooks:
             if slot.param.requires_grad:
                 take_over(slot.param, self)
                 ref = weakref.ref(self)
-                slot.handles.append(slot.param.register_post_accumulate_grad_hook(_post_hook(ref)))
-                if self._freed:
-                    slot.handles.append(slot.param.register_hook(_pre_hook(ref, slot)))
-                    slot.grad_node = _grad_accumulator(slot.param)
-                self.handles += slot.handles[-2:] if self._freed else slot.handles[-1:]
+                handles = [slot.param.register_post_accumulate_grad_hook(_post_hook(ref)),
+                           *self._taking.extra_hooks(slot, ref)]
+                slot.handles += handles
+                self.handles += handles
             else:
                 still.append(slot)
         self._unhooked = still
@@ -201,7 +280,7 @@ class AutogradHooks:
         group = None
         if local_tensor(grad) is not grad:
             # A DTensor gradient: FSDP2 calls this hook after the shard's reduce-scatter, on its post-reduce stream.
-            if not self._freed:
+            if not self._taking.takes_sharded():
                 return  # copied at the step (kept gradients)
             group = self._fsdp_group_of(grad)
             if slot.holding is not Holding.NOTHING:
@@ -223,14 +302,9 @@ class AutogradHooks:
         """
         storage = local_tensor(grad).untyped_storage()
         if self._group_storage is None or storage.data_ptr() != self._group_storage.data_ptr():
-            self._group_id += 1
+            self._group = self._groups.next()
             self._group_storage = storage
-        return self._group_id
-
-    def next_group(self) -> int:
-        """A new group id (a DDP bucket lands as one group)."""
-        self._group_id += 1
-        return self._group_id
+        return self._group
 
 
 def _grad_accumulator(param: Tensor) -> Any:
@@ -283,36 +357,29 @@ def _pre_hook(ref: weakref.ref[AutogradHooks], slot: Slot) -> Callable[[Tensor],
 class DdpSource:
     """The reduced gradients of attached DDP models (see the module contract)."""
 
-    def __init__(self, slots: SlotTable, landing: Landing, *, freed: bool, land_reduced: Callable[[Slot, Tensor], None],
-                 after_ddp: Callable[[Slot], None], next_group: Callable[[], int], lock: Any,
-                 gate: Any, lands_early: bool,
+    def __init__(self, slots: SlotTable, landing: Landing, *, taking: Taking, land_reduced: Callable[[Slot, Tensor], None],
+                 after_ddp: Callable[[Slot], None], groups: GroupIds, models: _ddp.AttachedModels, lock: Any, gate: Any,
                  on_device: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         self._slots = slots
         self._on_device = on_device  # the callback may run on a thread not the pipeline's (gloo's)
         self._landing = landing
-        self._freed = freed
+        self._taking = taking
         self._land_reduced = land_reduced
         self._after_ddp = after_ddp
-        self._next_group = next_group
+        self._groups = groups
         self._lock = lock
         self._gate = gate
-        self._lands_early = lands_early  # update_in_backward: a reduced bucket's parameters may update now
-        self._models: list[weakref.ref[Any]] = []
+        self._models = models
         self._written: set[Slot] = set()
         self._callback_queued = False
         self._checked = False
 
     def models(self) -> list[Any]:
-        return [m for m in (r() for r in self._models) if m is not None]
+        return self._models.models()
 
     def process_groups(self) -> list[Any]:
-        """The process groups of the attached DDP models: beside one, a parameter outside it has this rank's own
-        gradient, so a non-finite decision must be OR-reduced over the replicas (DDP's own gradients agree)."""
-        groups: list[Any] = []
-        for model in self.models():
-            if model.process_group not in groups:
-                groups.append(model.process_group)
-        return groups
+        """The process groups of the attached DDP models (:meth:`AttachedModels.process_groups`)."""
+        return self._models.process_groups()
 
     def attach(self, ddp: Any) -> None:
         params = _ddp.ddp_parameters(ddp)
@@ -321,8 +388,8 @@ class DdpSource:
             raise ValueError("opt.attach(ddp_model): none of the model's parameters is a parameter of this optimizer")
         if any(s.holding is not Holding.NOTHING or s.param.grad is not None for s in self._slots):
             raise RuntimeError("opt.attach(ddp_model) must be called before the first backward (gradients exist already)")
-        self._models.append(weakref.ref(ddp))
-        if not self._freed:
+        self._models.add(ddp)
+        if not self._taking.takes_reduced():
             return  # kept gradients: the step copies DDP's reduced p.grad
         # With find_unused_parameters DDP decides only in its final callback which gradients stay unset (those
         # every rank left unused: their reduced bucket slices are zeros), so an early update could update a
@@ -342,7 +409,7 @@ class DdpSource:
         ddp = _ddp.unattached_ddp(set(self._slots.slots), self.models())
         if ddp is None:
             return
-        if self._freed:
+        if self._taking.takes_reduced():
             raise RuntimeError(
                 "this OffloadAdamW (offload_gradients=True) optimizes parameters of a DistributedDataParallel model "
                 "that was not attached: backward's hook would free each gradient before DDP reduces it. "
@@ -358,11 +425,11 @@ class DdpSource:
     def _launched(self, params: list[Tensor]) -> None:
         """In backward, as DDP hands a bucket to the communication hook: its order, and the end-of-backward callback."""
         with self._lock:
-            group = self._next_group()
+            group = self._groups.next()
             for p in params:
                 slot = self._slots.get(p)
                 if slot is not None:
-                    self._landing.arrived(slot, group if self._lands_early else None)
+                    self._landing.arrived(slot, self._taking.arrival_group(group))
             if not self._callback_queued:
                 self._callback_queued = True
                 self._gate.ddp_pending = True
@@ -391,7 +458,7 @@ class DdpSource:
                         # add still queued into the buffer.
                         self._slots.ensure_grad_buffer(slot)
                     members.append((slot, grad))
-        syncing = self._landing.syncing() and self._lands_early
+        syncing = self._landing.syncing() and self._taking.lands_in_backward()
         if syncing and not lands and self._gate.gated():
             self._gate.incomplete()  # no coefficient in backward: other parameters' norms would miss these
         # The copies without the lock, which backward's hooks take for every parameter (a synchronous copy of a

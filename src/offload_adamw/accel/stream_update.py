@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.placements import TensorWork, gather
+from offload_adamw.accel.placements import DeviceState, TensorWork, gather
 from offload_adamw.accel.slots import Slot, SlotTable
 from offload_adamw.accel.transfer import DONE, Completion, TransferEngine
 from offload_adamw.kernels.adamw import StepHyper
@@ -64,7 +64,7 @@ class _Ring:
 class StreamUpdate:
     """The streamed placement of a bucket's ``update_on="stream"`` groups (see the module contract)."""
 
-    def __init__(self, optimizer: object, slots: SlotTable, engine: TransferEngine,
+    def __init__(self, optimizer: DeviceState, slots: SlotTable, engine: TransferEngine,
                  coefficient: Callable[[torch.device], Tensor | None], *, chunk_bytes: int, buffers: int,
                  used: Callable[[Slot, Tensor], None]) -> None:
         self._optimizer = optimizer
@@ -81,7 +81,7 @@ class StreamUpdate:
         """A ring on each device these slots' updates run on, checked against the device's memory first."""
         for device in {s.local.device for s in slots} - set(self._rings):
             nbytes = self._buffers * self._chunk_bytes
-            self._optimizer.check_device_buffers(nbytes, device, "stream ring")  # type: ignore[attr-defined]
+            self._optimizer.check_device_buffers(nbytes, device, "stream ring")
             self._rings[device] = _Ring(device, self._chunk_bytes, self._buffers)
 
     def _sender(self, device: torch.device) -> Callable[[Tensor], Tensor] | None:
