@@ -45,9 +45,9 @@ import test_placement  # noqa: E402
 import test_update_in_backward  # noqa: E402
 
 PARITY = [(case, seed) for seed, case in enumerate(test_offload_parity.CASES, start=11)]
-#: the rows CI runs (the others are slow): float32, kept and freed, accumulation 1 and 4, clipped, with and without
-#: GradScaler's unscale (the stand-in mutations use seeds 11 and 12), and the placements' two first rows
-QUICK_SEEDS = {11, 12, 14, 15, 81, 82}
+#: the quick tier's rows (the others run under -m slow): float32, kept and freed, accumulation 1 and 4, clipped, with and
+#: without GradScaler's unscale (the stand-in mutations use seeds 11 and 12), and the placements' first row (seed 81)
+QUICK_SEEDS = {11, 12, 14, 15, 81}
 
 
 @pytest.mark.parametrize(("case", "simulated_device"),
@@ -128,7 +128,8 @@ DISTRIBUTED = {
 }
 
 
-@pytest.mark.parametrize("which", list(DISTRIBUTED))
+# DDP's in the quick tier (a mutation names it); FSDP2's (15 s on 2 cores) under -m slow, for the quick tier's budget.
+@pytest.mark.parametrize("which", [pytest.param(w, marks=pytest.mark.slow if w == "fsdp2" else ()) for w in DISTRIBUTED])
 def test_distributed_suites_on_the_simulated_device(which, tmp_path) -> None:
     """The worker's cases are bitwise the reference on both ranks, the optimizer's copies on the simulated device."""
     worker, seed, only = DISTRIBUTED[which]
