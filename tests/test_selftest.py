@@ -310,3 +310,31 @@ def test_the_gpu_figures_are_read_from_the_driver_and_sysfs_files(tmp_path) -> N
     assert node.device_numa_node("0000:3b:00.0", sysfs) == 1
     assert node.device_numa_node("0000:5e:00.0", sysfs) == -1  # the selftest shows it: the platform does not say
     assert node.device_numa_node("0000:18:00.0", sysfs) is None
+
+
+def test_the_report_says_how_torch_openmp_team_spins_by_each_setting() -> None:
+    """libgomp's rules as docs/host-step.md measures them: GOMP_SPINCOUNT first, then OMP_WAIT_POLICY, then 300000."""
+    spin = environment.openmp_spin
+    assert spin("libgomp", 1, {"OMP_WAIT_POLICY": "ACTIVE"}).startswith("no team")
+    assert "300000 pauses" in spin("libgomp", 2, {})
+    assert spin("libgomp", 2, {"OMP_WAIT_POLICY": "passive"}).startswith("sleeps at once")
+    assert spin("libgomp", 2, {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "ACTIVE"}).startswith("sleeps at once")
+    assert spin("libgomp", 2, {"GOMP_SPINCOUNT": "30k"}) == "spins for 30000 pauses (GOMP_SPINCOUNT)"
+    assert spin("libgomp", 2, {"GOMP_SPINCOUNT": "INFINITE"}).startswith("spins until the next region")
+    assert "300000 pauses" in spin("libgomp", 2, {"GOMP_SPINCOUNT": "lots"})  # ignored, as libgomp ignores it
+    assert spin("libgomp", 2, {"OMP_WAIT_POLICY": "ACTIVE"}).startswith("spins until the next region")
+    assert spin("libiomp5", 2, {}) == "spins for 200 ms (KMP_BLOCKTIME unset)"
+    assert spin(None, 2, {}) == "unknown runtime: not read"
+
+
+def test_the_report_names_the_openmp_runtime_torch_loaded(tmp_path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/python3/site-packages/torch.libs/libgomp-a34b3233.so.1.0.0\n")
+    assert environment._openmp_runtime(str(maps)) == "libgomp"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /opt/intel/lib/libiomp5.so\n")
+    assert environment._openmp_runtime(str(maps)) == "libiomp5"
+    assert environment._openmp_runtime(str(tmp_path / "absent")) is None
+    threads = torch.get_num_threads()
+    report = environment.environment(torch.device("cpu"))["torch_openmp"]
+    assert report["threads"] == threads and report["after_each_region"] == environment.openmp_spin(
+        report["runtime"], threads, dict(os.environ))

@@ -163,6 +163,9 @@ def _environment_table(env: dict[str, Any]) -> str:
             ["cores", f"{env['cores_available']} available to this process of {env['cpu_count']}, "
                       f"torch uses {env['torch_threads']} threads"],
             ["host update", env["host_update"]["describe"]],
+            ["torch's OpenMP team", f"{env['torch_openmp']['threads']} threads "
+                                    f"({env['torch_openmp']['runtime'] or 'runtime unknown'}): "
+                                    f"{env['torch_openmp']['after_each_region']}"],
             ["page-locking", {True: "works", False: "FAILS", None: "-"}[pinned["works"]] + f" ({pinned['why']})"],
             ["stream backend", env["stream_backend"]]]
     for gpu in env["gpus"]:

@@ -8,7 +8,9 @@ distributed/node.py's ``device_numa_node``, from ``/sys/bus/pci/devices/<bus id>
 platform does not say), host memory (``MemTotal`` and ``MemAvailable`` from ``/proc/meminfo``, and :func:`host_memory_for_sizing`:
 the figure a run should size itself by), the locked-memory limit (``RLIMIT_MEMLOCK``, soft and hard), the
 cores this process may run on (``os.sched_getaffinity``), the host update's threads and NUMA node as the optimizer
-would choose them (``host_update``: distributed/node.py), and whether page-locking works (a 1 MiB pinned
+would choose them (``host_update``: distributed/node.py), torch's OpenMP team and how long it spins after each
+parallel region (``torch_openmp``: :func:`openmp_spin`, the loss docs/host-step.md measures after torch's own CPU
+work), and whether page-locking works (a 1 MiB pinned
 allocation, only where an accelerator is there to pin for), and the stream backend a pipeline would use
 (CUDA, or a test device such as the simulated one).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import resource
 from typing import Any
 
@@ -25,7 +28,7 @@ import torch
 
 from offload_adamw._version import __version__
 
-__all__ = ["environment", "meminfo", "host_memory_for_sizing", "default_device", "resolve_device",
+__all__ = ["environment", "meminfo", "host_memory_for_sizing", "default_device", "resolve_device", "openmp_spin",
            "PLAUSIBLE_AVAILABLE_FRACTION"]
 
 PLAUSIBLE_AVAILABLE_FRACTION = 0.25
@@ -136,6 +139,58 @@ def _host_update(device: torch.device) -> dict[str, Any]:
             "numa_source": None if numa is None else numa.source, "describe": share.describe()}
 
 
+def _openmp_runtime(maps: str = "/proc/self/maps") -> str | None:
+    """The OpenMP runtime loaded in this process (torch's Linux wheels bundle libgomp), or None where unknown."""
+    try:
+        with open(maps) as f:
+            text = f.read()
+    except OSError:
+        return None
+    for name in ("libgomp", "libiomp5", "libomp"):  # libgomp first: "libomp" is also a substring of "libgomp"
+        if f"/{name}" in text:
+            return name
+    return None
+
+
+def openmp_spin(runtime: str | None, threads: int, environ: dict[str, str]) -> str:
+    """How long torch's OpenMP workers spin after each parallel region, in words, by the runtime's documented rules.
+
+    libgomp (read when torch loads it; nothing changes it afterwards): ``GOMP_SPINCOUNT`` when set, else
+    ``OMP_WAIT_POLICY`` (``PASSIVE``: no spin; ``ACTIVE``: practically forever), else 300000 pauses (a few ms).
+    Intel's and LLVM's runtimes: ``KMP_BLOCKTIME`` (200 ms when unset), ``PASSIVE`` meaning none."""
+    if threads <= 1:
+        return "no team (one thread): nothing spins after torch's CPU work"
+    policy = environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    if runtime == "libgomp":
+        count = environ.get("GOMP_SPINCOUNT", "").strip()
+        if count.upper() in ("INFINITE", "INFINITY"):
+            return "spins until the next region (GOMP_SPINCOUNT=INFINITE)"
+        parsed = re.fullmatch(r"(\d+)\s*([kKmMgGtT]?)", count)  # libgomp ignores a value it cannot parse
+        if parsed:
+            pauses = int(parsed.group(1)) * 1000 ** " KMGT".index(parsed.group(2).upper() or " ")
+            return "sleeps at once (GOMP_SPINCOUNT=0)" if pauses == 0 else f"spins for {pauses} pauses (GOMP_SPINCOUNT)"
+        if policy == "PASSIVE":
+            return "sleeps at once (OMP_WAIT_POLICY=PASSIVE)"
+        if policy == "ACTIVE":
+            return "spins until the next region, up to minutes (OMP_WAIT_POLICY=ACTIVE)"
+        return ("spins for 300000 pauses, a few ms (libgomp's default; GOMP_SPINCOUNT=0 or OMP_WAIT_POLICY=PASSIVE "
+                "before Python starts makes it sleep)")
+    if runtime in ("libiomp5", "libomp"):
+        if policy == "PASSIVE":
+            return "sleeps at once (OMP_WAIT_POLICY=PASSIVE)"
+        blocktime = environ.get("KMP_BLOCKTIME", "").strip()
+        return f"spins for KMP_BLOCKTIME={blocktime} ms" if blocktime else "spins for 200 ms (KMP_BLOCKTIME unset)"
+    return "unknown runtime: not read"
+
+
+def _torch_openmp() -> dict[str, Any]:
+    runtime, threads = _openmp_runtime(), torch.get_num_threads()
+    return {"runtime": runtime, "threads": threads,
+            "settings": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+                         if k in os.environ},
+            "after_each_region": openmp_spin(runtime, threads, dict(os.environ))}
+
+
 def _stream_backend() -> str:
     from offload_adamw.accel import streams  # the backend a pipeline built now would use
 
@@ -169,6 +224,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "host_update": _host_update(device),
+        "torch_openmp": _torch_openmp(),
         "page_locking": _page_locking(device),
         "stream_backend": _stream_backend(),
     }
