@@ -95,7 +95,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -397,23 +397,41 @@ def blocked_adamw_(
     elements replace their masters before the update (kernels/edits.py). ``threads`` and ``cpus``, where
     given, replace ``config.threads`` and ``config.cpus`` (the optimizer's ``host_threads`` and NUMA node).
     """
-    follow = [bool(f) for f in take_model_edits] if take_model_edits is not None else [False] * len(masters)
+    n = len(masters)
+    follow = [bool(f) for f in take_model_edits] if take_model_edits is not None else [False] * n
+    outs: list[Tensor | None] | None = list(model_params) if model_params is not None else None
+    column: list[list[Any]] = [list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                               list(max_exp_avg_sqs) if hp.amsgrad else [None] * n]
     aligned: list[layout.Aligned] = []
-    for i in range(len(masters)):
-        out = model_params[i] if model_params is not None else None
-        operands = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if hp.amsgrad else None, out]
-        aligned.append(layout.align(operands, read=(True, True, True, True, True, follow[i]),
-                                    written=(True, False, True, True, True, True)))
-    column = [[a.tensors[k] for a in aligned] for k in range(6)]
-    _aligned_adamw_(
-        cast("list[Tensor]", column[0]), cast("list[Tensor]", column[1]), cast("list[Tensor]", column[2]),
-        cast("list[Tensor]", column[3]), cast("list[Tensor]", column[4]) if hp.amsgrad else [], list(steps),
-        column[5] if model_params is not None else None, follow, hp,
-        dataclasses.replace(config, threads=config.threads if threads is None else threads,
-                            cpus=config.cpus if cpus is None else cpus),
-    )
+    for i in range(n):
+        # Row-major operands (a row-major parameter's state, autograd's gradient of it) already pair by index:
+        # layout.align would hand them back unchanged. Asked here, without building its operand lists, because a
+        # step of many small tensors pays this per tensor (benchmarks/fixed_cost.py).
+        out = outs[i] if outs is not None else None
+        if (column[0][i].is_contiguous() and column[1][i].is_contiguous() and column[2][i].is_contiguous()
+                and column[3][i].is_contiguous() and (not hp.amsgrad or column[4][i].is_contiguous())
+                and (out is None or out.is_contiguous())):
+            continue
+        a = layout.align([c[i] for c in column] + [out], read=(True, True, True, True, True, follow[i]),
+                         written=(True, False, True, True, True, True))
+        for k, c in enumerate(column):
+            c[i] = a.tensors[k]
+        if outs is not None:
+            outs[i] = a.tensors[5]
+        aligned.append(a)
+    _aligned_adamw_(column[0], column[1], column[2], column[3], column[4] if hp.amsgrad else [], list(steps), outs,
+                    follow, hp, _with_workers(config, threads, cpus))
     for a in aligned:
         a.write_back()
+
+
+@functools.lru_cache(maxsize=64)
+def _with_workers(config: BlockConfig, threads: int | None, cpus: frozenset[int] | None) -> BlockConfig:
+    """``config`` with ``threads`` and ``cpus`` where given (made once per combination, not at every step)."""
+    if (threads is None or threads == config.threads) and (cpus is None or cpus == config.cpus):
+        return config
+    return dataclasses.replace(config, threads=config.threads if threads is None else threads,
+                               cpus=config.cpus if cpus is None else cpus)
 
 
 def _aligned_adamw_(
@@ -449,7 +467,14 @@ def _aligned_adamw_(
         else:
             simple.append(i)
 
-    torch._foreach_add_(list(steps), 1)
+    torch._foreach_add_(steps, 1)
+
+    if len(plain) == 1 and not blocked and not simple:
+        # Every tensor plain and of one dtype (float32 host parameters, their own masters): the one fused call,
+        # over the lists as they are (the per-tensor work of the general case below is fixed cost per step).
+        torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if hp.amsgrad else [], steps,
+                            **kwargs)
+        return
 
     for idx in plain.values():
         torch._fused_adamw_(
