@@ -173,13 +173,9 @@ def _fused_kwargs(hp: Any) -> dict[str, Any]:
 def _is_blockable(i: int, masters: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                   exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
                   model_params: Sequence[Tensor | None] | None, amsgrad: bool) -> bool:
-    tensors = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i]]
-    if amsgrad:
-        tensors.append(max_exp_avg_sqs[i])
     out = model_params[i] if model_params is not None else None
-    if out is not None:
-        tensors.append(out)
-    return all(t.is_cpu for t in tensors)
+    return (masters[i].is_cpu and grads[i].is_cpu and exp_avgs[i].is_cpu and exp_avg_sqs[i].is_cpu
+            and (not amsgrad or max_exp_avg_sqs[i].is_cpu) and (out is None or out.is_cpu))
 
 
 def _chunk_loop(
