@@ -10,7 +10,8 @@ equal small tensors (``COUNTxELEMENTS``: 30x64 is 30 tensors of 64 elements), ev
 * ``offload`` : ``OffloadAdamW`` with default settings (the plain host step; float32 CPU parameters are their own
   masters, so its kernel is torch's fused op and what is measured beyond it is the bookkeeping), once per
   source tree given with ``--sources`` (``NAME=PATH`` of a ``src`` directory put first on ``PYTHONPATH``: the
-  working tree and a ``git worktree`` of an older commit compare in one run);
+  working tree and a ``git worktree`` of an older commit compare in one run) and per ``--dtypes`` entry
+  (``bfloat16``: bf16 parameters and gradients, float32 masters in host memory, the numba loop's update);
 * ``fused``, ``foreach``, ``for-loop``: ``torch.optim.AdamW(fused=True)``, ``(foreach=True)`` and
   ``(foreach=False)``.
 
@@ -58,13 +59,14 @@ def _source(text: str) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------------- the child
 
 
-def child(kind: str, count: int, elements: int, warmup: int, steps: int) -> dict[str, Any]:
+def child(kind: str, count: int, elements: int, warmup: int, steps: int, dtype_name: str) -> dict[str, Any]:
     import torch
 
+    dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(elements, generator=gen)) for _ in range(count)]
+    params = [torch.nn.Parameter(torch.randn(elements, generator=gen).to(dtype)) for _ in range(count)]
     for p in params:
-        p.grad = torch.randn(elements, generator=gen).mul_(1e-3)
+        p.grad = torch.randn(elements, generator=gen).mul_(1e-3).to(dtype)
     opt: torch.optim.Optimizer
     version = None
     if kind == "offload":
@@ -90,12 +92,13 @@ def child(kind: str, count: int, elements: int, warmup: int, steps: int) -> dict
 # --------------------------------------------------------------------------------------------------- the parent
 
 
-def run_child(kind: str, source: str | None, mix: tuple[int, int], warmup: int, steps: int) -> dict[str, Any]:
+def run_child(kind: str, source: str | None, dtype: str, mix: tuple[int, int], warmup: int, steps: int
+              ) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
     if source is not None:
         env["PYTHONPATH"] = source + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, str(mix[0]), str(mix[1]),
-                           str(warmup), str(steps)], env=env, capture_output=True, text=True, timeout=600)
+                           str(warmup), str(steps), dtype], env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"the {kind} process for {mix} failed (exit {done.returncode}): {done.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -105,13 +108,16 @@ def run_child(kind: str, source: str | None, mix: tuple[int, int], warmup: int, 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, count, elements, warmup, steps = sys.argv[2], *map(int, sys.argv[3:7])
-        print(json.dumps(child(kind, count, elements, warmup, steps)))
+        print(json.dumps(child(kind, count, elements, warmup, steps, sys.argv[7])))
         return 0
     parser = argparse.ArgumentParser(prog="fixed_cost.py", description=__doc__.splitlines()[0])
     parser.add_argument("--mixes", default="30x64,300x1024", help="COUNTxELEMENTS, comma-separated (30x64,300x1024)")
     parser.add_argument("--sources", default=None,
                         help="NAME=PATH of src directories to time OffloadAdamW from, comma-separated "
                              "(default: the offload_adamw this Python imports, as 'offload')")
+    parser.add_argument("--dtypes", default="float32",
+                        help="parameter dtypes of OffloadAdamW's rows, comma-separated (float32, bfloat16); torch's "
+                             "rows are float32 (torch's parity definition: its fused step on float32 masters)")
     parser.add_argument("--rounds", type=int, default=5, help="fresh processes per optimizer and mix (5)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps per process (300)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (20)")
@@ -122,19 +128,24 @@ def main(argv: list[str] | None = None) -> int:
         sources = [_source(s) for s in args.sources.split(",") if s.strip()] if args.sources else []
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or not mixes:
         parser.error("--rounds and --steps must be positive, --warmup not negative, --mixes not empty")
-    # (row name, kind, source directory or None)
-    rows: list[tuple[str, str, str | None]] = (
-        [(f"offload ({name})", "offload", path) for name, path in sources] if sources else [("offload", "offload", None)]
-    ) + [(kind, kind, None) for kind in TORCH_KINDS]
+    if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
+        parser.error("--dtypes takes float32, bfloat16, float16")
+    # (row name, kind, source directory or None, dtype)
+    offload = [(f" ({name})", path) for name, path in sources] if sources else [("", None)]
+    rows: list[tuple[str, str, str | None, str]] = [
+        (f"offload{label}" + ("" if dtype == "float32" else f" {dtype}"), "offload", path, dtype)
+        for dtype in dtypes for label, path in offload
+    ] + [(kind, kind, None, "float32") for kind in TORCH_KINDS]
     runs: dict[tuple[str, tuple[int, int]], list[dict[str, Any]]] = {(r[0], m): [] for r in rows for m in mixes}
     started = time.perf_counter()
     for k in range(args.rounds):
         order = rows[k % len(rows):] + rows[: k % len(rows)]  # rotated: every optimizer in every position
         for mix in mixes:
-            for name, kind, source in order:
-                runs[(name, mix)].append(run_child(kind, source, mix, args.warmup, args.steps))
+            for name, kind, source, dtype in order:
+                runs[(name, mix)].append(run_child(kind, source, dtype, mix, args.warmup, args.steps))
         print(f"  round {k + 1}/{args.rounds} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     try:
         load: tuple[float, float, float] | None = os.getloadavg()
@@ -143,21 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for mix in mixes:
         fused = statistics.median(r["median_ms"] for r in runs[("fused", mix)])
-        for name, kind, source in rows:
+        for name, kind, source, dtype in rows:
             per_round = [r["median_ms"] for r in runs[(name, mix)]]
             median = statistics.median(per_round)
             table.append({"mix": f"{mix[0]}x{mix[1]}", "tensors": mix[0], "elements_per_tensor": mix[1],
-                          "optimizer": name, "kind": kind, "source": source, "median_ms": median,
+                          "optimizer": name, "kind": kind, "source": source, "dtype": dtype, "median_ms": median,
                           "spread_ms": [min(per_round), max(per_round)], "ratio_to_fused": median / fused,
                           "us_per_tensor": median * 1e3 / mix[0], "rounds": runs[(name, mix)]})
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores, OMP_NUM_THREADS=1, {args.rounds} fresh processes x {args.steps} steps per row (median of "
           f"round medians, ms [lowest, highest round median])"
           + (f"; load average at the end {load[0]:.1f}" if load else ""))
-    print(f"{'mix':>10}  {'optimizer':<22} {'ms/step':>8}  {'spread':>15}  {'x fused':>7}  {'us/tensor':>9}")
+    print(f"{'mix':>10}  {'optimizer':<26} {'ms/step':>8}  {'spread':>15}  {'x fused':>7}  {'us/tensor':>9}")
     for row in table:
         spread = f"[{row['spread_ms'][0]:.3f}, {row['spread_ms'][1]:.3f}]"
-        print(f"{row['mix']:>10}  {row['optimizer']:<22} {row['median_ms']:8.3f}  {spread:>15}  "
+        print(f"{row['mix']:>10}  {row['optimizer']:<26} {row['median_ms']:8.3f}  {spread:>15}  "
               f"{row['ratio_to_fused']:7.2f}  {row['us_per_tensor']:9.2f}")
     if args.json:
         with open(args.json, "w") as f:
