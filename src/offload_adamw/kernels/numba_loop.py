@@ -683,10 +683,11 @@ def plan(
     Returns ({i: first element not updated by the batches}, batches). Running every batch
     (in any order, on any threads, each once) updates each listed tensor's first
     ``done[i]`` elements (a multiple of 64); tensors absent from ``done`` are left to the
-    caller. Where ``take_model_edits[i]``, the loop takes the model copy's edits first
-    (kernels/edits.py). The inputs are the blocked kernel's: dense host tensors, the operands of each
-    tensor in one layout, read and written in memory order from their first element (the k-th element
-    in memory of each pairs with the k-th of the others).
+    caller (among them any whose master or moments are not float32, which the loop reads as float32).
+    Where ``take_model_edits[i]``, the loop takes the model copy's edits first (kernels/edits.py).
+    The inputs are the blocked kernel's: dense host tensors, the operands of each tensor in one layout,
+    read and written in memory order from their first element (the k-th element in memory of each pairs
+    with the k-th of the others).
     """
     done: dict[int, int] = {}
     if torch.compiler.is_compiling():
