@@ -517,9 +517,10 @@ def _aligned_adamw_(
                                          blocked, workers=threads, take_model_edits=follow)
         # The loop writes through raw addresses: tell autograd, as an in-place torch op would, so that
         # a graph that saved a parameter before the step refuses to run backward on the new values.
-        written = [t for i in start_at for t in (masters[i], exp_avgs[i], exp_avg_sqs[i],
-                                                   max_exp_avg_sqs[i] if hp.amsgrad else None, outs[i])
-                   if t is not None]
+        done = list(start_at)  # one list per operand: a generator of tuples costs a microsecond a tensor
+        written = ([masters[i] for i in done] + [exp_avgs[i] for i in done] + [exp_avg_sqs[i] for i in done]
+                   + ([max_exp_avg_sqs[i] for i in done] if hp.amsgrad else [])
+                   + [out for out in (outs[i] for i in done) if out is not None])
         if written:
             torch.autograd.graph.increment_version(written)
     rest = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]

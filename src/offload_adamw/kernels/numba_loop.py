@@ -711,6 +711,8 @@ def plan(
         master = masters[i]
         n = master.numel()
         stop = n - n % ALIGN
+        if stop == 0:
+            continue
         out = model_params[i] if model_params is not None else None
         follow = bool(take_model_edits[i]) if take_model_edits is not None and out is not None else False
         dtypes = (grads[i].dtype, None if out is None else out.dtype, follow)
@@ -757,7 +759,9 @@ def plan(
             start = 0
             while start < stop:
                 take = min(stop - start, room)
-                rows.append([a + start * size if a else 0 for a, size in zip(bases, sizes)] + [take, row_scalars])
+                # a tensor's first row starts at its bases (most tensors fit whole in a batch: one row each)
+                rows.append([*bases, take, row_scalars] if start == 0 else
+                            [a + start * size if a else 0 for a, size in zip(bases, sizes)] + [take, row_scalars])
                 start += take
                 room -= take
                 if room == 0:
