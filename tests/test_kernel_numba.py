@@ -274,6 +274,21 @@ def test_tensors_left_to_the_chunk_loop_are_untouched():
         assert torch.equal(t["master"][stop:], before[i][stop:]), f"tensor {i} changed past {stop}"
 
 
+@pytest.mark.parametrize("moment", ["m", "v"])
+def test_moments_not_float32_are_declined_not_read_as_float32(moment):
+    """The loop steps through masters and moments as float32: a tensor with a float64 moment (the optimizer never
+    makes one; a direct caller of the kernel may) is left to the chunk loop, whose fused op refuses the mix by name,
+    instead of having its float64 bytes read and written as float32 (silently wrong numbers)."""
+    t = _tensors(256, torch.bfloat16, torch.bfloat16, seed=3)
+    t[moment] = t[moment].double()
+    t["step"] += 1
+    done, jobs = numba_loop.plan([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP, [0],
+                                 workers=1)
+    assert (done, jobs) == ({}, [])
+    with pytest.raises(RuntimeError, match="Double"):
+        blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP)
+
+
 def _train(**options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -258,6 +258,23 @@ def test_a_placement_changed_between_steps_moves_the_state_and_keeps_the_bits() 
         assert same_bits(p, q) and same_bits(ours.state[p]["exp_avg_sq"], theirs.state[q]["exp_avg_sq"])
 
 
+def test_misplaced_sees_any_state_tensor_of_the_parameters_shape_away_from_its_home() -> None:
+    """The pre-flight asks misplaced() of every state at every step, the cheap questions first (is_cpu, then the
+    shape): the step count and a tensor of another shape are not the parameter's state; any other is."""
+    from offload_adamw.optim.placement import misplaced, shared_home
+
+    host, meta = torch.device("cpu"), torch.device("meta")
+    local = torch.zeros(4, 2)
+    state = {"step": torch.zeros((), device=meta), "exp_avg": torch.zeros(4, 2), "other": torch.zeros(3, device=meta)}
+    assert not misplaced(state, local, host, False)
+    assert shared_home("host", pin_default=False) == (host, False) and shared_home("stream", pin_default=False) is None
+    assert not misplaced(state, local, *shared_home("host", pin_default=False))
+    state["exp_avg_sq"] = torch.zeros(4, 2, device=meta)  # one state tensor away from host memory
+    assert misplaced(state, local, host, False) and misplaced(state, local, *shared_home("host", pin_default=False))
+    assert misplaced({"exp_avg": torch.zeros(4, 2)}, local, meta, False)  # a home off the host: a host tensor is away
+    assert not misplaced({"exp_avg": torch.zeros(4, 2, device=meta)}, local, meta, False)
+
+
 def test_a_host_gradient_freed_for_the_old_placement_refuses_a_change_before_step() -> None:
     """With offload_gradients a host group's gradient left the device in backward: moving the group off the host before
     step() is refused, naming it, and nothing changes; a device gradient (kept) serves any placement."""

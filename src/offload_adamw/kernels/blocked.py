@@ -95,7 +95,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -173,13 +173,9 @@ def _fused_kwargs(hp: Any) -> dict[str, Any]:
 def _is_blockable(i: int, masters: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                   exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
                   model_params: Sequence[Tensor | None] | None, amsgrad: bool) -> bool:
-    tensors = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i]]
-    if amsgrad:
-        tensors.append(max_exp_avg_sqs[i])
     out = model_params[i] if model_params is not None else None
-    if out is not None:
-        tensors.append(out)
-    return all(t.is_cpu for t in tensors)
+    return (masters[i].is_cpu and grads[i].is_cpu and exp_avgs[i].is_cpu and exp_avg_sqs[i].is_cpu
+            and (not amsgrad or max_exp_avg_sqs[i].is_cpu) and (out is None or out.is_cpu))
 
 
 def _chunk_loop(
@@ -397,23 +393,41 @@ def blocked_adamw_(
     elements replace their masters before the update (kernels/edits.py). ``threads`` and ``cpus``, where
     given, replace ``config.threads`` and ``config.cpus`` (the optimizer's ``host_threads`` and NUMA node).
     """
-    follow = [bool(f) for f in take_model_edits] if take_model_edits is not None else [False] * len(masters)
+    n = len(masters)
+    follow = [bool(f) for f in take_model_edits] if take_model_edits is not None else [False] * n
+    outs: list[Tensor | None] | None = list(model_params) if model_params is not None else None
+    column: list[list[Any]] = [list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                               list(max_exp_avg_sqs) if hp.amsgrad else [None] * n]
     aligned: list[layout.Aligned] = []
-    for i in range(len(masters)):
-        out = model_params[i] if model_params is not None else None
-        operands = [masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if hp.amsgrad else None, out]
-        aligned.append(layout.align(operands, read=(True, True, True, True, True, follow[i]),
-                                    written=(True, False, True, True, True, True)))
-    column = [[a.tensors[k] for a in aligned] for k in range(6)]
-    _aligned_adamw_(
-        cast("list[Tensor]", column[0]), cast("list[Tensor]", column[1]), cast("list[Tensor]", column[2]),
-        cast("list[Tensor]", column[3]), cast("list[Tensor]", column[4]) if hp.amsgrad else [], list(steps),
-        column[5] if model_params is not None else None, follow, hp,
-        dataclasses.replace(config, threads=config.threads if threads is None else threads,
-                            cpus=config.cpus if cpus is None else cpus),
-    )
+    for i in range(n):
+        # Row-major operands (a row-major parameter's state, autograd's gradient of it) already pair by index:
+        # layout.align would hand them back unchanged. Asked here, without building its operand lists, because a
+        # step of many small tensors pays this per tensor (benchmarks/fixed_cost.py).
+        out = outs[i] if outs is not None else None
+        if (column[0][i].is_contiguous() and column[1][i].is_contiguous() and column[2][i].is_contiguous()
+                and column[3][i].is_contiguous() and (not hp.amsgrad or column[4][i].is_contiguous())
+                and (out is None or out.is_contiguous())):
+            continue
+        a = layout.align([c[i] for c in column] + [out], read=(True, True, True, True, True, follow[i]),
+                         written=(True, False, True, True, True, True))
+        for k, c in enumerate(column):
+            c[i] = a.tensors[k]
+        if outs is not None:
+            outs[i] = a.tensors[5]
+        aligned.append(a)
+    _aligned_adamw_(column[0], column[1], column[2], column[3], column[4] if hp.amsgrad else [], list(steps), outs,
+                    follow, hp, _with_workers(config, threads, cpus))
     for a in aligned:
         a.write_back()
+
+
+@functools.lru_cache(maxsize=64)
+def _with_workers(config: BlockConfig, threads: int | None, cpus: frozenset[int] | None) -> BlockConfig:
+    """``config`` with ``threads`` and ``cpus`` where given (made once per combination, not at every step)."""
+    if (threads is None or threads == config.threads) and (cpus is None or cpus == config.cpus):
+        return config
+    return dataclasses.replace(config, threads=config.threads if threads is None else threads,
+                               cpus=config.cpus if cpus is None else cpus)
 
 
 def _aligned_adamw_(
@@ -449,7 +463,14 @@ def _aligned_adamw_(
         else:
             simple.append(i)
 
-    torch._foreach_add_(list(steps), 1)
+    torch._foreach_add_(steps, 1)
+
+    if len(plain) == 1 and not blocked and not simple:
+        # Every tensor plain and of one dtype (float32 host parameters, their own masters): the one fused call,
+        # over the lists as they are (the per-tensor work of the general case below is fixed cost per step).
+        torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if hp.amsgrad else [], steps,
+                            **kwargs)
+        return
 
     for idx in plain.values():
         torch._fused_adamw_(
@@ -496,9 +517,10 @@ def _aligned_adamw_(
                                          blocked, workers=threads, take_model_edits=follow)
         # The loop writes through raw addresses: tell autograd, as an in-place torch op would, so that
         # a graph that saved a parameter before the step refuses to run backward on the new values.
-        written = [t for i in start_at for t in (masters[i], exp_avgs[i], exp_avg_sqs[i],
-                                                   max_exp_avg_sqs[i] if hp.amsgrad else None, outs[i])
-                   if t is not None]
+        done = list(start_at)  # one list per operand: a generator of tuples costs a microsecond a tensor
+        written = ([masters[i] for i in done] + [exp_avgs[i] for i in done] + [exp_avg_sqs[i] for i in done]
+                   + ([max_exp_avg_sqs[i] for i in done] if hp.amsgrad else [])
+                   + [out for out in (outs[i] for i in done) if out is not None])
         if written:
             torch.autograd.graph.increment_version(written)
     rest = [i for i in blocked if start_at.get(i, 0) < masters[i].numel()]

@@ -683,10 +683,11 @@ def plan(
     Returns ({i: first element not updated by the batches}, batches). Running every batch
     (in any order, on any threads, each once) updates each listed tensor's first
     ``done[i]`` elements (a multiple of 64); tensors absent from ``done`` are left to the
-    caller. Where ``take_model_edits[i]``, the loop takes the model copy's edits first
-    (kernels/edits.py). The inputs are the blocked kernel's: dense host tensors, the operands of each
-    tensor in one layout, read and written in memory order from their first element (the k-th element
-    in memory of each pairs with the k-th of the others).
+    caller (among them any whose master or moments are not float32, which the loop reads as float32).
+    Where ``take_model_edits[i]``, the loop takes the model copy's edits first (kernels/edits.py).
+    The inputs are the blocked kernel's: dense host tensors, the operands of each tensor in one layout,
+    read and written in memory order from their first element (the k-th element in memory of each pairs
+    with the k-th of the others).
     """
     done: dict[int, int] = {}
     if torch.compiler.is_compiling():
@@ -699,22 +700,32 @@ def plan(
     scalar_rows: dict[float, int] = {}
     scalars: list[tuple[float, ...]] = []
     pieces: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}  # (grad, out dtype, edits) -> [(tensor, elements, scalar row)]
-    for i in indices:
+    # Every tensor's step count, read in one call (an .item() per tensor is a microsecond each, at every step): the
+    # same float32 values.
+    try:
+        counts = torch.stack([steps[i] for i in indices]).tolist()
+    except RuntimeError:  # counts of different shapes (a loaded state's): one at a time
+        counts = [steps[i].item() for i in indices]
+    float32 = torch.float32
+    for i, step in zip(indices, counts):
         master = masters[i]
         n = master.numel()
         stop = n - n % ALIGN
+        if stop == 0:
+            continue
         out = model_params[i] if model_params is not None else None
         follow = bool(take_model_edits[i]) if take_model_edits is not None and out is not None else False
         dtypes = (grads[i].dtype, None if out is None else out.dtype, follow)
-        if stop == 0 or master.dtype != torch.float32 or dtypes[0] not in _KIND or (out is not None and dtypes[1] not in _KIND):
-            continue
+        if (stop == 0 or master.dtype != float32 or dtypes[0] not in _KIND or (out is not None and dtypes[1] not in _KIND)
+                or exp_avgs[i].dtype != float32 or exp_avg_sqs[i].dtype != float32
+                or (hp.amsgrad and max_exp_avg_sqs[i].dtype != float32)):
+            continue  # the loop reads float32 masters and moments (their addresses are stepped by 4 bytes below)
         if dtypes not in entries:
             variant = _Variant(dtypes[0], dtypes[1], *options, follow=follow)
             entry = _variants.get(variant) or _get(variant)
             entries[dtypes] = entry if entry.kernel is not None else None
         if entries[dtypes] is None:
             continue
-        step = steps[i].item()
         row = scalar_rows.get(step)
         if row is None:
             try:
@@ -738,15 +749,19 @@ def plan(
         kernel = loop_entry.kernel
         rows: list[list[int]] = []
         room = batch_elements
+        # bytes per element of each operand, the same for every tensor of these dtypes (0: absent)
+        sizes = [4, dtypes[0].itemsize, 4, 4, 4 if hp.amsgrad else 0, 0 if dtypes[1] is None else dtypes[1].itemsize]
         for i, stop, row_scalars in work:
-            tensors = (masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                       max_exp_avg_sqs[i] if hp.amsgrad else None, model_params[i] if model_params is not None else None)
-            # (first address, bytes per element) of each operand; an absent one stays at address 0
-            bases = [(0, 0) if t is None else (t.data_ptr(), t.element_size()) for t in tensors]
+            out = model_params[i] if model_params is not None else None
+            # the first address of each operand; an absent one stays at address 0
+            bases = [masters[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
+                     max_exp_avg_sqs[i].data_ptr() if hp.amsgrad else 0, 0 if out is None else out.data_ptr()]
             start = 0
             while start < stop:
                 take = min(stop - start, room)
-                rows.append([a + start * size if a else 0 for a, size in bases] + [take, row_scalars])
+                # a tensor's first row starts at its bases (most tensors fit whole in a batch: one row each)
+                rows.append([*bases, take, row_scalars] if start == 0 else
+                            [a + start * size if a else 0 for a, size in zip(bases, sizes)] + [take, row_scalars])
                 start += take
                 room -= take
                 if room == 0:

@@ -627,12 +627,25 @@ class OffloadAdamW(torch.optim.Optimizer):
         every parameter in ``fresh`` is created, all or none, before any group is updated: a step whose
         allocation fails raises MemoryError and changes nothing.
         """
-        homes = {(gi, i): self._home(gi, _distributed.local_tensor(p))
-                 for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])}
-        moves = [(gi, i) for (gi, i), (device, pin) in homes.items()
-                 if self.state.get(self.param_groups[gi]["params"][i])
-                 and _placement.misplaced(self.state[self.param_groups[gi]["params"][i]],
-                                          _distributed.local_tensor(self.param_groups[gi]["params"][i]), device, pin)]
+        # Every step asks this of every parameter: one pass, a host group's one home computed once (placement.py's
+        # shared_home), the homes kept only where a state must be created or moved.
+        homes: dict[tuple[int, int], tuple[torch.device, host_state.Pin]] = {}
+        moves: list[tuple[int, int]] = []
+        wanted = set(fresh)
+        for gi, g in enumerate(self.param_groups):
+            params = g["params"]
+            if not params:
+                continue
+            shared = _placement.shared_home(_placement.group_placement(g, gi), pin_default=self._pin_memory)
+            for i, p in enumerate(params):
+                local = _distributed.local_tensor(p)
+                home = shared if shared is not None else self._home(gi, local)
+                state = self.state.get(p)
+                if state and _placement.misplaced(state, local, *home):
+                    moves.append((gi, i))
+                    homes[(gi, i)] = home
+                elif (gi, i) in wanted:
+                    homes[(gi, i)] = home
         if not fresh and not moves:
             return
         host_fresh = [(gi, i) for gi, i in fresh if homes[(gi, i)][0].type == "cpu"]
@@ -758,13 +771,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         """
         group = self.param_groups[group_index]
         work = []
+        state = self.state
         for k, (p, grad, given_staging) in enumerate(updates):
             local = _distributed.local_tensor(p)
             staging = given_staging
             is_current = current is not None and bool(current[k]) and staging is not None
-            if staging is None and host_state.on_host(local) and not host_state.is_own_master(local):
+            if staging is None and not host_state.is_own_master(local) and host_state.on_host(local):
                 staging, is_current = local.data, True
-            work.append(_update.TensorUpdate(local, self.state[p], grad, staging, is_current))
+            work.append(_update.TensorUpdate(local, state[p], grad, staging, is_current))
         _update.update_group(
             group,
             work,

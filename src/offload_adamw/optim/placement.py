@@ -37,7 +37,7 @@ from offload_adamw.optim.state import Pin
 
 __all__ = [
     "DeviceMemoryError", "check_device_memory", "device_free_bytes", "group_placement", "home_of", "misplaced", "moved_bytes",
-    "new_state_at", "place_state_", "state_operands",
+    "new_state_at", "place_state_", "shared_home", "state_operands",
 ]
 
 
@@ -50,6 +50,9 @@ def group_placement(group: dict[str, Any], group_index: int) -> str:
     return check_placement(group.get(PLACEMENT_KEY, "host"), f"param_groups[{group_index}]")
 
 
+_HOST = torch.device("cpu")
+
+
 def home_of(placement: str, local: Tensor, *, pin_default: bool, locker: PageLocker | None) -> tuple[torch.device, Pin]:
     """(device, pinned) of the moments and master of the local parameter ``local`` under ``placement``.
 
@@ -60,8 +63,14 @@ def home_of(placement: str, local: Tensor, *, pin_default: bool, locker: PageLoc
     if placement == "device" and local.device.type != "meta":
         return local.device, False
     if pin_default:
-        return torch.device("cpu"), True
-    return torch.device("cpu"), locker if placement == "stream" and locker is not None else False
+        return _HOST, True
+    return _HOST, locker if placement == "stream" and locker is not None else False
+
+
+def shared_home(placement: str, *, pin_default: bool) -> tuple[torch.device, Pin] | None:
+    """The home :func:`home_of` gives every parameter of a group under ``placement`` where it does not depend on the
+    parameter (a host group's: host memory, pinned by torch's allocator with ``pin_memory=True``), else None."""
+    return (_HOST, True if pin_default else False) if placement == "host" else None
 
 
 def _shaped(state: dict[str, Any], local: Tensor) -> list[str]:
@@ -70,9 +79,15 @@ def _shaped(state: dict[str, Any], local: Tensor) -> list[str]:
 
 def misplaced(state: dict[str, Any], local: Tensor, device: torch.device, pin: Pin) -> bool:
     """Whether some shaped state tensor of ``local`` is not at (device, pinned)."""
-    for key in _shaped(state, local):
-        value = state[key]
-        if value.device != device or (device.type == "cpu" and pin and not is_page_locked(value)):
+    # Asked for every parameter with state at every step: one pass over the state, no list made, the cheap
+    # questions first (the host home is _HOST itself where it comes from home_of or shared_home; is_cpu is its test).
+    host = device is _HOST or (device.type == "cpu" and device.index is None)
+    locked = host and bool(pin)
+    for key, value in state.items():
+        if key == "step" or not isinstance(value, Tensor):
+            continue
+        away = not value.is_cpu if host else value.device != device
+        if (away or (locked and not is_page_locked(value))) and value.shape == local.shape:
             return True
     return False
 

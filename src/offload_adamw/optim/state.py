@@ -46,25 +46,43 @@ __all__ = [
 ]
 
 
+#: dtype -> its name, and dtype -> the dtype of its state: asked for every tensor at every step, formatted once
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_STATE_DTYPES: dict[torch.dtype, torch.dtype] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: the names contract/bills.py speaks."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def state_dtype(p: Tensor) -> torch.dtype:
     """The dtype of the moments and the master of ``p``."""
-    return cast(torch.dtype, getattr(torch, bills.state_dtype_name(dtype_name(p.dtype))))
+    dtype = _STATE_DTYPES.get(p.dtype)
+    if dtype is None:
+        dtype = _STATE_DTYPES[p.dtype] = cast(torch.dtype, getattr(torch, bills.state_dtype_name(dtype_name(p.dtype))))
+    return dtype
 
 
 def on_host(p: Tensor) -> bool:
     """Whether ``p`` (a local tensor) lives in host memory, where the update can write it: a CPU tensor, unless the
     stream backend installed for the tests (the simulated CUDA device) serves it as a device tensor (accel/streams.py)."""
-    return p.device.type == "cpu" and not streams.is_device_tensor(p)
+    # is_cpu is the device's type without building a torch.device (p.device.type costs six times as much).
+    return p.is_cpu and not streams.is_device_tensor(p)
+
+
+_WIDE: dict[torch.dtype, bool] = {}
 
 
 def is_own_master(p: Tensor) -> bool:
     """Whether ``p`` (a local tensor, not a DTensor) is its own master: float32/float64 in host memory."""
-    return bills.is_own_master(dtype_name(p.dtype), on_host=on_host(p))
+    wide = _WIDE.get(p.dtype)
+    if wide is None:  # contract/bills.py's rule, asked once per dtype
+        wide = _WIDE[p.dtype] = bills.is_own_master(dtype_name(p.dtype), on_host=True)
+    return wide and on_host(p)
 
 
 def layout_of(p: Tensor) -> tuple[int, ...]:

@@ -22,8 +22,7 @@ Contract (docs/contract.md#one-update, #what-each-input-does, #precision-and-pla
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,9 +36,9 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class TensorUpdate:
-    """One tensor's share of a step."""
+class TensorUpdate(NamedTuple):
+    """One tensor's share of a step (a named tuple: made for every tensor at every step, it costs a quarter of a
+    frozen dataclass)."""
 
     param: Tensor
     """The local parameter tensor (this rank's shard under FSDP2)."""
@@ -93,6 +92,8 @@ def kernel_impl(group: dict[str, Any]) -> str:
 
 def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
     """Refuse a gradient no update may consume; ``param`` is the local tensor, ``describe()`` names it."""
+    # Every step asks this of every tensor: each attribute is read once (a tensor's shape is a new torch.Size at
+    # every read), and a parameter that is its own master is not compared with itself.
     if param.is_meta or grad.is_meta:
         # Before the transfer pipeline tries to copy it: a RuntimeError as torch's fused AdamW raises (and a ValueError).
         raise Unsupported(
@@ -103,16 +104,18 @@ def check_gradient(describe: Callable[[], str], param: Tensor, grad: Tensor, sta
         raise RuntimeError(
             f"OffloadAdamW does not support sparse gradients ({describe()}); use torch.optim.SparseAdam for sparse embeddings"
         )
-    if grad.shape != param.shape:
-        raise RuntimeError(f"gradient of {describe()} has shape {tuple(grad.shape)}, the parameter has {tuple(param.shape)}")
+    shape = param.shape
+    if grad.shape != shape:
+        raise RuntimeError(f"gradient of {describe()} has shape {tuple(grad.shape)}, the parameter has {tuple(shape)}")
     if not (grad.is_floating_point() or (grad.is_complex() and param.is_complex())):
         raise RuntimeError(f"gradient of {describe()} has dtype {grad.dtype}")
     if state:
         state_shape = state["exp_avg"].shape
-        if state_shape != param.shape or host_state.stored_master(state, param).shape != param.shape:
+        master = host_state.stored_master(state, param)
+        if state_shape != shape or (master is not param and master.shape != shape):
             raise RuntimeError(
                 f"{describe()} changed shape under the optimizer: state has {tuple(state_shape)}, "
-                f"the parameter is {tuple(param.shape)}"
+                f"the parameter is {tuple(shape)}"
             )
         check_state_serves(describe, param, state)
 
@@ -129,10 +132,9 @@ def check_state_serves(describe: Callable[[], str], param: Tensor, state: dict[s
     """
     dtype = host_state.state_dtype(param)
     has_master = MASTER_KEY in state
-    needs_master = not host_state.is_own_master(param)
     moment_dtype = state["exp_avg"].dtype
     master_dtype = state[MASTER_KEY].dtype if has_master else moment_dtype
-    if moment_dtype == dtype and master_dtype == dtype and has_master == needs_master:
+    if moment_dtype == dtype and master_dtype == dtype and has_master != host_state.is_own_master(param):
         return
     made_for = (f"a parameter with a {master_dtype} master (low precision, or on a device)" if has_master
                 else f"a {moment_dtype} host parameter that is its own master")
@@ -142,6 +144,14 @@ def check_state_serves(describe: Callable[[], str], param: Tensor, state: dict[s
         "and nothing was changed. Cast or move the model before creating the optimizer, or carry the state "
         "over with opt.load_state_dict(opt.state_dict()) after the cast (a master becomes the parameter's value)"
     )
+
+
+def _any_strided(state: dict[str, Any]) -> bool:
+    """Whether a tensor of ``state`` is not row-major (a plain loop: asked for every tensor at every step)."""
+    for t in state.values():
+        if isinstance(t, Tensor) and not t.is_contiguous():
+            return True
+    return False
 
 
 def _real_view(t: Tensor) -> Tensor:
@@ -170,17 +180,18 @@ def update_group(
     steps: list[Tensor] = []
     model_copies: list[Tensor | None] = []
     take_edits: list[bool] = []
-    for u in updates:
-        state = u.state
+    amsgrad = group["amsgrad"]
+    complex_masters = False
+    for param, state, given_grad, model_copy, model_is_current in updates:
         if not state:
-            state.update(host_state.new_state(u.param, amsgrad=group["amsgrad"], pin=pin_memory))
-        elif not (u.param.is_contiguous() and all(t.is_contiguous() for t in state.values() if isinstance(t, Tensor))):
+            state.update(host_state.new_state(param, amsgrad=amsgrad, pin=pin_memory))
+        elif not param.is_contiguous() or _any_strided(state):
             # Laid out like the parameter (re-laid out once where the parameter's layout changed), so
             # that the kernel pairs its elements without a copy at every step; a row-major parameter
             # and row-major state already are.
-            host_state.relayout_like(state, u.param)
-        master = host_state.stored_master(state, u.param)
-        grad = u.grad
+            host_state.relayout_like(state, param)
+        master = host_state.stored_master(state, param)
+        grad = given_grad
         if grad_scale is not None:
             # torch's fused AdamW divides the (upcast) gradient by the scale; a new tensor keeps the gradient.
             grad = torch.div(grad.to(master.dtype), grad_scale)
@@ -188,14 +199,15 @@ def update_group(
         grads.append(grad)
         exp_avgs.append(state["exp_avg"])
         exp_avg_sqs.append(state["exp_avg_sq"])
-        if group["amsgrad"]:
+        if amsgrad:
             if "max_exp_avg_sq" not in state:  # amsgrad switched on after the state existed
-                state["max_exp_avg_sq"] = host_state.host_zeros_like(u.param, master.dtype, pin=pin_memory)
+                state["max_exp_avg_sq"] = host_state.host_zeros_like(param, master.dtype, pin=pin_memory)
             max_exp_avg_sqs.append(state["max_exp_avg_sq"])
         steps.append(state["step"])
-        model_copies.append(u.model_copy)
-        take_edits.append(u.model_is_current and u.model_copy is not None)
-    if any(m.is_complex() for m in masters):
+        model_copies.append(model_copy)
+        take_edits.append(model_is_current and model_copy is not None)
+        complex_masters = complex_masters or master.is_complex()
+    if complex_masters:
         # As torch's loops: a complex tensor's update is the real update of its view_as_real (last dimension 2),
         # written through the views into the complex master, moments and model copy.
         masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
