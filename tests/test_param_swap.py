@@ -178,10 +178,11 @@ def test_a_pipeline_whose_optimizer_is_gone_is_passed_over_by_the_next_forward()
     # collector finds it; the next module forward anywhere must not reach for the gone optimizer.
     from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
     from offload_adamw.optim import policy
+    from offload_adamw.optim.bucket import BackwardBuckets
 
     model = nn.Linear(4, 4)
     target = OffloadAdamW(model.parameters(), transfer_pipeline=False)
-    pipeline = GradientPipeline(target, PipelineConfig(offload_gradients=True), policy)
+    pipeline = GradientPipeline(target, PipelineConfig(offload_gradients=True), policy, BackwardBuckets(target))
     gc.disable()
     try:
         del target

@@ -24,6 +24,7 @@ from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, Updat
 from offload_adamw.optim import policy
 from offload_adamw.optim import step as step_sequence
 from offload_adamw.optim import update as update_path
+from offload_adamw.optim.bucket import BackwardBuckets
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -103,7 +104,8 @@ def test_the_pipeline_needs_only_the_update_target_interface(freed: bool) -> Non
     plain = OffloadAdamW(plain_model.parameters(), lr=1e-2, transfer_pipeline=False)
     target = OffloadAdamW(piped_model.parameters(), lr=1e-2, transfer_pipeline=False)
     proxy: UpdateTarget = _OnlyTheInterface(target)  # type: ignore[assignment]
-    pipeline = GradientPipeline(proxy, PipelineConfig(offload_gradients=freed, bucket_bytes=64), policy)
+    pipeline = GradientPipeline(proxy, PipelineConfig(offload_gradients=freed, bucket_bytes=64), policy,
+                                BackwardBuckets(target))
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for _ in range(4):
         for model in (plain_model, piped_model):

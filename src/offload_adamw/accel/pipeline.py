@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,6 +64,7 @@ from offload_adamw.accel.stream_update import StreamUpdate
 from offload_adamw.accel.timeline import Recorder, StepTimeline
 from offload_adamw.accel.transfer import TransferEngine
 from offload_adamw.accel.transport import StepTransport
+from offload_adamw.accel.work import LandedBucket, Work
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 
@@ -147,11 +148,13 @@ class PipelineConfig:
 class GradientPipeline:
     """Hooks, host buffers, transfers and the bucketed step of one OffloadAdamW (see the module contract)."""
 
-    def __init__(self, optimizer: UpdateTarget, config: PipelineConfig, policy: StepPolicy) -> None:
+    def __init__(self, optimizer: UpdateTarget, config: PipelineConfig, policy: StepPolicy,
+                 update_bucket: Callable[[LandedBucket], None]) -> None:
         # Held weakly: the optimizer owns the pipeline, and a dropped optimizer must take its hooks with it.
         self.optimizer: Any = weakref.proxy(optimizer)
         self._closing = weakref.finalize(optimizer, self._close)  # held weakly: closed when it goes
         self.config = config
+        self._update_bucket = update_bucket  # the optimizer's bucket function for updates during backward (optim/bucket.py)
         self.offload_gradients = config.offload_gradients
         self.engine = TransferEngine(streams.installed())
         # With parameters on several devices autograd runs the hooks on one thread per device, and the GIL is
@@ -176,11 +179,14 @@ class GradientPipeline:
         coefficient = lambda: self.gate.coefficient  # noqa: E731
         used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
         chunk = config.stream_chunk_bytes // 4096 * 4096
-        self.placements = Placements(opt, self.slots, {
-            "host": HostUpdate(opt, self.slots, self.engine, self.recorder, coefficient),
-            "stream": StreamUpdate(opt, self.slots, self.engine, self.gate.coefficient_on, chunk_bytes=chunk,
+        check_device = lambda nbytes, device, label: self.optimizer.check_device_buffers(nbytes, device, label)  # noqa: E731, PLW0108
+        describe = lambda gi, i: self.optimizer.describe_param(gi, i)  # noqa: E731, PLW0108 - no bound method: held weakly
+        self.placements = Placements(lambda: self.optimizer.param_groups, describe, self.slots, {
+            "host": HostUpdate(self.slots, self.engine, self.recorder, coefficient),
+            "stream": StreamUpdate(self.slots, self.engine, check_device, self.gate.coefficient_on, chunk_bytes=chunk,
                                    buffers=config.stream_buffers, used=used),
-            "device": DeviceUpdate(opt, self.slots, self.engine, self.gate.coefficient_on, chunk_bytes=chunk, used=used),
+            "device": DeviceUpdate(self.slots, self.engine, check_device, self.gate.coefficient_on, chunk_bytes=chunk,
+                                   used=used),
         })
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
@@ -408,18 +414,22 @@ class GradientPipeline:
         self.residency.new_step()
 
     def _run_early(self, bucket: list[Tensor]) -> tuple[list[Any], dict[str, float]]:
-        """A bucket's update on the worker thread, while backward goes on (accel/schedule.py)."""
-        opt = self.optimizer
+        """A bucket's update on the worker thread, while backward goes on (accel/schedule.py): handed whole to the
+        bucket function given at construction (optim/bucket.py), which checks, creates state and serves its work."""
         where = self._places
         members = [p for p in bucket if p in where]
         landed = [p for p in members if self.slots[p].holding is not Holding.NOTHING]
+        gradients = []
         for p in landed:
             grad = self.residency.landed(self.slots[p])
             assert grad is not None  # landed: in its host buffer (the hook or the communication hook copied it) or device
-            opt.check_gradient(*where[p], grad)
-        self.placements.prepare(landed)
-        opt.preflight([where[p] for p in landed if not opt.state.get(p)])
+            gradients.append((where[p], p, grad))
         times: dict[str, float] = {}
+        sent: list[Any] = []
+
+        def updates() -> Generator[Work, None, None]:
+            sent.extend((yield from self.placements.run(members, where, None, self.residency.landed, times)))
+
         with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
-            sent = self.placements.run(members, where, None, self.residency.landed, times)
+            self._update_bucket(LandedBucket(gradients, lambda: self.placements.prepare(landed), updates()))
         return sent, times

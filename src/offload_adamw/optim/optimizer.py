@@ -55,6 +55,7 @@ from offload_adamw.distributed import dtensor as _distributed
 from offload_adamw.distributed import node as _node
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
+from offload_adamw.optim import bucket as _bucket
 from offload_adamw.optim import loading as _loading
 from offload_adamw.optim import placement as _placement
 from offload_adamw.optim import policy as _policy
@@ -484,7 +485,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pipeline = GradientPipeline(self, PipelineConfig(
             offload_gradients=offload_gradients, bucket_bytes=bucket_bytes, update_in_backward=update_in_backward,
             stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers,
-        ), _policy)
+        ), _policy, _bucket.BackwardBuckets(self))
         # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
         self._step_supports_amp_scaling = True
 
