@@ -13,13 +13,17 @@ Contract:
   communication hook of an attached DDP model (accel/sources.py); both end in :meth:`GradientPipeline.land`.
 * **The step is the optimizer's** (optim/step.py: check, clip, non-finite policy, pre-flight, updates);
   this pipeline is its transport (accel/transport.py, :attr:`GradientPipeline.transport`): it says where
-  the gradients are and runs the buckets (accel/bucketing.py): gradients in the order they arrived, in
+  the gradients are and hands the buckets out (accel/bucketing.py): gradients in the order they arrived, in
   buckets of about ``bucket_bytes`` (an FSDP2 group or a DDP bucket is one bucket); the host waits only
-  for the bucket at hand (kept gradients: the next bucket's copies are issued while it updates), updates
-  it (accel/host_update.py) and sends the parameters back without waiting; the compute stream waits for
-  them, so the next forward waits on the device, not the host.
+  for the bucket at hand (kept gradients: the next bucket's copies are issued while it updates), hands out
+  each group's work (accel/work.py, laid out by accel/host_update.py and the other placements), which the
+  optimizer does (optim/bucket.py), and sends the parameters back without waiting; the compute stream waits
+  for them, so the next forward waits on the device, not the host.
+* **It holds no optimizer and calls none**: what it needs of the optimizer it is handed at construction as
+  data and narrow callables (:class:`Wiring`, built by optim/bucket.py over a weak reference).
 * **Updates during backward** (``update_in_backward``): accel/schedule.py, gated for clipping and
-  non-finite policies by accel/gate.py. What cannot be made exact after updates ran is refused by name.
+  non-finite policies by accel/gate.py; each bucket is handed whole to ``Wiring.update_bucket``. What cannot
+  be made exact after updates ran is refused by name.
 * **Buffers follow the parameters** (accel/slots.py): a parameter cast or moved gets buffers laid out
   anew, with the parameter's strides; every allocation passes the optimizer's host-memory check first.
 * **Where each group's update runs** (``update_on``): on the host (accel/host_update.py), streamed through a ring of
@@ -162,17 +166,16 @@ class GradientPipeline:
         coefficient = lambda: self.gate.coefficient  # noqa: E731
         used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
         chunk = config.stream_chunk_bytes // 4096 * 4096
-        check_device = wiring.device_memory
         self.placements = Placements(wiring.groups, wiring.describe, self.slots, {
             "host": HostUpdate(self.slots, self.engine, self.recorder, coefficient),
-            "stream": StreamUpdate(self.slots, self.engine, check_device, self.gate.coefficient_on, chunk_bytes=chunk,
+            "stream": StreamUpdate(self.slots, self.engine, wiring.device_memory, self.gate.coefficient_on, chunk_bytes=chunk,
                                    buffers=config.stream_buffers, used=used),
-            "device": DeviceUpdate(self.slots, self.engine, check_device, self.gate.coefficient_on, chunk_bytes=chunk,
+            "device": DeviceUpdate(self.slots, self.engine, wiring.device_memory, self.gate.coefficient_on, chunk_bytes=chunk,
                                    used=used),
         })
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(wiring.settings, self.slots, self.gate, armed, groups=wiring.groups,
-                           has_state=wiring.has_state, describe=self._describe, describe_at=wiring.describe,
+                           has_state=wiring.has_state, describe=self._describe,
                            run_early=self._run_early, thread_init=self.engine.thread_init, intact=intact,
                            engine=self.engine)
             if isinstance(self.gate, Gate) else AtStep()  # the gate chosen above: the same mode

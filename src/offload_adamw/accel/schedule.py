@@ -129,14 +129,13 @@ class DuringBackward:
 
     def __init__(self, settings: Settings, slots: SlotTable, gate: Gate, armed: Armed, *,
                  groups: Callable[[], list[dict[str, Any]]], has_state: Callable[[Tensor], bool],
-                 describe: Callable[[Slot], str], describe_at: Callable[[int, int], str],
+                 describe: Callable[[Slot], str],
                  run_early: Callable[[list[Tensor]], tuple[Sent, dict[str, float]]],
                  thread_init: Callable[[], None], intact: Callable[[Slot], bool] = lambda s: is_host_resident(s.param.grad),
                  engine: TransferEngine) -> None:
         self._settings = settings  # max_grad_norm and nonfinite as they are now
         self._groups = groups  # the optimizer's param_groups as they are now
         self._has_state = has_state
-        self._describe_at = describe_at  # a parameter by (group, index), as the optimizer's messages name it
         self._armed = armed  # the updater of the coming backward, which the gate opens (accel/overlap.py)
         self._intact = intact  # p.grad is still the gradient backward's hook landed (a host stand-in, or on the device)
         self._slots = slots
@@ -414,16 +413,16 @@ class DuringBackward:
 
     def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
         """What the step may not meet after early updates (before any update of its own): refused, and torn."""
-        describe = self._describe_at
+        describe = self._describe
         for p in early.params:
             if p not in where:
                 continue
             if p.grad is None:
-                self.tear(f"{describe(*where[p])}: its gradient was cleared between backward and step() "
+                self.tear(f"{describe(self._slots[p])}: its gradient was cleared between backward and step() "
                           "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
                           "clear gradients after optimizer.step()", len(early.params))
             if not self._intact(self._slots[p]):
-                self.tear(f"{describe(*where[p])} was given a gradient after backward, or its gradient was changed after "
+                self.tear(f"{describe(self._slots[p])} was given a gradient after backward, or its gradient was changed after "
                           "backward (clipped, unscaled: a streamed or resident group's gradient stays on the device), but "
                           "with update_in_backward=True its update already ran during backward; set gradients only "
                           "through backward, and clip with max_grad_norm", len(early.params))
