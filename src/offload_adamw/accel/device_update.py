@@ -23,7 +23,7 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.placements import TensorWork, gather
+from offload_adamw.accel.placements import TensorWork, gather, sender
 from offload_adamw.accel.slots import Slot, SlotTable
 from offload_adamw.accel.transfer import Completion, TransferEngine
 from offload_adamw.accel.work import Work
@@ -60,12 +60,6 @@ class DeviceUpdate:
             self._check_memory(self._chunk_bytes, device, "gradient widening")
             self._buffers[device] = torch.empty(self._chunk_bytes, dtype=torch.uint8, device=device)
 
-    def _sender(self, device: torch.device) -> Callable[[Tensor], Tensor] | None:
-        """How a step's small host tensors reach ``device`` (the engine's lane: no host wait), or None on the host."""
-        if not self._engine.is_device(device):
-            return None
-        return lambda host: self._engine.to_device(device, host)
-
     def buffer_bytes(self) -> int:
         """Device bytes of the widening buffers, as allocated (the resident state is the optimizer's to count)."""
         return sum(b.numel() for b in self._buffers.values())
@@ -77,7 +71,7 @@ class DeviceUpdate:
         groups = yield from gather(self._slots, params, where, gradient, self._coefficient, self._used)
         for _, hp, by_device in groups:
             for device, work in by_device.items():
-                send = self._sender(device)
+                send = sender(self._engine, device)
                 counts = advance_steps([w.state.step for w in work], device, send)
                 device_scale = None if scale is None else scale.to(device) if send is None else send(scale)
                 whole = [i for i, w in enumerate(work) if device_scale is None and w.grad.dtype == w.state.master.dtype]

@@ -92,8 +92,8 @@ class Wiring:
     has_state: Callable[[Tensor], bool]
     clip_order: Callable[[], list[Tensor]]
     """The parameters in the order clipping reduces their norms (the model's, optim/clip_order.py)."""
-    host_memory: Callable[[int, str], None] | None
-    """The host-memory check before host buffers are allocated (None: none)."""
+    host_memory: Callable[[int, str], None]
+    """The host-memory check before host buffers are allocated."""
     device_memory: Callable[[int, torch.device, str], None]
     """The device-memory check before device buffers are allocated."""
     settings: Settings

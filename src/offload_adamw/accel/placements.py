@@ -36,14 +36,14 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
-from offload_adamw.accel.transfer import Completion
+from offload_adamw.accel.transfer import Completion, TransferEngine
 from offload_adamw.accel.work import DeviceGroup, Work
 from offload_adamw.contract.rules import PLACEMENT_KEY, PLACEMENTS, check_placement
 from offload_adamw.kernels import layout
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 
-__all__ = ["Placement", "Placements", "TensorWork", "gather"]
+__all__ = ["Placement", "Placements", "TensorWork", "gather", "sender"]
 
 Sent = list[tuple[torch.device, Completion]]
 
@@ -183,6 +183,14 @@ def gather(slots: SlotTable, params: list[Tensor], where: dict[Tensor, tuple[int
             by_device.setdefault(slot.local.device, []).append(_work(slot, grad, state, used))
         out.append((gi, hp, by_device))
     return out
+
+
+def sender(engine: TransferEngine, device: torch.device) -> Callable[[Tensor], Tensor] | None:
+    """How a step's small host tensors (step counts, the loss scale) reach ``device`` in both on-device components: the
+    engine's lane (no host wait), or None on the host."""
+    if not engine.is_device(device):
+        return None
+    return lambda host: engine.to_device(device, host)
 
 
 def _work(slot: Slot, grad: Tensor, state: StateOperands, used: Callable[[Slot, Tensor], None]) -> TensorWork:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.placements import TensorWork, gather
+from offload_adamw.accel.placements import TensorWork, gather, sender
 from offload_adamw.accel.slots import Slot, SlotTable
 from offload_adamw.accel.transfer import DONE, Completion, TransferEngine
 from offload_adamw.accel.work import Work
@@ -85,12 +85,6 @@ class StreamUpdate:
             self._check_memory(nbytes, device, "stream ring")
             self._rings[device] = _Ring(device, self._chunk_bytes, self._buffers)
 
-    def _sender(self, device: torch.device) -> Callable[[Tensor], Tensor] | None:
-        """How a step's small host tensors reach ``device`` (the engine's lane: no host wait), or None on the host."""
-        if not self._engine.is_device(device):
-            return None
-        return lambda host: self._engine.to_device(device, host)
-
     def buffer_bytes(self) -> int:
         """Device bytes of the rings, as allocated."""
         return sum(r.raw.numel() for r in self._rings.values())
@@ -102,7 +96,7 @@ class StreamUpdate:
         groups = yield from gather(self._slots, params, where, gradient, self._coefficient, self._used)
         for _, hp, by_device in groups:
             for device, work in by_device.items():
-                send = self._sender(device)
+                send = sender(self._engine, device)
                 counts = advance_steps([w.state.step for w in work], device, send)
                 device_scale = None if scale is None else scale.to(device) if send is None else send(scale)
                 by_dtype: dict[torch.dtype, list[int]] = {}
