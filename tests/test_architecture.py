@@ -332,12 +332,13 @@ def test_init_files_only_re_export():
     assert not offenders, f"__init__.py files define things instead of re-exporting them: {offenders}"
 
 
-def test_accel_reaches_the_optimizer_only_through_the_update_target_protocol():
-    from offload_adamw.accel.pipeline import UpdateTarget
+def test_the_pipeline_is_wired_by_optim_with_what_the_optimizer_has():
+    """The other side of accel_names_the_optimizer below: what optim/bucket.py's wiring hands the pipeline, and the
+    calls its serve and BackwardBuckets make, are the optimizer's own methods."""
     from offload_adamw.optim.optimizer import OffloadAdamW
 
-    wanted = ("describe_param", "check_gradient", "preflight", "update_group")
-    assert all(hasattr(UpdateTarget, m) for m in wanted)
+    wanted = ("describe_param", "check_gradient", "preflight", "update_group", "state_operands", "check_host_buffers",
+              "check_device_buffers", "clip_parameters")
     assert all(callable(getattr(OffloadAdamW, m)) for m in wanted)
 
 
@@ -536,10 +537,66 @@ def test_no_accel_constructor_takes_a_mode_flag():
     assert not problems, "\n".join(problems)
 
 
+#: the optimizer by name, and the methods through which accel/ used to call back into it (issue 39): no module of accel/
+#: names one in code (a name, an attribute, a parameter); it is handed data and narrow callables (accel/pipeline.py's
+#: Wiring, built by optim/bucket.py) and hands each bucket's work out (accel/work.py)
+OPTIMIZER_NAMES = frozenset({"optimizer", "_optimizer", "OffloadAdamW", "UpdateTarget", "DeviceState", "update_group",
+                             "state_operands", "preflight", "check_gradient", "describe_param", "check_host_buffers",
+                             "check_device_buffers", "clip_parameters", "skip_for_nonfinite", "param_groups"})
+#: places of accel/ that still name the optimizer (issue 39): this set only shrinks, and is empty
+OPTIMIZER_LEFT: set[str] = set()
+#: places that name an optimizer by torch's own interface, with the reason: not a call back into ours
+OPTIMIZER_ALLOWED = {
+    "accel/amp.py: optimizer": "OffloadGradScaler overrides torch.amp.GradScaler._unscale_grads_(optimizer, ...), "
+                               "which torch calls with whichever optimizer the scaler steps",
+}
+
+
+def accel_names_the_optimizer(root: Path) -> list[str]:
+    """Places in ``root`` (accel/) that import optim/ or name the optimizer or one of its methods in code, as
+    'accel/<file>: <name>' (messages and docstrings may mention them)."""
+    problems = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = []
+            if isinstance(node, ast.Name):
+                named = [node.id]
+            elif isinstance(node, ast.Attribute):
+                named = [node.attr]
+            elif isinstance(node, ast.arg):
+                named = [node.arg]
+            elif isinstance(node, ast.keyword) and node.arg is not None:
+                named = [node.arg]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                named = ["optim/" for m in modules if m == f"{TOP}.optim" or m.startswith(f"{TOP}.optim.")]
+                named += [a.asname or a.name for a in node.names]
+            problems += [f"accel/{path.name}: {n}" for n in named if n in OPTIMIZER_NAMES or n == "optim/"]
+    return sorted(set(problems))
+
+
+def test_no_module_of_accel_names_the_optimizer():
+    """accel/ is a transport: it holds no optimizer and calls none (issue 39)."""
+    problems = [p for p in accel_names_the_optimizer(ACCEL) if p not in OPTIMIZER_LEFT and p not in OPTIMIZER_ALLOWED]
+    assert not problems, "\n".join(problems)
+    gone = OPTIMIZER_LEFT - set(accel_names_the_optimizer(ACCEL))
+    assert not gone, f"no longer named: remove from OPTIMIZER_LEFT {sorted(gone)}"
+
+
+def test_the_optimizer_name_check_can_fail(tmp_path):
+    (tmp_path / "host_update.py").write_text(
+        "from offload_adamw.optim import update\n\n"
+        "class HostUpdate:\n    def __init__(self, optimizer):\n        self._optimizer = optimizer\n\n"
+        "    def run(self, target):\n        target.update_group(0, [])\n        return describe(groups=target.param_groups)\n")
+    assert accel_names_the_optimizer(tmp_path) == [
+        "accel/host_update.py: _optimizer", "accel/host_update.py: optim/", "accel/host_update.py: optimizer",
+        "accel/host_update.py: param_groups", "accel/host_update.py: update_group"]
+
+
 #: the names the components go by where they are wired or handed in
 COMPONENT_NAMES = {"gate", "hooks", "ddp", "residency", "schedule", "placements", "slots", "engine", "transport"}
 #: components still patched after construction (issue 39): this set only shrinks
-PATCHED_LEFT = {"accel/schedule.py: gate.on_open"}
+PATCHED_LEFT: set[str] = set()
 
 
 def patched_components(root: Path) -> list[str]:

@@ -176,12 +176,12 @@ def test_a_swap_seen_first_in_inference_mode_is_taken_in_at_the_next_forward_out
 def test_a_pipeline_whose_optimizer_is_gone_is_passed_over_by_the_next_forward():
     # A pipeline built over an optimizer that is then let go waits in the forward pre-hook's set until the
     # collector finds it; the next module forward anywhere must not reach for the gone optimizer.
-    from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
-    from offload_adamw.optim import policy
+    from offload_adamw.accel.pipeline import PipelineConfig
+    from offload_adamw.optim.bucket import pipeline_for
 
     model = nn.Linear(4, 4)
     target = OffloadAdamW(model.parameters(), transfer_pipeline=False)
-    pipeline = GradientPipeline(target, PipelineConfig(offload_gradients=True), policy)
+    pipeline = pipeline_for(target, PipelineConfig(offload_gradients=True))
     gc.disable()
     try:
         del target

@@ -2,8 +2,9 @@
 
 Properties:
 * both paths call ``optim.update.update_group`` and nothing else to update tensors;
-* the pipeline needs of its optimizer only the ``UpdateTarget`` interface: driven through a
-  proxy that exposes nothing else, it gives the plain step's bits;
+* the pipeline holds no optimizer: built from what optim/bucket.py's ``wiring`` hands it, driven by the
+  step's sequence, it gives the plain step's bits, and the optimizer goes when it is let go while the
+  pipeline lives on (nothing of the pipeline refers to it but weakly);
 * a gradient of another floating dtype than its parameter is taken as it is by both paths
   (the same bits); where the pipeline cannot hold it (freed device gradients) it refuses,
   naming the parameter, before anything changes.
@@ -12,6 +13,8 @@ Properties:
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -20,10 +23,10 @@ from torch import nn
 
 from _parity import same_bits
 from offload_adamw import OffloadAdamW
-from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, UpdateTarget
-from offload_adamw.optim import policy
+from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig
 from offload_adamw.optim import step as step_sequence
 from offload_adamw.optim import update as update_path
+from offload_adamw.optim.bucket import wiring
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -83,27 +86,12 @@ def test_a_step_checks_each_gradient_once(monkeypatch, mode: str, options: dict[
         assert sorted(checked) == sorted(tuple(p.shape) for p in model.parameters()), checked
 
 
-class _OnlyTheInterface:
-    """Exposes exactly the names of UpdateTarget, so any other access raises AttributeError."""
-
-    _names = ("param_groups", "state", "nonfinite", "describe_param", "check_gradient", "preflight", "update_group")
-
-    def __init__(self, optimizer: OffloadAdamW) -> None:
-        object.__setattr__(self, "_target", optimizer)
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in self._names:
-            raise AttributeError(f"the pipeline used {name!r}, which is not part of UpdateTarget")
-        return getattr(object.__getattribute__(self, "_target"), name)
-
-
 @pytest.mark.parametrize("freed", [False, True], ids=["kept", "freed"])
-def test_the_pipeline_needs_only_the_update_target_interface(freed: bool) -> None:
+def test_the_pipeline_holds_no_optimizer(freed: bool) -> None:
     plain_model, piped_model = _model(), _model()
     plain = OffloadAdamW(plain_model.parameters(), lr=1e-2, transfer_pipeline=False)
     target = OffloadAdamW(piped_model.parameters(), lr=1e-2, transfer_pipeline=False)
-    proxy: UpdateTarget = _OnlyTheInterface(target)  # type: ignore[assignment]
-    pipeline = GradientPipeline(proxy, PipelineConfig(offload_gradients=freed, bucket_bytes=64), policy)
+    pipeline = GradientPipeline(PipelineConfig(offload_gradients=freed, bucket_bytes=64), wiring(target))
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for _ in range(4):
         for model in (plain_model, piped_model):
@@ -116,6 +104,14 @@ def test_the_pipeline_needs_only_the_update_target_interface(freed: bool) -> Non
     for p, q in zip(plain_model.parameters(), piped_model.parameters()):
         assert same_bits(p.detach(), q.detach())
         assert same_bits(plain.state[p]["master_param"], target.state[q]["master_param"])
+    gone = weakref.ref(target)
+    gc.disable()  # without the collector: only a reference cycle through the pipeline could keep it
+    try:
+        del target
+        assert gone() is None, "the pipeline (or what it was handed) holds the optimizer"
+    finally:
+        gc.enable()
+        pipeline.close()
 
 
 def test_a_gradient_of_another_dtype_gives_the_same_bits_in_both_paths() -> None:

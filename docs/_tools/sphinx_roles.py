@@ -1,6 +1,6 @@
 """Griffe extension: the Sphinx roles of this project's docstrings rendered as code with a link.
 
-The docstrings are written with Sphinx roles (``:class:`~offload_adamw.accel.pipeline.UpdateTarget```,
+The docstrings are written with Sphinx roles (``:class:`~offload_adamw.accel.pipeline.Wiring```,
 ``:func:`resolve```). mkdocstrings renders Markdown, where a role would show as literal text. This extension
 rewrites each role, before rendering, as a code span of the name (the last component where the role has ``~``)
 inside an optional cross-reference to the object, resolved the way Sphinx resolves it: a dotted path as

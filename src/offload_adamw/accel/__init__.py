@@ -2,6 +2,6 @@
 
 from offload_adamw.accel.amp import OffloadGradScaler
 from offload_adamw.accel.host_memory import HostArena
-from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, UpdateTarget
+from offload_adamw.accel.pipeline import GradientPipeline, PipelineConfig, Wiring
 
-__all__ = ["GradientPipeline", "HostArena", "OffloadGradScaler", "PipelineConfig", "UpdateTarget"]
+__all__ = ["GradientPipeline", "HostArena", "OffloadGradScaler", "PipelineConfig", "Wiring"]

@@ -72,23 +72,23 @@ class Snapshot:
 
     __slots__ = ("groups", "settings")
 
-    def __init__(self, optimizer: Any) -> None:
-        self.groups = [tuple(_kept(group.get(key)) for key in HYPER_KEYS) for group in optimizer.param_groups]
-        self.settings = tuple(_kept(getattr(optimizer, key, None)) for key in OPTIMIZER_KEYS)
+    def __init__(self, groups: list[dict[str, Any]], settings: Any) -> None:
+        self.groups = [tuple(_kept(group.get(key)) for key in HYPER_KEYS) for group in groups]
+        self.settings = tuple(_kept(getattr(settings, key, None)) for key in OPTIMIZER_KEYS)
 
-    def changes(self, optimizer: Any) -> list[str]:
+    def changes(self, groups: list[dict[str, Any]], settings: Any) -> list[str]:
         """What differs now, each as 'param_groups[i]['key'] ... (from old to new)'; empty when nothing does."""
         out = []
-        for gi, (kept, group) in enumerate(zip(self.groups, optimizer.param_groups)):
+        for gi, (kept, group) in enumerate(zip(self.groups, groups)):
             before = tuple(_value(x) for x in kept)
             for key, old, new in zip(HYPER_KEYS, before, hyper_of(group)):
                 if not _same(old, new):
                     out.append(f"param_groups[{gi}][{key!r}] changed between backward and step() (from {old!r} to {new!r})")
-        if len(self.groups) != len(optimizer.param_groups):
+        if len(self.groups) != len(groups):
             out.append(f"param_groups changed between backward and step() ({len(self.groups)} groups, now "
-                       f"{len(optimizer.param_groups)})")
+                       f"{len(groups)})")
         for key, kept_setting in zip(OPTIMIZER_KEYS, self.settings):
-            old, new = _value(kept_setting), _value(getattr(optimizer, key, None))
+            old, new = _value(kept_setting), _value(getattr(settings, key, None))
             if not _same(old, new):
                 out.append(f"{key} changed between backward and step() (from {old!r} to {new!r})")
         return out

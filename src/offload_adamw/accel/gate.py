@@ -40,7 +40,7 @@ from offload_adamw.accel.slots import Slot, SlotTable, Source
 from offload_adamw.accel.transfer import Completion, TransferEngine
 from offload_adamw.distributed import local_tensor
 
-__all__ = ["Gate", "StepGate", "StepPolicy", "clip_inputs", "clipped_view"]
+__all__ = ["Gate", "Settings", "StepGate", "StepPolicy", "clip_inputs", "clipped_view"]
 
 Norm = tuple[Tensor, torch.device, torch.dtype]
 
@@ -60,27 +60,40 @@ class StepPolicy(Protocol):
     def nonfinite_anywhere(self, counts: Sequence[Tensor], groups: Sequence[Any] = ()) -> bool: ...
 
 
+class Settings(Protocol):
+    """The optimizer's settings as they are now (optim/bucket.py's, read through a weak reference): what the gate and
+    the schedule decide by. Read at each use, never kept: the user may change them between steps."""
+
+    @property
+    def max_grad_norm(self) -> float | None: ...
+
+    @property
+    def nonfinite(self) -> str: ...
+
+
 class _Decision:
     """What the end of backward decided for a step's gated updates (see the module contract); what both gates share."""
 
     def __init__(
         self,
-        optimizer: Any,
+        settings: Settings,
         slots: SlotTable,
         engine: TransferEngine,
         *,
+        order: Callable[[], list[Tensor]],
         describe: Callable[[Tensor], str],
         policy: StepPolicy,
         decision_groups: Callable[[], list[Any]],
         intact: Callable[[Slot], bool],
+        on_open: Callable[[], None],
     ) -> None:
-        self._optimizer = optimizer
+        self._settings = settings
+        self._order_of_clipping = order  # the parameters in the model's order (optim/clip_order.py)
         self._policy = policy
         self._slots = slots
         self._engine = engine
         self._describe = describe
-        self.on_open: Callable[[], None] = lambda: None
-        """Called when the end of backward lets the gated updates start (the schedule's gate)."""
+        self._on_open = on_open  # the end of backward lets the gated updates start (accel/overlap.py's Armed)
         self.decision_groups = decision_groups
         """The process groups whose ranks must take the same non-finite decision (attached DDP models')."""
         self.ddp_pending = False
@@ -118,11 +131,11 @@ class _Decision:
         raise NotImplementedError
 
     def clips(self) -> bool:
-        return self.tracks() and self._optimizer.max_grad_norm is not None
+        return self.tracks() and self._settings.max_grad_norm is not None
 
     def checks(self) -> bool:
         """Whether the non-finite policy (skip or raise) decides, at backward's end, if the updates may start."""
-        return self.tracks() and self._optimizer.nonfinite != "propagate"
+        return self.tracks() and self._settings.nonfinite != "propagate"
 
     def gated(self) -> bool:
         """Whether the updates of a step wait for the end of its backward (clipping, or a non-finite policy)."""
@@ -182,9 +195,9 @@ class _Decision:
         if self.checks():
             if not self._counts or self._policy.nonfinite_anywhere(list(self._counts.values()), self.decision_groups()):
                 return
-            self.checked_policy = self._optimizer.nonfinite
+            self.checked_policy = self._settings.nonfinite
         if self.clips():
-            max_norm = self._optimizer.max_grad_norm
+            max_norm = self._settings.max_grad_norm
             if not self._norms or max_norm is None:
                 self.coefficient = None  # step() clips the gradients it has (torch's clipping), the gate still closed
                 return
@@ -196,7 +209,7 @@ class _Decision:
             self.coefficient = coef.detach().to("cpu")  # with an accelerator: the one wait for the device in the step
             self._on_device = (self.coefficient, coef.detach())
         self.taken = True
-        self.on_open()
+        self._on_open()
 
     def coefficient_on(self, device: torch.device) -> Tensor | None:
         """The step's clip coefficient on ``device`` (None when there is none): on the device the norms were taken on,
@@ -212,7 +225,7 @@ class _Decision:
 
     def _order(self) -> list[Tensor]:
         """The parameters in the order torch's clipping of the model stacks their norms (optim/clip_order.py)."""
-        return self._optimizer.clip_parameters()
+        return self._order_of_clipping()
 
     def _unseen_gradient(self) -> bool:
         """Whether a parameter has a gradient no hook of this backward took: accumulated only inside ``no_sync()``
@@ -230,7 +243,7 @@ class _Decision:
         its coefficient was taken from, which then applies to every update), else None: the step's clipping
         (optim/policy.py's ``step_norm``) reads the gradients ``present`` now. Refused after updates ran (``early``)
         with a coefficient that is not the step's."""
-        max_norm = self._optimizer.max_grad_norm
+        max_norm = self._settings.max_grad_norm
         reason = self._not_the_steps(present, max_norm)
         if reason is not None and early and (max_norm is not None or self.coefficient is not None):
             raise RuntimeError(

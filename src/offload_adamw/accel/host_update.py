@@ -1,18 +1,19 @@
-"""The update of one bucket on the host: its gradients, the optimizer's update per group, the parameters back.
+"""The update of one bucket on the host: its gradients, handed out per group for the host update, the parameters back.
 
 Contract:
 
 * :meth:`HostUpdate.run` takes a bucket's parameters and, for each, its complete host gradient (the caller
   has waited for its copy), multiplies it by the step's clip coefficient where one was taken after backward
-  (what ``clip_grads_with_norm_`` does to it, on the host where it is), and calls the optimizer's
-  ``update_group`` once per parameter group with (parameter, host gradient, staging buffer).
+  (what ``clip_grads_with_norm_`` does to it, on the host where it is), and yields one
+  :class:`~offload_adamw.accel.work.HostGroup` per parameter group with (parameter, host gradient, staging buffer),
+  which its driver updates (optim/bucket.py) before it resumes and sends that group's parameters back.
 * A device parameter's staging buffer receives round(master) and is sent back with one copy per device
   and bucket; before a staging buffer is written again the host waits for the copy that still reads it.
 * A device parameter edited since its last send-back (its version counter or data pointer moved:
   ``model.load_state_dict``, an in-place op under ``no_grad``, ``p.data = ...``) is read back into its staging
   buffer first, and the update starts from it (docs/contract.md#edits-between-steps). In-place writes through
   ``p.data``, which move no version counter (autograd cannot see them either), are not seen on a device.
-  A host parameter (none on the stand-in device) is written by the optimizer itself.
+  A host parameter (none on the stand-in device) is written by the host update itself.
 * It returns the completions of the copies it sent; the compute stream waits for them before the next
   forward, the host does not.
 """
@@ -20,8 +21,7 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +29,7 @@ from torch import Tensor
 from offload_adamw.accel.slots import Slot, SlotTable
 from offload_adamw.accel.timeline import Recorder
 from offload_adamw.accel.transfer import Completion, TransferEngine
+from offload_adamw.accel.work import HostGroup
 
 __all__ = ["HostUpdate"]
 
@@ -36,9 +37,8 @@ __all__ = ["HostUpdate"]
 class HostUpdate:
     """The host placement of a bucket's update (see the module contract)."""
 
-    def __init__(self, optimizer: Any, slots: SlotTable, engine: TransferEngine, recorder: Recorder,
+    def __init__(self, slots: SlotTable, engine: TransferEngine, recorder: Recorder,
                  coefficient: Callable[[], Tensor | None]) -> None:
-        self._optimizer = optimizer
         self._slots = slots
         self._engine = engine
         self._recorder = recorder
@@ -58,7 +58,7 @@ class HostUpdate:
 
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
             gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None,
-            ) -> list[tuple[torch.device, Completion]]:
+            ) -> Generator[HostGroup, None, list[tuple[torch.device, Completion]]]:
         coef = self._coefficient()
         by_group: dict[int, list[tuple[Slot, Tensor]]] = {}
         for p in params:
@@ -77,14 +77,14 @@ class HostUpdate:
             to_device: list[Slot] = []
             for slot, grad in members:
                 if not self._engine.is_device(slot.local.device):
-                    updates.append((slot.param, grad, None))  # the optimizer writes host parameters itself
+                    updates.append((slot.param, grad, None))  # the host update writes host parameters itself
                     current.append(False)
                 else:
                     slot.sending.wait()  # the previous copy out of staging has ended
                     current.append(self._read_back_if_edited(slot))
                     updates.append((slot.param, grad, slot.staging))
                     to_device.append(slot)
-            self._optimizer.update_group(gi, updates, scale, current)
+            yield HostGroup(gi, updates, current, scale)  # updated by the driver before this resumes
             sent += self._send_back(to_device)
         if times is not None:
             times["h2d_issued"] = time.monotonic()

@@ -22,6 +22,9 @@ Contract:
   device current, so that no thread creates a context on device 0).
 * Buckets are updated in the order they completed; each bucket once per step. A disabled updater
   (``enabled=False``: accumulation micro-batches, or nothing known yet about the order) does nothing.
+* :class:`Armed` holds the updater of the coming backward, if any: the schedule (accel/schedule.py) sets it, and
+  the gate (accel/gate.py) opens it when backward's end lets the gated updates start. The front builds it first,
+  so that both get it at construction (neither is patched with the other's method afterwards).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BackwardUpdater", "UpdateRecord"]
+__all__ = ["Armed", "BackwardUpdater", "UpdateRecord"]
 
 
 @dataclass
@@ -187,3 +190,15 @@ class BackwardUpdater:
             self._pool = None
         self._enabled = False
 
+
+
+class Armed:
+    """The backward updater of the coming step, or None: every update runs at step() (see the module contract)."""
+
+    def __init__(self) -> None:
+        self.updater: BackwardUpdater | None = None
+
+    def open_gate(self) -> None:
+        """The end of backward lets the gated updates start."""
+        if self.updater is not None:
+            self.updater.open_gate()

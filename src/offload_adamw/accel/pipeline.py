@@ -13,13 +13,17 @@ Contract:
   communication hook of an attached DDP model (accel/sources.py); both end in :meth:`GradientPipeline.land`.
 * **The step is the optimizer's** (optim/step.py: check, clip, non-finite policy, pre-flight, updates);
   this pipeline is its transport (accel/transport.py, :attr:`GradientPipeline.transport`): it says where
-  the gradients are and runs the buckets (accel/bucketing.py): gradients in the order they arrived, in
+  the gradients are and hands the buckets out (accel/bucketing.py): gradients in the order they arrived, in
   buckets of about ``bucket_bytes`` (an FSDP2 group or a DDP bucket is one bucket); the host waits only
-  for the bucket at hand (kept gradients: the next bucket's copies are issued while it updates), updates
-  it (accel/host_update.py) and sends the parameters back without waiting; the compute stream waits for
-  them, so the next forward waits on the device, not the host.
+  for the bucket at hand (kept gradients: the next bucket's copies are issued while it updates), hands out
+  each group's work (accel/work.py, laid out by accel/host_update.py and the other placements), which the
+  optimizer does (optim/bucket.py), and sends the parameters back without waiting; the compute stream waits
+  for them, so the next forward waits on the device, not the host.
+* **It holds no optimizer and calls none**: what it needs of the optimizer it is handed at construction as
+  data and narrow callables (:class:`Wiring`, built by optim/bucket.py over a weak reference).
 * **Updates during backward** (``update_in_backward``): accel/schedule.py, gated for clipping and
-  non-finite policies by accel/gate.py. What cannot be made exact after updates ran is refused by name.
+  non-finite policies by accel/gate.py; each bucket is handed whole to ``Wiring.update_bucket``. What cannot
+  be made exact after updates ran is refused by name.
 * **Buffers follow the parameters** (accel/slots.py): a parameter cast or moved gets buffers laid out
   anew, with the parameter's strides; every allocation passes the optimizer's host-memory check first.
 * **Where each group's update runs** (``update_on``): on the host (accel/host_update.py), streamed through a ring of
@@ -41,10 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,8 +56,9 @@ from offload_adamw.accel import amp, streams, swaps
 from offload_adamw.accel.ddp import AttachedModels
 from offload_adamw.accel.device_grads import ByPlacement, DeviceGradients, LandedDeviceGradients, landed_intact
 from offload_adamw.accel.device_update import DeviceUpdate
-from offload_adamw.accel.gate import Gate, StepGate, StepPolicy, clipped_view
+from offload_adamw.accel.gate import Gate, Settings, StepGate, StepPolicy, clipped_view
 from offload_adamw.accel.host_update import HostUpdate
+from offload_adamw.accel.overlap import Armed
 from offload_adamw.accel.placements import Placements
 from offload_adamw.accel.residency import FreedGradients, KeptGradients, drop_spent
 from offload_adamw.accel.schedule import AtStep, DuringBackward
@@ -64,52 +68,38 @@ from offload_adamw.accel.stream_update import StreamUpdate
 from offload_adamw.accel.timeline import Recorder, StepTimeline
 from offload_adamw.accel.transfer import TransferEngine
 from offload_adamw.accel.transport import StepTransport
-from offload_adamw.kernels.adamw import StepHyper
-from offload_adamw.kernels.fused_device import StateOperands
+from offload_adamw.accel.work import LandedBucket, Work
 
-__all__ = ["GradientPipeline", "PipelineConfig", "UpdateTarget"]
+__all__ = ["GradientPipeline", "PipelineConfig", "Wiring"]
 
 
-class UpdateTarget(Protocol):
-    """What the pipeline needs of its optimizer (OffloadAdamW implements it; optim/update.py does the work).
+@dataclass(frozen=True, kw_only=True)
+class Wiring:
+    """What the pipeline is handed by the optimizer that owns it, once, at construction: data and narrow callables
+    (optim/bucket.py's ``wiring`` builds them over a weak reference: the optimizer owns the pipeline, and a dropped
+    optimizer takes its hooks and buffers with it). The pipeline holds no optimizer and calls none.
 
-    Parameters are named by ``(group_index, index)`` in ``param_groups``. At ``step()`` the optimizer checks,
-    clips, applies its non-finite policy and creates missing state itself (optim/step.py); an update during
-    backward checks its gradients with ``check_gradient`` and runs ``preflight`` for parameters that have no
-    state yet (``check_host_buffers`` comes before the pipeline allocates host buffers of its own). The
-    pipeline calls ``update_group`` once per group and bucket with (parameter,
-    host gradient, staging buffer): a device parameter's staging buffer receives round(master), which the
-    pipeline sends back; for a host parameter it is None and the optimizer writes the parameter itself.
-    ``current[k]`` says that update k's staging buffer holds its device parameter's current value (read back
-    after an edit), whose edits the update takes over. A streamed or resident group's update asks
-    ``state_operands`` for its state instead (and ``check_device_buffers`` before its device buffers).
-    """
+    Parameters are named by ``(group_index, index)`` in ``param_groups``. The step's sequence is the optimizer's
+    (optim/step.py), which drives :attr:`GradientPipeline.transport`; for updates during backward the pipeline hands
+    each bucket to ``update_bucket`` (optim/bucket.py's ``BackwardBuckets``)."""
 
-    param_groups: list[dict[str, Any]]
-    state: Any
-    nonfinite: str
-    max_grad_norm: float | None
-
-    def describe_param(self, group_index: int, index: int) -> str: ...
-
-    def check_gradient(self, group_index: int, index: int, grad: Tensor) -> None: ...
-
-    def preflight(self, fresh: list[tuple[int, int]]) -> None: ...
-
-    def check_host_buffers(self, nbytes: int, label: str) -> None: ...
-
-    def check_device_buffers(self, nbytes: int, device: torch.device, label: str) -> None: ...
-
-    def state_operands(self, group_index: int, params: list[Tensor]) -> tuple[StepHyper, list[StateOperands]]: ...
-
-    def update_group(
-        self, group_index: int, updates: list[tuple[Tensor, Tensor, Tensor | None]], grad_scale: Tensor | None = None,
-        current: Sequence[bool] | None = None,
-    ) -> None: ...
-
-    def clip_parameters(self) -> list[Tensor]:
-        """The parameters in the order clipping reduces their norms (the model's)."""
-        ...
+    groups: Callable[[], list[dict[str, Any]]]
+    """The optimizer's ``param_groups`` as they are now (a load replaces the list)."""
+    describe: Callable[[int, int], str]
+    """A parameter's name, as the optimizer's messages give it."""
+    gradient_check: Callable[[int, int, Tensor], None]
+    """The optimizer's check of a gradient that a read outside ``step()`` hands out (optim/update.py)."""
+    has_state: Callable[[Tensor], bool]
+    clip_order: Callable[[], list[Tensor]]
+    """The parameters in the order clipping reduces their norms (the model's, optim/clip_order.py)."""
+    host_memory: Callable[[int, str], None]
+    """The host-memory check before host buffers are allocated."""
+    device_memory: Callable[[int, torch.device, str], None]
+    """The device-memory check before device buffers are allocated."""
+    settings: Settings
+    policy: StepPolicy
+    """The step's clipping and non-finite decision (optim/policy.py), for the gate of updates during backward."""
+    update_bucket: Callable[[LandedBucket], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,10 +137,9 @@ class PipelineConfig:
 class GradientPipeline:
     """Hooks, host buffers, transfers and the bucketed step of one OffloadAdamW (see the module contract)."""
 
-    def __init__(self, optimizer: UpdateTarget, config: PipelineConfig, policy: StepPolicy) -> None:
-        # Held weakly: the optimizer owns the pipeline, and a dropped optimizer must take its hooks with it.
-        self.optimizer: Any = weakref.proxy(optimizer)
-        self._closing = weakref.finalize(optimizer, self._close)  # held weakly: closed when it goes
+    def __init__(self, config: PipelineConfig, wiring: Wiring) -> None:
+        self._wiring = wiring
+        self._closed = False
         self.config = config
         self.offload_gradients = config.offload_gradients
         self.engine = TransferEngine(streams.installed())
@@ -160,9 +149,7 @@ class GradientPipeline:
         self._lock = threading.RLock()
         self._syncing = True
         self._arrival = 0
-        opt = self.optimizer
-        check = None if getattr(opt, "check_host_buffers", None) is None else self._check_host_buffers
-        self.slots = SlotTable(self.engine, check)
+        self.slots = SlotTable(self.engine, wiring.host_memory)
         self.recorder = Recorder()
         self._places: dict[Tensor, tuple[int, int]] = {}  # (group, index) of each parameter as of the latest refresh()
         # Built in dependency order, nothing patched afterwards; each mode is a component chosen here, once.
@@ -171,20 +158,26 @@ class GradientPipeline:
         intact = landed_intact(device_grads)
         # Updates during backward: the gate their schedule waits on; else the step decides alone (StepGate).
         gate_kind = Gate if config.update_in_backward else StepGate
-        self.gate: Gate | StepGate = gate_kind(opt, self.slots, self.engine, describe=self._describe, policy=policy,
-                                               decision_groups=models.process_groups, intact=intact)
+        armed = Armed()  # the updater of the coming backward: the schedule sets it, the gate opens it
+        self.gate: Gate | StepGate = gate_kind(wiring.settings, self.slots, self.engine, order=wiring.clip_order,
+                                               describe=self._describe, policy=wiring.policy,
+                                               decision_groups=models.process_groups, intact=intact,
+                                               on_open=armed.open_gate)
         coefficient = lambda: self.gate.coefficient  # noqa: E731
         used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
         chunk = config.stream_chunk_bytes // 4096 * 4096
-        self.placements = Placements(opt, self.slots, {
-            "host": HostUpdate(opt, self.slots, self.engine, self.recorder, coefficient),
-            "stream": StreamUpdate(opt, self.slots, self.engine, self.gate.coefficient_on, chunk_bytes=chunk,
+        self.placements = Placements(wiring.groups, wiring.describe, self.slots, {
+            "host": HostUpdate(self.slots, self.engine, self.recorder, coefficient),
+            "stream": StreamUpdate(self.slots, self.engine, wiring.device_memory, self.gate.coefficient_on, chunk_bytes=chunk,
                                    buffers=config.stream_buffers, used=used),
-            "device": DeviceUpdate(opt, self.slots, self.engine, self.gate.coefficient_on, chunk_bytes=chunk, used=used),
+            "device": DeviceUpdate(self.slots, self.engine, wiring.device_memory, self.gate.coefficient_on, chunk_bytes=chunk,
+                                   used=used),
         })
         self.schedule: AtStep | DuringBackward = (
-            DuringBackward(opt, self.slots, self.gate, describe=self._describe, run_early=self._run_early,
-                           thread_init=self.engine.thread_init, intact=intact, engine=self.engine)
+            DuringBackward(wiring.settings, self.slots, self.gate, armed, groups=wiring.groups,
+                           has_state=wiring.has_state, describe=self._describe,
+                           run_early=self._run_early, thread_init=self.engine.thread_init, intact=intact,
+                           engine=self.engine)
             if isinstance(self.gate, Gate) else AtStep()  # the gate chosen above: the same mode
         )
         self.residency: ByPlacement = ByPlacement(
@@ -218,9 +211,10 @@ class GradientPipeline:
         Runs at construction, at every step and (``if_changed``: only when ``param_groups`` changed) at the first module
         forward after each (accel/swaps.py), outside backward.
         """
-        if if_changed and not swaps.changed(self.optimizer.param_groups, self._places):
+        groups = self._wiring.groups()
+        if if_changed and not swaps.changed(groups, self._places):
             return
-        self._places = {p: (gi, i) for gi, g in enumerate(self.optimizer.param_groups) for i, p in enumerate(g["params"])}
+        self._places = {p: (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])}
         swaps.refuse_flat_parameters((p for p in self._places if self.slots.get(p) is None), self._describe)
         with self._lock:
             self.hooks.forget(self.slots.release(self._places))
@@ -232,10 +226,11 @@ class GradientPipeline:
         self.hooks.watch(new)
 
     def close(self) -> None:
-        """Remove the hooks, stop the worker threads, free the device buffers; once, here or when the optimizer goes."""
-        self._closing()
-
-    def _close(self) -> None:
+        """Remove the hooks, stop the worker threads, free the device buffers; once, here or when the optimizer goes
+        (optim/bucket.py's ``pipeline_for`` calls it from a finaliser of the optimizer)."""
+        if self._closed:
+            return
+        self._closed = True
         swaps.stop_looking(self)
         self.hooks.close()
         drop_spent(self.schedule.close())  # after the worker has ended: the gradients its updates applied
@@ -243,9 +238,6 @@ class GradientPipeline:
         # The pipeline is a reference cycle, freed only by the collector: what it holds on the device goes now.
         self.placements.close()
         self.engine.close()
-
-    def _check_host_buffers(self, nbytes: int, label: str) -> None:
-        self.optimizer.check_host_buffers(nbytes, label)  # through the weak proxy: no bound method keeps it alive
 
     def attach_ddp(self, ddp: Any) -> None:
         """Take DDP's reduced gradients from its communication hook (accel/sources.py)."""
@@ -301,7 +293,7 @@ class GradientPipeline:
     def _describe(self, which: Slot | Tensor) -> str:
         """A slot's or parameter's name, as the optimizer's messages give it."""
         where = self._places.get(which.param if isinstance(which, Slot) else which)
-        return self.optimizer.describe_param(*where) if where is not None else "a parameter"
+        return self._wiring.describe(*where) if where is not None else "a parameter"
 
     def places(self) -> dict[Tensor, tuple[int, int]]:
         """(group, index) of each parameter as of the latest refresh(), in optimizer order."""
@@ -310,21 +302,21 @@ class GradientPipeline:
     def _validate(self, slot: Slot, grad: Tensor) -> None:
         """The optimizer's checks (optim/update.py), then what the pipeline's buffers need."""
         where = self._places[slot.param]
-        self.optimizer.check_gradient(where[0], where[1], grad)
+        self._wiring.gradient_check(where[0], where[1], grad)
         self.check_buffers(slot, grad)
 
     def check_buffers(self, slot: Slot, grad: Tensor) -> None:
         """What the pipeline's buffers need of ``slot``'s gradient ``grad``."""
-        opt, where = self.optimizer, self._places[slot.param]
+        describe, where = self._wiring.describe, self._places[slot.param]
         if self.offload_gradients and slot.on_host and grad.dtype != slot.param.dtype:
             raise RuntimeError(
-                f"gradient of {opt.describe_param(*where)} has dtype {grad.dtype}, the parameter {slot.param.dtype}: "
+                f"gradient of {describe(*where)} has dtype {grad.dtype}, the parameter {slot.param.dtype}: "
                 "with offload_gradients=True gradients are accumulated in host buffers of the parameter's dtype; "
                 "produce gradients in the parameter's dtype, or use offload_gradients=False"
             )
         if slot.host_grad is not None and slot.host_grad.shape != slot.local.shape:
             raise RuntimeError(
-                f"{opt.describe_param(*where)} changed shape under the optimizer: its host gradient buffer "
+                f"{describe(*where)} changed shape under the optimizer: its host gradient buffer "
                 f"has {tuple(slot.host_grad.shape)}, the parameter is {tuple(slot.local.shape)}"
             )
 
@@ -360,7 +352,7 @@ class GradientPipeline:
             )
         if self.offload_gradients:
             return [clipped_view(p, g) for p, g in self.host_gradients(order, ready)]
-        params = [p for g in self.optimizer.param_groups for p in g["params"]] if order is None else order
+        params = [p for g in self._wiring.groups() for p in g["params"]] if order is None else order
         return [p.grad for p in params if p.grad is not None]
 
     def gradient(self, p: Tensor) -> Tensor | None:
@@ -408,18 +400,22 @@ class GradientPipeline:
         self.residency.new_step()
 
     def _run_early(self, bucket: list[Tensor]) -> tuple[list[Any], dict[str, float]]:
-        """A bucket's update on the worker thread, while backward goes on (accel/schedule.py)."""
-        opt = self.optimizer
+        """A bucket's update on the worker thread, while backward goes on (accel/schedule.py): handed whole to the
+        bucket function given at construction (optim/bucket.py), which checks, creates state and serves its work."""
         where = self._places
         members = [p for p in bucket if p in where]
         landed = [p for p in members if self.slots[p].holding is not Holding.NOTHING]
+        gradients = []
         for p in landed:
             grad = self.residency.landed(self.slots[p])
             assert grad is not None  # landed: in its host buffer (the hook or the communication hook copied it) or device
-            opt.check_gradient(*where[p], grad)
-        self.placements.prepare(landed)
-        opt.preflight([where[p] for p in landed if not opt.state.get(p)])
+            gradients.append((where[p], p, grad))
         times: dict[str, float] = {}
+        sent: list[Any] = []
+
+        def updates() -> Generator[Work, None, None]:
+            sent.extend((yield from self.placements.run(members, where, None, self.residency.landed, times)))
+
         with torch.no_grad():  # grad mode is per thread: the worker's is on, and an update is no graph's business
-            sent = self.placements.run(members, where, None, self.residency.landed, times)
+            self._wiring.update_bucket(LandedBucket(gradients, lambda: self.placements.prepare(landed), updates()))
         return sent, times

@@ -16,16 +16,19 @@ Contract:
   cannot get them fails before it has changed anything. :meth:`Placements.settle` ends a step: the host waits
   for the copies of streamed state back into host memory; :meth:`Placements.close` (the optimizer dropped) lets the
   device buffers go at once.
+* Every component's :meth:`Placement.run` is a generator: it yields the work of each group (accel/work.py) and
+  goes on once its driver has done it (optim/bucket.py); :meth:`Placements.run` chains them in that order.
 * :func:`gather` is what both on-device components do first for a group: each parameter's device gradient
-  (multiplied in place by the step's clip coefficient, as ``clip_grads_with_norm_`` does), its state from the
-  optimizer, and the flat operands the kernel pairs element by element (kernels/layout.py: temporaries only
-  where a tensor is laid out otherwise), with the edits a device parameter took since the last update; after the
-  update it tells the residency the gradient was used (``used``: the version it has now is the update's own).
+  (multiplied in place by the step's clip coefficient, as ``clip_grads_with_norm_`` does), its state, asked of
+  the driver by yielding a :class:`~offload_adamw.accel.work.DeviceGroup` per group, and the flat operands the kernel
+  pairs element by element (kernels/layout.py: temporaries only where a tensor is laid out otherwise), with the edits
+  a device parameter took since the last update; after the update it tells the residency the gradient was used
+  (``used``: the version it has now is the update's own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,24 +36,16 @@ import torch
 from torch import Tensor
 
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
-from offload_adamw.accel.transfer import Completion
+from offload_adamw.accel.transfer import Completion, TransferEngine
+from offload_adamw.accel.work import DeviceGroup, Work
 from offload_adamw.contract.rules import PLACEMENT_KEY, PLACEMENTS, check_placement
 from offload_adamw.kernels import layout
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
 
-__all__ = ["DeviceState", "Placement", "Placements", "TensorWork", "gather"]
+__all__ = ["Placement", "Placements", "TensorWork", "gather", "sender"]
 
 Sent = list[tuple[torch.device, Completion]]
-
-
-class DeviceState(Protocol):
-    """What a streamed or resident placement needs of its optimizer (accel/pipeline.py's ``UpdateTarget`` has both):
-    its device-memory check before it allocates device buffers, and each group's state operands."""
-
-    def check_device_buffers(self, nbytes: int, device: torch.device, label: str) -> None: ...
-
-    def state_operands(self, group_index: int, params: list[Tensor]) -> tuple[StepHyper, list[StateOperands]]: ...
 
 
 class Placement(Protocol):
@@ -61,7 +56,10 @@ class Placement(Protocol):
         """Device buffers for these slots' updates of this step, after a memory check; before any update."""
 
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
-            gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None) -> Sent: ...
+            gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None,
+            ) -> Generator[Work, None, Sent]:
+        """The bucket's update of these parameters: yields each group's work for the driver (accel/work.py), and
+        returns the completions of what it sent to a device."""
 
     def settle(self) -> None:
         """The end of a step: what this placement still copies into host memory has landed."""
@@ -76,15 +74,17 @@ class Placement(Protocol):
 class Placements:
     """Each parameter's update by its group's placement (see the module contract)."""
 
-    def __init__(self, optimizer: Any, slots: SlotTable, components: dict[str, Placement]) -> None:
+    def __init__(self, groups: Callable[[], list[dict[str, Any]]], describe: Callable[[int, int], str], slots: SlotTable,
+                 components: dict[str, Placement]) -> None:
         assert set(components) == set(PLACEMENTS)
-        self._optimizer = optimizer
+        self._groups = groups  # the optimizer's param_groups as they are now (a load replaces the list)
+        self._describe = describe
         self._slots = slots
         self._components = components
 
     def assign(self, places: dict[Tensor, tuple[int, int]]) -> None:
         names = {}
-        for gi, group in enumerate(self._optimizer.param_groups):
+        for gi, group in enumerate(self._groups()):
             names[gi] = check_placement(group.get(PLACEMENT_KEY, "host"), f"param_groups[{gi}]")
         for p, (gi, _) in places.items():
             slot = self._slots[p]
@@ -93,7 +93,7 @@ class Placements:
                 continue
             if slot.on_host and slot.holding is not Holding.NOTHING:
                 raise RuntimeError(
-                    f"{self._optimizer.describe_param(gi, places[p][1])}: param_groups[{gi}]['{PLACEMENT_KEY}'] changed "
+                    f"{self._describe(gi, places[p][1])}: param_groups[{gi}]['{PLACEMENT_KEY}'] changed "
                     f"from {slot.update_on!r} to {name!r} while its gradient is held in host memory (offload_gradients, "
                     "between backward and step()); change a group's placement between steps, after opt.zero_grad()"
                 )
@@ -107,14 +107,15 @@ class Placements:
                 component.reserve(slots)
 
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
-            gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None) -> Sent:
+            gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None,
+            ) -> Generator[Work, None, Sent]:
         by_placement: dict[str, list[Tensor]] = {}
         for p in params:
             by_placement.setdefault(self._slots[p].update_on, []).append(p)
         sent: Sent = []
         for name in ("stream", "device", "host"):  # device work first: it runs while the host updates
             if name in by_placement:
-                sent += self._components[name].run(by_placement[name], where, scale, gradient, times)
+                sent += yield from self._components[name].run(by_placement[name], where, scale, gradient, times)
         return sent
 
     def on_device(self, p: Tensor, grad: Tensor) -> bool:
@@ -157,11 +158,12 @@ class TensorWork:
         return self.grad.numel()
 
 
-def gather(optimizer: DeviceState, slots: SlotTable, params: list[Tensor], where: dict[Tensor, tuple[int, int]],
+def gather(slots: SlotTable, params: list[Tensor], where: dict[Tensor, tuple[int, int]],
            gradient: Callable[[Slot], Tensor | None], coefficient: Callable[[torch.device], Tensor | None],
            used: Callable[[Slot, Tensor], None] = lambda slot, grad: None,
-           ) -> list[tuple[int, StepHyper, dict[torch.device, list[TensorWork]]]]:
-    """Per group (in order of first appearance): its index, hyperparameters and work by update device."""
+           ) -> Generator[DeviceGroup, None, list[tuple[int, StepHyper, dict[torch.device, list[TensorWork]]]]]:
+    """Per group (in order of first appearance): its index, hyperparameters and work by update device; each group's
+    state is asked of the driver (a yielded DeviceGroup) before any kernel of the bucket runs."""
     by_group: dict[int, list[tuple[Slot, Tensor]]] = {}
     for p in params:
         slot = slots[p]
@@ -173,12 +175,22 @@ def gather(optimizer: DeviceState, slots: SlotTable, params: list[Tensor], where
             by_group.setdefault(where[p][0], []).append((slot, grad))
     out = []
     for gi, members in by_group.items():
-        hp, states = optimizer.state_operands(gi, [slot.param for slot, _ in members])
+        asked = DeviceGroup(gi, [slot.param for slot, _ in members])
+        yield asked  # the driver puts the group's state in it (optim/bucket.py)
+        hp, states = asked.given()
         by_device: dict[torch.device, list[TensorWork]] = {}
         for (slot, grad), state in zip(members, states):
             by_device.setdefault(slot.local.device, []).append(_work(slot, grad, state, used))
         out.append((gi, hp, by_device))
     return out
+
+
+def sender(engine: TransferEngine, device: torch.device) -> Callable[[Tensor], Tensor] | None:
+    """How a step's small host tensors (step counts, the loss scale) reach ``device`` in both on-device components: the
+    engine's lane (no host wait), or None on the host."""
+    if not engine.is_device(device):
+        return None
+    return lambda host: engine.to_device(device, host)
 
 
 def _work(slot: Slot, grad: Tensor, state: StateOperands, used: Callable[[Slot, Tensor], None]) -> TensorWork:

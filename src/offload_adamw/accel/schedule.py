@@ -39,8 +39,8 @@ from torch import Tensor
 
 from offload_adamw.accel.changes import DeviceFingerprints, Mark, Snapshot, changed, fingerprint, mark
 from offload_adamw.accel.freed import is_host_resident
-from offload_adamw.accel.gate import Gate
-from offload_adamw.accel.overlap import BackwardUpdater, UpdateRecord
+from offload_adamw.accel.gate import Gate, Settings
+from offload_adamw.accel.overlap import Armed, BackwardUpdater, UpdateRecord
 from offload_adamw.accel.slots import Holding, Slot, SlotTable
 from offload_adamw.accel.sources import graph_task
 from offload_adamw.accel.transfer import Completion, TransferEngine
@@ -127,11 +127,16 @@ class DuringBackward:
 
     early = True
 
-    def __init__(self, optimizer: Any, slots: SlotTable, gate: Gate, *, describe: Callable[[Slot], str],
+    def __init__(self, settings: Settings, slots: SlotTable, gate: Gate, armed: Armed, *,
+                 groups: Callable[[], list[dict[str, Any]]], has_state: Callable[[Tensor], bool],
+                 describe: Callable[[Slot], str],
                  run_early: Callable[[list[Tensor]], tuple[Sent, dict[str, float]]],
                  thread_init: Callable[[], None], intact: Callable[[Slot], bool] = lambda s: is_host_resident(s.param.grad),
                  engine: TransferEngine) -> None:
-        self._optimizer = optimizer
+        self._settings = settings  # max_grad_norm and nonfinite as they are now
+        self._groups = groups  # the optimizer's param_groups as they are now
+        self._has_state = has_state
+        self._armed = armed  # the updater of the coming backward, which the gate opens (accel/overlap.py)
         self._intact = intact  # p.grad is still the gradient backward's hook landed (a host stand-in, or on the device)
         self._slots = slots
         self._gate = gate
@@ -140,7 +145,6 @@ class DuringBackward:
         self._thread_init = thread_init
         self._engine = engine  # which devices live apart from the host, and their streams' waits
         self._fingerprints = DeviceFingerprints()
-        self._updater: BackwardUpdater | None = None
         self._buckets: list[list[Tensor]] = []
         self._snapshot: Snapshot | None = None  # what the hyperparameters were when the latest backward began
         self._values: dict[Tensor, Tensor | None] = {}  # each updated parameter's fingerprint, as its update left it
@@ -153,7 +157,6 @@ class DuringBackward:
         self._checked_task: int | None = None
         self._open = 0  # backwards whose hooks ran and whose end has not come: one that raised stays open
         self._torn = 0  # parameters updated during a backward that raised: the step is refused until a load
-        gate.on_open = self._open_gate
         _watch_forwards(self)
 
     # ------------------------------------------------------------ in backward
@@ -162,11 +165,11 @@ class DuringBackward:
         """At the first hook of a backward: counted open until its end (a backward that raises never ends), and the
         hyperparameters as they are now, before any update of this backward, which step() compares."""
         self._open += 1
-        updater = self._updater
+        updater = self._armed.updater
         if self._snapshot is None or updater is None or not updater.started():
             # Kept from the first backward of the step whose buckets started: a second backward (over other
             # parameters) must not make a change made after those updates look as old as the step.
-            self._snapshot = Snapshot(self._optimizer)
+            self._snapshot = Snapshot(self._groups(), self._settings)
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(self._backward_ended)
 
@@ -183,7 +186,7 @@ class DuringBackward:
         if self._gate.deciding() and tries > 0:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(tries - 1))
             return
-        updater = self._updater
+        updater = self._armed.updater
         if updater is None or not updater.started():
             return
         updater.settle()
@@ -202,7 +205,7 @@ class DuringBackward:
         it (the gradients as it left them). Updates ran during it: the worker is waited for (nothing changes after this
         call), and the step is refused until a load_state_dict restores a checkpoint."""
         if self._open and not self._torn:
-            updater = self._updater
+            updater = self._armed.updater
             if updater is not None and updater.started() and not updater.gated():
                 self._torn = sum(1 for bucket in self._buckets for p in bucket if updater.covers(p))
             self._open = 0
@@ -237,13 +240,9 @@ class DuringBackward:
         self._marks, self._values, self._spent = {}, {}, {}
         self._drop_updater()
 
-    def _open_gate(self) -> None:
-        if self._updater is not None:
-            self._updater.open_gate()
-
     def landed(self, slot: Slot) -> None:
         """``slot``'s gradient is in host memory (or on its way): its bucket may start."""
-        updater = self._updater
+        updater = self._armed.updater
         if updater is None:
             return
         if self._gate.gated() and not updater.gated() and not updater.started():
@@ -251,8 +250,8 @@ class DuringBackward:
             self._drop_updater()
             return
         self._drop_if_state_missing(slot.param)
-        if self._updater is not None:
-            self._updater.landed(slot.param)
+        if self._armed.updater is not None:
+            self._armed.updater.landed(slot.param)
             # An early update runs in place: a use of the parameter still to come in this backward must fail
             # loudly (autograd's saved-tensor check), not read the updated value.
             torch.autograd.graph.increment_version(slot.param)
@@ -264,28 +263,28 @@ class DuringBackward:
         time) needs state, whose creation may fail, so this step's updates wait for step(), where every state is
         created before the first update. A trainable parameter no backward reached keeps nothing waiting until it is
         reached; if that happens after updates ran, its state is created at step()."""
-        updater = self._updater
+        updater = self._armed.updater
         assert updater is not None
         if updater.started() and not updater.gated():
             return
-        state = self._optimizer.state
+        has_state = self._has_state
         task = graph_task()
         if task is None or task < 0 or task != self._checked_task:
             # Once per backward: nothing is unfrozen or given state while it runs (DDP's gloo thread has no task).
             self._checked_task = task
             self._missing_state = any(
-                s.param.requires_grad and not state.get(s.param) and s.param not in self._unreached for s in self._slots
+                s.param.requires_grad and not has_state(s.param) and s.param not in self._unreached for s in self._slots
             )
-        if not state.get(landing) or self._missing_state:
+        if not has_state(landing) or self._missing_state:
             self._drop_updater()
 
     def _drop_updater(self) -> None:
-        if self._updater is not None:
-            self._updater.close()
-            self._updater = None
+        if self._armed.updater is not None:
+            self._armed.updater.close()
+            self._armed.updater = None
 
     def check_second_backward(self, slot: Slot) -> None:
-        if self._updater is not None and self._updater.covers(slot.param):
+        if self._armed.updater is not None and self._armed.updater.covers(slot.param):
             raise RuntimeError(self._second_backward(slot))
 
     def _second_backward(self, slot: Slot) -> str:
@@ -327,7 +326,7 @@ class DuringBackward:
         """Raise when updates already ran during this backward and the optimizer is asked to ``what`` before step()."""
         if self._torn:
             self._failed_backward()
-        updater = self._updater
+        updater = self._armed.updater
         if updater is not None and updater.started() and not updater.gated():
             raise RuntimeError(
                 f"the optimizer cannot {what} now: with update_in_backward=True the last backward already updated "
@@ -345,7 +344,7 @@ class DuringBackward:
     def refuse_forward(self, module: torch.nn.Module) -> None:
         """A forward after a backward whose updates ran, before step(): torch's optimizer has not changed the
         parameters yet, ours has (some of them). Raised, naming the module's first updated parameter."""
-        updater = self._updater
+        updater = self._armed.updater
         if updater is None or not updater.started() or torch._C._current_autograd_node() is not None:
             return  # no update ran, or a recomputation inside backward (activation checkpointing)
         for p in module.parameters(recurse=False):
@@ -359,16 +358,16 @@ class DuringBackward:
 
     def armed(self) -> bool:
         """Whether the next backward's buckets are set (its updates may start during it)."""
-        return self._updater is not None
+        return self._armed.updater is not None
 
     # ------------------------------------------------------------------ the step
 
     def before_step(self) -> Early:
         """Wait for the updates that ran during backward (a gate that never opened: none ran, step() updates all)."""
         self._failed_backward()
-        if self._updater is not None and self._updater.gated():
+        if self._armed.updater is not None and self._armed.updater.gated():
             self._drop_updater()
-        updater, self._updater = self._updater, None
+        updater, self._armed.updater = self._armed.updater, None
         snapshot, self._snapshot = self._snapshot, None
         if updater is None:
             self._marks, self._values = {}, {}
@@ -386,7 +385,7 @@ class DuringBackward:
         every update runs in step() with the values of now, exactly as torch's."""
         if not ran:
             return
-        problems = [] if snapshot is None else snapshot.changes(self._optimizer)
+        problems = [] if snapshot is None else snapshot.changes(self._groups(), self._settings)
         marked = [(slot, before) for p, before in marks.items() if (slot := self._slots.get(p)) is not None]
         for (slot, _), was_edited in zip(marked, changed([(s.local, b) for s, b in marked], self._fingerprints)):
             if was_edited:
@@ -414,21 +413,21 @@ class DuringBackward:
 
     def check_step(self, where: dict[Tensor, tuple[int, int]], early: Early) -> None:
         """What the step may not meet after early updates (before any update of its own): refused, and torn."""
-        describe = self._optimizer.describe_param
+        describe = self._describe
         for p in early.params:
             if p not in where:
                 continue
             if p.grad is None:
-                self.tear(f"{describe(*where[p])}: its gradient was cleared between backward and step() "
+                self.tear(f"{describe(self._slots[p])}: its gradient was cleared between backward and step() "
                           "(model.zero_grad()), but with update_in_backward=True its update already ran during backward; "
                           "clear gradients after optimizer.step()", len(early.params))
             if not self._intact(self._slots[p]):
-                self.tear(f"{describe(*where[p])} was given a gradient after backward, or its gradient was changed after "
+                self.tear(f"{describe(self._slots[p])} was given a gradient after backward, or its gradient was changed after "
                           "backward (clipped, unscaled: a streamed or resident group's gradient stays on the device), but "
                           "with update_in_backward=True its update already ran during backward; set gradients only "
                           "through backward, and clip with max_grad_norm", len(early.params))
-        if early.params and self._optimizer.nonfinite != "propagate" and self._gate.checked_policy == "propagate":
-            self.tear(f"nonfinite changed to {self._optimizer.nonfinite!r} between backward and step(), but with "
+        if early.params and self._settings.nonfinite != "propagate" and self._gate.checked_policy == "propagate":
+            self.tear(f"nonfinite changed to {self._settings.nonfinite!r} between backward and step(), but with "
                       "update_in_backward=True updates already ran during backward without a non-finite check; set "
                       "nonfinite before the backward (the constructor's nonfinite=), or change it after optimizer.step()",
                       len(early.params))
@@ -437,17 +436,17 @@ class DuringBackward:
         """The next step's early updates follow this step's buckets (the order of this backward), with only the
         parameters that had a gradient in this step, and so have state. A trainable parameter that no backward reached
         (an unused head) is in no bucket and keeps nothing waiting."""
-        state = self._optimizer.state
+        has_state = self._has_state
         self._spent = {}  # the step has run: its gradients are p.grad's as torch's step leaves them
-        self._unreached = {s.param for s in self._slots if s.param.requires_grad and not state.get(s.param)}
+        self._unreached = {s.param for s in self._slots if s.param.requires_grad and not has_state(s.param)}
         self._checked_task = None
         kept = [
-            b for b in ([p for p in bucket if self._slots[p].holding is not Holding.NOTHING and state.get(p)]
+            b for b in ([p for p in bucket if self._slots[p].holding is not Holding.NOTHING and has_state(p)]
                         for bucket in buckets)
             if b
         ]
         self._buckets = kept
-        self._updater = BackwardUpdater(kept, self._early_update, gated=self._gate.gated(), thread_init=self._thread_init)
+        self._armed.updater = BackwardUpdater(kept, self._early_update, gated=self._gate.gated(), thread_init=self._thread_init)
 
     def _early_update(self, index: int) -> tuple[dict[str, float], Sent]:
         """A bucket's update on the worker thread, while backward goes on: its timings and the copies it sent back
@@ -468,7 +467,7 @@ class DuringBackward:
         self.refuse_mid_step("clear its gradients")
         self._snapshot = None  # a backward dropped without a step: the next one begins afresh
         self._marks, self._values, self._spent = {}, {}, {}
-        if self._updater is not None and self._updater.gated() and self._updater.started():
+        if self._armed.updater is not None and self._armed.updater.gated() and self._armed.updater.started():
             self._drop_updater()
 
     def close(self) -> dict[Tensor, str]:

@@ -147,9 +147,9 @@ def _strides(t: Tensor) -> tuple[int, ...]:
 class SlotTable:
     """The slots of one pipeline and the arenas their buffers live in."""
 
-    def __init__(self, engine: TransferEngine, check_host_buffers: Callable[[int, str], None] | None) -> None:
+    def __init__(self, engine: TransferEngine, host_memory: Callable[[int, str], None] | None) -> None:
         self._engine = engine
-        self._check = check_host_buffers
+        self._check = host_memory
         self.slots: dict[Tensor, Slot] = {}
         self._arenas: list[HostArena] = []
 

@@ -23,14 +23,15 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from torch import Tensor
 
-from offload_adamw.accel.placements import DeviceState, TensorWork, gather
+from offload_adamw.accel.placements import TensorWork, gather, sender
 from offload_adamw.accel.slots import Slot, SlotTable
 from offload_adamw.accel.transfer import DONE, Completion, TransferEngine
+from offload_adamw.accel.work import Work
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import CHUNK_ALIGN, Piece, advance_steps, chunk_plan, fused_adamw_
 
@@ -64,10 +65,10 @@ class _Ring:
 class StreamUpdate:
     """The streamed placement of a bucket's ``update_on="stream"`` groups (see the module contract)."""
 
-    def __init__(self, optimizer: DeviceState, slots: SlotTable, engine: TransferEngine,
+    def __init__(self, slots: SlotTable, engine: TransferEngine, check_memory: Callable[[int, torch.device, str], None],
                  coefficient: Callable[[torch.device], Tensor | None], *, chunk_bytes: int, buffers: int,
                  used: Callable[[Slot, Tensor], None]) -> None:
-        self._optimizer = optimizer
+        self._check_memory = check_memory  # the optimizer's device-memory check, before device buffers are allocated
         self._used = used  # the residency learns the update read the gradient (accel/device_grads.py)
         self._slots = slots
         self._engine = engine
@@ -81,26 +82,21 @@ class StreamUpdate:
         """A ring on each device these slots' updates run on, checked against the device's memory first."""
         for device in {s.local.device for s in slots} - set(self._rings):
             nbytes = self._buffers * self._chunk_bytes
-            self._optimizer.check_device_buffers(nbytes, device, "stream ring")
+            self._check_memory(nbytes, device, "stream ring")
             self._rings[device] = _Ring(device, self._chunk_bytes, self._buffers)
-
-    def _sender(self, device: torch.device) -> Callable[[Tensor], Tensor] | None:
-        """How a step's small host tensors reach ``device`` (the engine's lane: no host wait), or None on the host."""
-        if not self._engine.is_device(device):
-            return None
-        return lambda host: self._engine.to_device(device, host)
 
     def buffer_bytes(self) -> int:
         """Device bytes of the rings, as allocated."""
         return sum(r.raw.numel() for r in self._rings.values())
 
     def run(self, params: list[Tensor], where: dict[Tensor, tuple[int, int]], scale: Tensor | None,
-            gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None) -> Sent:
+            gradient: Callable[[Slot], Tensor | None], times: dict[str, float] | None = None,
+            ) -> Generator[Work, None, Sent]:
         sent: Sent = []
-        for _, hp, by_device in gather(self._optimizer, self._slots, params, where, gradient, self._coefficient,
-                                       self._used):
+        groups = yield from gather(self._slots, params, where, gradient, self._coefficient, self._used)
+        for _, hp, by_device in groups:
             for device, work in by_device.items():
-                send = self._sender(device)
+                send = sender(self._engine, device)
                 counts = advance_steps([w.state.step for w in work], device, send)
                 device_scale = None if scale is None else scale.to(device) if send is None else send(scale)
                 by_dtype: dict[torch.dtype, list[int]] = {}

@@ -59,10 +59,10 @@ def stop_looking(pipeline: Watched) -> None:
     _WAITING.discard(pipeline)
 
 
-def changed(param_groups: Sequence[dict[str, Any]], held: Mapping[Tensor, tuple[int, int]]) -> bool:
-    """Whether the parameters of ``param_groups`` and their places are not exactly ``held``."""
+def changed(groups: Sequence[dict[str, Any]], held: Mapping[Tensor, tuple[int, int]]) -> bool:
+    """Whether the parameters of ``groups`` (the optimizer's ``param_groups``) and their places are not exactly ``held``."""
     count = 0
-    for gi, group in enumerate(param_groups):
+    for gi, group in enumerate(groups):
         for i, p in enumerate(group["params"]):
             if held.get(p) != (gi, i):
                 return True

@@ -9,21 +9,23 @@ Contract:
   backward are the schedule's, :meth:`check_step`), the buffers' own checks (:meth:`check`), what clipping
   reads (:meth:`norm_inputs`: with updates during backward the norm the hooks took while it is the step's,
   accel/gate.py), each gradient complete (:meth:`complete`: the host waits for its copy), the ranks that
-  must decide alike (:meth:`decision_groups`), and it runs the buckets (:meth:`update`).
+  must decide alike (:meth:`decision_groups`), and it hands the buckets out (:meth:`update`).
 * Inside one ``step()`` a gradient is checked once: what :meth:`gradients` returned was checked before the
   first update, and later reads take it as it is.
-* :meth:`update` runs the buckets in the order this backward produced the gradients (accel/bucketing.py),
-  the host waiting only for the bucket at hand (kept gradients: the next bucket's copies are issued while
-  it updates); each bucket's update by its group's placement (accel/placements.py); the parameters go
-  back without the host waiting (the next forward waits on the device), and streamed state is back in
-  host memory when it returns.
+* :meth:`update` is a generator of the buckets in the order this backward produced the gradients
+  (accel/bucketing.py): it yields each group's work of a bucket (accel/work.py), which the step's driver does
+  (optim/bucket.py) before it goes on; the host waits only for the bucket at hand (kept gradients: the next
+  bucket's copies are issued before this one is handed out); each bucket's work is laid out by its group's
+  placement (accel/placements.py); the parameters go back without the host waiting (the next forward waits on
+  the device), and streamed state is back in host memory when the generator ends. It holds no optimizer and
+  calls none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -33,6 +35,7 @@ from offload_adamw.accel.freed import is_host_resident
 from offload_adamw.accel.gate import clip_inputs
 from offload_adamw.accel.overlap import UpdateRecord
 from offload_adamw.accel.schedule import Early
+from offload_adamw.accel.work import Work
 from offload_adamw.distributed import local_tensor
 
 if TYPE_CHECKING:
@@ -145,8 +148,8 @@ class StepTransport:
         places = self._front.places()
         return [(places[p], p) for p in todo if p.grad is not None]
 
-    def update(self, grad_scale: Tensor | None) -> None:
-        """Every bucket's update, the parameters sent back, the streamed state settled (the module contract)."""
+    def update(self, grad_scale: Tensor | None) -> Generator[Work, None, None]:
+        """Every bucket's work, handed out; the parameters sent back, the streamed state settled (the module contract)."""
         front = self._front
         early, where = self._early, front.places()
         scale = amp.step_scale(grad_scale, any(front.slots[p].on_host for p in where if p not in early.params))
@@ -166,7 +169,7 @@ class StepTransport:
                 front.residency.prefetch([front.slots[p] for p in todo[k + 1]])  # copies while this bucket updates
             record = UpdateRecord(bucket=len(records), ready=front.recorder.landed_at(bucket, self._called))
             record.start = time.monotonic()
-            sent += front.placements.run(bucket, where, scale, front.checked, record.extra)
+            sent += yield from front.placements.run(bucket, where, scale, front.checked, record.extra)
             record.end = time.monotonic()
             records.append(record)
         # The next forward waits for the parameters on the device; the host does not wait at all.

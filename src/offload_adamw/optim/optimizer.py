@@ -18,11 +18,11 @@ Contract (docs/contract.md):
   pipeline's (accel/transport.py) or the plain one that reads ``p.grad`` where it lies; clipping and the
   non-finite decision are optim/policy.py's.
 * ``load_state_dict`` is all or nothing and matches by name (optim/loading.py).
-* The transfer pipeline (accel/pipeline.py) talks to this class only through
-  the methods of :class:`~offload_adamw.accel.pipeline.UpdateTarget`:
-  ``describe_param``, ``check_gradient`` and ``preflight`` (updates during backward),
-  ``update_group`` and, for streamed and resident groups, ``state_operands`` and
-  ``check_device_buffers``.
+* The transfer pipeline (accel/pipeline.py) holds no optimizer and calls none: it is built by
+  optim/bucket.py's ``pipeline_for``, handed a :class:`~offload_adamw.accel.pipeline.Wiring` of narrow
+  callables over a weak reference to this optimizer, and hands out each bucket's work (accel/work.py),
+  which optim/bucket.py does with ``update_group`` (host groups) or ``state_operands`` (streamed and
+  resident groups); updates during backward go through optim/bucket.py's ``BackwardBuckets`` likewise.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from offload_adamw.distributed import dtensor as _distributed
 from offload_adamw.distributed import node as _node
 from offload_adamw.kernels.adamw import StepHyper
 from offload_adamw.kernels.fused_device import StateOperands
+from offload_adamw.optim import bucket as _bucket
 from offload_adamw.optim import loading as _loading
 from offload_adamw.optim import placement as _placement
 from offload_adamw.optim import policy as _policy
@@ -481,10 +482,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         if pin_memory is None:
             self._pin_memory = False  # the pipeline's own exact pinned buffers carry every transfer
-        self._pipeline = GradientPipeline(self, PipelineConfig(
+        self._pipeline = _bucket.pipeline_for(self, PipelineConfig(
             offload_gradients=offload_gradients, bucket_bytes=bucket_bytes, update_in_backward=update_in_backward,
             stream_chunk_bytes=stream_chunk_bytes, stream_buffers=stream_buffers,
-        ), _policy)
+        ))
         # GradScaler hands grad_scale / found_inf to step() instead of unscaling p.grad itself.
         self._step_supports_amp_scaling = True
 
@@ -592,7 +593,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         return _policy.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    # ------------------------------------------- the update path (UpdateTarget)
+    # ------------------------------- the update path (optim/bucket.py, optim/step.py)
 
     def kernel_impl(self, group: dict[str, Any]) -> str:
         """The kernel that updates ``group``: "for_loop" with fused=False, else "blocked"."""

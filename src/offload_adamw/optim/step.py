@@ -8,12 +8,14 @@ Contract (docs/contract.md#what-each-input-does):
   buffers need), so that an error names its parameter and leaves every tensor as it was; clip (or, where the
   norm is always taken, measure: ``last_grad_norm``) with optim/policy.py's ``step_norm``; apply the
   non-finite policy (optim/policy.py's ``nonfinite_decision``, ``skipped_steps`` counts a skip); create
-  the missing state, all or none (``OffloadAdamW.preflight``); then the updates, bucket by bucket, and the
-  parameters sent back (``transport.update``).
-* Two transports: :class:`PlainTransport` reads ``p.grad`` where it lies and updates group by group (a device
-  parameter, an FSDP2 shard, through a host copy of its current value); the transfer pipeline's
-  (accel/transport.py) holds gradients in host buffers and runs buckets. The sequence does not depend on
-  which: a decision of the step is written here once.
+  the missing state, all or none (``OffloadAdamW.preflight``); then the updates, bucket by bucket: the
+  transport hands out each group's work (``transport.update``, a generator of accel/work.py's pieces), which
+  optim/bucket.py's ``serve`` does with the optimizer's state before the transport goes on (sends the parameters
+  back, runs the device kernel over the state given, settles).
+* Two transports: :class:`PlainTransport` reads ``p.grad`` where it lies and hands out one host group at a time
+  (a device parameter, an FSDP2 shard, through a host copy of its current value); the transfer pipeline's
+  (accel/transport.py) holds gradients in host buffers and hands out buckets. Neither calls the optimizer. The
+  sequence does not depend on which: a decision of the step is written here once.
 * Clipping needs unscaled gradients: with ``max_grad_norm`` a GradScaler's ``grad_scale`` (``scaler.step``
   without ``scaler.unscale_``) is refused before anything changes.
 """
@@ -21,13 +23,15 @@ Contract (docs/contract.md#what-each-input-does):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
+from offload_adamw.accel.work import HostGroup, Work
 from offload_adamw.contract.rules import PLACEMENT_KEY
 from offload_adamw.distributed import dtensor as _distributed
+from offload_adamw.optim import bucket as _bucket
 from offload_adamw.optim import placement as _placement
 from offload_adamw.optim import policy as _policy
 
@@ -64,7 +68,7 @@ class Transport(Protocol):
 
     def prepare(self) -> list[tuple[Place, Tensor]]: ...
 
-    def update(self, grad_scale: Tensor | None) -> None: ...
+    def update(self, grad_scale: Tensor | None) -> Generator[Work, None, None]: ...
 
 
 def run(opt: OffloadAdamW, transport: Transport, grad_scale: Tensor | None, found_inf: Any, called_by_scaler: bool) -> None:
@@ -94,7 +98,8 @@ def run(opt: OffloadAdamW, transport: Transport, grad_scale: Tensor | None, foun
             transport.skipped()
             return
     opt.preflight([place for place, p in transport.prepare() if not opt.state.get(p)])
-    transport.update(grad_scale)
+    for work in transport.update(grad_scale):  # bucket by bucket: the transport goes on once each piece is done
+        _bucket.serve(opt, work)
 
 
 class PlainTransport:
@@ -144,7 +149,7 @@ class PlainTransport:
     def prepare(self) -> list[tuple[Place, Tensor]]:
         return [(place, p) for place, p, _ in self._present]
 
-    def update(self, grad_scale: Tensor | None) -> None:
+    def update(self, grad_scale: Tensor | None) -> Generator[Work, None, None]:
         opt, present, self._present = self._opt, self._present, []
         for gi in range(len(opt.param_groups)):
             updates: list[tuple[Tensor, Tensor, Tensor | None]] = []
@@ -157,7 +162,7 @@ class PlainTransport:
                 # last step the update takes over (docs/contract.md#edits-between-steps), receives round(master).
                 staging = local.detach().to("cpu") if local.device.type != "cpu" else None
                 updates.append((p, host_grad if host_grad.device.type == "cpu" else host_grad.to("cpu"), staging))
-            opt.update_group(gi, updates, current=[staging is not None for _, _, staging in updates])
+            yield HostGroup(gi, updates, [staging is not None for _, _, staging in updates], None)
             for p, _, staging in updates:
                 if staging is not None:
                     _distributed.local_tensor(p).copy_(staging)
