@@ -171,8 +171,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        slot.landing = self._engine.copy_to_host(grad, host)\n",
         [LANE_TESTS + "test_a_reduced_bucket_replaces_a_host_gradient_only_once_the_add_queued_into_it_has_ended"]),
     "step: the next forward does not wait for the parameters sent back": (
-        f"{ACCEL}/transport.py", "            front.engine.compute_waits(device, done)\n", "            pass\n",
+        f"{ACCEL}/transport.py", "                front.engine.compute_waits(device, done)\n", "                pass\n",
         [PARITY_KEPT]),
+    "step: a step that raised midway returns with earlier buckets' state still landing in host memory": (
+        f"{ACCEL}/transport.py", "        finally:\n            # Also when a bucket raised",
+        "        except BaseException:\n            raise\n        else:\n            # Also when a bucket raised",
+        [SUITES + "test_a_step_that_raises_midway_leaves_no_copy_into_host_memory_in_flight[98]"]),
     "kept: the host reads a gradient before its copy landed": (
         f"{ACCEL}/residency.py", "        slot.complete()\n        slot.fetched = None\n        return slot.host_grad\n",
         "        slot.fetched = None\n        return slot.host_grad\n", [PARITY_KEPT]),

@@ -282,3 +282,48 @@ def test_the_next_forward_waits_for_a_streamed_parameter_written_back_after_its_
                 opt.zero_grad()
     for p, q in zip(reference.parameters(), model.parameters()):
         assert torch.equal(p.detach(), q.detach()), "a forward read a parameter before its write-back ran"
+
+
+@pytest.mark.parametrize("simulated_device", [98], indirect=True)
+def test_a_step_that_raises_midway_leaves_no_copy_into_host_memory_in_flight(simulated_device, monkeypatch):
+    """A step interrupted after its first bucket (an error raised while the second is served: a KeyboardInterrupt, a
+    failed allocation) still settles what it streamed: the first bucket's state, copied back to host memory, has landed
+    when the error reaches the caller, so a checkpoint saved in the handler holds what it will hold later, not a torn
+    mix of bytes still arriving. The next forward also waits for the parameters the first bucket sent."""
+    from offload_adamw.optim import bucket as optim_bucket
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+    opt = OffloadAdamW([{"params": list(model.parameters()), "update_on": "stream"}], lr=1e-2, bucket_bytes=1,
+                       stream_chunk_bytes=test_placement.CHUNK)
+    x = torch.randn(8, 64)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+
+    served = optim_bucket.serve
+    calls = []
+
+    def serve_then_fail(opt_, work):
+        calls.append(work)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("the user pressed Ctrl-C during step()")
+        served(opt_, work)
+
+    monkeypatch.setattr(optim_bucket, "serve", serve_then_fail)
+    with simulated_device.slow_copies(0.1), pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.setattr(optim_bucket, "serve", served)
+    at_the_error = {k: v.clone() for k, v in _host_state(opt).items()}
+    import time
+    time.sleep(0.5)
+    later = _host_state(opt)
+    changed = [k for k in later if not torch.equal(at_the_error[k], later[k])]
+    assert not changed, f"state still landing in host memory after step() raised: {changed[:4]}"
+    assert len(calls) == 3
+
+
+def _host_state(opt) -> dict[str, torch.Tensor]:
+    return {f"{i}.{name}": t for i, (p, s) in enumerate(opt.state.items()) for name, t in s.items()
+            if isinstance(t, torch.Tensor)}

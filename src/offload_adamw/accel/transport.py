@@ -164,18 +164,22 @@ class StepTransport:
         records = list(early.records)
         if todo:
             front.residency.prefetch([front.slots[p] for p in todo[0]])
-        for k, bucket in enumerate(todo):
-            if k + 1 < len(todo):
-                front.residency.prefetch([front.slots[p] for p in todo[k + 1]])  # copies while this bucket updates
-            record = UpdateRecord(bucket=len(records), ready=front.recorder.landed_at(bucket, self._called))
-            record.start = time.monotonic()
-            sent += yield from front.placements.run(bucket, where, scale, front.checked, record.extra)
-            record.end = time.monotonic()
-            records.append(record)
-        # The next forward waits for the parameters on the device; the host does not wait at all.
-        for device, done in sent:
-            front.engine.compute_waits(device, done)
-        front.placements.settle()  # streamed state is back in host memory when step() returns
+        try:
+            for k, bucket in enumerate(todo):
+                if k + 1 < len(todo):
+                    front.residency.prefetch([front.slots[p] for p in todo[k + 1]])  # copies while this bucket updates
+                record = UpdateRecord(bucket=len(records), ready=front.recorder.landed_at(bucket, self._called))
+                record.start = time.monotonic()
+                sent += yield from front.placements.run(bucket, where, scale, front.checked, record.extra)
+                record.end = time.monotonic()
+                records.append(record)
+        finally:
+            # Also when a bucket raised (or the driver closed this generator): what the buckets before it sent and
+            # streamed must not land after the error reaches the caller, who may save a checkpoint in its handler.
+            # The next forward waits for the parameters on the device; the host does not wait at all.
+            for device, done in sent:
+                front.engine.compute_waits(device, done)
+            front.placements.settle()  # streamed state is back in host memory when step() returns or raises
         front.slots.pin_deferred()
         front.new_step()
         front.recorder.finish(records, self._called)

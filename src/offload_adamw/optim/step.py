@@ -98,8 +98,11 @@ def run(opt: OffloadAdamW, transport: Transport, grad_scale: Tensor | None, foun
             transport.skipped()
             return
     opt.preflight([place for place, p in transport.prepare() if not opt.state.get(p)])
-    for work in transport.update(grad_scale):  # bucket by bucket: the transport goes on once each piece is done
-        _bucket.serve(opt, work)
+    # Bucket by bucket: the transport goes on once each piece is done. closing(): an error in a piece ends the
+    # transport's generator here (it settles what earlier buckets sent), not when reference counting drops it.
+    with contextlib.closing(transport.update(grad_scale)) as works:
+        for work in works:
+            _bucket.serve(opt, work)
 
 
 class PlainTransport:
