@@ -336,5 +336,18 @@ def test_the_report_names_the_openmp_runtime_torch_loaded(tmp_path) -> None:
     assert environment._openmp_runtime(str(tmp_path / "absent")) is None
     threads = torch.get_num_threads()
     report = environment.environment(torch.device("cpu"))["torch_openmp"]
-    assert report["threads"] == threads and report["after_each_region"] == environment.openmp_spin(
-        report["runtime"], threads, dict(os.environ))
+    assert report["threads"] == threads and report["cpus"] == len(os.sched_getaffinity(0))
+    assert report["after_each_region"] == environment.openmp_spin(report["runtime"], threads, dict(os.environ),
+                                                                  report["cpus"])
+
+
+def test_the_report_says_libgomp_throttles_its_spin_with_more_threads_than_cpus() -> None:
+    """libgomp's env.c: more of its threads than CPUs caps the spin at 100 pauses (1000 ACTIVE, 0 PASSIVE)."""
+    spin = environment.openmp_spin
+    assert "300000 pauses" in spin("libgomp", 4, {}, cpus=4)  # as many threads as CPUs: not throttled
+    assert spin("libgomp", 4, {}, cpus=2) == "spins for 100 pauses (4 threads on 2 CPUs: libgomp throttles its spin)"
+    assert spin("libgomp", 4, {"OMP_WAIT_POLICY": "ACTIVE"}, cpus=2).startswith("spins for 1000 pauses")
+    assert spin("libgomp", 4, {"OMP_WAIT_POLICY": "PASSIVE"}, cpus=2).startswith("sleeps at once")
+    assert spin("libgomp", 4, {"GOMP_SPINCOUNT": "50"}, cpus=2).startswith("spins for 50 pauses")
+    assert spin("libgomp", 4, {"GOMP_SPINCOUNT": "INFINITE"}, cpus=2).startswith("spins for 100 pauses")
+    assert spin("libiomp5", 4, {}, cpus=2) == "spins for 200 ms (KMP_BLOCKTIME unset)"  # libgomp's rule only

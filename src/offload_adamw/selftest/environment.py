@@ -152,22 +152,24 @@ def _openmp_runtime(maps: str = "/proc/self/maps") -> str | None:
     return None
 
 
-def openmp_spin(runtime: str | None, threads: int, environ: dict[str, str]) -> str:
+def openmp_spin(runtime: str | None, threads: int, environ: dict[str, str], cpus: int | None = None) -> str:
     """How long torch's OpenMP workers spin after each parallel region, in words, by the runtime's documented rules.
 
     libgomp (read when torch loads it; nothing changes it afterwards): ``GOMP_SPINCOUNT`` when set, else
-    ``OMP_WAIT_POLICY`` (``PASSIVE``: no spin; ``ACTIVE``: practically forever), else 300000 pauses (a few ms).
-    Intel's and LLVM's runtimes: ``KMP_BLOCKTIME`` (200 ms when unset), ``PASSIVE`` meaning none."""
+    ``OMP_WAIT_POLICY`` (``PASSIVE``: no spin; ``ACTIVE``: practically forever), else 300000 pauses (a few ms);
+    with more threads than the ``cpus`` it may run on, it throttles the spin to at most 100 pauses (1000 under
+    ``ACTIVE``, none under ``PASSIVE``). Intel's and LLVM's runtimes: ``KMP_BLOCKTIME`` (200 ms when unset),
+    ``PASSIVE`` meaning none."""
     if threads <= 1:
         return "no team (one thread): nothing spins after torch's CPU work"
     policy = environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    if runtime == "libgomp" and cpus is not None and threads > cpus:
+        return _libgomp_throttled(policy, environ, threads, cpus)
     if runtime == "libgomp":
-        count = environ.get("GOMP_SPINCOUNT", "").strip()
-        if count.upper() in ("INFINITE", "INFINITY"):
+        pauses = _gomp_spincount(environ)
+        if pauses == _GOMP_INFINITE:
             return "spins until the next region (GOMP_SPINCOUNT=INFINITE)"
-        parsed = re.fullmatch(r"(\d+)\s*([kKmMgGtT]?)", count)  # libgomp ignores a value it cannot parse
-        if parsed:
-            pauses = int(parsed.group(1)) * 1000 ** " KMGT".index(parsed.group(2).upper() or " ")
+        if pauses is not None:
             return "sleeps at once (GOMP_SPINCOUNT=0)" if pauses == 0 else f"spins for {pauses} pauses (GOMP_SPINCOUNT)"
         if policy == "PASSIVE":
             return "sleeps at once (OMP_WAIT_POLICY=PASSIVE)"
@@ -183,12 +185,37 @@ def openmp_spin(runtime: str | None, threads: int, environ: dict[str, str]) -> s
     return "unknown runtime: not read"
 
 
+_GOMP_INFINITE = 2**64 - 1  # libgomp's ~0ULL
+
+
+def _gomp_spincount(environ: dict[str, str]) -> int | None:
+    """``GOMP_SPINCOUNT`` as libgomp parses it (a count with an optional k, M, G or T, or INFINITE), None where unset
+    or unparsable: libgomp ignores a value it cannot parse."""
+    count = environ.get("GOMP_SPINCOUNT", "").strip()
+    if count.upper() in ("INFINITE", "INFINITY"):
+        return _GOMP_INFINITE
+    parsed = re.fullmatch(r"(\d+)\s*([kKmMgGtT]?)", count)
+    return int(parsed.group(1)) * 1000 ** " KMGT".index(parsed.group(2).upper() or " ") if parsed else None
+
+
+def _libgomp_throttled(policy: str, environ: dict[str, str], threads: int, cpus: int) -> str:
+    # libgomp's env.c: with more of its threads than available CPUs it spins min(throttled, GOMP_SPINCOUNT)
+    # pauses, the throttled count being 1000 under ACTIVE, 0 under PASSIVE and 100 otherwise.
+    throttled = {"ACTIVE": 1000, "PASSIVE": 0}.get(policy, 100)
+    pauses = _gomp_spincount(environ)
+    if pauses is not None:
+        throttled = min(throttled, pauses)
+    why = f"{threads} threads on {cpus} CPUs: libgomp throttles its spin"
+    return f"sleeps at once ({why})" if throttled == 0 else f"spins for {throttled} pauses ({why})"
+
+
 def _torch_openmp() -> dict[str, Any]:
     runtime, threads = _openmp_runtime(), torch.get_num_threads()
-    return {"runtime": runtime, "threads": threads,
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"runtime": runtime, "threads": threads, "cpus": cpus,
             "settings": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
                          if k in os.environ},
-            "after_each_region": openmp_spin(runtime, threads, dict(os.environ))}
+            "after_each_region": openmp_spin(runtime, threads, dict(os.environ), cpus)}
 
 
 def _stream_backend() -> str:
