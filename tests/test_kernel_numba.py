@@ -20,6 +20,7 @@ compute one after the other.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -274,19 +275,23 @@ def test_tensors_left_to_the_chunk_loop_are_untouched():
         assert torch.equal(t["master"][stop:], before[i][stop:]), f"tensor {i} changed past {stop}"
 
 
-@pytest.mark.parametrize("moment", ["m", "v"])
+@pytest.mark.parametrize("moment", ["m", "v", "max"])
 def test_moments_not_float32_are_declined_not_read_as_float32(moment):
     """The loop steps through masters and moments as float32: a tensor with a float64 moment (the optimizer never
     makes one; a direct caller of the kernel may) is left to the chunk loop, whose fused op refuses the mix by name,
-    instead of having its float64 bytes read and written as float32 (silently wrong numbers)."""
+    instead of having its float64 bytes read and written as float32 (silently wrong numbers). "max" is amsgrad's
+    running maximum of v."""
     t = _tensors(256, torch.bfloat16, torch.bfloat16, seed=3)
+    t["max"] = torch.zeros(256)
     t[moment] = t[moment].double()
     t["step"] += 1
-    done, jobs = numba_loop.plan([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP, [0],
-                                 workers=1)
+    hp = dataclasses.replace(HP, amsgrad=True) if moment == "max" else HP
+    maxes = [t["max"]] if hp.amsgrad else []
+    done, jobs = numba_loop.plan([t["master"]], [t["grad"]], [t["m"]], [t["v"]], maxes, [t["step"]], [t["out"]], hp,
+                                 [0], workers=1)
     assert (done, jobs) == ({}, [])
     with pytest.raises(RuntimeError, match="Double"):
-        blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP)
+        blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], maxes, [t["step"]], [t["out"]], hp)
 
 
 def _train(**options):

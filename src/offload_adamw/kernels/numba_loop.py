@@ -704,7 +704,8 @@ def plan(
     # same float32 values.
     try:
         counts = torch.stack([steps[i] for i in indices]).tolist()
-    except RuntimeError:  # counts of different shapes (a loaded state's): one at a time
+    except RuntimeError:  # counts of different shapes (a load makes 0-d float32 ones; only a count assigned into
+        # opt.state by hand has another shape): one at a time
         counts = [steps[i].item() for i in indices]
     float32 = torch.float32
     for i, step in zip(indices, counts):
@@ -716,7 +717,7 @@ def plan(
         out = model_params[i] if model_params is not None else None
         follow = bool(take_model_edits[i]) if take_model_edits is not None and out is not None else False
         dtypes = (grads[i].dtype, None if out is None else out.dtype, follow)
-        if (stop == 0 or master.dtype != float32 or dtypes[0] not in _KIND or (out is not None and dtypes[1] not in _KIND)
+        if (master.dtype != float32 or dtypes[0] not in _KIND or (out is not None and dtypes[1] not in _KIND)
                 or exp_avgs[i].dtype != float32 or exp_avg_sqs[i].dtype != float32
                 or (hp.amsgrad and max_exp_avg_sqs[i].dtype != float32)):
             continue  # the loop reads float32 masters and moments (their addresses are stepped by 4 bytes below)
