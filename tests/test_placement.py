@@ -381,3 +381,20 @@ def test_the_preflight_refuses_a_ring_that_does_not_fit_before_any_update(monkey
     monkeypatch.delenv("OFFLOAD_ADAMW_HOST_AVAILABLE_BYTES")
     opt.step()
     assert opt.device_buffer_bytes() == 3 * CHUNK
+
+
+def test_misplaced_sees_a_state_tensor_in_pageable_memory_where_its_home_is_page_locked(simulated_device) -> None:
+    """A pinned host home asks for page-locked memory: a state tensor in pageable host memory (a state dict loaded
+    with pin_memory off, say) is misplaced there and nowhere else, and one page-locked by the device's backend is
+    at home."""
+    from offload_adamw.accel.host_memory import PageLocker, page_locked_empty_strided
+    from offload_adamw.optim.placement import misplaced, shared_home
+
+    local = torch.zeros(4, 2)
+    locked = page_locked_empty_strided((4, 2), (2, 1), torch.float32, PageLocker(simulated_device, 1))
+    pinned_home = shared_home("host", pin_default=True)
+    assert pinned_home is not None
+    assert misplaced({"exp_avg": torch.zeros(4, 2)}, local, *pinned_home)
+    assert not misplaced({"exp_avg": torch.zeros(4, 2)}, local, torch.device("cpu"), False)
+    assert not misplaced({"exp_avg": locked}, local, *pinned_home)
+    assert not misplaced({"exp_avg": locked, "step": torch.zeros(())}, local, *pinned_home)  # the count: not state
