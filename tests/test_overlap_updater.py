@@ -67,9 +67,10 @@ def test_the_first_error_of_an_update_is_raised_by_finish() -> None:
         updater.finish()
 
 
-def test_a_disabled_updater_leaves_every_bucket_to_the_step() -> None:
+def test_an_updater_of_no_buckets_does_nothing_and_starts_no_thread() -> None:
     ran: list[int] = []
-    updater = BackwardUpdater([[0], [1]], lambda i: ran.append(i) or None, gated=False, enabled=False)
+    threads = threading.active_count()
+    updater = BackwardUpdater([], lambda i: ran.append(i) or None, gated=False)
     updater.landed(0)
-    updater.landed(1)
-    assert updater.finish() == ([0, 1], []) and ran == []
+    assert not updater.enabled and threading.active_count() == threads
+    assert updater.finish() == ([], []) and ran == []

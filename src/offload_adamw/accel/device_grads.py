@@ -37,8 +37,6 @@ __all__ = ["ByPlacement", "DeviceGradients", "LandedDeviceGradients", "landed_in
 class _OnDevice:
     """What both device residencies share: ``p.grad`` on its device is the gradient (see the module contract)."""
 
-    freed = False
-
     def __init__(self, engine: TransferEngine, slots: SlotTable) -> None:
         self._engine = engine
         self._slots = slots
@@ -159,7 +157,6 @@ class ByPlacement:
     def __init__(self, host: Residency, device: DeviceGradients | LandedDeviceGradients) -> None:
         self.host = host
         self.device = device
-        self.freed = host.freed
         self.intact = landed_intact(device)
 
     def _of(self, slot: Slot) -> Any:

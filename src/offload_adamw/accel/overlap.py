@@ -20,8 +20,8 @@ Contract:
   which the caller updates itself) and the timeline records of those that were.
 * The worker thread runs ``thread_init`` first (accel/transfer.py: on CUDA it makes the pipeline's
   device current, so that no thread creates a context on device 0).
-* Buckets are updated in the order they completed; each bucket once per step. A disabled updater
-  (``enabled=False``: accumulation micro-batches, or nothing known yet about the order) does nothing.
+* Buckets are updated in the order they completed; each bucket once per step. An updater of no buckets (the
+  last step updated no parameter that still holds a gradient) does nothing and starts no thread.
 * :class:`Armed` holds the updater of the coming backward, if any: the schedule (accel/schedule.py) sets it, and
   the gate (accel/gate.py) opens it when backward's end lets the gated updates start. The front builds it first,
   so that both get it at construction (neither is patched with the other's method afterwards).
@@ -62,7 +62,6 @@ class BackwardUpdater:
         update: Callable[[int], tuple[dict[str, float], Any] | None],
         *,
         gated: bool,
-        enabled: bool = True,
         thread_init: Callable[[], None] | None = None,
     ) -> None:
         self._buckets = [list(b) for b in buckets]
@@ -74,12 +73,11 @@ class BackwardUpdater:
         self._queued: list[int] = []  # complete buckets waiting for the gate, in completion order
         self._records: dict[int, UpdateRecord] = {}
         self._futures: list[Future] = []
-        self._enabled = enabled and bool(self._buckets)
+        self._enabled = bool(self._buckets)
         self._pool: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(1, thread_name_prefix="offload-adamw-update", initializer=thread_init)
             if self._enabled else None
         )
-        self.last_landed = 0.0
         self._worker: threading.Thread | None = None
 
     @property
@@ -92,7 +90,6 @@ class BackwardUpdater:
             return
         now = time.monotonic()
         with self._lock:
-            self.last_landed = now
             index = self._where.get(key)
             if index is None or index in self._records or key not in self._missing[index]:
                 return

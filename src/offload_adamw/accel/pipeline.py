@@ -163,16 +163,6 @@ class GradientPipeline:
                                                describe=self._describe, policy=wiring.policy,
                                                decision_groups=models.process_groups, intact=intact,
                                                on_open=armed.open_gate)
-        coefficient = lambda: self.gate.coefficient  # noqa: E731
-        used = lambda slot, grad: self.residency.used(slot, grad)  # noqa: E731, PLW0108 - the residency is built below
-        chunk = config.stream_chunk_bytes // 4096 * 4096
-        self.placements = Placements(wiring.groups, wiring.describe, self.slots, {
-            "host": HostUpdate(self.slots, self.engine, self.recorder, coefficient),
-            "stream": StreamUpdate(self.slots, self.engine, wiring.device_memory, self.gate.coefficient_on, chunk_bytes=chunk,
-                                   buffers=config.stream_buffers, used=used),
-            "device": DeviceUpdate(self.slots, self.engine, wiring.device_memory, self.gate.coefficient_on, chunk_bytes=chunk,
-                                   used=used),
-        })
         self.schedule: AtStep | DuringBackward = (
             DuringBackward(wiring.settings, self.slots, self.gate, armed, groups=wiring.groups,
                            has_state=wiring.has_state, describe=self._describe,
@@ -185,6 +175,15 @@ class GradientPipeline:
             if config.offload_gradients else KeptGradients(self.engine, self.slots),
             device_grads,
         )
+        coefficient = lambda: self.gate.coefficient  # noqa: E731
+        chunk = config.stream_chunk_bytes // 4096 * 4096
+        self.placements = Placements(wiring.groups, wiring.describe, self.slots, {
+            "host": HostUpdate(self.slots, self.engine, self.recorder, coefficient),
+            "stream": StreamUpdate(self.slots, self.engine, wiring.device_memory, self.gate.coefficient_on, chunk_bytes=chunk,
+                                   buffers=config.stream_buffers, used=self.residency.used),
+            "device": DeviceUpdate(self.slots, self.engine, wiring.device_memory, self.gate.coefficient_on, chunk_bytes=chunk,
+                                   used=self.residency.used),
+        })
         taking = EarlyTaking() if config.update_in_backward else FreedTaking() if config.offload_gradients else KeptTaking()
         self.ddp = DdpSource(
             self.slots, self, taking=taking, land_reduced=self.residency.land_reduced,

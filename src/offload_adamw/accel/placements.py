@@ -11,9 +11,9 @@ Contract:
   value by the group's name; a slot whose placement changed drops (or, back on the host, gets) its host buffers. A
   change while a host slot holds its gradient in host memory (freed gradients, between backward and ``step()``)
   is refused: that gradient left the device for the old placement. A device gradient serves every placement.
-* :meth:`Placements.prepare` runs after the optimizer's pre-flight and before any update of a step: each
-  on-device component allocates its device buffers there (after its own memory check), so that a step that
-  cannot get them fails before it has changed anything. :meth:`Placements.settle` ends a step: the host waits
+* :meth:`Placements.prepare` runs before the optimizer's pre-flight (which creates missing state) and before any
+  update of a step: each on-device component allocates its device buffers there (after its own memory check), so
+  that a step that cannot get them fails before it has changed anything. :meth:`Placements.settle` ends a step: the host waits
   for the copies of streamed state back into host memory; :meth:`Placements.close` (the optimizer dropped) lets the
   device buffers go at once.
 * Every component's :meth:`Placement.run` is a generator: it yields the work of each group (accel/work.py) and

@@ -50,8 +50,6 @@ class Guard(Protocol):
 
 
 class Residency(Protocol):
-    freed: bool
-
     def land(self, slot: Slot, grad: Tensor) -> None: ...
 
     def land_reduced(self, slot: Slot, grad: Tensor) -> None: ...
@@ -77,8 +75,6 @@ class Residency(Protocol):
 
 class KeptGradients:
     """``p.grad`` stays on the device; the step copies it once (see the module contract)."""
-
-    freed = False
 
     def __init__(self, engine: TransferEngine, slots: SlotTable) -> None:
         self._engine = engine
@@ -148,8 +144,6 @@ class KeptGradients:
 
 class FreedGradients:
     """The host buffer is the gradient; ``p.grad`` its stand-in (see the module contract)."""
-
-    freed = True
 
     def __init__(self, engine: TransferEngine, slots: SlotTable, guard: Guard, lock: threading.RLock,
                  describe: Callable[[Slot], str]) -> None:
