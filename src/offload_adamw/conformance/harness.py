@@ -359,11 +359,6 @@ def load_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def save_and_load(state_dict: Any) -> Any:
-    """A state_dict after a trip through torch.save/torch.load (what a checkpoint does to it)."""
-    return load_bytes(save_bytes(state_dict))
-
-
 _FLOAT_ORDER = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
