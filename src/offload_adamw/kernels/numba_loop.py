@@ -35,8 +35,8 @@ Contract:
   speed. Inside a region torch.compile traces, the path steps aside silently.
 * Threads: each batch is one call of a numba function compiled with
   ``nogil=True`` and no threading layer of its own (``parallel=False``): the
-  caller's worker threads (one per ``torch.get_num_threads()``) run the batches
-  in parallel, so the step uses exactly the threads torch would, and nothing in
+  caller's ``workers`` threads (the optimizer's ``host_threads``: the cores this
+  rank may use, distributed/node.py) run the batches in parallel, and nothing in
   this module survives a fork in a state that could hang the child.
 
 Why the bits are the same. torch's fused kernel computes, per vector of
