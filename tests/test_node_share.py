@@ -240,6 +240,8 @@ def test_the_gpus_numa_node_holds_the_state_and_runs_the_update(tmp_path, monkey
     monkeypatch.setattr(node, "SYSFS", fake_sysfs(tmp_path, {0: str(cores[0]), 1: str(cores[1])},
                                                   {"0000:1b:00.0": "0"}))
     monkeypatch.setattr(simulated_device, "pci_address", "0000:1b:00.0", raising=False)
+    pools: dict = {}
+    monkeypatch.setattr(blocked, "_pools", pools)  # the pools this test's step makes, alone
     params = _mixed_model(2)
     opt = OffloadAdamW(params, lr=1e-2)
     assert opt.node.numa is not None and (opt.node.numa.node, set(opt.node.numa.cpus)) == (0, {cores[0]})
@@ -253,9 +255,12 @@ def test_the_gpus_numa_node_holds_the_state_and_runs_the_update(tmp_path, monkey
                 assert node.page_policy(t) == (node.MPOL_PREFERRED, 0), (key, t.shape)
     outside = torch.zeros(1 << 20)
     assert node.page_policy(outside)[0] == node.MPOL_DEFAULT  # the policy was the state's, not the thread's for good
-    workers = blocked._get_pool(1, frozenset({cores[0]}))
+    assert (1, frozenset({cores[0]})) in pools, f"the step ran on {list(pools)}, not one worker on core {cores[0]}"
+    workers = pools[(1, frozenset({cores[0]}))]
     assert workers.submit(lambda: os.sched_getaffinity(0)).result() == {cores[0]}
-    assert (1, frozenset({cores[0]})) in blocked._pools and os.sched_getaffinity(0) >= set(cores)  # ours untouched
+    assert os.sched_getaffinity(0) >= set(cores)  # ours untouched
+    for pool in pools.values():
+        pool.shutdown()
 
 
 def test_the_bits_do_not_depend_on_the_numa_node():
