@@ -49,6 +49,11 @@ def test_dicts_complex_and_non_contiguous_tensors():
     assert_bitwise_equal({"a": [z, 1]}, {"a": [z.clone(), 1]}, "state")
 
 
+def test_a_non_sequence_where_a_sequence_is_expected_is_named_not_a_type_error():
+    with pytest.raises(AssertionError, match=r"grads: a NoneType, expected 1 items"):
+        assert_bitwise_equal(None, [torch.zeros(1)], "grads")
+
+
 def test_every_entry_supports_or_refuses_every_feature():
     for table in (MODES, PLACEMENTS, CONFIGS):
         for entry in table.values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -364,6 +365,20 @@ def test_candidates_or_a_batch_file_one_of_them(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def _process_table(text: str) -> list[tuple[int, int, int, str, str]]:
+    """(pid, parent, process group, state, kernel wait channel) of the live processes whose command line holds
+    ``text``."""
+    rows = []
+    for pid in _processes_naming(text):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            continue
+        rows.append((pid, int(fields[1]), int(fields[2]), fields[0], wchan))
+    return rows
+
+
 def _processes_naming(text: str) -> list[int]:
     """The live processes whose command line holds ``text``."""
     found = []
@@ -391,7 +406,16 @@ def test_an_interrupt_ends_the_command_with_130_one_line_and_every_process_it_st
         assert time.monotonic() < deadline and proc.poll() is None, "the clause never started"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the terminal's group, here the command's session
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # seen once in a full run: say who was left, and end them
+        left, ended = _process_table(str(candidates)), proc.poll() is not None
+        for pid in [proc.pid] + [row[0] for row in left]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"60 s after the interrupt: the command {'had ended' if ended else 'still ran'}; "
+                    f"its processes (pid, ppid, pgid, state, wchan): {left}")
     assert proc.returncode == 130
     assert err.strip().splitlines() == ["offload-adamw check: interrupted"] and "Traceback" not in err
     deadline = time.monotonic() + 10

@@ -239,8 +239,8 @@ def assert_bitwise_equal(actual: Any, expected: Any, name: str = "tensor") -> No
             assert_bitwise_equal(actual[key], expected[key], f"{name}[{key!r}]")
         return
     if isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), \
-            f"{name}: {len(actual)} items, expected {len(expected)}"
+        assert isinstance(actual, (list, tuple)), f"{name}: a {type(actual).__name__}, expected {len(expected)} items"
+        assert len(actual) == len(expected), f"{name}: {len(actual)} items, expected {len(expected)}"
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_bitwise_equal(a, e, f"{name}[{i}]")
         return
