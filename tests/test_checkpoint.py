@@ -20,17 +20,10 @@ from safetensors.torch import load_file
 import _checkpoint_files as files
 from _fault_worker import Net, build, groups, train
 from _layout1_writer import save_layout1
+from configs import same_bits
 from offload_adamw import OffloadAdamW, StateDictMismatch, checkpoint
 from offload_adamw.checkpoint import CheckpointError, CheckpointMismatch, layout
 from offload_adamw.checkpoint.layout import rank_files
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    )
 
 
 def snapshot(model, optimizer, scheduler=None) -> dict:

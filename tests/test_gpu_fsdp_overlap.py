@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from configs import same_bits
 from offload_adamw import OffloadAdamW, is_host_resident
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -67,14 +68,10 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return _shard(t).detach().cpu().contiguous().view(torch.int32)
-
-
-def _norm_bits(norm: torch.Tensor) -> torch.Tensor:
-    """A gradient norm's bits (a DTensor norm: its reduced value)."""
+def _norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as float32 (a DTensor norm: its reduced value), for same_bits."""
     whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return _bits(whole.float())
+    return whole.float()
 
 
 def _batch(step: int, micro: int, device: str) -> torch.Tensor:
@@ -107,7 +104,7 @@ def train_and_compare(mesh, device: str, clip: float | None, accumulation: int) 
         theirs.step()
         if clip is not None:
             assert ours.last_grad_norm is not None
-            if not torch.equal(_norm_bits(ours.last_grad_norm), _norm_bits(norm)):
+            if not same_bits(_norm(ours.last_grad_norm), _norm(norm)):
                 norms_differ.append(step)
         with torch.no_grad():
             for c, p in zip(copies, reference.parameters()):
@@ -120,12 +117,12 @@ def train_and_compare(mesh, device: str, clip: float | None, accumulation: int) 
         torch.cuda.synchronize()
     differing = [] if not norms_differ else [f"gradient norm at steps {norms_differ}"]
     for index, (p, q, c) in enumerate(zip(reference.parameters(), model.parameters(), copies)):
-        if not torch.equal(_bits(p), _bits(q)):
+        if not same_bits(p, q):  # a DTensor: its local shard
             differing.append(f"shard {index}: max |diff| {(_shard(p) - _shard(q)).abs().max().item():.3g}")
-        if not torch.equal(_bits(ours.master_param(q)), _bits(c)):
+        if not same_bits(ours.master_param(q), c):
             differing.append(f"master {index}")
         for key in ("exp_avg", "exp_avg_sq"):
-            if not torch.equal(_bits(ours.state[q][key]), _bits(theirs.state[c][key])):
+            if not same_bits(ours.state[q][key], theirs.state[c][key]):
                 differing.append(f"{key} {index}")
     assert not differing, "not bitwise FSDP2 + torch.optim.AdamW(fused=True): " + "; ".join(differing[:6])
     assert all(t is not None for t in timelines)

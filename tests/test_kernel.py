@@ -23,6 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from configs import assert_bitwise_equal
 from offload_adamw.kernels.adamw import StepHyper, adamw_update_
 from offload_adamw.kernels.blocked import CHUNK_ALIGN, BlockConfig, blocked_adamw_, naive_mixed_adamw_
 
@@ -145,21 +146,8 @@ def _run_torch(layout, model_dtype, opts, torch_kwargs, seed=0):
 
 
 def _assert_bitwise(ours, ref):
-    for key in ref:
-        a, b = ours[key], ref[key]
-        if b is None:
-            assert a is None, key
-            continue
-        assert len(a) == len(b), key
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert x.dtype == y.dtype and x.shape == y.shape, (key, i)
-            # compare bit patterns, so that -0.0 vs 0.0 and NaN payloads count too
-            xb = x.contiguous().view(
-                torch.int16 if x.element_size() == 2 else torch.int32 if x.element_size() == 4 else torch.int64
-            )
-            yb = y.contiguous().view(xb.dtype)
-            diff = (xb != yb).sum().item()
-            assert diff == 0, f"{key}[{i}] shape {tuple(x.shape)}: {diff} element(s) differ"
+    """Every state list (and the model copy, or None on both sides) bitwise equal: the suite's one helper."""
+    assert_bitwise_equal(ours, ref, "state")
 
 
 MODEL_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}

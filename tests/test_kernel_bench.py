@@ -172,6 +172,7 @@ def test_the_host_model_and_staging_cases_compute_the_parity_bits():
     the round-to-nearest copy (the host model into its parameters, the staging case into the staging buffers)."""
     import torch
 
+    from configs import assert_bitwise_equal
     from offload_adamw.benchmarking.host_step import HOST_MODEL, STAGING, build_cases
     from offload_adamw.benchmarking.workload import HYPER, make_workload
 
@@ -194,8 +195,7 @@ def test_the_host_model_and_staging_cases_compute_the_parity_bits():
             assert all(torch.equal(a, b) for a, b in zip(before, w.model16))
             opt_step = cases[name]
             got = [p.detach() for p in opt_step.__self__.param_groups[0]["params"]]
-        for a, b in zip(got, want):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+        assert_bitwise_equal(got, want, name)
 
 
 def test_bench_cli_times_a_named_mix_like_a_size(tmp_path, capsys, monkeypatch):

@@ -35,6 +35,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from configs import assert_bitwise_equal
 from offload_adamw import OffloadAdamW, numba_kernel_status
 from offload_adamw.kernels import numba_loop
 from offload_adamw.kernels.adamw import StepHyper
@@ -100,8 +101,10 @@ def _reference_step(ref: dict, hp: StepHyper) -> None:
                         amsgrad=False, maximize=False)
 
 
-def _same_state(t: dict, ref: dict) -> bool:
-    return all(torch.equal(t[k].view(torch.int32), ref[k].view(torch.int32)) for k in ("master", "m", "v"))
+def _assert_same_state(t: dict, ref: dict) -> None:
+    """The master and both moments of a _tensors() dict bitwise equal to the reference's."""
+    for key in ("master", "m", "v"):
+        assert_bitwise_equal(t[key], ref[key], key)
 
 
 @pytest.mark.parametrize(
@@ -119,10 +122,9 @@ def test_other_dtype_pairs_bitwise(grad_dtype, out_dtype, coverage):
     for _ in range(3):
         blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP)
         _reference_step(ref, HP)
-    assert _same_state(t, ref)
+    _assert_same_state(t, ref)
     if out_dtype is not None:
-        view = torch.int32 if out_dtype == torch.float32 else torch.int16
-        assert torch.equal(t["out"].view(view), ref["master"].to(out_dtype).view(view))
+        assert_bitwise_equal(t["out"], ref["master"].to(out_dtype), "out")
     assert coverage == [{0: 3 * 4096}] * 3
     used = [s for s in numba_kernel_status() if s["variant"].startswith(f"grad={str(grad_dtype)[6:]},")]
     assert used and all(s["usable"] for s in used), used
@@ -137,8 +139,8 @@ def test_model_copy_at_an_unaligned_address_is_exact():
     ref = {k: (v.clone() if v is not None else None) for k, v in t.items()}
     blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP)
     _reference_step(ref, HP)
-    assert _same_state(t, ref)
-    assert torch.equal(t["out"].view(torch.int16), ref["master"].bfloat16().view(torch.int16))
+    _assert_same_state(t, ref)
+    assert_bitwise_equal(t["out"], ref["master"].bfloat16(), "out")
 
 
 def test_autograd_sees_the_parameter_change_as_after_an_in_place_op():
@@ -199,7 +201,7 @@ def test_decay_factor_where_one_and_two_roundings_differ(lr, weight_decay, cover
     ref = {k: (v.clone() if v is not None else None) for k, v in t.items()}
     blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], hp)
     _reference_step(ref, hp)
-    assert _same_state(t, ref)
+    _assert_same_state(t, ref)
     assert coverage == [{0: 4096}]
 
 
@@ -316,7 +318,7 @@ def test_compiled_kernel_option_is_deprecated_and_changes_no_bit():
     with pytest.warns(DeprecationWarning, match="compiled_kernel"):
         b = _train(compiled_kernel=True)
     for (name, x), y in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+        assert_bitwise_equal(x, y, name)
     with pytest.warns(DeprecationWarning, match="numba_kernel_status"):
         from offload_adamw import compiled_kernel_status
 
@@ -385,7 +387,7 @@ def _big_step(config=None):
     kwargs = {} if config is None else dict(config=config)
     blocked_adamw_([t["master"]], [t["grad"]], [t["m"]], [t["v"]], [], [t["step"]], [t["out"]], HP, **kwargs)
     _reference_step(ref, HP)
-    assert _same_state(t, ref)
+    _assert_same_state(t, ref)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -431,8 +433,8 @@ def test_many_small_tensors_are_batched_into_few_loop_calls_with_the_same_bits(t
     finally:
         torch.set_num_threads(before)
     for t, ref in zip(ts, refs):
-        assert _same_state(t, ref)
-        assert torch.equal(t["out"].view(torch.int16), ref["master"].to(torch.bfloat16).view(torch.int16))
+        _assert_same_state(t, ref)
+        assert_bitwise_equal(t["out"], ref["master"].to(torch.bfloat16), "out")
     total = sum(n - n % numba_loop.ALIGN for n in sizes)
     assert all(len(done) == sum(n >= numba_loop.ALIGN for n in sizes) for done in coverage)
     # every batch covers at least 64 Ki elements (or the rest): far fewer calls than tensors
@@ -502,42 +504,40 @@ def _steps(params, grads, options):
     return [p.detach().clone() for p in params]
 
 
-def _bits(params) -> torch.Tensor:
-    return torch.cat([p.view(torch.int16).reshape(-1) for p in params])
-
-
 class _StepInWorker(torch.utils.data.Dataset):
-    """Each item: OffloadAdamW steps inside the DataLoader worker, as bits."""
+    """Each item: the parameters after OffloadAdamW's steps inside the DataLoader worker."""
 
     def __len__(self):
         return 4
 
     def __getitem__(self, index):
-        return _bits(_steps(*_setup(1, torch.bfloat16, False)))
+        return _steps(*_setup(1, torch.bfloat16, False))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_dataloader_workers_forked_after_a_step(batch_threads):
     """The parent has stepped (its pool and numba's compiled loops exist); DataLoader workers forked
     from it then step themselves (a fresh pool in each child) and get exactly the parent's bits."""
-    expected = _bits(_steps(*_setup(1, torch.bfloat16, False)))
+    expected = _steps(*_setup(1, torch.bfloat16, False))
     assert batch_threads  # the parent ran the numba loop before forking
     loader = torch.utils.data.DataLoader(_StepInWorker(), batch_size=None, num_workers=2,
                                          multiprocessing_context="fork", timeout=120)
     items = list(loader)
-    assert len(items) == 4 and all(torch.equal(x, expected) for x in items)
+    assert len(items) == 4
+    for i, item in enumerate(items):
+        assert_bitwise_equal(item, expected, f"parameters of item {i}")
 
 
 def test_two_optimizers_stepping_from_two_threads():
     """Two OffloadAdamW instances stepping concurrently (and compiling their first variants at
     the same moment) compute exactly what they compute one after the other."""
     setups = [(2, torch.bfloat16, True), (3, torch.float16, True)]
-    alone = [_bits(_steps(*_setup(*s))) for s in setups]
+    alone = [_steps(*_setup(*s)) for s in setups]
     results, errors = [None, None], []
 
     def worker(k):
         try:
-            results[k] = _bits(_steps(*_setup(*setups[k])))
+            results[k] = _steps(*_setup(*setups[k]))
         except BaseException as exc:  # reported below, not lost in the thread
             errors.append(exc)
 
@@ -547,7 +547,9 @@ def test_two_optimizers_stepping_from_two_threads():
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
-    assert all(b is not None and torch.equal(a, b) for a, b in zip(alone, results))
+    for k in range(2):
+        assert results[k] is not None, f"optimizer {k} did not finish"
+        assert_bitwise_equal(results[k], alone[k], f"parameters of optimizer {k}")
 
 
 def test_traced_by_torch_compile_the_loop_steps_aside():

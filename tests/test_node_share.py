@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from configs import assert_bitwise_equal
 from offload_adamw import OffloadAdamW
 from offload_adamw.distributed import node
 from offload_adamw.kernels import blocked
@@ -89,10 +90,10 @@ def test_the_bits_do_not_depend_on_host_threads():
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
             opt.step()
-        results.append([p.detach().view(torch.int16).clone() for p in params]
-                       + [opt.state[p][k].view(torch.int32).clone() for p in params for k in ("exp_avg", "exp_avg_sq")])
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+        results.append([p.detach().clone() for p in params]
+                       + [opt.state[p][k].clone() for p in params for k in ("exp_avg", "exp_avg_sq")])
+    for threads, other in zip((2, 3), results[1:]):
+        assert_bitwise_equal(other, results[0], f"parameters and moments with {threads} host threads")
 
 
 def test_the_update_runs_host_threads_workers_whatever_torch_threads_says():
@@ -273,5 +274,5 @@ def test_the_bits_do_not_depend_on_the_numa_node():
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
             opt.step()
-        results.append([p.detach().view(torch.int16).clone() for p in params])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+        results.append([p.detach().clone() for p in params])
+    assert_bitwise_equal(results[1], results[0], "parameters on NUMA node 0")

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _distributed_common import CaseResults, join_gloo, worker_main
+from configs import same_bits
 from offload_adamw import OffloadAdamW, OffloadGradScaler
 
 WORLD = 2
@@ -85,7 +86,7 @@ def differing(reference, model) -> list[str]:
     out = []
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         a, b = local(p.detach()), local(q.detach())
-        if not torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)):
+        if not same_bits(a, b):
             out.append(f"{name}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}")
     return out
 
