@@ -5,7 +5,8 @@
 For each k in ``--ranks``, k fresh processes start at once with ``OMP_NUM_THREADS=1`` and ``LOCAL_WORLD_SIZE=k``
 (what torchrun and ``accelerate launch`` set in every rank), each holding 1/k of a bf16 model of ``--elements``
 parameters (Llama-layer shapes) and its OffloadAdamW state. Each times ``--steps`` steps after one warm-up step, in
-two arrangements, side by side in the same processes:
+two arrangements, side by side in the same processes, each started at a barrier of every rank (the ranks'
+timed windows, in the JSON, overlap):
 
 * ``one-thread``: ``host_threads=1``, what the update ran with when it took ``torch.get_num_threads()``;
 * ``node-share``: the default ``host_threads`` (this rank's share of its node's cores, distributed/node.py).
@@ -42,12 +43,15 @@ out = {"elements": sum(p.numel() for p in params)}
 for name, threads in (("one-thread", 1), ("node-share", None)):
     opt = OffloadAdamW(params, lr=1e-4, weight_decay=0.01, host_threads=threads)
     opt.step()  # the state is allocated and touched: not timed
+    print("ready", flush=True)  # the barrier: every rank times its steps at the same time
+    sys.stdin.readline()
     times = []
+    began = time.time()  # the wall clock, which every rank shares: the windows are compared across ranks
     for _ in range(steps):
         start = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
-    out[name] = {"median_s": statistics.median(times), "host_threads": opt.host_threads}
+    out[name] = {"median_s": statistics.median(times), "host_threads": opt.host_threads, "window": [began, time.time()]}
     del opt
 print(json.dumps(out))
 """
@@ -69,8 +73,16 @@ def _ranks(text: str) -> list[int]:
 def run(elements: int, ranks: int, steps: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(ranks))
     procs = [subprocess.Popen([sys.executable, "-c", RANK_CODE, str(elements // ranks), str(steps), str(r)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(ranks)]
+    for _ in ("one-thread", "node-share"):  # a barrier before each arrangement: every rank ready, then all go
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                proc.wait()
+                raise RuntimeError(f"a rank failed before its steps (exit {proc.returncode}): {proc.stderr.read()[-2000:]}")
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=1800)
@@ -82,7 +94,7 @@ def run(elements: int, ranks: int, steps: int) -> dict:
         slowest = max(r[name]["median_s"] for r in results)
         moved = BYTES_PER_ELEMENT * sum(r["elements"] for r in results)
         row[name] = {"slowest_median_s": slowest, "aggregate_gbps": moved / slowest / 1e9,
-                     "host_threads": results[0][name]["host_threads"]}
+                     "host_threads": results[0][name]["host_threads"], "windows": [r[name]["window"] for r in results]}
     return row
 
 

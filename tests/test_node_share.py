@@ -157,13 +157,19 @@ def test_the_node_benchmark_runs_and_reports_both_arrangements(tmp_path):
     out = tmp_path / "node.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     subprocess.run([sys.executable, str(ROOT / "benchmarks/node_bench.py"), "--elements", "1M", "--ranks", "1,2",
-                    "--steps", "1", "--json", str(out)], env=env, check=True, timeout=600, capture_output=True)
+                    "--steps", "3", "--json", str(out)], env=env, check=True, timeout=600, capture_output=True)
     data = json.loads(out.read_text())
     assert data["schema_version"] == 1 and [row["ranks"] for row in data["rows"]] == [1, 2]
     for row in data["rows"]:
         assert row["one-thread"]["host_threads"] == 1
         assert row["node-share"]["host_threads"] == max(data["cores"] // row["ranks"], 1)
         assert row["one-thread"]["aggregate_gbps"] > 0 and row["node-share"]["aggregate_gbps"] > 0
+        # The ranks' timed steps ran at the same time (each arrangement starts at a barrier of every rank): an
+        # aggregate over ranks that ran one after another would count the node's bandwidth once per rank.
+        for name in ("one-thread", "node-share"):
+            windows = row[name]["windows"]
+            assert len(windows) == row["ranks"]
+            assert max(start for start, _ in windows) < min(end for _, end in windows), (name, windows)
 
 
 # ------------------------------------------------------------------------------------------------------ NUMA
