@@ -172,7 +172,7 @@ def test_a_send_into_a_buffer_waits_for_the_copy_that_still_reads_it(sim) -> Non
     assert sim.take_hazards() == []
 
 
-@pytest.mark.parametrize("how", ["one", "all"])
+@pytest.mark.parametrize("how", ["one", pytest.param("all", marks=pytest.mark.slow)])  # all: 10 s, in the slow tier
 def test_a_temporary_source_is_kept_until_its_copy_has_read_it(sim, how) -> None:
     """copy_to_host's and copy_all_to_host's ``record_stream``: a source freed right after the copy is issued is not
     handed out again."""

@@ -63,6 +63,8 @@ PROBES = {
                               r"parameter '0.weight' was changed between backward and step\(\)"),
 }
 
+PARAMETER_PROBES = ["p.data clamp", "p.data assignment", "in-place edit under no_grad", "model.load_state_dict"]
+
 
 def _no_grad_mul(p):
     with torch.no_grad():
@@ -83,7 +85,9 @@ def _armed(clip: float | None = None):
     return model, opt
 
 
-@pytest.mark.parametrize("probe", list(PROBES))
+# The parameter probes run in the quick tier as the host rows of the accelerator test below; here, in the slow tier.
+@pytest.mark.parametrize("probe", [pytest.param(name, marks=pytest.mark.slow) if name in PARAMETER_PROBES else name
+                                   for name in PROBES])
 def test_a_change_between_backward_and_step_is_refused_every_time_naming_it(probe):
     change, names = PROBES[probe]
     refused = 0
@@ -320,7 +324,6 @@ def test_an_edit_right_after_backward_is_refused_while_the_updates_still_wait_fo
     assert sim.take_hazards() == []
 
 
-PARAMETER_PROBES = ["p.data clamp", "p.data assignment", "in-place edit under no_grad", "model.load_state_dict"]
 
 
 def _armed_placed(update_on: str):
@@ -335,7 +338,9 @@ def _armed_placed(update_on: str):
     return model, opt
 
 
-@pytest.mark.parametrize("update_on", ["host", "stream", "device"])
+# The quick tier runs the host rows (the whole refusal); the on-device rows, about 22 s, run in the slow tier (CI).
+@pytest.mark.parametrize("update_on", ["host", pytest.param("stream", marks=pytest.mark.slow),
+                                       pytest.param("device", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("probe", PARAMETER_PROBES)
 def test_an_edit_of_an_accelerator_parameter_between_backward_and_step_is_refused_every_time(
         probe, update_on, simulated_device):
