@@ -335,10 +335,10 @@ def test_the_report_names_the_openmp_runtime_torch_loaded(tmp_path) -> None:
     assert environment._openmp_runtime(str(maps)) == "libiomp5"
     assert environment._openmp_runtime(str(tmp_path / "absent")) is None
     threads = torch.get_num_threads()
-    report = environment.environment(torch.device("cpu"))["torch_openmp"]
-    assert report["threads"] == threads and report["cpus"] == len(os.sched_getaffinity(0))
-    assert report["after_each_region"] == environment.openmp_spin(report["runtime"], threads, dict(os.environ),
-                                                                  report["cpus"])
+    env = environment.environment(torch.device("cpu"))
+    report, cores = env["torch_openmp"], env["cores_available"]
+    assert report["threads"] == threads and cores == len(os.sched_getaffinity(0))
+    assert report["after_each_region"] == environment.openmp_spin(report["runtime"], threads, dict(os.environ), cores)
 
 
 def test_the_report_says_libgomp_throttles_its_spin_with_more_threads_than_cpus() -> None:

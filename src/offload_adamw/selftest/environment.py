@@ -209,13 +209,13 @@ def _libgomp_throttled(policy: str, environ: dict[str, str], threads: int, cpus:
     return f"sleeps at once ({why})" if throttled == 0 else f"spins for {throttled} pauses ({why})"
 
 
-def _torch_openmp() -> dict[str, Any]:
+def _torch_openmp(cores: int | None) -> dict[str, Any]:
+    """``cores``: the report's ``cores_available``, which libgomp's throttle compares its team with."""
     runtime, threads = _openmp_runtime(), torch.get_num_threads()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"runtime": runtime, "threads": threads, "cpus": cpus,
+    return {"runtime": runtime, "threads": threads,
             "settings": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
                          if k in os.environ},
-            "after_each_region": openmp_spin(runtime, threads, dict(os.environ), cpus)}
+            "after_each_region": openmp_spin(runtime, threads, dict(os.environ), cores)}
 
 
 def _stream_backend() -> str:
@@ -251,7 +251,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "host_update": _host_update(device),
-        "torch_openmp": _torch_openmp(),
+        "torch_openmp": _torch_openmp(cores),
         "page_locking": _page_locking(device),
         "stream_backend": _stream_backend(),
     }
