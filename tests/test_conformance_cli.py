@@ -366,32 +366,26 @@ def test_candidates_or_a_batch_file_one_of_them(argv, message, capsys):
 
 
 def _process_table(text: str) -> list[tuple[int, int, int, str, str]]:
-    """(pid, parent, process group, state, kernel wait channel) of the live processes whose command line holds
-    ``text``."""
+    """(pid, parent, process group, state, kernel wait channel) of the live (not zombie) processes whose command line
+    holds ``text``."""
     rows = []
-    for pid in _processes_naming(text):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            wchan = Path(f"/proc/{pid}/wchan").read_text()
-        except OSError:
-            continue
-        rows.append((pid, int(fields[1]), int(fields[2]), fields[0], wchan))
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() not in (entry / "cmdline").read_bytes():
+                    continue
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                wchan = (entry / "wchan").read_text()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                rows.append((int(entry.name), int(fields[1]), int(fields[2]), fields[0], wchan))
     return rows
 
 
 def _processes_naming(text: str) -> list[int]:
     """The live processes whose command line holds ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if text.encode() in cmdline and state != "Z":
-                found.append(int(entry.name))
-    return found
+    return [row[0] for row in _process_table(text)]
 
 
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")

@@ -324,8 +324,6 @@ def test_an_edit_right_after_backward_is_refused_while_the_updates_still_wait_fo
     assert sim.take_hazards() == []
 
 
-
-
 def _armed_placed(update_on: str):
     """As :func:`_armed`, every group placed ``update_on`` (built inside the simulated device: device parameters)."""
     model = _model()
