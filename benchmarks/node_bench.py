@@ -78,6 +78,9 @@ def run(elements: int, ranks: int, steps: int) -> dict:
     for _ in ("one-thread", "node-share"):  # a barrier before each arrangement: every rank ready, then all go
         for proc in procs:
             if proc.stdout.readline().strip() != "ready":
+                for other in procs:  # the others would wait at the barrier, then step for nobody
+                    if other is not proc:
+                        other.kill()
                 proc.wait()
                 raise RuntimeError(f"a rank failed before its steps (exit {proc.returncode}): {proc.stderr.read()[-2000:]}")
         for proc in procs:
