@@ -139,8 +139,9 @@ def test_the_preflight_divides_the_node_among_the_ranks_every_launcher_names(mon
 def test_two_gloo_ranks_find_each_other_on_this_host(tmp_path):
     out = tmp_path / "found"
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    subprocess.run([sys.executable, str(ROOT / "tests/support/_node_worker.py"), str(out)], env=env, check=True,
-                   timeout=170, capture_output=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/support/_node_worker.py"), str(out)], env=env,
+                          timeout=170, capture_output=True, text=True)
+    assert proc.returncode == 0, f"the worker failed ({proc.returncode}); it said:\n{proc.stderr[-3000:]}"
     for rank in (0, 1):
         found = json.loads(Path(f"{out}.{rank}").read_text())
         assert found["before_gather"] == [1, "unknown without a gather of the process group's host names: counted as 1"]
